@@ -1,0 +1,116 @@
+"""Loss aggregation: each mode is a per-token weight w, built once per step, J = sum x * w.
+
+Per-token loss x[i, t], mask m[i, t], M_i = sum_t m[i, t]; N samples, P prompt groups,
+G_g = sum_{i in g} M_i; all counts GLOBAL for the step (``counts.StepCounts``):
+
+    sample_mean  w = m / (N * M_i)          J = (1/N) sum_i [sum_t m x / M_i]          (GRPO)
+    token_mean   w = m / sum_i M_i          J = sum_{i,t} m x / sum_i M_i              (DAPO)
+    prompt_mean  w = m / (P * G_g(i))       J = (1/P) sum_g [sum_{i in g,t} m x / G_g] (ScaleRL)
+    constant     w = m / (N * L)            J = (1/N) sum_i [sum_t m x / L]            (Dr.GRPO)
+
+A denominator that is 0 (an empty sample, an all-masked group, an all-masked step) only ever
+multiplies a zero mask, so it is clamped to 1: the term contributes 0 and nothing is NaN.
+Because the weights live on tokens, any slicing (micro-batches, CP chunks, DP shards) of x and w
+together leaves sum x * w unchanged: that is the whole layout-invariance argument.
+
+``aggregate`` is the single-process reference API over flat, concatenated responses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Optional
+
+import torch
+
+from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.parallel import ParallelState
+
+AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+
+
+def token_weights(
+    mode: str,
+    counts: StepCounts,
+    loss_mask: torch.Tensor,
+    response_lengths: torch.Tensor,
+    group_ids: torch.Tensor,
+    divisor: Optional[float] = None,
+) -> torch.Tensor:
+    """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (float64)."""
+    m = loss_mask.detach().to(torch.float64)
+    sid = torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
+    n = float(counts.num_samples)
+    if mode == "sample_mean":
+        per_sample = 1.0 / (n * counts.sample_tokens.clamp_min(1.0))
+        return m * per_sample[sid]
+    if mode == "token_mean":
+        return m / max(counts.total_tokens, 1.0)
+    if mode == "prompt_mean":
+        per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
+        return m * per_group[group_ids.long()][sid]
+    if mode == "constant":
+        if divisor is None or not math.isfinite(divisor) or divisor <= 0:
+            raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
+        return m / (n * float(divisor))
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATION_MODES}")
+
+
+def aggregate(
+    x: torch.Tensor,
+    loss_mask: torch.Tensor,
+    response_lengths,
+    mode: str,
+    *,
+    group_ids=None,
+    divisor: Optional[float] = None,
+) -> torch.Tensor:
+    """J of one process's whole step: ``sum(x * w)`` with ``w = token_weights(mode, ...)``.
+
+    ``x`` and ``loss_mask`` are flat over concatenated responses; ``group_ids`` (``[S]``) is
+    needed for ``prompt_mean`` only (default: every sample its own group).
+    """
+    response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
+    s = response_lengths.numel()
+    group_ids = torch.arange(s) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+    if x.shape[0] != int(response_lengths.sum()) or loss_mask.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x has {x.shape[0]} and loss_mask {loss_mask.shape[0]} tokens; response_lengths sum to "
+            f"{int(response_lengths.sum())}"
+        )
+    batch = StepBatch(
+        tokens=torch.zeros(int(response_lengths.sum()) + s, dtype=torch.long),
+        total_lengths=response_lengths + 1,
+        response_lengths=response_lengths,
+        loss_mask=loss_mask,
+        advantages=torch.zeros_like(loss_mask, dtype=torch.float32),
+        group_ids=group_ids,
+    )
+    counts = compute_step_counts(batch, ParallelState.single())
+    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor)
+    return (x * w.to(x.dtype)).sum()
+
+
+# --- custom reducer hook (miles-compatible) -------------------------------------------------
+
+CustomReducerFactory = Callable[..., Callable[[torch.Tensor], torch.Tensor]]
+
+
+def load_custom_reducer(path: str) -> CustomReducerFactory:
+    """Import ``package.module.function`` (or ``package.module:function``)."""
+    module_name, sep, attr = path.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: expected 'package.module.function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: cannot import {module_name!r}: {exc}") from exc
+    try:
+        fn = getattr(module, attr)
+    except AttributeError as exc:
+        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: {module_name!r} has no {attr!r}") from exc
+    if not callable(fn):
+        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r} is not callable")
+    return fn

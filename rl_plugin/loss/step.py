@@ -1,0 +1,232 @@
+"""One optimizer step on the shared loss core: what both backends call.
+
+    ctx = prepare_step(batch, cfg, ps)            # validate, global counts (one all-reduce),
+                                                  # per-token weights, built ONCE per step
+    for idx in micro_batch_sample_indices:
+        mb = ctx.micro_batch(idx)                 # CP-local inputs, targets, sliced tensors
+        rows = logits.reshape(-1, V_local)[mb.layout.logit_index]
+        logp, ent = log_probs_and_entropy(rows, mb.targets, temperature=cfg.temperature, ...)
+        out = ctx.loss(logp, ent, mb)             # this micro-batch's share of J
+        (out.objective * backend_scale).backward()
+    report = ctx.finish()                         # J, pg/kl/entropy terms, metrics (2 all-reduces)
+
+The step objective (DESIGN.md) is
+
+    J = J_pg(mode) + kl_coef * SampleMean(kl) - entropy_coef * SampleMean(entropy)
+
+with J_pg aggregated by ``--loss-aggregation`` (or the custom reducer) and the KL / entropy terms
+kept as sample means so they compare across runs. ``out.objective`` summed over every micro-batch
+of every DP x CP rank is exactly J; each backend multiplies it by the factor that cancels its own
+averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
+exactly dJ/dtheta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from rl_plugin.cp import ResponseLayout, all_rank_layouts, build_response_layout, exclusive_cumsum, expand_runs
+from rl_plugin.loss.aggregation import token_weights
+from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss.comm import gather_responses
+from rl_plugin.loss.config import LossConfig
+from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.kl import kl_estimate
+from rl_plugin.loss.metrics import MetricAccumulator
+from rl_plugin.loss.policy import get_policy_loss
+from rl_plugin.parallel import ParallelState, all_reduce
+
+SUM_METRICS_BASIC = ("pg_clipfrac", "ppo_kl", "ratio_mean", "old_log_prob", "advantage_mean", "ratio_sum", "ratio_sq_sum")
+LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch on one rank, already in the rank's CP-local order.
+
+    ``input_ids`` / ``position_ids``: model input (thd: ``[sum local_len]``; bshd:
+    ``[S, local_seq_len]``); ``targets`` and every per-token field: one entry per local response
+    token, aligned with ``layout.logit_index``.
+    """
+
+    sample_index: torch.Tensor
+    batch: StepBatch
+    layout: ResponseLayout
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_log_probs: Optional[torch.Tensor]
+    ref_log_probs: Optional[torch.Tensor]
+    pg_weights: torch.Tensor
+    sample_mean_weights: torch.Tensor
+    sample_token_counts: torch.Tensor
+
+    @property
+    def num_local_tokens(self) -> int:
+        return self.layout.num_local_tokens
+
+
+@dataclass
+class MicroBatchLoss:
+    """``objective``: this micro-batch's share of J (differentiable). ``pg_token_sum`` /
+    ``num_tokens``: sum of m * pg_loss over local tokens and the local masked-token count, for a
+    backend that prefers Megatron's own ``calculate_per_token_loss`` normalisation."""
+
+    objective: torch.Tensor
+    pg_token_sum: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+class StepContext:
+    def __init__(self, batch: StepBatch, cfg: LossConfig, ps: ParallelState, counts: StepCounts):
+        self.batch, self.cfg, self.ps, self.counts = batch, cfg, ps, counts
+        mode = "token_mean" if cfg.calculate_per_token_loss else cfg.loss_aggregation
+        self.pg_weights = token_weights(
+            mode, counts, batch.loss_mask, batch.response_lengths, batch.group_ids, cfg.loss_aggregation_divisor
+        )
+        self.sample_mean_weights = token_weights(
+            "sample_mean", counts, batch.loss_mask, batch.response_lengths, batch.group_ids
+        )
+        self._resp_offsets = exclusive_cumsum(batch.response_lengths.long())
+        self.metrics = MetricAccumulator()
+        self.policy_loss = get_policy_loss(cfg.policy_loss)
+
+    # -- micro-batches ----------------------------------------------------------------------
+    def micro_batch(self, sample_index) -> MicroBatch:
+        sample_index = torch.as_tensor(sample_index, dtype=torch.long).reshape(-1)
+        sub = self.batch.select(sample_index)
+        layout = build_response_layout(
+            sub.total_lengths, sub.response_lengths, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp_size,
+            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
+        )
+        step_resp = expand_runs(self._resp_offsets[sample_index], self.batch.response_lengths.long()[sample_index])
+        local = step_resp[layout.resp_index]  # step-level response index of each local token
+        return MicroBatch(
+            sample_index=sample_index,
+            batch=sub,
+            layout=layout,
+            input_ids=layout.local_inputs(sub.tokens),
+            position_ids=layout.local_position_ids(),
+            targets=layout.targets(sub.tokens),
+            loss_mask=self.batch.loss_mask[local],
+            advantages=self.batch.advantages[local],
+            old_log_probs=None if self.batch.old_log_probs is None else self.batch.old_log_probs[local],
+            ref_log_probs=None if self.batch.ref_log_probs is None else self.batch.ref_log_probs[local],
+            pg_weights=self.pg_weights[local],
+            sample_mean_weights=self.sample_mean_weights[local],
+            sample_token_counts=self.counts.sample_tokens[sample_index],
+        )
+
+    # -- the loss -------------------------------------------------------------------------
+    def loss(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], mb: MicroBatch) -> MicroBatchLoss:
+        """This micro-batch's share of J from its CP-local log-probs (and entropy)."""
+        cfg = self.cfg
+        if log_probs.shape[0] != mb.num_local_tokens:
+            raise ValueError(f"log_probs has {log_probs.shape[0]} rows, the micro-batch has {mb.num_local_tokens} local response tokens")
+        dtype = log_probs.dtype
+        mask = mb.loss_mask.to(dtype)
+        w_pg = mb.pg_weights.to(dtype)
+        w_sm = mb.sample_mean_weights.to(dtype)
+        # On-policy with no stored old log-probs: the ratio is exactly 1 (value), grad flows.
+        old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs.to(dtype)
+        adv = mb.advantages.to(dtype)
+        pg_tok, clipped = self.policy_loss(
+            log_probs, old, adv, loss_mask=mb.loss_mask,
+            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
+            sample_ids=mb.layout.sample_ids, num_samples=mb.layout.num_samples,
+            sample_token_counts=mb.sample_token_counts, cp_group=self.ps.cp_group,
+        )
+        if cfg.custom_pg_reducer is not None:
+            pg_term = self._custom_pg_term(pg_tok, mb)
+        else:
+            pg_term = (pg_tok * w_pg).sum()
+        objective = pg_term
+        kl_term = entropy_term = None
+        if cfg.use_kl_loss:
+            if mb.ref_log_probs is None:
+                raise ValueError("--use-kl-loss needs ref_log_probs in the batch (a reference forward pass)")
+            kl_term = (kl_estimate(log_probs, mb.ref_log_probs.to(dtype), cfg.kl_loss_type) * w_sm).sum()
+            objective = objective + cfg.kl_loss_coef * kl_term
+        if cfg.entropy_coef != 0.0:
+            if entropy is None:
+                raise ValueError("--entropy-coef != 0 needs the entropy from log_probs_and_entropy")
+            entropy_term = (entropy.to(dtype) * w_sm).sum()
+            objective = objective - cfg.entropy_coef * entropy_term
+        self._record(objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm)
+        return MicroBatchLoss(objective=objective, pg_token_sum=(pg_tok * mask).sum(), num_tokens=mask.sum())
+
+    def _custom_pg_term(self, pg_tok: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """miles-compatible hook: ``factory(total_lengths, response_lengths, loss_masks,
+        calculate_per_token_loss)`` returns ``reducer(x) -> scalar`` over the micro-batch's FULL
+        responses (gathered over CP, so the user never sees chunks). Its value is a sum over the
+        micro-batch, normalised here by the global N (or global tokens in per-token mode); each CP
+        rank holds the same value, so it is divided by cp_size."""
+        layouts = [mb.layout] if self.ps.cp_size == 1 else all_rank_layouts(
+            mb.batch.total_lengths, mb.batch.response_lengths, cp_size=self.ps.cp_size,
+            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
+        )
+        full = gather_responses(pg_tok, layouts, self.ps.cp_rank, self.ps.cp_group)
+        rl = mb.batch.response_lengths.long()
+        loss_masks = list(mb.batch.loss_mask.split(rl.tolist()))
+        reducer = self.cfg.custom_pg_reducer(
+            mb.batch.total_lengths.tolist(), rl.tolist(), loss_masks, self.cfg.calculate_per_token_loss
+        )
+        denom = max(self.counts.total_tokens, 1.0) if self.cfg.calculate_per_token_loss else float(self.counts.num_samples)
+        return reducer(full) / (denom * self.ps.cp_size)
+
+    def _record(self, objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm):
+        acc = self.metrics
+        acc.add("loss", objective)
+        acc.add("pg_loss", pg_term)
+        acc.add("kl_loss", kl_term if kl_term is not None else objective.new_zeros(()))
+        acc.add("entropy_loss", entropy_term if entropy_term is not None else objective.new_zeros(()))
+        if self.cfg.pg_metrics == "none":
+            return
+        with torch.no_grad():
+            ratio = torch.exp(log_probs - old)
+            acc.add("pg_clipfrac", (clipped * w_sm).sum())
+            acc.add("ppo_kl", ((old - log_probs) * w_sm).sum())
+            acc.add("ratio_mean", (ratio * w_sm).sum())
+            acc.add("old_log_prob", (old * w_sm).sum())
+            acc.add("advantage_mean", (adv * w_sm).sum())
+            acc.add("ratio_sum", (ratio * mask).sum())
+            acc.add("ratio_sq_sum", (ratio * ratio * mask).sum())
+            valid = mask > 0
+            acc.add_max("advantage_max", adv[valid])
+            acc.add_min("advantage_min", adv[valid])
+            if self.cfg.pg_metrics == "with_entropy" and entropy is not None:
+                acc.add("entropy", (entropy.to(w_sm.dtype) * w_sm).sum())
+
+    # -- end of step ------------------------------------------------------------------------
+    def finish(self) -> Dict[str, Optional[float]]:
+        """J and the metrics for the step; collective over DP x CP (call on every rank)."""
+        names_sum: List[str] = list(LOSS_TERMS)
+        names_max, names_min = [], []
+        if self.cfg.pg_metrics != "none":
+            names_sum += list(SUM_METRICS_BASIC)
+            names_max, names_min = ["advantage_max"], ["advantage_min"]
+            if self.cfg.pg_metrics == "with_entropy":
+                names_sum.append("entropy")
+        out = self.metrics.reduce(self.ps, names_sum, names_max, names_min)
+        out["samples"] = float(self.counts.num_samples)
+        out["tokens"] = float(self.counts.total_tokens)
+        out["groups"] = float(self.counts.num_groups)
+        return out
+
+
+def prepare_step(batch: StepBatch, cfg: LossConfig, ps: ParallelState, *, num_groups: Optional[int] = None) -> StepContext:
+    """Validate this rank's step data, compute the global counts once, build the weights."""
+    batch.validate()
+    counts = compute_step_counts(batch, ps, num_groups)
+    return StepContext(batch, cfg, ps, counts)
+
+
+def step_loss_value(local_sum: torch.Tensor, ps: ParallelState) -> float:
+    """Reported J from a rank's summed contributions: SUM over DP x CP (TP holds replicas)."""
+    t = local_sum.detach().to(torch.float64).clone().reshape(1)
+    return float(all_reduce(t, ps.dp_cp_group).item())

@@ -1,0 +1,106 @@
+"""ParallelState: the parallel layout the loss core is told about, never looks up.
+
+A backend builds one from its own world (megatron-core's ``parallel_state``, or a torch
+``DeviceMesh``) and passes it down. The loss core only reads sizes, ranks and the explicit
+process groups here, so it runs under plain gloo with no Megatron at all.
+
+Groups and what crosses them:
+
+- ``dp_group``: ranks holding *different samples* and the same model shard. Global counts
+  (N, P, token totals) are summed over it.
+- ``cp_group``: ranks holding *different chunks of the same samples*. GSPO's per-sample partial
+  sums and the CP gather cross it.
+- ``tp_group``: ranks holding *different vocab shards of the same tokens*. Vocab-parallel
+  log-prob / entropy scalars cross it.
+- ``dp_cp_group``: the union of DP and CP (Megatron's ``with_context_parallel=True``). The
+  step's loss contributions and metric sums are summed over it; TP ranks hold replicas.
+
+A group of size 1 may be ``None``; every collective helper here is a no-op then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    dp_size: int = 1
+    dp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_group: ProcessGroup = None
+    cp_group: ProcessGroup = None
+    tp_group: ProcessGroup = None
+    dp_cp_group: ProcessGroup = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "tp"):
+            size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"ParallelState: {name}_rank={rank} is outside [0, {name}_size={size})")
+            if size > 1 and getattr(self, f"{name}_group") is None:
+                raise ValueError(f"ParallelState: {name}_size={size} > 1 needs a {name}_group")
+        if self.dp_size * self.cp_size > 1 and self.dp_cp_group is None:
+            raise ValueError("ParallelState: dp_size * cp_size > 1 needs a dp_cp_group")
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        """The layout of one process: every size 1, no groups."""
+        return cls()
+
+    @classmethod
+    def from_world(cls, *, tp: int = 1, cp: int = 1, dp: Optional[int] = None) -> "ParallelState":
+        """Build groups over the default torch.distributed world in Megatron's order.
+
+        Rank = tp_rank + tp * (cp_rank + cp * dp_rank) (tp fastest, then cp, then dp), the
+        order megatron-core uses by default (``tp-cp-ep-dp-pp`` with ep = pp = 1). Every rank
+        must call this collectively: ``new_group`` is a collective.
+        """
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+        dp = dp if dp is not None else world // (tp * cp)
+        if tp * cp * dp != world:
+            raise ValueError(f"tp={tp} x cp={cp} x dp={dp} != world size {world}")
+
+        def coords(r: int) -> tuple[int, int, int]:
+            return r % tp, (r // tp) % cp, r // (tp * cp)
+
+        def build(key) -> ProcessGroup:
+            mine = None
+            buckets: dict = {}
+            for r in range(world):
+                buckets.setdefault(key(coords(r)), []).append(r)
+            for members in buckets.values():  # new_group is collective: create all, keep ours
+                group = dist.new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    mine = group
+            return mine
+
+        t, c, d = coords(rank)
+        return cls(
+            dp_size=dp, dp_rank=d, cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t,
+            tp_group=build(lambda x: (x[1], x[2])),
+            cp_group=build(lambda x: (x[0], x[2])),
+            dp_group=build(lambda x: (x[0], x[1])),
+            dp_cp_group=build(lambda x: x[0]),
+        )
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=None) -> torch.Tensor:
+    """In-place all-reduce (SUM by default) that is a no-op for a ``None`` group.
+
+    Not differentiable: for counts, metrics and reported values. See ``rl_plugin.loss.comm``
+    for the autograd-aware collectives.
+    """
+    if group is not None:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
+    return tensor
