@@ -1,0 +1,67 @@
+"""Every flag of rl_plugin, grouped by concern, with its validation beside it.
+
+- ``add_rl_arguments(parser) -> parser``: adds the RL flags. Works on our own parser and as
+  Megatron-LM's ``extra_args_provider`` (flags Megatron-LM already defines are not redefined).
+- ``validate_rl_args(args)``: phase 1, static checks; raises ``RLArgumentError`` naming the flags,
+  the rule and the fix, and reconciles ``--calculate-per-token-loss`` with ``--loss-aggregation``.
+- ``validate_world(args, dp_size=...)``: phase 2, checks that need the world (DP size).
+- ``build_parser()``: our standalone parser = Megatron-LM compat flags + RL flags.
+
+A flag module is a file here with ``add_arguments(parser)`` and ``validate(args)`` (optionally
+``validate_world(args, dp_size=...)``), listed in ``FLAG_MODULES`` in validation order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import List, Optional
+
+from rl_plugin.arguments._util import RLArgumentError
+
+FLAG_MODULES = (
+    "aggregation",
+    "policy",
+    "logprobs",
+    "batching",
+    "metrics",
+)
+
+
+def _modules():
+    return [importlib.import_module(f"rl_plugin.arguments.{name}") for name in FLAG_MODULES]
+
+
+def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for mod in _modules():
+        mod.add_arguments(parser)
+    return parser
+
+
+def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
+    for mod in _modules():
+        mod.validate(args)
+    return args
+
+
+def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
+    for mod in _modules():
+        check = getattr(mod, "validate_world", None)
+        if check is not None:
+            check(args, dp_size=dp_size)
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    from rl_plugin.arguments import megatron_compat
+
+    parser = argparse.ArgumentParser(prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False)
+    megatron_compat.add_arguments(parser)
+    return add_rl_arguments(parser)
+
+
+def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    return validate_rl_args(args) if validate else args
+
+
+__all__ = ["FLAG_MODULES", "RLArgumentError", "add_rl_arguments", "build_parser", "parse_args", "validate_rl_args", "validate_world"]

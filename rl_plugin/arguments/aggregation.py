@@ -1,0 +1,90 @@
+"""Flags of loss aggregation: how the per-token policy loss becomes one step objective J.
+
+See DESIGN.md for the exact J of each mode; ``rl_plugin.loss.aggregation`` implements them.
+"""
+
+from __future__ import annotations
+
+from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
+
+MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+DEFAULT_MODE = "sample_mean"
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("loss aggregation", "How per-token policy losses become the step objective J.")
+    add_flag(
+        g, "--loss-aggregation", choices=MODES, default=None,
+        help=(
+            "How the policy loss is averaged over a step; every denominator is global over the step. "
+            "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "
+            "token_mean: mean over all response tokens of the step, DAPO (Yu et al. 2025); long answers weigh more. "
+            "prompt_mean: mean over prompt groups of each group's token mean, ScaleRL (Khatri et al. 2025). "
+            "constant: each sample's token sum divided by a fixed --loss-aggregation-divisor, then averaged over "
+            "samples, Dr.GRPO (Liu et al. 2025); removes the length bias of per-sample means."
+        ),
+    )
+    add_flag(
+        g, "--loss-aggregation-divisor", type=float, default=None,
+        help="The constant L of --loss-aggregation constant (Dr.GRPO uses the maximum response length, e.g. 4096). Only valid with constant.",
+    )
+    add_flag(
+        g, "--calculate-per-token-loss", action="store_true",
+        help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
+    )
+    add_flag(
+        g, "--custom-pg-loss-reducer-function-path", type=str, default=None,
+        help=(
+            "Import path 'pkg.module.fn' of a miles-compatible reducer factory "
+            "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> scalar, "
+            "called per micro-batch on FULL responses (rl_plugin gathers CP chunks first). Its value is a sum over "
+            "the micro-batch; rl_plugin divides it by the global sample count (token count with "
+            "--calculate-per-token-loss). Replaces --loss-aggregation for the policy loss, so it cannot be combined "
+            "with a non-default --loss-aggregation."
+        ),
+    )
+    return parser
+
+
+def validate(args) -> None:
+    explicit = args.loss_aggregation
+    per_token = bool(args.calculate_per_token_loss)
+    if explicit is None:
+        mode = "token_mean" if per_token else DEFAULT_MODE
+    else:
+        mode = explicit
+    if args.custom_pg_loss_reducer_function_path and explicit not in (None, DEFAULT_MODE):
+        fail(
+            "--custom-pg-loss-reducer-function-path with --loss-aggregation " + explicit,
+            "the custom reducer replaces the aggregation mode for the policy loss, so the mode would be silently ignored",
+            "drop --loss-aggregation (or the custom reducer)",
+        )
+    if per_token and explicit in ("constant", "prompt_mean"):
+        fail(
+            f"--loss-aggregation {explicit} with --calculate-per-token-loss",
+            f"{explicit} normalises by its own denominator, while --calculate-per-token-loss normalises by the step's token count",
+            f"drop --calculate-per-token-loss to train {explicit}, or use --loss-aggregation token_mean",
+        )
+    if per_token and explicit == "sample_mean":
+        fail(
+            "--calculate-per-token-loss with --loss-aggregation sample_mean",
+            "--calculate-per-token-loss is the legacy spelling of token_mean and contradicts an explicit sample_mean",
+            "keep one: --loss-aggregation sample_mean, or --loss-aggregation token_mean",
+        )
+    divisor = args.loss_aggregation_divisor
+    if mode == "constant" and not is_positive_finite(divisor):
+        fail(
+            "--loss-aggregation constant",
+            f"needs --loss-aggregation-divisor L, a finite number > 0 (got {divisor})",
+            "pass --loss-aggregation-divisor L; Dr.GRPO uses the max response length, e.g. 4096",
+        )
+    if divisor is not None and mode != "constant":
+        fail(
+            f"--loss-aggregation-divisor with --loss-aggregation {mode}",
+            "the divisor is only used by the constant mode and would be silently ignored",
+            "add --loss-aggregation constant, or drop --loss-aggregation-divisor",
+        )
+    # Reconcile into one setting: token_mean <=> calculate_per_token_loss.
+    args.loss_aggregation = mode
+    if mode == "token_mean":
+        args.calculate_per_token_loss = True

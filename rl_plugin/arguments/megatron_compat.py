@@ -1,0 +1,45 @@
+"""Megatron-LM flags the plugin reads, for when Megatron-LM's own parser is not in use.
+
+megatron-core on PyPI ships no ``megatron.training``; our parser then defines these flags itself,
+spelled and defaulted as Megatron-LM spells them, so a training shell ports over unchanged. When
+``add_rl_arguments`` runs as Megatron-LM's ``extra_args_provider``, this module is not used.
+"""
+
+from __future__ import annotations
+
+from rl_plugin.arguments._util import add_flag
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)")
+    add_flag(g, "--tensor-model-parallel-size", type=int, default=1, help="Tensor (vocab/hidden) parallel size (Megatron-LM).")
+    add_flag(g, "--pipeline-model-parallel-size", type=int, default=1, help="Pipeline parallel size (Megatron-LM). Only 1 is supported by rl_plugin today.")
+    add_flag(g, "--context-parallel-size", type=int, default=1, help="Context parallel size: each sequence is cut into 2*cp zigzag chunks (Megatron-LM). Needs transformer-engine attention on the Megatron backend.")
+    add_flag(g, "--sequence-parallel", action="store_true", help="Megatron sequence parallelism over the TP group.")
+    add_flag(g, "--micro-batch-size", type=int, default=1, help="Samples per micro-batch per data-parallel rank (Megatron-LM).")
+    add_flag(g, "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all data-parallel ranks (Megatron-LM). Mutually exclusive with --docs-per-step.")
+    add_flag(g, "--seq-length", type=int, default=None, help="Padded sequence length. With --qkv-format bshd it is the length every sample is padded to and the length CP chunks by.")
+    add_flag(g, "--bf16", action="store_true", help="Train in bfloat16 with fp32 main parameters and gradients (Megatron-LM).")
+    add_flag(g, "--fp16", action="store_true", help="Train in float16 (Megatron-LM). Not recommended for RL.")
+    add_flag(g, "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234).")
+    add_flag(g, "--lr", type=float, default=1e-6, help="Peak learning rate (Megatron-LM).")
+    add_flag(g, "--min-lr", type=float, default=0.0, help="Minimum learning rate of the decay schedule (Megatron-LM).")
+    add_flag(g, "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="constant", help="Learning-rate decay (Megatron-LM). RL recipes mostly use constant.")
+    add_flag(g, "--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps (Megatron-LM).")
+    add_flag(g, "--lr-decay-iters", type=int, default=None, help="Steps over which the learning rate decays (Megatron-LM).")
+    add_flag(g, "--weight-decay", type=float, default=0.0, help="Decoupled weight decay (AdamW) (Megatron-LM).")
+    add_flag(g, "--adam-beta1", type=float, default=0.9, help="Adam beta1 (Megatron-LM).")
+    add_flag(g, "--adam-beta2", type=float, default=0.98, help="Adam beta2 (Megatron-LM; RL recipes use 0.98).")
+    add_flag(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon (Megatron-LM).")
+    add_flag(g, "--clip-grad", type=float, default=1.0, help="Global gradient-norm clip; 0 disables (Megatron-LM).")
+    add_flag(g, "--use-distributed-optimizer", action="store_true", help="Shard optimizer state over data-parallel ranks (Megatron-LM, ZeRO-1).")
+    add_flag(g, "--calculate-per-token-loss", action="store_true", help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.")
+    add_flag(g, "--save", type=str, default=None, help="Checkpoint directory to save to (Megatron-LM).")
+    add_flag(g, "--load", type=str, default=None, help="Checkpoint directory to resume from (Megatron-LM).")
+    add_flag(g, "--save-interval", type=int, default=None, help="Save a checkpoint every N steps (Megatron-LM).")
+    add_flag(g, "--log-interval", type=int, default=1, help="Print training metrics every N steps.")
+    return parser
+
+
+def validate(args) -> None:
+    """Megatron-side flags have Megatron-LM's own checks; nothing here changes the objective."""
