@@ -1,0 +1,1 @@
+"""Training backends. Each implements ``rl_plugin.backends.base.TrainBackend``."""

@@ -1,0 +1,58 @@
+"""A tiny Hugging Face causal LM, written once as an HF checkpoint directory both backends load.
+
+Used by the embedded default run and the tests: real Qwen2 / Llama architectures, shrunk so a
+CPU trains them in seconds. Weights are drawn from a seeded generator, so the same arguments give
+bit-identical checkpoints on every machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen2", "llama")
+
+
+def tiny_config(family: str = "qwen2", *, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 64,
+                max_position_embeddings: int = 512, tie_word_embeddings: bool = False):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6, torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_theta=10000.0)
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, attention_bias=False, mlp_bias=False)
+    raise ValueError(f"unknown tiny model family {family!r}; choose from {FAMILIES}")
+
+
+def make_tiny_hf_checkpoint(path, family: str = "qwen2", *, seed: int = 0, **config_kwargs) -> Path:
+    """Write a seeded tiny model to ``path`` (safetensors + config.json) and return the path.
+
+    Idempotent: an existing checkpoint with the same config is left as it is.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    config = tiny_config(family, **config_kwargs)
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
