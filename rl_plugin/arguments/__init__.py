@@ -20,6 +20,7 @@ from typing import List, Optional
 from rl_plugin.arguments._util import RLArgumentError
 
 FLAG_MODULES = (
+    "training",
     "aggregation",
     "policy",
     "logprobs",
