@@ -32,7 +32,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, tp_group, inv_temp, chunk_size, with_entropy):
         rows, v_local = logits.shape
-        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        compute = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
+        logp = torch.empty(rows, dtype=compute, device=logits.device)
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
         local_t = targets.long() - vocab_start
@@ -40,7 +41,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, max(v_local - 1, 0))
         for s in range(0, rows, chunk_size):  # loop over token chunks, bounded memory
             e = min(s + chunk_size, rows)
-            z = logits[s:e].float() * inv_temp  # the only fp32 [chunk, V/tp] buffer
+            z = logits[s:e].to(compute) * inv_temp  # the only fp32 [chunk, V/tp] buffer
             zmax = z.max(-1).values
             if tp_group is not None:
                 dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=tp_group)
@@ -74,7 +75,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for s in range(0, rows, ctx.chunk_size):
             e = min(s + ctx.chunk_size, rows)
-            z = logits[s:e].float() * ctx.inv_temp
+            z = logits[s:e].to(lse.dtype) * ctx.inv_temp
             log_p = z - lse[s:e].unsqueeze(-1)
             p = torch.exp(log_p)
             g = -p * grad_logp[s:e].unsqueeze(-1)
@@ -97,7 +98,7 @@ def log_probs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)``, both ``[rows]`` fp32, from ``logits [rows, V_local]``.
+    """``(logp, entropy)``, both ``[rows]`` fp32 (fp64 for fp64 logits), from ``logits [rows, V_local]``.
 
     ``logits`` may be this TP rank's vocab shard ``[vocab_start, vocab_start + V_local)``; shards
     may be uneven. Entropy is zeros when ``with_entropy`` is False.
