@@ -26,6 +26,7 @@ FLAG_MODULES = (
     "logprobs",
     "batching",
     "metrics",
+    "fsdp_backend",
 )
 
 

@@ -1,0 +1,201 @@
+"""``FSDPBackend``: one training process of the FSDP2 backend (see ``rl_plugin.backends.base``).
+
+A step, on the shared loss core (no loss math here)::
+
+    ctx = prepare_step(batch, cfg, ps)                 # global counts, per-token weights
+    for idx in plan:                                   # --micro-batch-size or token budget
+        mb   = ctx.micro_batch(idx)                    # packed thd (or padded bshd) inputs
+        rows = micro_batch_logits(model, mb)           # HF forward, block-diagonal causal mask
+        logp, ent = log_probs_and_entropy(rows, mb.targets, temperature=T)
+        ctx.loss(logp, ent, mb).objective.backward()   # FSDP reduce-scatters a SUM over DP
+    grad_norm = clip(--clip-grad); AdamW step; LR = Megatron schedule
+    report = ctx.finish()                              # J and metrics, identical on every rank
+
+Exactly dJ/dtheta: FSDP2 is told to SUM gradients over DP (``model.shard_model``), so each
+micro-batch's objective is backpropagated with factor 1; its micro-batch shares already sum to J.
+
+FSDP unshards each layer collectively, so every DP rank runs the same number of forward (and
+backward) passes: the micro-batch count is MAX-reduced over DP and a rank with fewer micro-batches
+(or no samples at all) runs one-token passes whose output is multiplied by 0.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rl_plugin.backends.base import TrainBackend
+from rl_plugin.backends.fsdp import checkpoint as ckpt
+from rl_plugin.backends.fsdp.model import install_fp32_lm_head, load_hf_model, shard_model
+from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
+from rl_plugin.backends.fsdp.packing import ForwardBatch, micro_batch_logits
+from rl_plugin.batching import plan_micro_batches
+from rl_plugin.cp import exclusive_cumsum, expand_runs
+from rl_plugin.loss import LossConfig, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.parallel import ParallelState, all_reduce
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tied_names(model) -> List[str]:
+    """State-dict names that alias an earlier parameter (tied weights), e.g. ``lm_head.weight``."""
+    seen, tied = set(), []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        (tied.append(name) if id(p) in seen else seen.add(id(p)))
+    return tied
+
+
+class FSDPBackend(TrainBackend):
+    def __init__(self, args):
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
+        if not args.hf_checkpoint:
+            raise ValueError("--train-backend fsdp needs --hf-checkpoint DIR (a Hugging Face model directory)")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.args = args
+        self.device = _device()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+        group = self.mesh.get_group("dp") if world > 1 else None
+        self.parallel_state = ParallelState(dp_size=world, dp_rank=rank, dp_group=group, dp_cp_group=group)
+        self.cfg = LossConfig.from_args(args)
+        self.attn_implementation = getattr(args, "fsdp_attn_implementation", "sdpa")
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        self.model = self._build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, args)
+        self.optimizer_steps = 0
+        self._ref_model = None
+
+    @classmethod
+    def from_args(cls, args) -> "FSDPBackend":
+        return cls(args)
+
+    # -- model ------------------------------------------------------------------------------
+    def _build_model(self, *, frozen: bool = False):
+        from transformers import AutoConfig
+
+        self.hf_dtype = AutoConfig.from_pretrained(self.args.hf_checkpoint).dtype or torch.float32
+        model = load_hf_model(self.args.hf_checkpoint, attn_implementation=self.attn_implementation)
+        if self.args.fp32_lm_head:
+            install_fp32_lm_head(model)
+        self.tied_names = _tied_names(model)
+        if frozen:
+            model.requires_grad_(False).eval()
+        model.to(self.device)
+        return shard_model(model, self.mesh, bf16=bool(self.args.bf16))
+
+    def _reference(self):
+        """The frozen reference policy (``--use-kl-loss``): the ``--hf-checkpoint`` weights."""
+        if self._ref_model is None:
+            self._ref_model = self._build_model(frozen=True)
+        return self._ref_model
+
+    # -- passes -----------------------------------------------------------------------------
+    def _plan(self, batch: StepBatch, micro_batches) -> List[torch.Tensor]:
+        if micro_batches is not None:
+            return [torch.as_tensor(m, dtype=torch.long) for m in micro_batches]
+        budget = self.args.max_tokens_per_gpu if self.args.use_dynamic_batch_size else None
+        return plan_micro_batches(batch, micro_batch_size=self.args.micro_batch_size, max_tokens_per_gpu=budget,
+                                  dp_group=self.parallel_state.dp_group)
+
+    def _num_passes(self, plan: List[torch.Tensor]) -> int:
+        """Passes every DP rank runs: the largest micro-batch count over DP (FSDP is collective)."""
+        n = torch.tensor([len(plan)], dtype=torch.long)
+        return int(all_reduce(n, self.parallel_state.dp_group, dist.ReduceOp.MAX).item())
+
+    def _idle_pass(self, model, *, backward: bool) -> None:
+        """A one-token pass contributing exactly 0, so this rank joins FSDP's collectives."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
+    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor", micro_batches=None) -> torch.Tensor:
+        if role not in ("actor", "ref"):
+            raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
+        batch.validate()
+        model = self.model if role == "actor" else self._reference()
+        plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
+        rl = batch.response_lengths.long()
+        resp_off = exclusive_cumsum(rl)
+        out = torch.zeros(int(rl.sum()), dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i in range(self._num_passes(plan)):
+                    if i >= len(plan):
+                        self._idle_pass(model, backward=False)
+                        continue
+                    idx = plan[i]
+                    fb = ForwardBatch(batch.select(idx), qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len)
+                    rows = micro_batch_logits(model, fb, self.attn_implementation, self.device)
+                    logp, _ = log_probs_and_entropy(rows, fb.targets.to(self.device), temperature=self.cfg.temperature,
+                                                    chunk_size=self.cfg.logprob_chunk_size, with_entropy=False)
+                    out[expand_runs(resp_off[idx], rl[idx])[fb.layout.resp_index]] = logp.float().cpu()
+        finally:
+            model.train(was_training)
+        return out
+
+    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
+        cfg = self.cfg
+        ctx = prepare_step(batch, cfg, self.parallel_state, num_groups=num_groups)
+        plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
+        for i in range(self._num_passes(plan)):
+            if i >= len(plan):
+                self._idle_pass(self.model, backward=True)
+                continue
+            mb = ctx.micro_batch(plan[i])
+            rows = micro_batch_logits(self.model, mb, self.attn_implementation, self.device)
+            logp, ent = log_probs_and_entropy(rows, mb.targets.to(self.device), temperature=cfg.temperature,
+                                              chunk_size=cfg.logprob_chunk_size, with_entropy=cfg.needs_entropy)
+            out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
+            out.objective.backward()  # factor 1: FSDP sums over DP (module docstring)
+        norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        report = ctx.finish()
+        report.update(grad_norm=norm, lr=lr)
+        return report
+
+    # -- weights and checkpoints ------------------------------------------------------------
+    def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Full fp32 master weights under HF names on every rank (tied names included)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        return {k: v.detach().cpu() for k, v in sd.items()}
+
+    def save_hf(self, out_dir: str) -> None:
+        """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
+        state = self.export_hf_state_dict()
+        ckpt.write_hf_dir(out_dir, state, self.model.config, source_dir=self.args.hf_checkpoint,
+                          tied_keys=self.tied_names, dtype=self.hf_dtype)
+
+    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
+        extra = dict(extra or {})
+        ckpt.save(path, self.model, self.optimizer, step=step, extra=extra,
+                  backend_state={"optimizer_steps": self.optimizer_steps})
+        if self.args.save_hf:
+            self.save_hf(self.args.save_hf)
+
+    def load_checkpoint(self, path: str) -> Dict[str, Any]:
+        meta = ckpt.load(path, self.model, self.optimizer)
+        self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
+        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        return {"step": int(meta["step"]), "extra": meta.get("extra", {})}
