@@ -65,7 +65,10 @@ def _split_into(lengths: torch.Tensor, parts: int) -> List[torch.Tensor]:
     """Split an ordered sample list into exactly ``parts`` contiguous runs of balanced tokens."""
     n = lengths.numel()
     if parts > n:
-        raise ValueError(f"cannot split {n} samples into {parts} non-empty micro-batches")
+        raise ValueError(
+            f"this rank has {n} samples but the data-parallel ranks run {parts} micro-batches each "
+            "(--max-tokens-per-gpu packs the other ranks into more): give every rank at least that many samples"
+        )
     cum = torch.cumsum(lengths.to(torch.float64), 0)
     targets = cum[-1] * torch.arange(1, parts, dtype=torch.float64) / parts
     cuts = torch.searchsorted(cum, targets).clamp(max=n - 1) + 1
