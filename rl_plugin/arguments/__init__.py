@@ -27,6 +27,9 @@ FLAG_MODULES = (
     "batching",
     "metrics",
     "fsdp_backend",
+    "rollout",
+    "cluster",
+    "logging",
 )
 
 

@@ -1,0 +1,184 @@
+"""The driver of ``rl-plugin-train``: owns the Ray actors and runs rollout -> train -> sync.
+
+See ``rl_plugin.train`` for the loop. Failures end the run with a ``LoopError`` naming what broke
+(e.g. which train actor died and why) and where to resume from; the metrics file keeps every
+line already written and the last complete checkpoint stays the resume point.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import ray
+
+from rl_plugin.arguments import validate_world
+from rl_plugin.arguments._util import fail
+from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
+from rl_plugin.loop.embedded import is_embedded, prepare_embedded
+from rl_plugin.loop.logger import MetricsLogger
+from rl_plugin.loop.plot import plot_reward_curve
+from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
+from rl_plugin.ray.rollout_actor import create_rollout_manager
+from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+
+ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
+
+
+class LoopError(RuntimeError):
+    """The run stopped; the message says why and how to resume."""
+
+
+class WeightSyncError(LoopError):
+    pass
+
+
+def compare_fingerprints(trainer: Dict[str, str], rollout: Dict[str, str]) -> None:
+    """Raise ``WeightSyncError`` naming the first tensor whose rollout copy differs."""
+    for name in sorted(trainer):
+        if name not in rollout:
+            raise WeightSyncError(f"--check-weight-sync: the rollout engine has no tensor {name!r} that the trainer exports")
+        if rollout[name] != trainer[name]:
+            raise WeightSyncError(
+                f"--check-weight-sync: rollout weights differ from the trainer's at {name!r} "
+                f"(sha256 {rollout[name][:12]} vs {trainer[name][:12]}): the weight sync is broken"
+            )
+
+
+class Driver:
+    def __init__(self, args):
+        self.args = args
+        self.group = None
+        self.rollout = None
+        self.step = 0
+        self.start_rollout = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _resolve_paths(self) -> None:
+        a = self.args
+        if is_embedded(a):
+            prepare_embedded(a)
+        if a.hf_checkpoint is None:
+            fail("--prompt-data without --hf-checkpoint", "the loop needs a model to train", "pass --hf-checkpoint DIR (a Hugging Face model directory)")
+        if not Path(a.hf_checkpoint, "config.json").exists():
+            fail(f"--hf-checkpoint {a.hf_checkpoint}", "the directory holds no config.json", "point it at a Hugging Face model directory")
+        self.output_dir = Path(a.output_dir or "outputs/run")
+        self.metrics_file = Path(a.metrics_file or self.output_dir / "metrics.jsonl")
+
+    def _start(self) -> None:
+        a = self.args
+        init_ray(a.ray_num_cpus or required_cpus(a))
+        self.placement = create_placement(a)
+        self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self.group = TrainGroup(a, self.placement)
+        validate_world(a, dp_size=self.group.dp_size)
+
+    def _resume(self) -> None:
+        a = self.args
+        if not a.load:
+            return
+        step = latest_step(a.load)
+        if step is None:
+            print(f"--load {a.load}: no checkpoint yet, starting from scratch", flush=True)
+            return
+        metas = self.group.call("load", [(step_dir(a.load, step),)] * self.group.world_size)
+        extra = metas[0]["extra"]
+        self.step = int(metas[0]["step"])
+        self.start_rollout = int(extra["rollout_id"])
+        ray.get(self.rollout.load_state_dict.remote(extra["rollout_state"]))
+        print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
+
+    # -- pieces of a rollout -------------------------------------------------------------------
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        refs = self.group.call("export_weights", return_refs=True)
+        self.group.wait(refs[1:], "export_weights", first_rank=1)  # None on ranks > 0; errors named
+        try:
+            ray.get(self.rollout.update_weights.remote(refs[0]))  # rank 0's dict, never via the driver
+        except ray.exceptions.RayTaskError as exc:
+            raise LoopError(f"weight sync failed (train rank 0 export or rollout update): {exc}") from None
+        if self.args.check_weight_sync:
+            trainer = self.group.call("weights_fingerprint")[0]
+            compare_fingerprints(trainer, ray.get(self.rollout.weights_fingerprint.remote()))
+        return time.perf_counter() - t0
+
+    def train_rollout(self, data) -> List[Dict[str, Any]]:
+        a, g = self.args, self.group
+        batch = rollout_batch(data, a.advantage_estimator)
+        if a.docs_per_step is not None:
+            shares = split_rollout_for_dp(batch, g.dp_size)
+            per_rank = [(shares[g.dp_rank(r)],) for r in range(g.world_size)]
+            plans = g.call("plan_docs_steps", per_rank)
+            args = [(per_rank[r][0], plans[r][0], [data.num_groups] * len(plans[r][0]), plans[r][1]) for r in range(g.world_size)]
+        else:
+            gbs = a.global_batch_size or batch.num_samples
+            plans = plan_global_batch_steps(batch, global_batch_size=gbs, dp_size=g.dp_size)
+            args = [(p.batch, p.step_bounds, p.step_num_groups) for p in (plans[g.dp_rank(r)] for r in range(g.world_size))]
+        return g.call("train_rollout", args)[0]
+
+    def save(self, rollout_id: int) -> None:
+        a = self.args
+        extra = {"rollout_id": rollout_id + 1, "rollout_state": ray.get(self.rollout.state_dict.remote())}
+        path = step_dir(a.save, self.step)
+        self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
+        write_tracker(a.save, self.step)  # only once every rank has finished writing
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        a = self.args
+        self._resolve_paths()
+        logger = None
+        try:
+            self._start()
+            self._resume()
+            self.sync_weights()
+            logger = MetricsLogger(a, str(self.metrics_file))
+            bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
+            for k in range(self.start_rollout, a.num_rollout):
+                self._one_rollout(k, logger, bar)
+            bar.close()
+        except TrainActorError as exc:
+            raise LoopError(f"{exc}. {self._resume_hint()}") from None
+        finally:
+            if logger is not None:
+                logger.close()
+            if self.group is not None:
+                self.group.kill()
+            shutdown_ray()
+        png = plot_reward_curve(self.metrics_file, self.output_dir / "reward_curve.png", title=f"rl_plugin ({a.train_backend})")
+        print(f"metrics: {self.metrics_file}\nreward curve: {png}", flush=True)
+
+    def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
+        a = self.args
+        t0 = time.perf_counter()
+        data = ray.get(self.rollout.generate.remote(k))
+        t_gen = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        reports = self.train_rollout(data)
+        t_train = time.perf_counter() - t1
+        t_sync = self.sync_weights()
+        stats = {key: data.stats[key] for key in ROLLOUT_STATS}
+        for j, rep in enumerate(reports):
+            self.step += 1
+            timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
+            if j == 0:
+                timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,
+                                "time/rollout_total": time.perf_counter() - t0})
+            logger.log(self.step, {"rollout_id": k, "step_in_rollout": j, **stats, **rep}, timings)
+        if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
+            self.save(k)
+        if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
+            ev = ray.get(self.rollout.evaluate.remote(k))
+            logger.log(self.step, {"rollout_id": k, **ev})
+        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", step_s=f"{time.perf_counter() - t0:.2f}", step=self.step)
+        bar.update(1)
+
+    def _resume_hint(self) -> str:
+        a = self.args
+        if a.save and latest_step(a.save) is not None:
+            return f"Completed steps are in {self.metrics_file}; resume with --load {a.save} (last checkpoint: step {latest_step(a.save)})"
+        return f"Completed steps are in {self.metrics_file}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"

@@ -1,0 +1,94 @@
+"""The embedded default: ``rl-plugin-train --train-backend X`` with no data or model flags.
+
+It builds (once, then reuses) a tiny Qwen2-architecture model with a character tokenizer over
+the digits, and the digit-copy task (``rl_plugin.rollout.task``) with a held-out eval split,
+and fills in rollout/optimizer defaults that make the tiny model learn the task on a 2-core CPU
+in minutes (measured by ``benchmarks/embedded_default.py``). Any flag given explicitly wins.
+
+Files go under ``$RL_PLUGIN_CACHE`` (default ``outputs/``): ``tiny_model/<config>/`` (HF
+checkpoint + ``char_tokenizer.json``, loaded by both backends and the rollout engine) and
+``tiny_task/<task>/{train,eval}.jsonl``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rl_plugin.rollout.task import DIGITS, write_task_data
+from rl_plugin.rollout.tokenizer import CharTokenizer
+
+NUM_DIGITS = 3
+TASK = "copy"
+MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             intermediate_size=128, max_position_embeddings=64)
+
+# Flag defaults of the embedded run (argparse dests). Tuned on a 2-core CPU: see the benchmark.
+EMBEDDED_DEFAULTS = dict(
+    rollout_batch_size=16,
+    n_samples_per_prompt=8,
+    rollout_max_response_len=NUM_DIGITS + 1,
+    num_rollout=200,
+    micro_batch_size=128,
+    lr=3e-3,
+    eps_clip_high=0.28,
+    rm_type="digit_match",
+    eval_interval=25,
+    n_samples_per_eval=1,
+)
+
+
+def is_embedded(args) -> bool:
+    return args.prompt_data is None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RL_PLUGIN_CACHE", "outputs"))
+
+
+def _model_name() -> str:
+    m = MODEL
+    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-l{m['num_layers']}-seed0"
+
+
+def ensure_tiny_model(root: Path) -> Path:
+    """The tiny checkpoint + char tokenizer, written atomically once (a temp dir renamed)."""
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    target = root / "tiny_model" / _model_name()
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    cfg = dict(MODEL)
+    make_tiny_hf_checkpoint(tmp, cfg.pop("family"), seed=0, **cfg)
+    tok = CharTokenizer(DIGITS)
+    if tok.vocab_size > MODEL["vocab_size"]:
+        raise ValueError(f"char tokenizer needs {tok.vocab_size} ids, the tiny model has {MODEL['vocab_size']}")
+    tok.save(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process won the race: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_task_data(root: Path):
+    d = root / "tiny_task" / f"{TASK}{NUM_DIGITS}"
+    train, evals = d / "train.jsonl", d / "eval.jsonl"
+    if not (train.exists() and evals.exists()):
+        write_task_data(d, task=TASK, num_digits=NUM_DIGITS, seed=0)
+    return train, evals
+
+
+def prepare_embedded(args) -> None:
+    """Fill in the model, the data and the output directory of the embedded run (in place)."""
+    root = cache_root()
+    if args.hf_checkpoint is None:
+        args.hf_checkpoint = str(ensure_tiny_model(root))
+    train, evals = ensure_task_data(root)
+    args.prompt_data, args.eval_prompt_data = str(train), str(evals)
+    if args.output_dir is None:
+        args.output_dir = str(Path("outputs") / f"embedded_{args.train_backend}")

@@ -1,0 +1,164 @@
+"""One training rank as a Ray actor: joins the torch.distributed group and drives its backend.
+
+The actor is a thin shell around ``rl_plugin.backends.base.TrainBackend``: the driver calls the
+same method on every rank (collectives inside the backend need all of them) and reads rank 0's
+answer. ``train_rollout`` runs one rollout's optimizer steps: old (and reference) log-probs for
+all of this rank's samples first, on the weights that generated them, then the steps in order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from rl_plugin.loss.batch import StepBatch
+
+BACKENDS = {
+    "megatron": "rl_plugin.backends.megatron.backend:MegatronBackend",
+    "fsdp": "rl_plugin.backends.fsdp.backend:FSDPBackend",
+}
+
+# Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
+# step (1-based), to exercise the driver's dead-actor report and --load resume.
+FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
+
+
+def backend_class(name: str):
+    try:
+        module, cls = BACKENDS[name].split(":")
+    except KeyError:
+        raise ValueError(f"--train-backend {name!r}: unknown; choose from {sorted(BACKENDS)}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+class TrainActor:
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.backend = None
+        self.step = 0
+        torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
+
+    def address(self) -> Tuple[str, int, int]:
+        """(node ip, a free port, pid): rank 0's ip and port become the rendezvous point."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def init(self, master_addr: str, master_port: int, args) -> Dict[str, int]:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        self.args = args
+        self.backend = backend_class(args.train_backend).from_args(args)
+        ps = self.backend.parallel_state
+        return {"dp_rank": ps.dp_rank, "dp_size": ps.dp_size, "tp_rank": ps.tp_rank, "cp_rank": ps.cp_rank, "pid": os.getpid()}
+
+    # -- training -----------------------------------------------------------------------------
+    def _maybe_fault(self, step: int) -> None:
+        spec = os.environ.get(FAULT_ENV)
+        if spec:
+            rank, at = (int(x) for x in spec.split(":"))
+            if rank == self.rank and step == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def train_rollout(self, batch: StepBatch, step_bounds: Sequence[Tuple[int, int]], step_num_groups: Sequence[int],
+                      step_micro_batches: Optional[List[List[torch.Tensor]]] = None) -> List[Dict[str, Any]]:
+        """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
+        ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
+        t0 = time.perf_counter()
+        batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
+        if self.args.use_kl_loss:
+            batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
+        logprob_time = time.perf_counter() - t0
+        reports = []
+        for k, ((start, end), num_groups) in enumerate(zip(step_bounds, step_num_groups)):
+            self._maybe_fault(self.step + 1)
+            t1 = time.perf_counter()
+            sub = batch.select(torch.arange(start, end))
+            kwargs = {} if step_micro_batches is None else {"micro_batches": step_micro_batches[k]}
+            report = dict(self.backend.train_step(sub, num_groups=num_groups, **kwargs))
+            self.step += 1
+            report = {key: _plain(v) for key, v in report.items()}
+            report["time/train_step"] = time.perf_counter() - t1
+            report["time/log_probs"] = logprob_time if k == 0 else 0.0
+            report["rollout_log_prob_diff"] = _mean_abs_diff(batch, start, end)
+            reports.append(report)
+        return reports
+
+    def plan_docs_steps(self, batch: StepBatch) -> Tuple[List[Tuple[int, int]], List[List[torch.Tensor]]]:
+        """--docs-per-step: this rank's micro-batches grouped into steps (collective over DP)."""
+        from rl_plugin.batching import plan_micro_batches, plan_steps_by_docs
+
+        a = self.args
+        budget = a.max_tokens_per_gpu if a.use_dynamic_batch_size else None
+        dp_group = self.backend.parallel_state.dp_group
+        mbs = plan_micro_batches(batch, micro_batch_size=a.micro_batch_size, max_tokens_per_gpu=budget, dp_group=dp_group)
+        steps = plan_steps_by_docs(mbs, a.docs_per_step, dp_group=dp_group)
+        bounds, micro = [], []
+        for step in steps:  # micro-batches are contiguous runs, so a step is a contiguous slice
+            idx = torch.cat(step) if step else torch.zeros(0, dtype=torch.long)
+            start = int(idx[0]) if idx.numel() else (bounds[-1][1] if bounds else 0)
+            bounds.append((start, start + idx.numel()))
+            micro.append([m - start for m in step if m.numel()])
+        return bounds, micro
+
+    # -- weights and checkpoints --------------------------------------------------------------
+    def export_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Collective export; rank 0 returns the HF state dict, the others None."""
+        sd = self.backend.export_hf_state_dict()
+        return sd if self.rank == 0 else None
+
+    def weights_fingerprint(self) -> Optional[Dict[str, str]]:
+        from rl_plugin.rollout.manager import weights_fingerprint
+
+        sd = self.backend.export_hf_state_dict()
+        return weights_fingerprint(sd) if self.rank == 0 else None
+
+    def save(self, path: str, step: int, extra: Dict[str, Any]) -> None:
+        self.backend.save_checkpoint(path, step=step, extra=extra)
+
+    def load(self, path: str) -> Dict[str, Any]:
+        meta = self.backend.load_checkpoint(path)
+        self.step = int(meta["step"])
+        return meta
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    return v
+
+
+def _mean_abs_diff(batch: StepBatch, start: int, end: int) -> float:
+    """Mean |trainer old log-prob - sampler log-prob| over the step's response tokens: ~0 when
+    the trainer and the rollout engine compute the same distribution."""
+    if batch.rollout_log_probs is None or batch.old_log_probs is None:
+        return float("nan")
+    from rl_plugin.cp import exclusive_cumsum
+
+    rl = batch.response_lengths.long()
+    off = exclusive_cumsum(rl)
+    a, b = int(off[start]) if start < rl.numel() else int(rl.sum()), int(off[end - 1] + rl[end - 1]) if end > start else 0
+    if b <= a:
+        return 0.0
+    return float((batch.old_log_probs[a:b] - batch.rollout_log_probs[a:b]).abs().mean())

@@ -1,0 +1,90 @@
+"""The training group: one ``TrainActor`` per rank, called in lock step, failures named.
+
+``call(method, per_rank_args)`` submits the method on every rank and waits. If an actor process
+dies (killed, OOM, segfault) or raises, the wait stops at the first failure and raises
+``TrainActorError`` naming the rank, its pid and node, and Ray's cause, instead of leaving the
+surviving ranks blocked in a collective. The driver then tears the group down; checkpoints
+already written stay, so ``--load`` resumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import ray
+
+from rl_plugin.ray.cluster import Placement
+from rl_plugin.ray.train_actor import TrainActor
+
+
+class TrainActorError(RuntimeError):
+    def __init__(self, rank: int, method: str, cause: str, *, died: bool, info: Optional[Dict[str, Any]] = None):
+        self.rank, self.method, self.died = rank, method, died
+        where = f" (pid {info['pid']}, node {info['ip']})" if info else ""
+        what = "died" if died else "raised"
+        super().__init__(f"train actor rank {rank}{where} {what} during {method}: {cause}")
+
+
+class TrainGroup:
+    def __init__(self, args, placement: Placement):
+        self.world_size = placement.world_size
+        remote_cls = ray.remote(TrainActor)
+        self.actors = [
+            remote_cls.options(**placement.train_options(r), name=None, max_restarts=0).remote(r, self.world_size)
+            for r in range(self.world_size)
+        ]
+        addrs = self._wait([a.address.remote() for a in self.actors], "address")
+        self.info: List[Dict[str, Any]] = [{"ip": ip, "pid": pid} for ip, _, pid in addrs]
+        master_addr, master_port, _ = addrs[0]
+        layout = self.call("init", [(master_addr, master_port, args)] * self.world_size)
+        for i, lay in zip(self.info, layout):
+            i.update(lay)
+        self.dp_size = layout[0]["dp_size"]
+
+    def dp_rank(self, rank: int) -> int:
+        return self.info[rank]["dp_rank"]
+
+    def call(self, method: str, per_rank_args: Optional[Sequence[tuple]] = None, *, return_refs: bool = False):
+        per_rank_args = per_rank_args or [()] * self.world_size
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        if return_refs:
+            return refs
+        return self._wait(refs, method)
+
+    def wait(self, refs: List[ray.ObjectRef], method: str, *, first_rank: int = 0) -> List[Any]:
+        """Results of ``refs`` (ranks ``first_rank``, ``first_rank + 1``, ...), failures named."""
+        return self._wait(refs, method, first_rank=first_rank)
+
+    def _wait(self, refs: List[ray.ObjectRef], method: str, *, first_rank: int = 0) -> List[Any]:
+        rank_of = {ref: first_rank + r for r, ref in enumerate(refs)}
+        results: Dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank)) from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise TrainActorError(rank, method, str(exc), died=False, info=self._info(rank)) from None
+        return [results[first_rank + r] for r in range(len(refs))]
+
+    def _info(self, rank: int) -> Optional[Dict[str, Any]]:
+        info = getattr(self, "info", None)
+        return info[rank] if info and rank < len(info) else None
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - best effort on teardown; the actor may be gone
+                pass
+
+
+def _cause(exc: Exception) -> str:
+    """Ray's death cause, first lines only (the rest is Ray's generic advice)."""
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:4])

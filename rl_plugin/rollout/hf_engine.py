@@ -1,0 +1,81 @@
+"""Hugging Face ``generate`` as the rollout engine (the default; runs on CPU).
+
+Prompts are generated in buckets of equal prompt length, so no padding enters the forward pass
+and the sampler's log-probs are computed on exactly the inputs the trainer later sees. The
+per-token log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the
+quantity the trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling
+choice and is not folded into it, as in slime/SGLang's returned log-probs).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence
+
+import torch
+
+from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams
+
+
+class HFEngine(RolloutEngine):
+    def __init__(self, checkpoint_dir: str, *, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
+        self.model.eval()
+        cfg = self.model.config
+        self.eos_token_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
+        self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int) -> List[Generation]:
+        buckets = defaultdict(list)  # prompt length -> indices, so no bucket needs padding
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            buckets[len(p)].append(i)
+        out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
+        gen = torch.Generator().manual_seed(int(seed))
+        for length in sorted(buckets):
+            idx = buckets[length]
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # generate samples from the global RNG
+            input_ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=self.device)
+            res = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True,
+            )
+            new = res.sequences[:, length:]  # [B, steps]
+            logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, steps, V]
+            logp = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            is_eos = new == self.eos_token_id
+            # response length: through the first <eos>, else all generated steps
+            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+            for row, i in enumerate(idx):
+                n = int(first_eos[row])
+                out[i] = Generation(list(prompts[i]), new[row, :n].tolist(), logp[row, :n].tolist(), bool(is_eos[row, :n].any()))
+        return out
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict) - _tied_names(self.model))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"weight sync: the trainer's export does not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, value in state_dict.items():
+            if own[name].shape != value.shape:
+                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(own[name].shape)} in the rollout model")
+            own[name].copy_(value.to(own[name].dtype))
+
+    def weights(self) -> Dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+
+def _tied_names(model) -> set:
+    """Parameter names that alias another (tied embeddings): the trainer may omit them."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        return {"lm_head.weight"}
+    return set()

@@ -1,0 +1,112 @@
+"""Reward functions: built-in verifiers by name (``--rm-type``) and user functions (``--custom-rm-path``).
+
+A reward function is ``fn(prompt: str, response: str, label) -> float``. Built-ins:
+
+- ``digit_match``: the embedded tasks' partial-credit checker (``task.digit_match_reward``): the
+  fraction of label positions the response matches.
+- ``math_exact``: 1.0 when the response's final answer (last ``\\boxed{...}``, else the last number)
+  equals the label after light normalisation (spaces, ``$``, trailing ``.0``), else 0.0.
+
+``--custom-rm-path`` is ``package.module:function``, ``package.module.function`` or
+``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+from rl_plugin.rollout.task import digit_match_reward
+
+RewardFn = Callable[[str, str, object], float]
+REWARDS: Dict[str, RewardFn] = {}
+
+
+def register_reward(name: str):
+    def deco(fn):
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_reward("digit_match")
+def digit_match(prompt: str, response: str, label) -> float:
+    return digit_match_reward(response, str(label))
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _normalise(answer: str) -> str:
+    a = answer.strip().strip("$").replace(" ", "").replace(",", "")
+    if re.fullmatch(r"-?\d+\.0+", a):
+        a = a.split(".")[0]
+    return a
+
+
+def extract_final_answer(response: str) -> str:
+    boxed = _BOXED.findall(response)
+    if boxed:
+        return boxed[-1]
+    numbers = _NUMBER.findall(response)
+    return numbers[-1] if numbers else ""
+
+
+@register_reward("math_exact")
+def math_exact_reward(prompt: str, response: str, label) -> float:
+    return float(_normalise(extract_final_answer(response)) == _normalise(str(label)) != "")
+
+
+def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
+    if custom_rm_path:
+        return _load_custom(custom_rm_path)
+    try:
+        return REWARDS[rm_type]
+    except KeyError:
+        raise ValueError(f"--rm-type {rm_type!r}: unknown reward; built-ins are {sorted(REWARDS)}, or pass --custom-rm-path") from None
+
+
+def _load_custom(spec: str) -> RewardFn:
+    if ":" in spec:
+        target, name = spec.rsplit(":", 1)
+    elif "." in spec:
+        target, name = spec.rsplit(".", 1)
+    else:
+        raise ValueError(f"--custom-rm-path {spec!r}: expected package.module:function or path/to/file.py:function")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"_rl_plugin_custom_rm_{path.stem}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, name)
+    except (ImportError, FileNotFoundError, AttributeError) as exc:
+        raise ValueError(f"--custom-rm-path {spec!r}: cannot load the reward function: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"--custom-rm-path {spec!r}: {name} is not callable")
+    return fn
+
+
+def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], labels: Sequence) -> List[float]:
+    """Apply ``fn`` to every sample; a non-numeric or non-finite reward raises naming the sample."""
+    out = []
+    for i, (p, r, lab) in enumerate(zip(prompts, responses, labels)):
+        value = fn(p, r, lab)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward function returned {value!r} for sample {i} (prompt {p!r}); it must return a float") from None
+        if not math.isfinite(value):
+            raise ValueError(f"reward function returned {value} for sample {i} (prompt {p!r}, response {r!r}); rewards must be finite")
+        out.append(value)
+    return out
