@@ -28,6 +28,8 @@ def add_arguments(parser):
     add_flag(g, "--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps (Megatron-LM).")
     add_flag(g, "--lr-decay-iters", type=int, default=None, help="Steps over which the learning rate decays (Megatron-LM).")
     add_flag(g, "--weight-decay", type=float, default=0.0, help="Decoupled weight decay (AdamW) (Megatron-LM).")
+    add_flag(g, "--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer (Megatron-LM). adam (AdamW with --weight-decay) for training; sgd makes the update linear in the gradient (parity tests, debugging).")
+    add_flag(g, "--sgd-momentum", type=float, default=0.9, help="SGD momentum with --optimizer sgd (Megatron-LM default 0.9).")
     add_flag(g, "--adam-beta1", type=float, default=0.9, help="Adam beta1 (Megatron-LM).")
     add_flag(g, "--adam-beta2", type=float, default=0.98, help="Adam beta2 (Megatron-LM; RL recipes use 0.98).")
     add_flag(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon (Megatron-LM).")

@@ -1,0 +1,126 @@
+"""``MegatronBackend``: the ``TrainBackend`` on megatron-core (one instance per training process).
+
+    backend = MegatronBackend.from_args(args)   # torch.distributed already initialised
+    old = backend.compute_log_probs(batch)       # forward only, actor (or role="ref")
+    report = backend.train_step(batch, num_groups=P)
+    hf = backend.export_hf_state_dict()          # TP-gathered, HF names, every rank
+    backend.save_checkpoint(dir, step=k); backend.load_checkpoint(dir)
+
+See ``setup.py`` (start-up), ``step.py`` (the step and why it applies exactly dJ/dtheta),
+``forward.py`` (inputs and logits, ``--fp32-lm-head``), ``bridge.py`` (mbridge),
+``checkpoint.py`` and ``cpu_shim.py`` (CPU / gloo).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from rl_plugin.backends.base import TrainBackend
+from rl_plugin.backends.megatron import checkpoint, setup, step
+from rl_plugin.backends.megatron.bridge import export_hf
+from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
+from rl_plugin.batching import plan_micro_batches
+from rl_plugin.loss import LossConfig, StepBatch
+from rl_plugin.parallel import ParallelState
+
+
+def _default_hf_checkpoint() -> str:
+    """The embedded tiny model, written once (rank 0) under the user cache."""
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"
+    if dist.get_rank() == 0:
+        make_tiny_hf_checkpoint(path, "qwen2")
+    dist.barrier()
+    return str(path)
+
+
+class MegatronBackend(TrainBackend):
+    def __init__(self, args, model, bridge, optimizer, scheduler, ps: ParallelState, hf_dir: str):
+        self.args, self.model, self.bridge = args, model, bridge
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.parallel_state = ps
+        self.hf_dir = hf_dir
+        self.loss_config = LossConfig.from_args(args)
+        self.fp32_lm_head = bool(getattr(args, "fp32_lm_head", False))
+        self._ref_model = None
+        config = bridge.config
+        # What Megatron-LM's training loop sets: the schedule calls these.
+        from megatron.core.distributed import finalize_model_grads
+
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+
+    @classmethod
+    def from_args(cls, args) -> "MegatronBackend":
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronBackend.from_args: initialise torch.distributed first (gloo on CPU, nccl on GPU)")
+        apply_cpu_shim()  # no-op where CUDA is present
+        setup.check_context_parallel(args)
+        ps = setup.init_parallel(args)
+        hf_dir = args.hf_checkpoint or _default_hf_checkpoint()
+        model, bridge = setup.build_model(args, hf_dir)
+        optimizer, scheduler = setup.build_optimizer(args, model)
+        return cls(args, model, bridge, optimizer, scheduler, ps, hf_dir)
+
+    # -- micro-batches ------------------------------------------------------------------------
+    def plan(self, batch: StepBatch) -> List[torch.Tensor]:
+        a = self.args
+        budget = a.max_tokens_per_gpu if getattr(a, "use_dynamic_batch_size", False) else None
+        return plan_micro_batches(batch, micro_batch_size=int(a.micro_batch_size), max_tokens_per_gpu=budget,
+                                  dp_group=self.parallel_state.dp_group)
+
+    # -- TrainBackend ---------------------------------------------------------------------------
+    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor", micro_batches=None) -> torch.Tensor:
+        if role == "actor":
+            model = self.model
+        elif role == "ref":
+            model = self._reference_model()
+        else:
+            raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
+        cfg = self.loss_config
+        return step.forward_log_probs(
+            model, batch, self.parallel_state, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len,
+            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+            micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
+            fp32_lm_head=self.fp32_lm_head,
+        )
+
+    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
+        return step.train_step(
+            self.model, self.optimizer, self.scheduler, batch, self.loss_config, self.parallel_state,
+            num_groups=num_groups, micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
+            fp32_lm_head=self.fp32_lm_head,
+        )
+
+    def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
+
+    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
+        checkpoint.save(path, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                        ps=self.parallel_state, extra=extra)
+        save_hf = getattr(self.args, "save_hf", None)
+        if save_hf:
+            self.bridge.save_weights([self.model], save_hf)
+
+    def load_checkpoint(self, path: str) -> Dict[str, Any]:
+        return checkpoint.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               ps=self.parallel_state)
+
+    # -- reference model (--use-kl-loss) -----------------------------------------------------
+    def _reference_model(self):
+        """A frozen copy of the starting weights (``--hf-checkpoint``), built on first use."""
+        if self._ref_model is None:
+            from rl_plugin.backends.megatron.bridge import build_gpt_model
+
+            ref = build_gpt_model(self.bridge)
+            self.bridge.load_weights([ref], self.hf_dir)
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            self._ref_model = ref
+        return self._ref_model

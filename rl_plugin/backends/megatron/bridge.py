@@ -1,0 +1,108 @@
+"""Hugging Face <-> megatron-core through mbridge, with every mbridge workaround in this one file.
+
+``make_bridge(hf_dir, dtype=..., extra_config=...)`` returns an mbridge ``Bridge`` for the
+checkpoint's family (Qwen2, Llama, and whatever else mbridge registers); ``build_gpt_model(bridge)``
+builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_dir)`` loads HF
+tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
+shards gathered, on every rank.
+
+Workarounds (mbridge 0.15.1), each pinned by ``tests/fast/test_megatron_bridge.py``, which fails
+if a workaround stops being needed or stops working:
+
+1. ``rope_theta``: transformers >= 5 keeps ``rope_theta`` inside ``config.rope_parameters``;
+   mbridge's ``_get_gptmodel_args`` reads ``hf_config.rope_theta`` (AttributeError). We copy it
+   onto the config before the bridge sees it.
+2. Layer spec: mbridge builds with ``get_gpt_decoder_block_spec(use_transformer_engine=True)``
+   and maps the TE fused layer-norm names (``linear_qkv.layer_norm_weight``,
+   ``linear_fc1.layer_norm_weight``). When transformer-engine is not importable we use the local
+   (megatron-core only) spec, whose norms are separate modules named ``input_layernorm`` and
+   ``pre_mlp_layernorm``; a subclass adds those two names to mbridge's maps. The local spec's
+   core attention is swapped for ``VarlenDotProductAttention`` (``local_attention.py``) so packed
+   ``thd`` micro-batches work without TE.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def fix_rope_theta(hf_config) -> bool:
+    """Workaround 1. Returns True if the config needed it (rope_theta only in rope_parameters)."""
+    if hasattr(hf_config, "rope_theta"):
+        return False
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" not in params:
+        raise ValueError(f"{type(hf_config).__name__} has neither rope_theta nor rope_parameters['rope_theta']")
+    hf_config.rope_theta = float(params["rope_theta"])
+    return True
+
+
+def local_spec_bridge_class(base):
+    """Workaround 2: ``base`` (an mbridge LLMBridge subclass) on the local layer spec."""
+
+    class LocalSpecBridge(base):
+        _MLP_MAPPING = {
+            **base._MLP_MAPPING,
+            "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+        }
+        _OTHER_MAPPING = {
+            **base._OTHER_MAPPING,
+            "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+        }
+
+        def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None):
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
+
+            self.has_vp_stage = False
+            spec = get_gpt_layer_local_spec(qk_layernorm=self.config.qk_layernorm, normalization="RMSNorm")
+            spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+            return spec
+
+    LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
+    return LocalSpecBridge
+
+
+def make_bridge(hf_dir: str, *, dtype: torch.dtype = torch.float32, extra_config: Optional[Dict] = None,
+                use_te: Optional[bool] = None):
+    """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from transformers import AutoConfig
+
+    import mbridge  # noqa: F401  (registers the model families)
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    fix_rope_theta(hf_config)
+    if hf_config.model_type not in _MODEL_REGISTRY:
+        raise ValueError(
+            f"--hf-checkpoint {hf_dir}: model_type {hf_config.model_type!r} has no mbridge bridge; "
+            f"supported: {sorted(_MODEL_REGISTRY)}"
+        )
+    cls = _MODEL_REGISTRY[hf_config.model_type]
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if not use_te:
+        cls = local_spec_bridge_class(cls)
+    bridge = cls(hf_config, dtype=dtype)
+    if extra_config:
+        bridge.set_extra_args(**extra_config)
+    return bridge
+
+
+def build_gpt_model(bridge):
+    """The bare GPTModel (pre and post process, PP = 1) described by the bridge."""
+    model = bridge._model_provider([])(pre_process=True, post_process=True)
+    return model
+
+
+def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every weight, TP shards gathered; collective over TP (and PP)."""
+    return bridge.export_weights([model])

@@ -1,0 +1,181 @@
+"""Patches that let megatron-core 0.16.1 train on a CPU under gloo. Never active on a GPU machine.
+
+``apply_cpu_shim()`` applies every patch once, and only when ``torch.cuda.is_available()`` is
+False (a CPU-only torch build, or a machine without a GPU): there a "cuda" device would crash
+anyway, so each patch turns a crash into the CPU equivalent and changes no number. On a machine
+with CUDA it returns False and touches nothing. Idempotent: a second call is a no-op.
+
+The patches and the megatron-core 0.16.1 lines they cover:
+
+1. ``rng_tracker``: ``tensor_parallel/random.py`` ``CudaRNGStatesTracker.add`` (l. 216-240:
+   ``torch.cuda.get_rng_state`` / ``_set_cuda_rng_state``) and ``.fork`` (l. 242-280:
+   ``_get_cuda_rng_state``/``_set_cuda_rng_state``), called by ``model_parallel_cuda_manual_seed``
+   and by every weight init / dropout under ``get_cuda_rng_tracker().fork()``. Replaced by the same
+   bookkeeping over CPU generator states (``torch.get_rng_state`` / ``set_rng_state``).
+2. ``current_device``: ``torch.cuda.current_device()`` used as a device argument
+   (``distributed/param_and_grad_buffer.py`` grad/param buffers, ``distributed/distributed_data_parallel.py``,
+   ``optimizer/distrib_optimizer.py`` shard buffers, ``tensor_parallel/layers.py`` weight
+   allocation, ``utils.py`` ``get_model_config``/global memory buffer). Returns ``"cpu"``.
+3. ``cuda_device_literals``: hard-coded ``device='cuda'`` / ``device="cuda"`` in factory calls
+   (``optimizer/optimizer.py`` l. 473-485 ``found_inf``/``_dummy_overflow_buf``/``_scale_one``,
+   l. 907 ``_scale``; ``optimizer/clip_grads.py`` l. 90, 103, 115, 174, 207;
+   ``pipeline_parallel/schedules.py`` l. 596, 983, 2138 ``total_num_tokens``;
+   ``optimizer/grad_scaler.py`` l. 15, 88-94; ``distributed/param_and_grad_buffer.py`` l. 768;
+   ``transformer/utils.py`` l. 35 ``get_default_causal_mask``; ``utils.py``,
+   ``pipeline_parallel/utils.py``, ``rerun_state_machine.py``, ``dist_checkpointing`` exchange/saver).
+   In those modules only, ``torch.tensor/zeros/ones/empty/full`` map a ``"cuda"`` device to
+   ``"cpu"`` (the module's ``torch`` global is a forwarding proxy).
+4. ``tensor_type_names``: ``Tensor.type()`` string checks against ``'torch.cuda.FloatTensor'`` /
+   ``'torch.cuda.BFloat16Tensor'`` (``optimizer/optimizer.py`` l. 680-700 in
+   ``Float16OptimizerWithFloat16Params``, ``optimizer/distrib_optimizer.py`` l. 410-435,
+   ``optimizer/clip_grads.py`` l. 167). ``Tensor.type()`` with no argument reports a CPU
+   tensor under its CUDA type name; ``Tensor.type(dtype)`` (a conversion) is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from typing import Dict, List
+
+import torch
+
+APPLIED: List[str] = []  # names of the patches applied in this process, in order
+_ORIGINALS: Dict[str, object] = {}
+
+
+def cuda_present() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+# -- 1. RNG tracker on CPU generator states -------------------------------------------------
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CudaRNGStatesTracker
+    _ORIGINALS["rng_add"], _ORIGINALS["rng_fork"] = cls.add, cls.fork
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    cls.add, cls.fork = add, fork
+
+
+# -- 2. torch.cuda.current_device -----------------------------------------------------------
+def _patch_current_device() -> None:
+    _ORIGINALS["current_device"] = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+
+
+# -- 3. device="cuda" in factory functions --------------------------------------------------
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+# The megatron-core modules with hard-coded "cuda" factory calls. Only THEIR ``torch`` global is
+# replaced (by a proxy), never the global ``torch``: patching ``torch.zeros`` process-wide breaks
+# other libraries (transformers 5 then leaves RoPE ``inv_freq`` buffers uninitialised).
+CUDA_LITERAL_MODULES = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.utils",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as one module sees it: factories map a "cuda" device to "cpu"; all else forwards."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name not in _FACTORIES:
+            return value
+
+        def factory(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
+def _patch_cuda_device_literals() -> None:
+    proxy = _CpuTorch()
+    for mod_name in CUDA_LITERAL_MODULES:
+        mod = importlib.import_module(mod_name)
+        _ORIGINALS[f"torch@{mod_name}"] = mod.torch
+        mod.torch = proxy
+
+
+# -- 4. Tensor.type() names -----------------------------------------------------------------
+def _patch_tensor_type_names() -> None:
+    orig = torch.Tensor.type
+    _ORIGINALS["tensor_type"] = orig
+
+    @functools.wraps(orig)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = orig(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+PATCHES = (
+    ("rng_tracker", _patch_rng_tracker),
+    ("current_device", _patch_current_device),
+    ("cuda_device_literals", _patch_cuda_device_literals),
+    ("tensor_type_names", _patch_tensor_type_names),
+)
+
+
+def apply_cpu_shim() -> bool:
+    """Apply every patch once when CUDA is absent. Returns True if the shim is active."""
+    if cuda_present():
+        return False
+    for name, patch in PATCHES:
+        if name not in APPLIED:
+            patch()
+            APPLIED.append(name)
+    return True
+
+
+def shim_active() -> bool:
+    return len(APPLIED) == len(PATCHES)

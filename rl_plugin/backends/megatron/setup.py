@@ -1,0 +1,145 @@
+"""Start-up of the Megatron backend: parallel groups, model, DDP, optimizer, LR schedule.
+
+Order (every rank, collectively; torch.distributed is already initialised):
+
+1. ``check_context_parallel(args)``: CP > 1 needs transformer-engine attention (fail loud).
+2. ``init_parallel(args)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
+   model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
+3. ``build_model(args, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
+   ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers).
+4. ``build_optimizer(args, model)``: ``get_megatron_optimizer`` (Adam, ``--clip-grad``,
+   ``--use-distributed-optimizer``) and ``OptimizerParamScheduler``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl_plugin.backends.megatron.bridge import build_gpt_model, make_bridge, transformer_engine_available
+from rl_plugin.parallel import ParallelState
+
+# TransformerConfig overrides: no fused CUDA kernels (TE picks its own on GPU), CPU-side init
+# when CUDA is absent. perform_initialization stays True although the checkpoint overwrites the
+# weights: megatron-core 0.16.1 sets the TP attributes (tensor_model_parallel, partition_dim) only
+# inside _initialize_affine_weight_{cpu,gpu} (tensor_parallel/layers.py l. 244, 855, 877), and
+# without them the grad norm counts TP shards once and mbridge's export does not gather them.
+_CONFIG_OVERRIDES = dict(
+    masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+    apply_rope_fusion=False, gradient_accumulation_fusion=False, perform_initialization=True,
+    hidden_dropout=0.0, attention_dropout=0.0,
+)
+
+
+class MegatronSetupError(ValueError):
+    """A flag combination the Megatron backend cannot run; the message names the flag and fix."""
+
+
+def check_context_parallel(args) -> None:
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp > 1 and not transformer_engine_available():
+        raise MegatronSetupError(
+            f"--context-parallel-size {cp}: megatron-core context parallelism needs transformer-engine "
+            "attention (TEDotProductAttention), and transformer-engine is not installed. Fix: install "
+            "transformer-engine (a GPU machine), or use --context-parallel-size 1."
+        )
+    if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
+        raise MegatronSetupError(
+            "--pipeline-model-parallel-size > 1 is not supported by rl_plugin's Megatron backend yet. "
+            "Fix: use --pipeline-model-parallel-size 1 (TP / CP / DP instead)."
+        )
+
+
+def _group_or_none(group):
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def init_parallel(args) -> ParallelState:
+    """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    tp = int(args.tensor_model_parallel_size)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    world = dist.get_world_size()
+    if world % (tp * cp):
+        raise MegatronSetupError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp}. Fix: launch a multiple of {tp * cp} training processes."
+        )
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(int(args.seed))
+    return ParallelState(
+        dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank(),
+        cp_size=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
+        dp_group=_group_or_none(mpu.get_data_parallel_group()),
+        cp_group=_group_or_none(mpu.get_context_parallel_group()),
+        tp_group=_group_or_none(mpu.get_tensor_model_parallel_group()),
+        dp_cp_group=_group_or_none(mpu.get_data_parallel_group(with_context_parallel=True)),
+    )
+
+
+def build_model(args, hf_dir: str):
+    """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    bf16 = bool(getattr(args, "bf16", False))
+    if getattr(args, "fp16", False):
+        raise MegatronSetupError("--fp16 is not supported by rl_plugin's Megatron backend. Fix: use --bf16.")
+    overrides = dict(_CONFIG_OVERRIDES)
+    overrides.update(
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        use_cpu_initialization=not torch.cuda.is_available(),
+        context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+    )
+    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
+    tp = int(args.tensor_model_parallel_size)
+    if bridge.hf_config.vocab_size % tp:
+        raise MegatronSetupError(
+            f"--tensor-model-parallel-size {tp}: the vocabulary ({bridge.hf_config.vocab_size}) is not divisible "
+            "by it, and padded vocab rows would enter the softmax. Fix: use a TP size that divides the vocab."
+        )
+    model = build_gpt_model(bridge)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    bridge.load_weights([model], hf_dir)
+    config = bridge.config
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp.broadcast_params()
+    return ddp, bridge
+
+
+def build_optimizer(args, model, total_steps: int = 10**9):
+    """``(optimizer, scheduler)`` for the DDP model (Megatron-LM's flags and defaults)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    bf16 = bool(getattr(args, "bf16", False))
+    cfg = OptimizerConfig(
+        optimizer=getattr(args, "optimizer", "adam"), sgd_momentum=float(getattr(args, "sgd_momentum", 0.9)), lr=float(args.lr), min_lr=float(args.min_lr), weight_decay=float(args.weight_decay),
+        adam_beta1=float(args.adam_beta1), adam_beta2=float(args.adam_beta2), adam_eps=float(args.adam_eps),
+        clip_grad=float(args.clip_grad), bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+    )
+    optimizer = get_megatron_optimizer(cfg, [model])
+    decay = getattr(args, "lr_decay_iters", None) or total_steps
+    warmup = int(getattr(args, "lr_warmup_iters", 0) or 0)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else float(args.lr), max_lr=float(args.lr), min_lr=float(args.min_lr),
+        lr_warmup_steps=warmup, lr_decay_steps=max(int(decay), warmup + 1), lr_decay_style=args.lr_decay_style,
+        start_wd=float(args.weight_decay), end_wd=float(args.weight_decay), wd_incr_steps=max(int(decay), 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
