@@ -52,6 +52,8 @@ class Driver:
         self.args = args
         self.group = None
         self.rollout = None
+        self.placement = None
+        self.owns_ray = False
         self.step = 0
         self.start_rollout = 0
 
@@ -69,7 +71,7 @@ class Driver:
 
     def _start(self) -> None:
         a = self.args
-        init_ray(a.ray_num_cpus or required_cpus(a))
+        self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
         self.placement = create_placement(a)
         self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
         self.group = TrainGroup(a, self.placement)
@@ -146,11 +148,20 @@ class Driver:
         finally:
             if logger is not None:
                 logger.close()
-            if self.group is not None:
-                self.group.kill()
-            shutdown_ray()
+            self._teardown()
         png = plot_reward_curve(self.metrics_file, self.output_dir / "reward_curve.png", title=f"rl_plugin ({a.train_backend})")
         print(f"metrics: {self.metrics_file}\nreward curve: {png}", flush=True)
+
+    def _teardown(self) -> None:
+        """Kill this run's actors and free its placement (the Ray cluster may outlive the run)."""
+        if self.group is not None:
+            self.group.kill()
+        if self.rollout is not None:
+            ray.kill(self.rollout, no_restart=True)
+        if self.placement is not None:
+            self.placement.remove()
+        if self.owns_ray:
+            shutdown_ray()
 
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
         a = self.args

@@ -28,16 +28,18 @@ def use_gpus() -> bool:
     return torch.cuda.is_available()
 
 
-def init_ray(num_cpus: int) -> None:
-    """Join ``RAY_ADDRESS`` if set, else start a local cluster with ``num_cpus`` logical CPUs."""
+def init_ray(num_cpus: int) -> bool:
+    """Join ``RAY_ADDRESS`` if set, else start a local cluster with ``num_cpus`` logical CPUs.
+    Returns False when Ray was already initialised by the caller (who then owns its shutdown)."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
                  object_store_memory=512 * 1024 * 1024)
+    return True
 
 
 def shutdown_ray() -> None:

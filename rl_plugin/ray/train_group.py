@@ -9,12 +9,17 @@ already written stay, so ``--load`` resumes.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 
 from rl_plugin.ray.cluster import Placement
-from rl_plugin.ray.train_actor import TrainActor
+from rl_plugin.ray.train_actor import FAULT_ENV, TrainActor
+
+# Driver environment variables handed to the train actors even when the Ray cluster (and its
+# workers' environment) predates this run.
+FORWARDED_ENV = (FAULT_ENV, "RL_PLUGIN_TRAIN_THREADS")
 
 
 class TrainActorError(RuntimeError):
@@ -29,8 +34,10 @@ class TrainGroup:
     def __init__(self, args, placement: Placement):
         self.world_size = placement.world_size
         remote_cls = ray.remote(TrainActor)
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        opts = {"runtime_env": {"env_vars": env}} if env else {}
         self.actors = [
-            remote_cls.options(**placement.train_options(r), name=None, max_restarts=0).remote(r, self.world_size)
+            remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(r, self.world_size)
             for r in range(self.world_size)
         ]
         addrs = self._wait([a.address.remote() for a in self.actors], "address")
