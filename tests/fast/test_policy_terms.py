@@ -87,3 +87,23 @@ def test_advantage_estimators():
         compute_advantages("grpo", torch.tensor([1.0, 0.0, float("nan")]), torch.tensor([0, 0, 0]))
     with pytest.raises(ValueError, match="--advantage-estimator"):
         compute_advantages("ppo", r, g)
+
+
+def test_gspo_padding_tokens_never_join_a_real_sample():
+    """Packed layouts may carry padding tokens (sample id outside [0, S)): they must not change any
+    sample's sequence ratio and must carry zero loss and zero gradient."""
+    lengths = [3, 2]
+    logp, old, _ = _tokens(5, seed=2)
+    adv = to_tokens(torch.tensor([1.0, -1.0], dtype=torch.float64), torch.tensor(lengths))
+    mask = torch.ones(5, dtype=torch.float64)
+    clean, _ = gspo_loss(logp, old, adv, mask, lengths, eps_clip=0.2)
+    pad_lp = torch.cat([logp, torch.tensor([5.0, -9.0], dtype=torch.float64)]).requires_grad_(True)
+    pad_old = torch.cat([old, torch.zeros(2, dtype=torch.float64)])
+    pad_adv = torch.cat([adv, torch.ones(2, dtype=torch.float64)])
+    pad_mask = torch.cat([mask, torch.ones(2, dtype=torch.float64)])  # even a mask of 1 must not leak
+    sids = torch.tensor([0, 0, 0, 1, 1, 2, -1])
+    loss, _ = gspo_loss(pad_lp, pad_old, pad_adv, pad_mask, eps_clip=0.2, sample_ids=sids, num_samples=2)
+    assert torch.equal(loss[:5].detach(), clean)
+    assert float(loss[5:].detach().abs().max()) == 0.0
+    loss.sum().backward()
+    assert float(pad_lp.grad[5:].abs().max()) == 0.0
