@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up the environment and run the main job.
-# Until the training loop lands, this validates the sample training shell's flags.
+# Set up the environment and run the main job: the embedded default (a tiny model learns a
+# synthetic digit-copy task with GRPO on the CPU; Megatron backend). Extra arguments are passed
+# to rl-plugin-train, e.g. `bash scripts/run_default.sh --train-backend fsdp`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
-exec "$VENV/bin/python" -m rl_plugin.arguments $(grep -v '^#' examples/cpu_tiny.flags | tr '\n' ' ')
+exec "$VENV/bin/rl-plugin-train" --train-backend megatron "$@"
