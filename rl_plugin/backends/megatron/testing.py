@@ -33,7 +33,8 @@ def synthetic_batch(*, seed: int = 0, num_prompts: int = 3, n_per_prompt: int = 
     resp = torch.randint(1, max_response + 1, (n,), generator=g)
     resp[min(1, n - 1)] = 1  # a one-token response
     total = prompt + resp
-    tokens = torch.randint(0, vocab, (int(total.sum()),), generator=g)
+    # ids from 1: HF embeddings give the pad row (id 0 in the tiny models) no gradient, megatron does
+    tokens = torch.randint(1, vocab, (int(total.sum()),), generator=g)
     r = int(resp.sum())
     mask = (torch.rand(r, generator=g) > 0.15).float()
     ends = torch.cumsum(resp, 0)
