@@ -55,10 +55,10 @@ def _tied_names(model) -> List[str]:
 
 class FSDPBackend(TrainBackend):
     def __init__(self, args):
-        if not dist.is_initialized():
-            raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         if not args.hf_checkpoint:
             raise ValueError("--train-backend fsdp needs --hf-checkpoint DIR (a Hugging Face model directory)")
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         from torch.distributed.device_mesh import init_device_mesh
 
         self.args = args
@@ -175,11 +175,14 @@ class FSDPBackend(TrainBackend):
 
     # -- weights and checkpoints ------------------------------------------------------------
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Full fp32 master weights under HF names on every rank (tied names included)."""
+        """Full fp32 master weights under HF names on every rank (tied names included).
+
+        Always copies: at DP=1 the all-gather of a one-shard DTensor returns the live parameter,
+        and a caller holding the dict across a step must not see it change."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        return {k: v.detach().cpu() for k, v in sd.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
 
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
