@@ -50,6 +50,22 @@ def check_context_parallel(args) -> None:
         )
 
 
+def check_world(world: int, tp: int, cp: int) -> None:
+    if world % (tp * cp):
+        raise MegatronSetupError(
+            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp}. Fix: launch a multiple of {tp * cp} training processes."
+        )
+
+
+def check_vocab(vocab_size: int, tp: int) -> None:
+    if vocab_size % tp:
+        raise MegatronSetupError(
+            f"--tensor-model-parallel-size {tp}: the vocabulary ({vocab_size}) is not divisible by it, and "
+            "padded vocab rows would enter the softmax. Fix: use a TP size that divides the vocab."
+        )
+
+
 def _group_or_none(group):
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
@@ -61,12 +77,7 @@ def init_parallel(args) -> ParallelState:
 
     tp = int(args.tensor_model_parallel_size)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    world = dist.get_world_size()
-    if world % (tp * cp):
-        raise MegatronSetupError(
-            f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--context-parallel-size {cp}. Fix: launch a multiple of {tp * cp} training processes."
-        )
+    check_world(dist.get_world_size(), tp, cp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
@@ -97,12 +108,7 @@ def build_model(args, hf_dir: str):
         context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
     )
     bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
-    tp = int(args.tensor_model_parallel_size)
-    if bridge.hf_config.vocab_size % tp:
-        raise MegatronSetupError(
-            f"--tensor-model-parallel-size {tp}: the vocabulary ({bridge.hf_config.vocab_size}) is not divisible "
-            "by it, and padded vocab rows would enter the softmax. Fix: use a TP size that divides the vocab."
-        )
+    check_vocab(bridge.hf_config.vocab_size, int(args.tensor_model_parallel_size))
     model = build_gpt_model(bridge)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

@@ -1,0 +1,44 @@
+"""Start-up rules of the Megatron backend: each raises naming the flag and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_plugin.backends.megatron import setup
+from rl_plugin.backends.megatron.bridge import transformer_engine_available
+from rl_plugin.backends.megatron.setup import MegatronSetupError
+from rl_plugin.backends.megatron.testing import make_args
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="transformer-engine is installed: CP is allowed")
+def test_context_parallel_without_transformer_engine_fails_loud():
+    args = make_args("--context-parallel-size", "2", world_size=2)
+    with pytest.raises(MegatronSetupError, match=r"--context-parallel-size 2.*transformer-engine.*--context-parallel-size 1"):
+        setup.check_context_parallel(args)
+
+
+def test_context_parallel_one_is_fine():
+    setup.check_context_parallel(make_args())
+
+
+def test_pipeline_parallel_is_rejected():
+    args = make_args("--pipeline-model-parallel-size", "2", world_size=2)
+    with pytest.raises(MegatronSetupError, match=r"--pipeline-model-parallel-size > 1 is not supported.*Fix"):
+        setup.check_context_parallel(args)
+
+
+def test_fp16_is_rejected_before_building():
+    with pytest.raises(MegatronSetupError, match=r"--fp16 is not supported.*--bf16"):
+        setup.build_model(make_args("--fp16"), "/nonexistent")
+
+
+def test_world_not_divisible_by_model_parallel():
+    with pytest.raises(MegatronSetupError, match=r"world size 3 is not a multiple of --tensor-model-parallel-size 2"):
+        setup.check_world(3, 2, 1)
+    setup.check_world(4, 2, 1)
+
+
+def test_vocab_not_divisible_by_tp():
+    with pytest.raises(MegatronSetupError, match=r"--tensor-model-parallel-size 2: the vocabulary \(127\)"):
+        setup.check_vocab(127, 2)
+    setup.check_vocab(128, 2)
