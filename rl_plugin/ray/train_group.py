@@ -20,6 +20,7 @@ from rl_plugin.ray.train_actor import FAULT_ENV, TrainActor
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
 # workers' environment) predates this run.
 FORWARDED_ENV = (FAULT_ENV, "RL_PLUGIN_TRAIN_THREADS")
+DEATH_GRACE_S = 30.0
 
 
 class TrainActorError(RuntimeError):
@@ -69,14 +70,30 @@ class TrainGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
-                rank = rank_of[ref]
                 try:
-                    results[rank] = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    raise TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank)) from None
-                except ray.exceptions.RayTaskError as exc:
-                    raise TrainActorError(rank, method, str(exc), died=False, info=self._info(rank)) from None
+                    results[rank_of[ref]] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                    raise self._root_cause(rank_of, ref, exc, pending, method) from None
         return [results[first_rank + r] for r in range(len(refs))]
+
+    def _root_cause(self, rank_of, ref, exc, pending, method: str) -> "TrainActorError":
+        """The error to report. When a rank dies, its peers usually fail first with a gloo/NCCL
+        "connection reset"; so on a raised error, give the other ranks a grace period and
+        report a dead actor if there is one (the raised error is kept in the message)."""
+        rank = rank_of[ref]
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank))
+        raised = TrainActorError(rank, method, str(exc), died=False, info=self._info(rank))
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S) if pending else ([], [])
+        for other in ready:
+            try:
+                ray.get(other)
+            except ray.exceptions.RayActorError as dead:
+                r = rank_of[other]
+                return TrainActorError(r, method, f"{_cause(dead)} [rank {rank} then failed: {_first_line(exc)}]", died=True, info=self._info(r))
+            except ray.exceptions.RayTaskError:
+                continue
+        return raised
 
     def _info(self, rank: int) -> Optional[Dict[str, Any]]:
         info = getattr(self, "info", None)
@@ -88,6 +105,11 @@ class TrainGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - best effort on teardown; the actor may be gone
                 pass
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
 
 
 def _cause(exc: Exception) -> str:
