@@ -30,13 +30,6 @@ def test_attn_implementation_only_for_fsdp():
     assert args.fsdp_attn_implementation == "eager"
 
 
-def test_backend_needs_hf_checkpoint():
-    from rl_plugin.backends.fsdp.backend import FSDPBackend
-
-    with pytest.raises(ValueError, match="--hf-checkpoint"):
-        FSDPBackend.from_args(parse_args(["--train-backend", "fsdp"]))
-
-
 def test_lr_schedule_is_megatrons():
     """Megatron's OptimizerParamScheduler values: warm-up from 0, then linear / cosine decay."""
     from rl_plugin.backends.fsdp.optim import megatron_lr

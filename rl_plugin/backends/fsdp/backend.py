@@ -45,6 +45,20 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _default_hf_checkpoint() -> str:
+    """The embedded tiny model (no --hf-checkpoint), at the path the Megatron backend uses, so
+    both backends start from the same weights; rank 0 writes it once."""
+    from pathlib import Path
+
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"
+    if dist.get_rank() == 0:
+        make_tiny_hf_checkpoint(path, "qwen2")
+    dist.barrier()
+    return str(path)
+
+
 def _tied_names(model) -> List[str]:
     """State-dict names that alias an earlier parameter (tied weights), e.g. ``lm_head.weight``."""
     seen, tied = set(), []
@@ -55,19 +69,18 @@ def _tied_names(model) -> List[str]:
 
 class FSDPBackend(TrainBackend):
     def __init__(self, args):
-        if not args.hf_checkpoint:
-            raise ValueError("--train-backend fsdp needs --hf-checkpoint DIR (a Hugging Face model directory)")
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         from torch.distributed.device_mesh import init_device_mesh
 
         self.args = args
+        self.hf_dir = args.hf_checkpoint or _default_hf_checkpoint()
         self.device = _device()
         world, rank = dist.get_world_size(), dist.get_rank()
         self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
         group = self.mesh.get_group("dp") if world > 1 else None
         self.parallel_state = ParallelState(dp_size=world, dp_rank=rank, dp_group=group, dp_cp_group=group)
-        self.cfg = LossConfig.from_args(args)
+        self.loss_config = LossConfig.from_args(args)
         self.attn_implementation = getattr(args, "fsdp_attn_implementation", "sdpa")
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -86,8 +99,9 @@ class FSDPBackend(TrainBackend):
     def _build_model(self, *, frozen: bool = False):
         from transformers import AutoConfig
 
-        self.hf_dtype = AutoConfig.from_pretrained(self.args.hf_checkpoint).dtype or torch.float32
-        model = load_hf_model(self.args.hf_checkpoint, attn_implementation=self.attn_implementation)
+        dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
+        self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
+        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
         if self.args.fp32_lm_head:
             install_fp32_lm_head(model)
         self.tied_names = _tied_names(model)
@@ -140,17 +154,17 @@ class FSDPBackend(TrainBackend):
                         self._idle_pass(model, backward=False)
                         continue
                     idx = plan[i]
-                    fb = ForwardBatch(batch.select(idx), qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len)
+                    fb = ForwardBatch(batch.select(idx), qkv_format=self.loss_config.qkv_format, max_seq_len=self.loss_config.max_seq_len)
                     rows = micro_batch_logits(model, fb, self.attn_implementation, self.device)
-                    logp, _ = log_probs_and_entropy(rows, fb.targets.to(self.device), temperature=self.cfg.temperature,
-                                                    chunk_size=self.cfg.logprob_chunk_size, with_entropy=False)
+                    logp, _ = log_probs_and_entropy(rows, fb.targets.to(self.device), temperature=self.loss_config.temperature,
+                                                    chunk_size=self.loss_config.logprob_chunk_size, with_entropy=False)
                     out[expand_runs(resp_off[idx], rl[idx])[fb.layout.resp_index]] = logp.float().cpu()
         finally:
             model.train(was_training)
         return out
 
     def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
-        cfg = self.cfg
+        cfg = self.loss_config
         ctx = prepare_step(batch, cfg, self.parallel_state, num_groups=num_groups)
         plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
         for i in range(self._num_passes(plan)):
@@ -187,7 +201,7 @@ class FSDPBackend(TrainBackend):
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
         state = self.export_hf_state_dict()
-        ckpt.write_hf_dir(out_dir, state, self.model.config, source_dir=self.args.hf_checkpoint,
+        ckpt.write_hf_dir(out_dir, state, self.model.config, source_dir=self.hf_dir,
                           tied_keys=self.tied_names, dtype=self.hf_dtype)
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:

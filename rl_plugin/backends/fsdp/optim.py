@@ -1,8 +1,9 @@
 """Optimizer, learning-rate schedule and gradient clipping of the FSDP backend.
 
 - AdamW over the sharded fp32 master parameters (DTensors), hyper-parameters from Megatron-LM's
-  flags (``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``). As in Megatron-LM,
-  biases and 1-D parameters (norms) get no weight decay.
+  flags (``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``); ``--optimizer sgd``
+  gives SGD with ``--sgd-momentum``. As in Megatron-LM, biases and 1-D parameters (norms) get no
+  weight decay.
 - ``megatron_lr(step)``: Megatron's ``OptimizerParamScheduler`` learning rate (linear warm-up from
   0 over ``--lr-warmup-iters``, then ``--lr-decay-style`` down to ``--min-lr`` at
   ``--lr-decay-iters``), evaluated at the number of optimizer steps already taken, so the first
@@ -31,6 +32,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 
 
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    """AdamW, or SGD with ``--optimizer sgd`` (Megatron-LM's flag: momentum ``--sgd-momentum``)."""
+    if getattr(args, "optimizer", "adam") == "sgd":
+        return torch.optim.SGD(param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
+                               momentum=float(args.sgd_momentum), foreach=False)
     return torch.optim.AdamW(
         param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
