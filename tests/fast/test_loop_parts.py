@@ -1,0 +1,118 @@
+"""Driver pieces without Ray: rollout -> step planning, weight-sync check, checkpoint tracker,
+metrics logging and the reward plot, argument defaults of the embedded run."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl_plugin.arguments import RLArgumentError
+from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
+from rl_plugin.loop.driver import WeightSyncError, compare_fingerprints
+from rl_plugin.loop.logger import MetricsLogger, read_metrics
+from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
+from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.rollout.manager import RolloutData, weights_fingerprint
+from rl_plugin.train import parse_train_args
+
+
+def _rollout(num_groups=3, n=4):
+    g = torch.Generator().manual_seed(0)
+    s = num_groups * n
+    rl = torch.randint(1, 5, (s,), generator=g)
+    tl = rl + 3
+    return RolloutData(
+        tokens=torch.randint(0, 16, (int(tl.sum()),), generator=g), total_lengths=tl, response_lengths=rl,
+        rollout_log_probs=-torch.rand(int(rl.sum()), generator=g), rewards=torch.rand(s, generator=g),
+        group_ids=torch.arange(num_groups).repeat_interleave(n), num_groups=num_groups,
+    )
+
+
+def test_rollout_batch_advantages_over_whole_groups():
+    data = _rollout()
+    b = rollout_batch(data, "grpo")
+    per_sample = b.advantages[torch.cumsum(b.response_lengths, 0) - 1]  # last token of each sample
+    for gid in range(3):
+        r = data.rewards[data.group_ids == gid]
+        ref = (r - r.mean()) / (r.std() + 1e-6)
+        torch.testing.assert_close(per_sample[data.group_ids == gid], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_global_batch_steps_split_over_dp_with_step_local_groups():
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    plans = plan_global_batch_steps(b, global_batch_size=6, dp_size=2)  # 2 steps, 3 + 3 per rank
+    assert [p.step_bounds for p in plans] == [[(0, 3), (3, 6)], [(0, 3), (3, 6)]]
+    assert plans[0].step_num_groups == [2, 2]  # step 0: groups 0,1; step 1: groups 1,2
+    # rank 0 holds samples 0-2 and 6-8, rank 1 3-5 and 9-11; group ids renumbered per step
+    assert plans[0].batch.group_ids.tolist() == [0, 0, 0, 0, 0, 1] and plans[1].batch.group_ids.tolist() == [0, 1, 1, 1, 1, 1]
+    assert torch.equal(plans[1].batch.tokens, b.select(torch.tensor([3, 4, 5, 9, 10, 11])).tokens)
+    assert sum(p.batch.num_samples for p in plans) == 12
+
+
+def test_global_batch_must_divide_the_rollout():
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")
+    with pytest.raises(RLArgumentError, match=r"--global-batch-size 5: a rollout of --rollout-batch-size x --n-samples-per-prompt = 12 samples"):
+        plan_global_batch_steps(b, global_batch_size=5, dp_size=1)
+
+
+def test_docs_per_step_split_is_contiguous():
+    b = rollout_batch(_rollout(num_groups=2, n=3), "grpo")
+    parts = split_rollout_for_dp(b, 4)
+    assert [p.num_samples for p in parts] == [2, 2, 1, 1]
+    assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)
+
+
+def test_weight_sync_check_names_the_tensor():
+    sd = {"a.weight": torch.ones(3), "b.weight": torch.zeros(2)}
+    fp = weights_fingerprint(sd)
+    compare_fingerprints(fp, dict(fp))  # equal: no error
+    bad = weights_fingerprint({"a.weight": torch.ones(3), "b.weight": torch.tensor([0.0, 1e-30])})
+    with pytest.raises(WeightSyncError, match=r"rollout weights differ from the trainer's at 'b.weight'"):
+        compare_fingerprints(fp, bad)
+    with pytest.raises(WeightSyncError, match=r"has no tensor 'c'"):
+        compare_fingerprints({**fp, "c": "x"}, fp)
+
+
+def test_checkpoint_tracker(tmp_path):
+    assert latest_step(tmp_path) is None
+    write_tracker(tmp_path, 12)
+    assert latest_step(tmp_path) == 12 and step_dir(tmp_path, 12).endswith("iter_0000012")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(ValueError, match="holds 'release', not a step number"):
+        latest_step(tmp_path)
+
+
+def test_metrics_are_appended_never_truncated_and_plotted(tmp_path):
+    args = SimpleNamespace(tensorboard_dir=str(tmp_path / "tb"), use_wandb=False, wandb_project="x")
+    path = tmp_path / "m" / "metrics.jsonl"
+    log = MetricsLogger(args, str(path))
+    log.log(1, {"rollout_id": 0, "reward_mean": 0.1, "loss": float("nan")}, {"time/train": 0.5})
+    log.close()
+    log = MetricsLogger(args, str(path))  # a resumed run
+    log.log(2, {"rollout_id": 1, "reward_mean": 0.4})
+    log.log(2, {"rollout_id": 1, "eval/reward_mean": 0.3})
+    log.close()
+    rows = read_metrics(path)
+    assert [r["step"] for r in rows] == [1, 2, 2] and rows[0]["loss"] == "nan"
+    assert json.loads((tmp_path / "m" / "metrics.timings.jsonl").read_text())["time/train"] == 0.5
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert reward_by_rollout(path) == ({0: 0.1, 1: 0.4}, {1: 0.3})
+    png = plot_reward_curve(path, tmp_path / "curve.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_embedded_defaults_apply_only_without_prompt_data():
+    a = parse_train_args(["--train-backend", "fsdp"])
+    assert (a.num_rollout, a.rollout_batch_size, a.lr, a.rm_type) == (300, 16, 3e-3, "digit_match")
+    assert parse_train_args(["--lr", "1e-4"]).lr == 1e-4  # an explicit flag wins
+    b = parse_train_args(["--prompt-data", "p.jsonl", "--rollout-batch-size", "2", "--rollout-max-response-len", "8",
+                          "--num-rollout", "1", "--rm-type", "math_exact"])
+    assert b.lr == 1e-6 and b.eval_interval is None  # Megatron-LM's defaults, not the embedded ones
+
+
+def test_train_main_exits_2_on_bad_flags(capsys):
+    from rl_plugin.train import main
+
+    assert main(["--colocate", "--rollout-num-gpus", "2"]) == 2
+    assert "--colocate with --rollout-num-gpus" in capsys.readouterr().err
