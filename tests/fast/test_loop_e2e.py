@@ -112,3 +112,18 @@ def test_megatron_resume_continues_identically(runs_a, tmp_path):
     resumed = [r for r in _lines(d / "metrics.jsonl")]
     full = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if r["step"] > 2]
     assert resumed == full
+
+
+def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
+    """--docs-per-step (steps planned by the train actors, collective over DP), --use-kl-loss
+    (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend."""
+    flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--docs-per-step", "6",
+             "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.1",
+             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync"]
+    assert main(["--train-backend", "megatron", "--output-dir", str(tmp_path), *flags]) == 0
+    rows = [r for r in _lines(tmp_path / "metrics.jsonl") if "loss" in r]
+    # 16 samples, 8 per DP rank in micro-batches of 2: rounds of 4 documents, a step closes at >= 6
+    assert [r["samples"] for r in rows] == [8.0, 8.0]
+    assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
+    assert rows[1]["kl_loss"] > 0  # the first step moved the policy away from the reference
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
