@@ -54,7 +54,8 @@ class RolloutManager:
         torch.set_num_threads(1)
         self.args = args
         self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=args.apply_chat_template)
-        self.engine = make_engine(args.rollout_engine, checkpoint_dir)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
+        self.engine = make_engine(args.rollout_engine, checkpoint_dir, device=device)
         self.reward_fn = load_reward_fn(args.rm_type, args.custom_rm_path)
         self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
         self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None

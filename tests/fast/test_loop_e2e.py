@@ -127,3 +127,17 @@ def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
     assert rows[1]["kl_loss"] > 0  # the first step moved the policy away from the reference
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_megatron_tp2_same_rollout_and_first_step_as_dp2(runs_a, tmp_path):
+    """Same seed, other layout (TP=2 x DP=1 instead of DP=2): identical first rollout, the same
+    step-1 loss and grad norm; the TP-sharded weights export and sync (checked) to the rollout."""
+    d = tmp_path / "tp2"
+    assert _run("megatron", d, "--tensor-model-parallel-size", "2", "--num-rollout", "2") == 0
+    tp = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
+    dp = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r]
+    assert len(tp) == 4
+    for key in ("reward_mean", "reward_max", "response_len_mean", "tokens", "advantage_max", "advantage_min"):
+        assert tp[0][key] == dp[0][key], key
+    for key in ("loss", "pg_loss", "grad_norm", "old_log_prob"):
+        assert tp[0][key] == pytest.approx(dp[0][key], rel=1e-5, abs=1e-7), key
