@@ -47,6 +47,18 @@ def compare_fingerprints(trainer: Dict[str, str], rollout: Dict[str, str]) -> No
             )
 
 
+def _keep_previous(metrics_file: Path) -> None:
+    """A fresh (not resumed) run starts a new metrics file; an earlier run's files are renamed
+    to ``*.prev<N>``, never deleted. A resumed run appends instead."""
+    for path in (metrics_file, metrics_file.with_name(metrics_file.stem + ".timings.jsonl")):
+        if path.exists() and path.stat().st_size > 0:
+            n = 1
+            while path.with_name(f"{path.name}.prev{n}").exists():
+                n += 1
+            path.rename(path.with_name(f"{path.name}.prev{n}"))
+            print(f"{path} exists from an earlier run: kept as {path.name}.prev{n}", flush=True)
+
+
 class Driver:
     def __init__(self, args):
         self.args = args
@@ -137,6 +149,8 @@ class Driver:
         try:
             self._start()
             self._resume()
+            if self.step == 0:
+                _keep_previous(self.metrics_file)
             self.sync_weights()
             logger = MetricsLogger(a, str(self.metrics_file))
             bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)

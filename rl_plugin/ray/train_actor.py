@@ -150,15 +150,13 @@ def _plain(v):
 
 
 def _mean_abs_diff(batch: StepBatch, start: int, end: int) -> float:
-    """Mean |trainer old log-prob - sampler log-prob| over the step's response tokens: ~0 when
-    the trainer and the rollout engine compute the same distribution."""
-    if batch.rollout_log_probs is None or batch.old_log_probs is None:
+    """Mean |trainer old log-prob - sampler log-prob| over the response tokens of samples
+    ``[start, end)`` (this rank's share of a step): ~0 when the trainer and the rollout engine
+    compute the same distribution (a rank-0 diagnostic, not reduced over ranks)."""
+    if batch.rollout_log_probs is None or batch.old_log_probs is None or end <= start:
         return float("nan")
-    from rl_plugin.cp import exclusive_cumsum
-
-    rl = batch.response_lengths.long()
-    off = exclusive_cumsum(rl)
-    a, b = int(off[start]) if start < rl.numel() else int(rl.sum()), int(off[end - 1] + rl[end - 1]) if end > start else 0
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(batch.response_lengths.long(), 0)])
+    a, b = int(bounds[start]), int(bounds[end])
     if b <= a:
         return 0.0
     return float((batch.old_log_probs[a:b] - batch.rollout_log_probs[a:b]).abs().mean())

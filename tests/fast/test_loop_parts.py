@@ -116,3 +116,17 @@ def test_train_main_exits_2_on_bad_flags(capsys):
 
     assert main(["--colocate", "--rollout-num-gpus", "2"]) == 2
     assert "--colocate with --rollout-num-gpus" in capsys.readouterr().err
+
+
+def test_fresh_run_keeps_an_earlier_metrics_file(tmp_path):
+    from rl_plugin.loop.driver import _keep_previous
+
+    m = tmp_path / "metrics.jsonl"
+    _keep_previous(m)  # nothing there: nothing to do
+    for text in ("old 1\n", "old 2\n"):
+        m.write_text(text)
+        (tmp_path / "metrics.timings.jsonl").write_text(text)
+        _keep_previous(m)
+    assert not m.exists()
+    assert (tmp_path / "metrics.jsonl.prev1").read_text() == "old 1\n" and (tmp_path / "metrics.jsonl.prev2").read_text() == "old 2\n"
+    assert (tmp_path / "metrics.timings.jsonl.prev2").read_text() == "old 2\n"
