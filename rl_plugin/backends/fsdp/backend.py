@@ -164,10 +164,15 @@ class FSDPBackend(TrainBackend):
         return out
 
     def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
+        """One step (module docstring). ``micro_batches``: sample-index tensors (default: the
+        ``--micro-batch-size`` / token-budget plan). Reports J and the metrics, ``grad_norm``
+        (before clipping), ``lr`` (the rate this step used) and ``num_micro_batches`` (passes
+        per rank), identical on every rank."""
         cfg = self.loss_config
         ctx = prepare_step(batch, cfg, self.parallel_state, num_groups=num_groups)
         plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
-        for i in range(self._num_passes(plan)):
+        passes = self._num_passes(plan)
+        for i in range(passes):
             if i >= len(plan):
                 self._idle_pass(self.model, backward=True)
                 continue
@@ -184,7 +189,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer_steps += 1
         set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
         report = ctx.finish()
-        report.update(grad_norm=norm, lr=lr)
+        report.update(grad_norm=norm, lr=lr, num_micro_batches=float(passes))
         return report
 
     # -- weights and checkpoints ------------------------------------------------------------
