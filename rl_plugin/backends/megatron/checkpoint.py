@@ -56,6 +56,31 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _mark_unpadded(param_state: Dict) -> Dict:
+    """megatron-core 0.16.1: ``get_parameter_state_dp_reshardable`` (distrib_optimizer.py l. 942)
+    writes bucket entries without the ``padding`` key that ``load_parameter_state_from_dp_reshardable``
+    (l. 1790) filters on (only the dist_checkpointing path adds it). Every entry it writes is a
+    real parameter, so mark them unpadded."""
+    for key, dtype_state in param_state.items():
+        if isinstance(key, int):
+            for buckets in dtype_state.values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem.setdefault("padding", False)
+    return param_state
+
+
+def _unalias_step_tensors(opt) -> None:
+    """megatron-core 0.16.1 ``DistributedOptimizer.load_state_dict`` gives every parameter of a
+    group the SAME ``step`` tensor object; torch Adam then increments it once per parameter per
+    step, and the bias correction of a resumed run drifts (found by the resume test). Give each
+    parameter its own copy before the per-parameter values are loaded."""
+    inner = getattr(opt, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 def _layout(ps: ParallelState) -> Dict[str, int]:
     return {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size}
 
@@ -105,7 +130,9 @@ def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[s
     for opt, sd, param_state in zip(_optimizers(optimizer), state["optimizer"], state["optimizer_param_state"]):
         opt.load_state_dict(sd)
         if param_state is not None:
-            opt.load_parameter_state_from_dp_reshardable(param_state)
+            _unalias_step_tensors(opt)
+            with torch.no_grad():  # fp32 params: the main param is a view of the model param
+                opt.load_parameter_state_from_dp_reshardable(_mark_unpadded(param_state))
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return {"step": state["step"], "extra": state["extra"]}
