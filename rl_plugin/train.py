@@ -45,7 +45,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         Driver(args).run()
-    except (LoopError, RLArgumentError) as exc:
+    except RLArgumentError as exc:  # a flag problem found once paths or the world are known
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    except LoopError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     return 0

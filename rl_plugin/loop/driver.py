@@ -21,7 +21,7 @@ from rl_plugin.loop.logger import MetricsLogger
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
-from rl_plugin.ray.rollout_actor import create_rollout_manager
+from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
@@ -159,6 +159,8 @@ class Driver:
             bar.close()
         except TrainActorError as exc:
             raise LoopError(f"{exc}. {self._resume_hint()}") from None
+        except RolloutSetupError as exc:
+            raise LoopError(str(exc)) from None
         finally:
             if logger is not None:
                 logger.close()
@@ -199,7 +201,8 @@ class Driver:
         if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
             ev = ray.get(self.rollout.evaluate.remote(k))
             logger.log(self.step, {"rollout_id": k, **ev})
-        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", step_s=f"{time.perf_counter() - t0:.2f}", step=self.step)
+        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", train_step_s=f"{t_train / max(len(reports), 1):.2f}",
+                        rollout_s=f"{time.perf_counter() - t0:.2f}", step=self.step)
         bar.update(1)
 
     def _resume_hint(self) -> str:

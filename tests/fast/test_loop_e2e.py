@@ -15,12 +15,14 @@ backend, run A is uninterrupted (3 rollouts x 2 optimizer steps, checkpoint ever
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from rl_plugin.loop.checkpoint import latest_step, write_tracker  # noqa: E402
+from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 
@@ -141,3 +143,15 @@ def test_megatron_tp2_same_rollout_and_first_step_as_dp2(runs_a, tmp_path):
         assert tp[0][key] == dp[0][key], key
     for key in ("loss", "pg_loss", "grad_norm", "old_log_prob"):
         assert tp[0][key] == pytest.approx(dp[0][key], rel=1e-5, abs=1e-7), key
+
+
+def test_bad_prompt_file_is_named(ray_cluster, tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "12=", "label": "12"}\n{oops\n')
+    argv = ["--train-backend", "fsdp", "--prompt-data", str(data), "--rollout-batch-size", "1", "--rollout-max-response-len", "4",
+            "--num-rollout", "1", "--rm-type", "digit_match", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"]
+    assert main(argv) == 2  # no --hf-checkpoint: caught before Ray starts
+    model = str(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])))
+    assert main(argv + ["--hf-checkpoint", model]) == 1
+    err = capsys.readouterr().err
+    assert f"the rollout manager could not start: ValueError: {data}:2: not valid JSON" in err, err
