@@ -3,7 +3,8 @@
 DP=2 on gloo: model, AdamW moments, the LR schedule position, RNG and the step come back, so the
 resumed step 2 equals the uninterrupted one bit for bit (loss, grad norm, lr, every weight), and
 each rank's RNG stream continues where it was. The same checkpoint loads on DP=1 (DCP reshards)
-and gives the same step 2 within fp32 reduction-order error. ``--save-hf`` writes a directory
+and gives the same step 2 within fp32 reduction-order error (saved and loaded in the loop's form,
+``save_checkpoint(<save>/iter_0000001)``, the files straight in that directory). ``--save-hf`` writes a directory
 that ``AutoModelForCausalLM.from_pretrained`` loads with the trained weights.
 """
 
@@ -33,6 +34,7 @@ def uninterrupted(rank, world, ckpt, save_root, save_hf):
     backend.train_step(local_batch(1, rank, world), num_groups=3)
     step1 = backend.export_hf_state_dict()
     backend.save_checkpoint(save_root, step=1, extra={"rollout_id": 5})
+    backend.save_checkpoint(f"{save_root}_loop/iter_0000001", step=1, extra={"rollout_id": 5})  # the loop's form
     rng_after_save = torch.rand(4)
     report = backend.train_step(local_batch(2, rank, world), num_groups=3)
     return dict(step1=step1, rng=rng_after_save, report=report, weights=backend.export_hf_state_dict())
@@ -56,7 +58,10 @@ def runs(tmp_path_factory):
     save_root, save_hf = str(root / "save"), str(root / "hf")
     first = run_world(uninterrupted, 2, ckpt, str(save_root), save_hf)
     again = run_world(resumed, 2, ckpt, str(save_root))
-    dp1 = run_world(resumed, 1, ckpt, str(save_root))
+    dp1 = run_world(resumed, 1, ckpt, f"{save_root}_loop/iter_0000001")
+    loop_dir = root / "save_loop"
+    assert (loop_dir / "iter_0000001" / "meta.pt").exists() and not (loop_dir / "latest_checkpointed_iteration.txt").exists()
+    assert not (loop_dir / "iter_0000001" / "iter_0000001").exists()  # not nested
     return first, again, dp1, save_hf
 
 
@@ -76,6 +81,7 @@ def test_resume_continues_identically(runs):
 
 def test_dp2_checkpoint_loads_on_dp1(runs):
     first, _, dp1, _ = runs
+    assert dp1[0]["meta"] == {"step": 1, "extra": {"rollout_id": 5}}
     a, b = first[0], dp1[0]
     for key in ("loss", "grad_norm", "lr"):
         assert math.isclose(a["report"][key], b["report"][key], rel_tol=1e-5), key

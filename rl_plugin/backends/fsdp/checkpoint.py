@@ -7,6 +7,10 @@ Layout of ``--save DIR`` (Megatron-LM's tracker name, so tooling that reads it k
     DIR/iter_0000003/rng_rank{r}.pt            per-rank RNG (python, numpy, torch CPU, CUDA)
     DIR/iter_0000003/meta.pt                   {"step", "extra" (the loop's state), "backend"}, rank 0
 
+When ``path`` already is the step's directory (its name is ``iter_{step:07d}``, as the loop's
+``rl_plugin.loop.checkpoint.step_dir`` passes it), the files go straight into it and no tracker is
+written (the loop writes its own once every rank returned). ``load`` accepts either form.
+
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
 DP=1. ``write_hf_dir`` writes full (all-gathered) weights as ``model.safetensors`` with the
 model's config (tied duplicates dropped, as ``save_pretrained`` does), stored in the
@@ -64,7 +68,8 @@ def save(root: str, model, optimizer, *, step: int, extra: Optional[Dict[str, An
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    out = iter_dir(root, step)
+    as_step_dir = Path(root).name == iter_dir(root, step).name
+    out = Path(root) if as_step_dir else iter_dir(root, step)
     if _rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     _barrier()
@@ -74,7 +79,7 @@ def save(root: str, model, optimizer, *, step: int, extra: Optional[Dict[str, An
     if _rank() == 0:
         torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, out / "meta.pt")
     _barrier()
-    if _rank() == 0:
+    if _rank() == 0 and not as_step_dir:
         tmp = Path(root) / (TRACKER + ".tmp")
         tmp.write_text(str(int(step)))
         os.replace(tmp, Path(root) / TRACKER)  # atomic: a crash never leaves a half-written pointer
