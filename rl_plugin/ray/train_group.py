@@ -113,7 +113,10 @@ def _first_line(exc: Exception) -> str:
 
 
 def _cause(exc: Exception) -> str:
-    """Ray's death cause, first lines only (the rest is Ray's generic advice)."""
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return " ".join(lines[:4])
+    """Ray's death cause: its first line plus the "dead because" / worker-exit lines (exit type
+    and detail: killed, OOM, segfault, connection lost), without Ray's generic advice."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    keep = lines[:1] + [ln for ln in lines[1:] if "dead because" in ln or "exit type" in ln.lower() or "exit detail" in ln.lower()]
+    text = " ".join(keep)
+    cut = text.find(" Some common causes")
+    return text[:cut] if cut > 0 else text[:600]
