@@ -21,7 +21,7 @@ from rl_plugin.loop.logger import MetricsLogger
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
-from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager
+from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
@@ -101,10 +101,18 @@ class Driver:
         extra = metas[0]["extra"]
         self.step = int(metas[0]["step"])
         self.start_rollout = int(extra["rollout_id"])
-        ray.get(self.rollout.load_state_dict.remote(extra["rollout_state"]))
+        self._rollout_call("load_state_dict", extra["rollout_state"])
         print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
 
     # -- pieces of a rollout -------------------------------------------------------------------
+    def _rollout_call(self, method: str, *args):
+        """A rollout-manager call; its failure (a raised error or a dead actor) ends the run
+        with the remote error line instead of a Ray traceback."""
+        try:
+            return ray.get(getattr(self.rollout, method).remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
+
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
         refs = self.group.call("export_weights", return_refs=True)
@@ -115,7 +123,7 @@ class Driver:
             raise LoopError(f"weight sync failed (train rank 0 export or rollout update): {exc}") from None
         if self.args.check_weight_sync:
             trainer = self.group.call("weights_fingerprint")[0]
-            compare_fingerprints(trainer, ray.get(self.rollout.weights_fingerprint.remote()))
+            compare_fingerprints(trainer, self._rollout_call("weights_fingerprint"))
         return time.perf_counter() - t0
 
     def train_rollout(self, data) -> List[Dict[str, Any]]:
@@ -134,7 +142,7 @@ class Driver:
 
     def save(self, rollout_id: int) -> None:
         a = self.args
-        extra = {"rollout_id": rollout_id + 1, "rollout_state": ray.get(self.rollout.state_dict.remote())}
+        extra = {"rollout_id": rollout_id + 1, "rollout_state": self._rollout_call("state_dict")}
         path = step_dir(a.save, self.step)
         self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
         write_tracker(a.save, self.step)  # only once every rank has finished writing
@@ -182,7 +190,7 @@ class Driver:
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
         a = self.args
         t0 = time.perf_counter()
-        data = ray.get(self.rollout.generate.remote(k))
+        data = self._rollout_call("generate", k)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = self.train_rollout(data)
@@ -199,7 +207,7 @@ class Driver:
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
             self.save(k)
         if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
-            ev = ray.get(self.rollout.evaluate.remote(k))
+            ev = self._rollout_call("evaluate", k)
             logger.log(self.step, {"rollout_id": k, **ev})
         bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", train_step_s=f"{t_train / max(len(reports), 1):.2f}",
                         rollout_s=f"{time.perf_counter() - t0:.2f}", step=self.step)

@@ -155,3 +155,18 @@ def test_bad_prompt_file_is_named(ray_cluster, tmp_path, capsys):
     assert main(argv + ["--hf-checkpoint", model]) == 1
     err = capsys.readouterr().err
     assert f"the rollout manager could not start: ValueError: {data}:2: not valid JSON" in err, err
+
+
+def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
+    """A custom reward returning NaN stops the run at the first rollout, naming the sample."""
+    rm = tmp_path / "rm.py"
+    rm.write_text("def reward(prompt, response, label):\n    return float('nan') if prompt.startswith('9') else 0.5\n")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "12=", "label": "12"}\n{"prompt": "93=", "label": "93"}\n')
+    model = str(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])))
+    argv = ["--train-backend", "fsdp", "--hf-checkpoint", model, "--prompt-data", str(data), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3", "--num-rollout", "1",
+            "--custom-rm-path", f"{rm}:reward", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response" in err, err
