@@ -57,3 +57,17 @@ def parse(flags):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def alone_log_probs(model, batch) -> torch.Tensor:
+    """Each sample alone, plain HF forward (no mask, no packing), log-probs of its response."""
+    out, start = [], 0
+    for t, r in zip(batch.total_lengths.tolist(), batch.response_lengths.tolist()):
+        ids = batch.tokens[start:start + t]
+        start += t
+        if r == 0:
+            continue
+        logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
+        rows = logits[t - r - 1:t - 1]
+        out.append(torch.log_softmax(rows.double(), -1).gather(1, ids[t - r:].view(-1, 1)).squeeze(1))
+    return torch.cat(out)

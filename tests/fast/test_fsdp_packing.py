@@ -15,23 +15,9 @@ import torch
 from rl_plugin.backends.fsdp.model import load_hf_model
 from rl_plugin.backends.fsdp.packing import ForwardBatch, micro_batch_logits, model_inputs, packed_causal_mask
 from rl_plugin.loss import log_probs_and_entropy
-from tests.fast.fsdp_common import make_step, rel_err, step_batch, tiny_checkpoint
+from tests.fast.fsdp_common import alone_log_probs, make_step, rel_err, step_batch, tiny_checkpoint
 
 CPU = torch.device("cpu")
-
-
-def alone_log_probs(model, batch) -> torch.Tensor:
-    """Each sample alone, plain HF forward (no mask, no packing), log-probs of its response."""
-    out, start = [], 0
-    for t, r in zip(batch.total_lengths.tolist(), batch.response_lengths.tolist()):
-        ids = batch.tokens[start:start + t]
-        start += t
-        if r == 0:
-            continue
-        logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
-        rows = logits[t - r - 1:t - 1]
-        out.append(torch.log_softmax(rows.double(), -1).gather(1, ids[t - r:].view(-1, 1)).squeeze(1))
-    return torch.cat(out)
 
 
 def packed_log_probs(model, batch, impl, qkv_format="thd") -> torch.Tensor:

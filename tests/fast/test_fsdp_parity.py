@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.fast import reference as ref
-from tests.fast.fsdp_common import fsdp_flags, make_step, parse, rel_err, step_batch, tiny_checkpoint
+from tests.fast.fsdp_common import alone_log_probs, fsdp_flags, make_step, parse, rel_err, step_batch, tiny_checkpoint
 from tests.fast.harness import run_world
 
 EPS, EPS_HIGH, DUAL_C, DIVISOR, KL_COEF, ENT_COEF = 0.2, 0.28, 3.0, 8.0, 0.1, 0.01
@@ -42,7 +42,6 @@ COMMON = ["--adam-eps", "1e-2", "--lr", "0.1"]
 
 def with_policy_log_probs(ckpt: str, step: dict) -> dict:
     """Old / reference log-probs = the model's own log-probs + fixed noise (ratios near 1, some clipped)."""
-    from tests.fast.test_fsdp_packing import alone_log_probs
     from rl_plugin.backends.fsdp.model import load_hf_model
 
     model = load_hf_model(ckpt, attn_implementation="eager").eval()
@@ -73,7 +72,6 @@ def worker(rank, world, ckpt, step):
 
 def reference_step(ckpt: str, step: dict, cname: str):
     """(J, grad norm, log-probs) by autograd through the unsharded HF model, loops per sample."""
-    from tests.fast.test_fsdp_packing import alone_log_probs
     from rl_plugin.backends.fsdp.model import load_hf_model
 
     model = load_hf_model(ckpt, attn_implementation="eager")
