@@ -1,4 +1,5 @@
-"""mbridge conversion: HF -> megatron-core -> HF bit-exact, logits equal the HF model, and the two
+"""mbridge conversion: HF -> megatron-core -> HF bit-exact (in memory and through ``--save-hf``),
+logits equal the HF model, and the two
 mbridge workarounds in ``bridge.py`` are still needed and still work.
 
 If a workaround test fails with "no longer needed", mbridge / transformers fixed it upstream:
@@ -68,7 +69,7 @@ def test_local_spec_names_workaround_still_needed_and_works(family):
 
 
 # -- round trip and logits, in real processes --------------------------------------------------
-def _roundtrip_worker(rank, world, tp, hf_dir):
+def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
     from transformers import AutoModelForCausalLM
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
@@ -101,13 +102,18 @@ def _roundtrip_worker(rank, world, tp, hf_dir):
             z_ref = hf(ids).logits
             z_bshd = gpt(ids, torch.arange(ids.shape[1])[None], None)
         logits_diff = float((z_bshd - z_ref).abs().max())
-    return same_keys, max_diff, logp_diff, logits_diff
+    # --save-hf: a directory transformers loads back, bit-exact.
+    backend.save_hf(save_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
+    save_diff = max(float((reloaded[k] - ref_sd[k]).abs().max()) for k in ref_sd)
+    return same_keys, max_diff, logp_diff, logits_diff, save_diff
 
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 1), ("qwen2", 2)])
-def test_hf_roundtrip_bit_exact_and_logits_match(tiny_dirs, family, tp):
-    results = run_world(_roundtrip_worker, tp, tp, tiny_dirs[family])
-    for same_keys, max_diff, logp_diff, logits_diff in results:
+def test_hf_roundtrip_bit_exact_and_logits_match(tiny_dirs, family, tp, tmp_path):
+    results = run_world(_roundtrip_worker, tp, tp, tiny_dirs[family], str(tmp_path / "saved_hf"))
+    for same_keys, max_diff, logp_diff, logits_diff, save_diff in results:
+        assert save_diff == 0.0, f"--save-hf output differs: {save_diff}"
         assert same_keys
         assert max_diff == 0.0, f"round trip is not bit-exact: {max_diff}"
         assert logp_diff < 1e-5, logp_diff

@@ -106,7 +106,13 @@ class MegatronBackend(TrainBackend):
                         ps=self.parallel_state, extra=extra)
         save_hf = getattr(self.args, "save_hf", None)
         if save_hf:
-            self.bridge.save_weights([self.model], save_hf)
+            self.save_hf(save_hf)
+
+    def save_hf(self, path: str) -> None:
+        """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
+        collective (TP shards are gathered)."""
+        self.bridge.save_weights([self.model], path)
+        dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         return checkpoint.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
