@@ -19,9 +19,10 @@ megatron-core 0.16.1 scales what we return twice:
   scaled by ``1 / dp_cp_size`` (``distributed_data_parallel.py`` l. 174-191).
 
 So the applied gradient is ``sum_ranks d(returned)/dtheta * cp / (M * dp * cp)``, and
-``CANCEL = M * dp_size`` makes it ``sum_ranks d(objective)/dtheta = dJ/dtheta``. (M is the same
-on every DP rank: ``plan_micro_batches`` equalises it.) The reported loss is ``ctx.finish()``'s
-J, never the schedule's (divided, in-place) loss tensor.
+``CANCEL = M * dp_size`` makes it ``sum_ranks d(objective)/dtheta = dJ/dtheta``. M is each
+rank's OWN micro-batch count, so DP ranks may run different counts (uneven shards, a rank with no
+sample: it runs one empty micro-batch); with PP = 1 nothing else requires equal counts. The
+reported loss is ``ctx.finish()``'s J, never the schedule's (divided, in-place) loss tensor.
 """
 
 from __future__ import annotations
