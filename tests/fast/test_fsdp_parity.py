@@ -2,8 +2,8 @@
 single-process reference (real FSDP2 on gloo, tiny Qwen2, fp32).
 
 Layouts: DP=1 with one micro-batch and with --micro-batch-size 2; DP=2 (samples split 5/4, a
-prompt group straddling the ranks, so rank 1 runs an idle pass) with --micro-batch-size 1 and
-with a token budget. For every --loss-aggregation mode with PPO clip, GSPO (token_mean) and
+prompt group straddling the ranks, so rank 1 runs an idle pass) with --micro-batch-size 1, with
+a token budget, and padded bshd rows (--qkv-format bshd, --micro-batch-size 3). For every --loss-aggregation mode with PPO clip, GSPO (token_mean) and
 PPO dual clip with the KL + entropy terms: step-1 loss (J), grad norm, every metric, the per-token log-probs and the
 weight update (after AdamW) agree within rel 1e-5; J and the grad norm also equal an autograd
 reference built from ``tests/fast/reference.py`` on the unsharded HF model (exact dJ/dtheta:
@@ -33,7 +33,8 @@ CONFIGS = {
 }
 LAYOUTS = {
     1: {"dp1_mb9": ["--micro-batch-size", "9"], "dp1_mb2": ["--micro-batch-size", "2"]},
-    2: {"dp2_mb1": ["--micro-batch-size", "1"], "dp2_tok24": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]},
+    2: {"dp2_mb1": ["--micro-batch-size", "1"], "dp2_tok24": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"],
+        "dp2_mb3_bshd": ["--micro-batch-size", "3", "--qkv-format", "bshd"]},
 }
 # Adam's first update is lr * g / (|g| + eps): with eps = 1e-2 it is ~linear in g (so it compares
 # the gradients element-wise) and, at lr 0.1, far above the fp32 rounding of the weights.
