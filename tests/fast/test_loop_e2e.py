@@ -36,10 +36,15 @@ FLAGS = [
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    previous = os.environ.get("RL_PLUGIN_CACHE")
     os.environ["RL_PLUGIN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024 * 1024)
     yield
     ray.shutdown()
+    if previous is None:
+        os.environ.pop("RL_PLUGIN_CACHE")
+    else:
+        os.environ["RL_PLUGIN_CACHE"] = previous
 
 
 def _run(backend, out, *extra):
