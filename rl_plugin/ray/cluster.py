@@ -37,8 +37,10 @@ def init_ray(num_cpus: int) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 object_store_memory=512 * 1024 * 1024)
+        # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
+        # RAM) holds a full weight export, which travels through the object store at every sync.
+        store = None if use_gpus() else 512 * 1024 * 1024
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
     return True
 
 
