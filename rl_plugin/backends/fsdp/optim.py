@@ -1,6 +1,7 @@
 """Optimizer, learning-rate schedule and gradient clipping of the FSDP backend.
 
-- AdamW over the sharded fp32 master parameters (DTensors), hyper-parameters from Megatron-LM's
+- AdamW (foreach: one multi-tensor op per update over all DTensor shards; the per-parameter
+  loop was 10x slower on the tiny model) over the sharded fp32 master parameters, hyper-parameters from Megatron-LM's
   flags (``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``); ``--optimizer sgd``
   gives SGD with ``--sgd-momentum``. As in Megatron-LM, biases and 1-D parameters (norms) get no
   weight decay.
@@ -35,11 +36,11 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     """AdamW, or SGD with ``--optimizer sgd`` (Megatron-LM's flag: momentum ``--sgd-momentum``)."""
     if getattr(args, "optimizer", "adam") == "sgd":
         return torch.optim.SGD(param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
-                               momentum=float(args.sgd_momentum), foreach=False)
+                               momentum=float(args.sgd_momentum), foreach=True)
     return torch.optim.AdamW(
         param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        foreach=False,  # DTensor shards of different layouts; the per-parameter loop is exact
+        foreach=True,  # one multi-tensor op per state update over all (same-mesh, Shard(0)) DTensor shards
     )
 
 
@@ -74,7 +75,7 @@ def grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()  # partial sums of squares -> one all-reduce
     return norm.float()
@@ -84,5 +85,5 @@ def clip_grad_norm(params: List[nn.Parameter], max_norm: float) -> float:
     """Clip in place when ``max_norm > 0``; returns the pre-clip global norm."""
     norm = grad_norm(params)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return float(norm)
