@@ -32,6 +32,7 @@ CASES = {f"{m}/{p}": [*flags, "--advantage-estimator", p] for m, flags in MODES.
 CASES["sample_mean/dual_clip+kl+entropy"] = ["--eps-clip-high", "0.28", "--eps-clip-c", "3", "--use-kl-loss",
                                              "--kl-loss-coef", "0.1", "--entropy-coef", "0.01"]
 TOL = 1e-5
+PAD_ID = 0  # the tiny models' pad_token_id
 
 
 def _worker(rank, world, hf_dir):
@@ -46,6 +47,7 @@ def _worker(rank, world, hf_dir):
                 "fsdp": FSDPBackend.from_args(make_args("--train-backend", "fsdp", *base, world_size=world))}
     ps = backends["fsdp"].parallel_state
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
+    batch.tokens[::5] = PAD_ID  # the pad id as a real token: both backends must train its embedding row
     local0 = dp_shard(batch, ps.dp_size, ps.dp_rank)
     plan = plan_micro_batches(local0, micro_batch_size=1, max_tokens_per_gpu=24, dp_group=ps.dp_group)
     root = [tempfile.mkdtemp(prefix="xbackend_") if rank == 0 else None]
@@ -121,6 +123,13 @@ def test_backends_agree(results, case):
     print(f"\n{case}: " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     for key, err in errs.items():
         assert err < TOL, (case, key, err)
+
+
+def test_pad_token_embedding_row_is_trained(results):
+    for case in ("sample_mean/grpo", "token_mean/gspo"):
+        m, f = (results[0]["out"][case][n]["update"]["model.embed_tokens.weight"][PAD_ID] for n in ("megatron", "fsdp"))
+        assert float(m.abs().max()) > 1e-4
+        assert _tensor_rel(f, m) < TOL, case
 
 
 def test_cases_differ(results):

@@ -22,11 +22,19 @@ from rl_plugin.loss.logprobs import fp32_output_projection
 
 
 def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode."""
+    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, no
+    embedding ``padding_idx`` (see below)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     model.config.use_cache = False  # training forward: no KV cache (a cache also disables packing detection)
+    embed = model.get_input_embeddings()
+    if isinstance(embed, nn.Embedding):
+        # HF builds nn.Embedding(padding_idx=pad_token_id), which zeroes that row's gradient. In RL
+        # the pad id is often a real, sampled token (Qwen's <|endoftext|>), and megatron-core's
+        # embedding has no padding_idx: clear it so both backends train that row. Padding positions
+        # (bshd) never reach a loss, so they still add exactly 0 to it.
+        embed.padding_idx = None
     model.train()
     return model
 
