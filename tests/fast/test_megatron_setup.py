@@ -14,17 +14,24 @@ from rl_plugin.backends.megatron.testing import make_args
 def test_context_parallel_without_transformer_engine_fails_loud():
     args = make_args("--context-parallel-size", "2", world_size=2)
     with pytest.raises(MegatronSetupError, match=r"--context-parallel-size 2.*transformer-engine.*--context-parallel-size 1"):
-        setup.check_context_parallel(args)
+        setup.check_supported(args)
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="transformer-engine is installed: SP is allowed")
+def test_sequence_parallel_without_transformer_engine_fails_loud():
+    args = make_args("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2)
+    with pytest.raises(MegatronSetupError, match=r"--sequence-parallel.*transformer-engine.*drop --sequence-parallel"):
+        setup.check_supported(args)
 
 
 def test_context_parallel_one_is_fine():
-    setup.check_context_parallel(make_args())
+    setup.check_supported(make_args())
 
 
 def test_pipeline_parallel_is_rejected():
     args = make_args("--pipeline-model-parallel-size", "2", world_size=2)
     with pytest.raises(MegatronSetupError, match=r"--pipeline-model-parallel-size > 1 is not supported.*Fix"):
-        setup.check_context_parallel(args)
+        setup.check_supported(args)
 
 
 def test_fp16_is_rejected_before_building():

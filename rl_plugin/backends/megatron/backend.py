@@ -61,7 +61,7 @@ class MegatronBackend(TrainBackend):
         if not dist.is_initialized():
             raise RuntimeError("MegatronBackend.from_args: initialise torch.distributed first (gloo on CPU, nccl on GPU)")
         apply_cpu_shim()  # no-op where CUDA is present
-        setup.check_context_parallel(args)
+        setup.check_supported(args)
         ps = setup.init_parallel(args)
         hf_dir = args.hf_checkpoint or _default_hf_checkpoint()
         model, bridge = setup.build_model(args, hf_dir)

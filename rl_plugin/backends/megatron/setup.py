@@ -2,7 +2,7 @@
 
 Order (every rank, collectively; torch.distributed is already initialised):
 
-1. ``check_context_parallel(args)``: CP > 1 needs transformer-engine attention (fail loud).
+1. ``check_supported(args)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1.
 2. ``init_parallel(args)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(args, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
@@ -35,13 +35,20 @@ class MegatronSetupError(ValueError):
     """A flag combination the Megatron backend cannot run; the message names the flag and fix."""
 
 
-def check_context_parallel(args) -> None:
+def check_supported(args) -> None:
+    """Fail loud on layouts this installation cannot run (before any group or model is built)."""
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if cp > 1 and not transformer_engine_available():
         raise MegatronSetupError(
             f"--context-parallel-size {cp}: megatron-core context parallelism needs transformer-engine "
             "attention (TEDotProductAttention), and transformer-engine is not installed. Fix: install "
             "transformer-engine (a GPU machine), or use --context-parallel-size 1."
+        )
+    if getattr(args, "sequence_parallel", False) and not transformer_engine_available():
+        raise MegatronSetupError(
+            "--sequence-parallel: the local (non transformer-engine) layer spec uses torch norms, which "
+            "megatron-core does not support under sequence parallelism (torch_norm.py asserts). Fix: install "
+            "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
     if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         raise MegatronSetupError(
