@@ -11,6 +11,7 @@ that ``AutoModelForCausalLM.from_pretrained`` loads with the trained weights.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def resumed(rank, world, ckpt, save_root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_ckpt")
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+    ckpt = tiny_checkpoint(root, "qwen2")
+    (Path(ckpt) / "tokenizer_config.json").write_text('{"marker": 1}')
     save_root, save_hf = str(root / "save"), str(root / "hf")
     first = run_world(uninterrupted, 2, ckpt, str(save_root), save_hf)
     again = run_world(resumed, 2, ckpt, str(save_root))
@@ -93,6 +95,7 @@ def test_save_hf_directory_reloads(runs):
     from transformers import AutoModelForCausalLM
 
     first, _, _, save_hf = runs
+    assert (Path(save_hf) / "tokenizer_config.json").read_text() == '{"marker": 1}'  # side files copied
     model = AutoModelForCausalLM.from_pretrained(save_hf, dtype=torch.float32)
     state = model.state_dict()
     for name, w in first[0]["step1"].items():

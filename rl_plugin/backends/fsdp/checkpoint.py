@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
-HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def _rank() -> int:
@@ -115,7 +114,8 @@ def load(path: str, model, optimizer) -> Dict[str, Any]:
 
 def write_hf_dir(out_dir: str, state_dict: Dict[str, torch.Tensor], config, *, source_dir: Optional[str] = None,
                  tied_keys=(), dtype: torch.dtype = torch.float32) -> Path:
-    """Rank 0 writes ``config.json`` + ``model.safetensors`` (+ tokenizer files of ``source_dir``)."""
+    """Rank 0 writes ``config.json`` + ``model.safetensors`` and copies the other files of
+    ``source_dir`` (tokenizer, generation config); collective (ends with a barrier)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -124,8 +124,10 @@ def write_hf_dir(out_dir: str, state_dict: Dict[str, torch.Tensor], config, *, s
         tensors = {k: v.detach().to(dtype).contiguous() for k, v in state_dict.items() if k not in set(tied_keys)}
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(out))
-        for name in HF_SIDE_FILES if source_dir else ():
-            if (Path(source_dir) / name).exists():
-                shutil.copy(Path(source_dir) / name, out / name)
+        # Tokenizer, generation config, chat template...: every file of the source directory
+        # except its weights and its config (both written above).
+        for src in sorted(Path(source_dir).iterdir()) if source_dir else ():
+            if src.is_file() and src.name != "config.json" and not src.name.endswith(WEIGHT_SUFFIXES):
+                shutil.copy(src, out / src.name)
     _barrier()
     return out
