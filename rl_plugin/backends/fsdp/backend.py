@@ -63,7 +63,9 @@ def _tied_names(model) -> List[str]:
     """State-dict names that alias an earlier parameter (tied weights), e.g. ``lm_head.weight``."""
     seen, tied = set(), []
     for name, p in model.named_parameters(remove_duplicate=False):
-        (tied.append(name) if id(p) in seen else seen.add(id(p)))
+        if id(p) in seen:
+            tied.append(name)
+        seen.add(id(p))
     return tied
 
 

@@ -1,10 +1,10 @@
 """Optimizer, learning-rate schedule and gradient clipping of the FSDP backend.
 
-- AdamW (foreach: one multi-tensor op per update over all DTensor shards; the per-parameter
-  loop was 10x slower on the tiny model) over the sharded fp32 master parameters, hyper-parameters from Megatron-LM's
+- AdamW over the sharded fp32 master parameters (DTensors), hyper-parameters from Megatron-LM's
   flags (``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``); ``--optimizer sgd``
   gives SGD with ``--sgd-momentum``. As in Megatron-LM, biases and 1-D parameters (norms) get no
-  weight decay.
+  weight decay. ``foreach``: one multi-tensor op per update over all shards (the per-parameter
+  DTensor loop was 10x slower on the tiny model).
 - ``megatron_lr(step)``: Megatron's ``OptimizerParamScheduler`` learning rate (linear warm-up from
   0 over ``--lr-warmup-iters``, then ``--lr-decay-style`` down to ``--min-lr`` at
   ``--lr-decay-iters``), evaluated at the number of optimizer steps already taken, so the first
