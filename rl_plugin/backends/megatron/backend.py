@@ -125,6 +125,8 @@ class MegatronBackend(TrainBackend):
             from rl_plugin.backends.megatron.bridge import build_gpt_model
 
             ref = build_gpt_model(self.bridge)
+            if torch.cuda.is_available():
+                ref.cuda(torch.cuda.current_device())
             self.bridge.load_weights([ref], self.hf_dir)
             for p in ref.parameters():
                 p.requires_grad_(False)

@@ -77,8 +77,29 @@ def _group_or_none(group):
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
+def _gloo_twin(group):
+    """A gloo group with the same ranks as ``group`` (collective over the world).
+
+    Every rank all-gathers its group's rank list, and all distinct lists are created in the same
+    order everywhere (``new_group`` is collective)."""
+    mine = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, sorted(mine))
+    twin = None
+    for ranks in sorted({tuple(x) for x in lists}):
+        g = dist.new_group(list(ranks), backend="gloo")
+        if dist.get_rank() in ranks:
+            twin = g
+    return twin
+
+
 def init_parallel(args) -> ParallelState:
-    """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours."""
+    """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours.
+
+    Device split: the [T, V] vocab-parallel work runs on the model's device over megatron's TP
+    group; the loss core then works on per-token CPU scalars (``step.py`` moves log-probs to the
+    CPU), so its DP / CP / DP x CP groups must carry CPU tensors. Under gloo (CPU) they are
+    megatron's groups; under NCCL they are gloo twins with the same ranks."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -89,14 +110,18 @@ def init_parallel(args) -> ParallelState:
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(int(args.seed))
+    cpu_groups = dist.get_backend() == "gloo"
+    twin = (lambda g: g) if cpu_groups else _gloo_twin
+    dp_g = twin(mpu.get_data_parallel_group())
+    cp_g = twin(mpu.get_context_parallel_group())
+    dp_cp_g = twin(mpu.get_data_parallel_group(with_context_parallel=True))
     return ParallelState(
         dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank(),
         cp_size=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
         tp_size=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
-        dp_group=_group_or_none(mpu.get_data_parallel_group()),
-        cp_group=_group_or_none(mpu.get_context_parallel_group()),
+        dp_group=_group_or_none(dp_g), cp_group=_group_or_none(cp_g),
         tp_group=_group_or_none(mpu.get_tensor_model_parallel_group()),
-        dp_cp_group=_group_or_none(mpu.get_data_parallel_group(with_context_parallel=True)),
+        dp_cp_group=_group_or_none(dp_cp_g),
     )
 
 

@@ -67,7 +67,7 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
         if mb.layout.num_samples == 0:
             # A DP rank with fewer samples than its peers: same micro-batch count, no data. A
             # zero leaf keeps the schedule's backward valid and adds nothing.
-            dummy = torch.zeros((), requires_grad=True)
+            dummy = torch.zeros((), requires_grad=True, device=next(model_chunk.parameters()).device)
             return dummy, lambda out: (out * 0.0, {})
         rows = response_logits(model_chunk, mb, qkv_format=cfg.qkv_format, fp32_lm_head=fp32_lm_head)
 
@@ -77,8 +77,11 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
                 vocab_start=_vocab_start(rows_, ps), chunk_size=cfg.logprob_chunk_size,
                 with_entropy=cfg.needs_entropy,
             )
-            out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
-            return out.objective * scale, {}
+            # The loss core works on per-token CPU scalars (no-op on CPU; on GPU one [n] copy,
+            # differentiable), with CPU-capable groups (setup.init_parallel).
+            ent_c = ent.cpu() if cfg.needs_entropy else None
+            out = ctx.loss(logp.cpu(), ent_c, mb)
+            return (out.objective * scale).to(rows_.device), {}
 
         return rows, loss_func
 
