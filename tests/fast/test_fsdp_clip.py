@@ -5,12 +5,16 @@ With plain SGD (lr 1, no momentum) the weight update is minus the applied gradie
   over every DTensor shard of every rank, once);
 - with --clip-grad c below that norm, the update is the unclipped one times
   c / (norm + 1e-6) (Megatron's and torch's coefficient), and the reported grad norm is the
-  pre-clip norm.
+  pre-clip norm;
+- a non-finite gradient norm raises FloatingPointError on every rank and applies nothing.
 """
 
 from __future__ import annotations
 
 import math
+
+import pytest
+import torch
 
 from tests.fast.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
 from tests.fast.harness import run_world
@@ -31,12 +35,25 @@ def worker(rank, world, ckpt):
         report = backend.train_step(local, num_groups=3)
         w1 = backend.export_hf_state_dict()
         out[clip] = dict(report=report, update={k: w1[k] - w0[k] for k in w0})
+    # A finite but absurd old log-prob overflows the ratio: the gradient norm is NaN.
+    bad = step_batch(make_step(5, with_ref=False)).select(split_samples_for_dp(9, world)[rank])
+    bad.old_log_probs = torch.full_like(bad.old_log_probs, -1e30)
+    try:
+        backend.train_step(bad, num_groups=3)
+        out["nonfinite"] = None
+    except FloatingPointError as err:
+        w2 = backend.export_hf_state_dict()
+        out["nonfinite"] = dict(message=str(err), unchanged=all(torch.equal(w2[k], w1[k]) for k in w1))
     return out
 
 
-def test_clip_grad_on_dtensors(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
-    out = run_world(worker, 2, ckpt)[0]
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(worker, 2, tiny_checkpoint(tmp_path_factory.getbasetemp()))
+
+
+def test_clip_grad_on_dtensors(results):
+    out = results[0]
     free, clipped = out[0.0], out[CLIP]
     norm = free["report"]["grad_norm"]
     assert norm > 2 * CLIP
@@ -46,3 +63,11 @@ def test_clip_grad_on_dtensors(tmp_path_factory):
     coeff = CLIP / (norm + 1e-6)
     diff = math.sqrt(sum(float(((clipped["update"][k] - u * coeff).double() ** 2).sum()) for k, u in free["update"].items()))
     assert diff / (update_norm * coeff) < 1e-5, diff / (update_norm * coeff)
+
+
+def test_nonfinite_gradient_raises_and_applies_nothing(results):
+    for rank_out in results:
+        bad = rank_out["nonfinite"]
+        assert bad is not None, "a NaN gradient norm was applied"
+        assert "non-finite gradient norm" in bad["message"] and "not applied" in bad["message"]
+        assert bad["unchanged"]

@@ -21,6 +21,7 @@ backward) passes: the micro-batch count is MAX-reduced over DP and a rank with f
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Dict, List, Optional
 
@@ -185,6 +186,11 @@ class FSDPBackend(TrainBackend):
             out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
             out.objective.backward()  # factor 1: FSDP sums over DP (module docstring)
         norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))
+        if not math.isfinite(norm):
+            # Same rank-consistent outcome as Megatron's skipped step: nothing is applied.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm ({norm}) at optimizer step {self.optimizer_steps + 1}: "
+                                     "the step was not applied (check old_log_probs / advantages of this batch)")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
