@@ -84,11 +84,6 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     assert len(timings) == 6 and all(t["time/train_step"] > 0 for t in timings)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known backend mismatch: the HF model's nn.Embedding(padding_idx=pad_token_id=0) gives the pad row "
-    "no gradient under FSDP, megatron-core's embedding has no padding_idx; a sampled token 0 makes the "
-    "step-1 grad norms differ (6.0498 fsdp vs 6.0655 megatron). Remove this mark once the FSDP backend "
-    "clears padding_idx (or the tiny config has no pad id)."))
 def test_same_seed_other_backend_same_first_step(runs_a):
     f = [r for r in _lines(runs_a["fsdp"] / "metrics.jsonl") if "loss" in r][0]
     m = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r][0]
