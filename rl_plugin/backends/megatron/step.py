@@ -65,8 +65,8 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
     def forward_step(data_iterator, model_chunk):
         mb = ctx.micro_batch(next(data_iterator))
         if mb.layout.num_samples == 0:
-            # A DP rank with fewer samples than its peers: same micro-batch count, no data. A
-            # zero leaf keeps the schedule's backward valid and adds nothing.
+            # A DP rank with no sample this step runs one empty micro-batch (peers may run more:
+            # the cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
             dummy = torch.zeros((), requires_grad=True, device=next(model_chunk.parameters()).device)
             return dummy, lambda out: (out * 0.0, {})
         rows = response_logits(model_chunk, mb, qkv_format=cfg.qkv_format, fp32_lm_head=fp32_lm_head)
