@@ -25,7 +25,3 @@ def validate(args) -> None:
     if args.fp16:
         fail("--train-backend fsdp with --fp16", "the FSDP backend has no loss scaler, so fp16 gradients can underflow silently",
              "use --bf16 (bf16 compute, fp32 master weights and gradient reduction)")
-    if args.lr_decay_style != "constant" and args.lr_decay_iters is None:
-        fail(f"--train-backend fsdp with --lr-decay-style {args.lr_decay_style}",
-             "the decay schedule needs its length and there is no --train-iters to default it to",
-             "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant")

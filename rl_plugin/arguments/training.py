@@ -16,6 +16,14 @@ def add_arguments(parser):
 
 
 def validate(args) -> None:
+    decay_style = getattr(args, "lr_decay_style", "constant")
+    if decay_style != "constant" and getattr(args, "lr_decay_iters", None) is None:
+        fail(
+            f"--lr-decay-style {decay_style}",
+            "the decay schedule needs its length, and an RL run has no --train-iters to default it to "
+            "(it would otherwise silently never decay)",
+            "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant",
+        )
     if args.train_backend == "fsdp":
         for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size), ("--context-parallel-size", args.context_parallel_size)):
             if value > 1:

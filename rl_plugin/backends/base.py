@@ -12,7 +12,7 @@ step's group count.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -34,9 +34,11 @@ class TrainBackend(abc.ABC):
         ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
 
     @abc.abstractmethod
-    def train_step(self, batch: StepBatch, *, num_groups: int) -> Dict[str, Any]:
+    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches: Optional[List[torch.Tensor]] = None) -> Dict[str, Any]:
         """One optimizer step applying exactly dJ/dtheta; returns J and the metrics
-        (``loss``, ``pg_loss``, ..., ``grad_norm``, ``lr``), identical on every rank."""
+        (``loss``, ``pg_loss``, ..., ``grad_norm``, ``lr`` = the rate this step used), identical on
+        every rank. ``micro_batches`` (sample indices) is the loop's plan (``--docs-per-step``);
+        None lets the backend plan with ``rl_plugin.batching.plan_micro_batches``."""
 
     @abc.abstractmethod
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:

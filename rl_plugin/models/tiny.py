@@ -56,3 +56,19 @@ def make_tiny_hf_checkpoint(path, family: str = "qwen2", *, seed: int = 0, **con
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def default_tiny_checkpoint() -> str:
+    """The checkpoint a backend falls back to without ``--hf-checkpoint``: a tiny Qwen2 under
+    ``~/.cache/rl_plugin/tiny-qwen2``, written once by rank 0 while the other ranks wait, so every
+    backend and rank starts from the same weights. (The loop's embedded default passes its own
+    ``--hf-checkpoint``, see ``rl_plugin.loop.embedded``.)"""
+    import torch.distributed as dist
+
+    path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"
+    initialized = dist.is_available() and dist.is_initialized()
+    if not initialized or dist.get_rank() == 0:
+        make_tiny_hf_checkpoint(path, "qwen2")
+    if initialized:
+        dist.barrier()
+    return str(path)

@@ -45,6 +45,8 @@ RULES = [
     ("--log-probs-chunk-size 0", ["--log-probs-chunk-size"]),
     ("--train-backend fsdp --context-parallel-size 2", ["--train-backend fsdp with --context-parallel-size 2", "use --train-backend megatron"]),
     ("--train-backend fsdp --tensor-model-parallel-size 2", ["--train-backend fsdp with --tensor-model-parallel-size 2"]),
+    ("--lr-decay-style cosine", ["--lr-decay-style cosine", "needs its length", "pass --lr-decay-iters N"]),
+    ("--train-backend fsdp --lr-decay-style linear", ["--lr-decay-style linear", "needs its length"]),
 ]
 
 

@@ -14,7 +14,6 @@ FSDP = ["--train-backend", "fsdp", "--hf-checkpoint", "/nonexistent"]
     (["--context-parallel-size", "2"], ["--context-parallel-size 2", "data parallelism only", "--train-backend megatron"]),
     (["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size 2", "data parallelism only", "set --pipeline-model-parallel-size 1"]),
     (["--fp16"], ["--fp16", "no loss scaler", "use --bf16"]),
-    (["--lr-decay-style", "cosine"], ["--lr-decay-style cosine", "needs its length", "--lr-decay-iters"]),
 ])
 def test_fsdp_rules(flags, words):
     with pytest.raises(RLArgumentError) as err:

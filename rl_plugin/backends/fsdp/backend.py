@@ -37,6 +37,7 @@ from rl_plugin.backends.fsdp.packing import ForwardBatch, micro_batch_logits
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss import LossConfig, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce
 
 
@@ -44,20 +45,6 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _default_hf_checkpoint() -> str:
-    """The embedded tiny model (no --hf-checkpoint), at the path the Megatron backend uses, so
-    both backends start from the same weights; rank 0 writes it once."""
-    from pathlib import Path
-
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"
-    if dist.get_rank() == 0:
-        make_tiny_hf_checkpoint(path, "qwen2")
-    dist.barrier()
-    return str(path)
 
 
 def _tied_names(model) -> List[str]:
@@ -77,7 +64,7 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.args = args
-        self.hf_dir = args.hf_checkpoint or _default_hf_checkpoint()
+        self.hf_dir = args.hf_checkpoint or default_tiny_checkpoint()
         self.device = _device()
         world, rank = dist.get_world_size(), dist.get_rank()
         self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))

@@ -13,7 +13,6 @@ See ``setup.py`` (start-up), ``step.py`` (the step and why it applies exactly dJ
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -25,18 +24,8 @@ from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.loss import LossConfig, StepBatch
+from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
-
-
-def _default_hf_checkpoint() -> str:
-    """The embedded tiny model, written once (rank 0) under the user cache."""
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"
-    if dist.get_rank() == 0:
-        make_tiny_hf_checkpoint(path, "qwen2")
-    dist.barrier()
-    return str(path)
 
 
 class MegatronBackend(TrainBackend):
@@ -63,7 +52,7 @@ class MegatronBackend(TrainBackend):
         apply_cpu_shim()  # no-op where CUDA is present
         setup.check_supported(args)
         ps = setup.init_parallel(args)
-        hf_dir = args.hf_checkpoint or _default_hf_checkpoint()
+        hf_dir = args.hf_checkpoint or default_tiny_checkpoint()
         model, bridge = setup.build_model(args, hf_dir)
         optimizer, scheduler = setup.build_optimizer(args, model)
         return cls(args, model, bridge, optimizer, scheduler, ps, hf_dir)

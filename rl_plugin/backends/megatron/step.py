@@ -92,13 +92,14 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
         forward_step_func=forward_step, data_iterator=iter(plan), model=[model], num_microbatches=len(plan),
         seq_length=1, micro_batch_size=1, forward_only=False,
     )
+    lr_used = float(optimizer.param_groups[0]["lr"])  # before scheduler.step() moves it to the next step's
     update_ok, grad_norm, _ = optimizer.step()
     if not update_ok:
         raise FloatingPointError("the optimizer skipped the step (inf/NaN gradients)")
     scheduler.step(increment=1)
     report = ctx.finish()
     report["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    report["lr"] = float(optimizer.param_groups[0]["lr"])
+    report["lr"] = lr_used
     report["num_micro_batches"] = float(len(plan))
     return report
 
