@@ -7,7 +7,7 @@ MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B}
 DATA_DIR=${DATA_DIR:-/data}
 
 MODEL_ARGS=(--train-backend megatron --hf-checkpoint "$MODEL_DIR" --tensor-model-parallel-size 2 --bf16 --fp32-lm-head)
-CLUSTER_ARGS=(--actor-num-nodes 2 --actor-num-gpus-per-node 8 --colocate --rollout-engine sglang)
+CLUSTER_ARGS=(--actor-num-nodes 2 --actor-num-gpus-per-node 8 --colocate --rollout-engine hf)
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/dapo-math-17k.jsonl"
    --apply-chat-template

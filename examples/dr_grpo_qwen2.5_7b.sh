@@ -8,7 +8,7 @@ DATA_DIR=${DATA_DIR:-/data}
 MAX_RESPONSE_LEN=4096
 
 MODEL_ARGS=(--train-backend megatron --hf-checkpoint "$MODEL_DIR" --tensor-model-parallel-size 2 --bf16)
-CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-engine sglang)
+CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-engine hf)
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/math-12k.jsonl"
    --input-key problem

@@ -18,7 +18,7 @@ CLUSTER_ARGS=(
    --actor-num-nodes 1
    --actor-num-gpus-per-node 8
    --rollout-num-gpus 8
-   --rollout-engine sglang
+   --rollout-engine hf
 )
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/dapo-math-17k.jsonl"

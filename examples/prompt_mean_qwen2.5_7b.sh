@@ -7,7 +7,7 @@ MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B-Instruct}
 DATA_DIR=${DATA_DIR:-/data}
 
 MODEL_ARGS=(--train-backend fsdp --hf-checkpoint "$MODEL_DIR" --bf16)
-CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-engine vllm)
+CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-engine hf)
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/math-12k.jsonl"
    --input-key problem
