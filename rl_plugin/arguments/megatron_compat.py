@@ -38,7 +38,7 @@ def add_arguments(parser):
     add_flag(g, "--calculate-per-token-loss", action="store_true", help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.")
     add_flag(g, "--save", type=str, default=None, help="Checkpoint directory to save to (Megatron-LM).")
     add_flag(g, "--load", type=str, default=None, help="Checkpoint directory to resume from (Megatron-LM).")
-    add_flag(g, "--save-interval", type=int, default=None, help="Save a checkpoint every N steps (Megatron-LM).")
+    add_flag(g, "--save-interval", type=int, default=None, help="Save a checkpoint every N rollouts (Megatron-LM spells it in steps; rl-plugin-train saves between rollouts, so that resume restores the dataset position too), and always after the last rollout.")
     add_flag(g, "--log-interval", type=int, default=1, help="Print training metrics every N steps.")
     return parser
 
