@@ -68,6 +68,7 @@ class Driver:
         self.owns_ray = False
         self.step = 0
         self.start_rollout = 0
+        self.samples_seen = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _resolve_paths(self) -> None:
@@ -101,6 +102,7 @@ class Driver:
         extra = metas[0]["extra"]
         self.step = int(metas[0]["step"])
         self.start_rollout = int(extra["rollout_id"])
+        self.samples_seen = int(extra.get("samples_seen", 0))
         self._rollout_call("load_state_dict", extra["rollout_state"])
         print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
 
@@ -142,7 +144,7 @@ class Driver:
 
     def save(self, rollout_id: int) -> None:
         a = self.args
-        extra = {"rollout_id": rollout_id + 1, "rollout_state": self._rollout_call("state_dict")}
+        extra = {"rollout_id": rollout_id + 1, "rollout_state": self._rollout_call("state_dict"), "samples_seen": self.samples_seen}
         path = step_dir(a.save, self.step)
         self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
         write_tracker(a.save, self.step)  # only once every rank has finished writing
@@ -199,6 +201,8 @@ class Driver:
         stats = {key: data.stats[key] for key in ROLLOUT_STATS}
         for j, rep in enumerate(reports):
             self.step += 1
+            self.samples_seen += int(rep["samples"])
+            rep["samples_seen"] = float(self.samples_seen)
             timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:
                 timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,
