@@ -31,9 +31,10 @@ SEQ_LEN = 24  # bshd padded length
 
 
 def make_step(seed: int = 0):
-    """The global step: 14 samples in 4 prompt groups (sizes 4, 4, 3, 3)."""
+    """The global step: 14 samples in 4 prompt groups (sizes 5, 3, 3, 3), so that group 0 straddles
+    DP ranks at DP=2 and DP=4 (shards of 4/3 samples) and group 1 at DP=2."""
     g = torch.Generator().manual_seed(seed)
-    groups = torch.tensor([0] * 4 + [1] * 4 + [2] * 3 + [3] * 3)
+    groups = torch.tensor([0] * 5 + [1] * 3 + [2] * 3 + [3] * 3)
     n = groups.numel()
     prompt = torch.randint(1, 7, (n,), generator=g)
     resp = torch.randint(2, 11, (n,), generator=g)
