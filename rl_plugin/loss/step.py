@@ -28,12 +28,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from rl_plugin.cp import ResponseLayout, all_rank_layouts, build_response_layout, exclusive_cumsum, expand_runs
+from rl_plugin.cp import ResponseLayout, all_rank_layouts, exclusive_cumsum, expand_runs
 from rl_plugin.loss.aggregation import token_weights
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.policy import get_policy_loss
@@ -100,19 +101,20 @@ class StepContext:
     def micro_batch(self, sample_index) -> MicroBatch:
         sample_index = torch.as_tensor(sample_index, dtype=torch.long).reshape(-1)
         sub = self.batch.select(sample_index)
-        layout = build_response_layout(
-            sub.total_lengths, sub.response_lengths, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp_size,
-            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
+        inputs = MicroBatchInputs.build(
+            sub, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp_size, qkv_format=self.cfg.qkv_format,
+            max_seq_len=self.cfg.max_seq_len,
         )
+        layout = inputs.layout
         step_resp = expand_runs(self._resp_offsets[sample_index], self.batch.response_lengths.long()[sample_index])
         local = step_resp[layout.resp_index]  # step-level response index of each local token
         return MicroBatch(
             sample_index=sample_index,
             batch=sub,
             layout=layout,
-            input_ids=layout.local_inputs(sub.tokens),
-            position_ids=layout.local_position_ids(),
-            targets=layout.targets(sub.tokens),
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            targets=inputs.targets,
             loss_mask=self.batch.loss_mask[local],
             advantages=self.batch.advantages[local],
             old_log_probs=None if self.batch.old_log_probs is None else self.batch.old_log_probs[local],

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from rl_plugin.backends.fsdp.model import load_hf_model
-from rl_plugin.backends.fsdp.packing import ForwardBatch, micro_batch_logits, model_inputs, packed_causal_mask
-from rl_plugin.loss import log_probs_and_entropy
+from rl_plugin.backends.fsdp.packing import micro_batch_logits, model_inputs, packed_causal_mask
+from rl_plugin.loss import MicroBatchInputs, log_probs_and_entropy
 from tests.fast.fsdp_common import alone_log_probs, make_step, rel_err, step_batch, tiny_checkpoint
 
 CPU = torch.device("cpu")
 
 
 def packed_log_probs(model, batch, impl, qkv_format="thd") -> torch.Tensor:
-    fb = ForwardBatch(batch, qkv_format=qkv_format)
+    fb = MicroBatchInputs.build(batch, qkv_format=qkv_format)
     rows = micro_batch_logits(model, fb, impl, CPU)
     logp, _ = log_probs_and_entropy(rows, fb.targets, with_entropy=False)
     return logp
@@ -56,7 +56,7 @@ def test_pack_without_block_mask_leaks_across_samples(tmp_path_factory, torch_th
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), "qwen2")
     model = load_hf_model(ckpt, attn_implementation="sdpa").eval()
     batch = step_batch(make_step(3))
-    fb = ForwardBatch(batch)
+    fb = MicroBatchInputs.build(batch)
     kwargs = model_inputs(fb, "sdpa", CPU)
     kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
     with torch.no_grad():

@@ -33,10 +33,10 @@ from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.fsdp import checkpoint as ckpt
 from rl_plugin.backends.fsdp.model import install_fp32_lm_head, load_hf_model, shard_model
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
-from rl_plugin.backends.fsdp.packing import ForwardBatch, micro_batch_logits
+from rl_plugin.backends.fsdp.packing import micro_batch_logits
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, log_probs_and_entropy, prepare_step
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce
 
@@ -144,7 +144,7 @@ class FSDPBackend(TrainBackend):
                         self._idle_pass(model, backward=False)
                         continue
                     idx = plan[i]
-                    fb = ForwardBatch(batch.select(idx), qkv_format=self.loss_config.qkv_format, max_seq_len=self.loss_config.max_seq_len)
+                    fb = MicroBatchInputs.build(batch.select(idx), qkv_format=self.loss_config.qkv_format, max_seq_len=self.loss_config.max_seq_len)
                     rows = micro_batch_logits(model, fb, self.attn_implementation, self.device)
                     logp, _ = log_probs_and_entropy(rows, fb.targets.to(self.device), temperature=self.loss_config.temperature,
                                                     chunk_size=self.loss_config.logprob_chunk_size, with_entropy=False)

@@ -66,17 +66,3 @@ def micro_batch_logits(model, mb, attn_implementation: str, device: torch.device
         return logits.view(-1, logits.shape[-1])  # already only the kept rows, in index order
     return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(logits.device)]
 
-
-class ForwardBatch:
-    """The model-input part of a micro-batch for forward-only passes (no ``StepContext`` needed):
-    ``layout``, ``input_ids``, ``position_ids`` and ``targets``, as in ``MicroBatch``."""
-
-    def __init__(self, sub_batch, *, qkv_format: str = "thd", max_seq_len=None):
-        from rl_plugin.cp import build_response_layout
-
-        self.layout = build_response_layout(
-            sub_batch.total_lengths, sub_batch.response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len
-        )
-        self.input_ids = self.layout.local_inputs(sub_batch.tokens)
-        self.position_ids = self.layout.local_position_ids()
-        self.targets = self.layout.targets(sub_batch.tokens)

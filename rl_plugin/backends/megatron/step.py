@@ -33,8 +33,8 @@ import torch
 
 from rl_plugin.backends.megatron.forward import response_logits
 from rl_plugin.batching import plan_micro_batches
-from rl_plugin.cp import all_rank_layouts, build_response_layout, exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.cp import all_rank_layouts, exclusive_cumsum, expand_runs
+from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, log_probs_and_entropy, prepare_step
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.parallel import ParallelState
 
@@ -121,9 +121,9 @@ def forward_log_probs(model, batch: StepBatch, ps: ParallelState, *, qkv_format:
             if idx.numel() == 0:
                 continue
             sub = batch.select(idx)
-            layout = build_response_layout(sub.total_lengths, sub.response_lengths, cp_rank=ps.cp_rank,
-                                           cp_size=ps.cp_size, qkv_format=qkv_format, max_seq_len=max_seq_len)
-            mb = _InputsOnly(layout, sub)
+            mb = MicroBatchInputs.build(sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=qkv_format,
+                                        max_seq_len=max_seq_len)
+            layout = mb.layout
             rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
             logp, _ = log_probs_and_entropy(rows, mb.targets.to(rows.device), temperature=temperature,
                                             tp_group=ps.tp_group, vocab_start=_vocab_start(rows, ps),
@@ -136,12 +136,3 @@ def forward_log_probs(model, batch: StepBatch, ps: ParallelState, *, qkv_format:
         model.train(was_training)
     return out
 
-
-class _InputsOnly:
-    """The fields of a ``MicroBatch`` that the forward reads, for passes with no loss."""
-
-    def __init__(self, layout, sub: StepBatch):
-        self.layout = layout
-        self.input_ids = layout.local_inputs(sub.tokens)
-        self.position_ids = layout.local_position_ids()
-        self.targets = layout.targets(sub.tokens)
