@@ -1,19 +1,30 @@
-"""``--save`` / ``--load`` for the Megatron backend: model + optimizer + LR schedule + RNG + step.
+"""``--save`` / ``--load`` for the Megatron backend: megatron-core ``dist_checkpointing``.
 
-Layout: ``DIR/iter_{step:07d}/rank_{rank:05d}.pt`` (one file per rank: its model shard, its
-optimizer state, and its RNG streams) plus ``DIR/latest`` (the step, written by rank 0 after every
-rank has written). With ``--use-distributed-optimizer`` each rank stores its DP shard of the
-optimizer state (``get_parameter_state_dp_reshardable``). A resumed run therefore needs the same
-TP x CP x DP layout; ``load`` checks it and says so. (Resharding to another layout would go
-through megatron-core ``dist_checkpointing``; not done yet.)
+What Megatron-LM writes with ``--ckpt-format torch_dist`` (slime/miles' default): the model's
+``sharded_state_dict`` (each tensor a ``ShardedTensor``: its global shape and this rank's slice)
+and the optimizer's (Adam moments and fp32 main params keyed by the same global tensors;
+the distributed optimizer in ``fully_reshardable`` form, i.e. per-parameter state in model
+space, not its internal DP buckets), saved by the torch_dist (DCP) strategy. On load each rank
+asks for the slices its own TP x DP layout needs, so a checkpoint written at TP2 x DP1 resumes at
+TP1 x DP2, DP2 at DP1, with or without the distributed optimizer.
 
-RNG: torch CPU (and CUDA when present), Python ``random``, NumPy, and megatron's model-parallel
-RNG tracker states, so dropout and sampling continue the same streams.
+Files of one step directory (see ``rl_plugin.backends.checkpoint_dirs`` for the root layout and the
+atomic ``.partial`` -> ``iter_*`` rename)::
+
+    iter_0000012/metadata.json, .metadata, __*.distcp   dist_checkpointing (torch_dist)
+    iter_0000012/common.pt                              step, scheduler, layout, the loop's extra
+    iter_0000012/rng_rank{r}.pt                         per-rank RNG streams
+
+RNG (torch CPU/CUDA, Python, NumPy, megatron's model-parallel tracker) is per rank; it is restored
+only on the layout it was saved on (on another layout there is no rank to continue the stream of;
+the run keeps its ``--seed`` seeding, and with dropout 0 the training math uses no randomness).
+
+The per-rank ``.pt`` format of earlier versions (``iter_*/rank_*.pt`` + ``latest``) is refused
+with a message, never partly loaded.
 """
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -22,15 +33,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rl_plugin.backends import checkpoint_dirs as dirs
 from rl_plugin.parallel import ParallelState
 
+FORMAT = "rl_plugin/megatron-dist-v1"
+MARKER = "metadata.json"  # dist_checkpointing writes it last (serialization.py, metadata_finalize_fn)
+# Distributed-optimizer state in model space (per-parameter Adam moments and fp32 main params, the
+# shape of the parameter), gathered over DP on gloo (megatron-core 0.16.1 distrib_optimizer.py
+# ``sharded_param_state_fully_reshardable``; Megatron-LM's --dist-ckpt-optim-fully-reshardable
+# --distrib-optim-fully-reshardable-mem-efficient): reshardable across TP and DP. The NCCL gather
+# variant copies through hard-coded ``.cuda()`` (l. 1089), and ``fully_sharded_model_space``
+# builds ShardedTensors with ``flattened_range``, which 0.16.1 itself rejects (mapping.py l. 134).
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
 
-def _optimizers(optimizer):
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
-
-def _is_distributed(opt) -> bool:
-    return hasattr(opt, "get_parameter_state_dp_reshardable")
+class CheckpointFormatError(ValueError):
+    """``--load`` of a directory this backend cannot read; the message names it and the fix."""
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -56,83 +74,151 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _mark_unpadded(param_state: Dict) -> Dict:
-    """megatron-core 0.16.1: ``get_parameter_state_dp_reshardable`` (distrib_optimizer.py l. 942)
-    writes bucket entries without the ``padding`` key that ``load_parameter_state_from_dp_reshardable``
-    (l. 1790) filters on (only the dist_checkpointing path adds it). Every entry it writes is a
-    real parameter, so mark them unpadded."""
-    for key, dtype_state in param_state.items():
-        if isinstance(key, int):
-            for buckets in dtype_state.values():
-                for bucket in buckets:
-                    for elem in bucket:
-                        elem.setdefault("padding", False)
-    return param_state
-
-
-def _unalias_step_tensors(opt) -> None:
-    """megatron-core 0.16.1 ``DistributedOptimizer.load_state_dict`` gives every parameter of a
-    group the SAME ``step`` tensor object; torch Adam then increments it once per parameter per
-    step, and the bias correction of a resumed run drifts (found by the resume test). Give each
-    parameter its own copy before the per-parameter values are loaded."""
-    inner = getattr(opt, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-
-
 def _layout(ps: ParallelState) -> Dict[str, int]:
     return {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size}
 
 
-def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> str:
-    """Collective: every rank writes its file; returns the step directory."""
-    rank = dist.get_rank()
-    step_dir = Path(path) / f"iter_{int(step):07d}"
-    step_dir.mkdir(parents=True, exist_ok=True)
+def _unwrap(model):
+    """The module under megatron's DDP (Float16Module forwards ``sharded_state_dict`` to the
+    GPTModel), so tensor keys do not depend on ``--bf16``."""
+    return model.module
+
+
+def _optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _allocate_distributed_state(optimizer) -> None:
+    """A fresh DistributedOptimizer has no Adam state yet, and without Apex/TE its
+    ``state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) asserts on the missing
+    ``step`` (megatron-core 0.16.1 distrib_optimizer.py l. 640). Allocate zeros (what the first
+    step would) so the load has tensors to fill; every value is overwritten by the load."""
+    for opt in _optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if hasattr(opt, "get_parameter_state_dp_zero") and inner is not None and not inner.state and opt.init_state_fn:
+            opt.init_state_fn(inner, opt.config)
+            for state in inner.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+
+
+def _load_optimizer(optimizer, state) -> None:
+    """``optimizer.load_state_dict`` of what ``dist_checkpointing.load`` returned, with two
+    repairs for megatron-core 0.16.1 without Apex/TE (torch Adam, whose state has a ``step``):
+
+    - ``DistributedOptimizer.load_state_dict`` gives every parameter of a group the SAME ``step``
+      tensor (distrib_optimizer.py l. 820); torch Adam then increments it once per parameter per
+      step and the bias correction of a resumed run drifts. Each parameter gets its own copy.
+    - ``load_parameter_state_from_fully_reshardable`` copies every key of the parameter's Adam
+      state from the checkpoint, ``step`` included, which the checkpoint keeps in the param
+      groups instead (l. 940: KeyError 'step'). It runs with ``step`` set aside.
+    """
     opts = _optimizers(optimizer)
-    state = {
-        "step": int(step),
-        "layout": _layout(ps),
-        "model": model.state_dict(),
-        "optimizer": [o.state_dict() for o in opts],
-        "optimizer_param_state": [o.get_parameter_state_dp_reshardable() if _is_distributed(o) else None for o in opts],
-        "scheduler": scheduler.state_dict(),
-        "rng": _rng_state(),
-        "extra": extra or {},
-    }
-    tmp = step_dir / f"rank_{rank:05d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, step_dir / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        (Path(path) / "latest").write_text(str(int(step)))
-    dist.barrier()
-    return str(step_dir)
+    states = [state] if len(opts) == 1 else [state[k] for k in sorted(state)]
+    for opt, st in zip(opts, states):
+        param_state = st.pop("param_state", None) if hasattr(opt, "get_parameter_state_dp_zero") else None
+        opt.load_state_dict(st)
+        if param_state is None:
+            continue
+        adam = opt.optimizer.state
+        steps = {p: s.pop("step").clone() for p, s in adam.items() if torch.is_tensor(s.get("step"))}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                adam[p]["step"] = step
+    if len(opts) > 1:
+        optimizer._synchronize_steps()
+
+
+def _sharded_state_dict(model, optimizer, *, is_loading: bool) -> Dict[str, Any]:
+    model_sd = _unwrap(model).sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)}
+
+
+def _sync_torch_dist_strategy():
+    """megatron-core's ``torch_dist`` format, written synchronously by this process.
+
+    ``TorchDistSaveShardedStrategy.save`` (0.16.1 strategies/torch.py l. 589) always goes through
+    ``FileSystemWriterAsync``: a spawned ``multiprocessing.Manager`` plus forked writer processes
+    per save (seconds of start-up, and impossible inside a daemonic process). The bytes on disk
+    are plain torch.distributed.checkpoint: the same translation of megatron ShardedTensors
+    (``mcore_to_pyt_state_dict``) and the same planner, written with DCP's ``FileSystemWriter``,
+    give a checkpoint the default ``torch_dist`` load strategy reads."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(sd, False),
+                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> str:
+    """Collective. ``path``: a ``--save`` root or the step's ``iter_*`` directory; returns the
+    step directory, complete (renamed from ``.partial`` after every rank wrote)."""
+    from megatron.core import dist_checkpointing
+
+    final, tracker = dirs.target(path, step)
+    staging = dirs.begin(final)
+    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
+    # every rank): identical everywhere by construction.
+    state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
+    dist_checkpointing.save(state, str(staging), sharded_strategy=_sync_torch_dist_strategy())
+    torch.save({"layout": _layout(ps), "rng": _rng_state()}, staging / f"rng_rank{dist.get_rank()}.pt")
+    dirs.commit(staging, final)
+    if tracker and dirs.rank() == 0:
+        dirs.write_tracker(path, step)
+    dirs.barrier()
+    return str(final)
+
+
+def _check_format(path: str, src: Path) -> None:
+    p = Path(path)
+    if (p / "latest").exists() or any(src.glob("rank_*.pt")) or any(src.glob("iter_*/rank_*.pt")):
+        raise CheckpointFormatError(
+            f"--load {path}: this is the per-rank .pt format of rl_plugin before megatron-core dist_checkpointing "
+            "(iter_*/rank_*.pt + 'latest'); it is not read any more, so nothing was loaded. Fix: start again from "
+            "--hf-checkpoint, or resume it with the rl_plugin version that wrote it and its exact layout."
+        )
+    if (src / "meta.pt").exists():
+        raise CheckpointFormatError(
+            f"--load {path}: {src} was written by the FSDP backend (torch.distributed.checkpoint + meta.pt). "
+            "Fix: resume it with --train-backend fsdp."
+        )
 
 
 def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[str, Any]:
-    """Restore what ``save`` wrote at ``DIR/latest``; returns ``{"step", "extra"}``."""
-    latest = Path(path) / "latest"
-    if not latest.exists():
-        raise FileNotFoundError(f"--load {path}: no 'latest' file there (no checkpoint was saved to this directory)")
-    step = int(latest.read_text().strip())
-    file = Path(path) / f"iter_{step:07d}" / f"rank_{dist.get_rank():05d}.pt"
-    if not file.exists():
-        raise FileNotFoundError(f"--load {path}: {file} is missing (saved with fewer ranks?)")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    if state["layout"] != _layout(ps):
-        raise ValueError(
-            f"--load {path}: saved with layout {state['layout']}, this run is {_layout(ps)}. "
-            "Fix: resume with the same --tensor-model-parallel-size, --context-parallel-size and world size."
+    """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from
+    ``path`` (a ``--save`` root or an ``iter_*`` directory); returns ``{"step", "extra"}``."""
+    from megatron.core import dist_checkpointing
+
+    _check_format(path, Path(path))
+    src = dirs.resolve(path, MARKER)
+    _check_format(path, src)
+    common = torch.load(src / "common.pt", map_location="cpu", weights_only=False)
+    if common.get("format") != FORMAT:
+        raise CheckpointFormatError(
+            f"--load {path}: {src} is a megatron-core dist checkpoint but not one rl_plugin wrote (format "
+            f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
+            "as --hf-checkpoint."
         )
-    model.load_state_dict(state["model"])
-    for opt, sd, param_state in zip(_optimizers(optimizer), state["optimizer"], state["optimizer_param_state"]):
-        opt.load_state_dict(sd)
-        if param_state is not None:
-            _unalias_step_tensors(opt)
-            with torch.no_grad():  # fp32 params: the main param is a view of the model param
-                opt.load_parameter_state_from_dp_reshardable(_mark_unpadded(param_state))
+    _allocate_distributed_state(optimizer)
+    state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
+    _unwrap(model).load_state_dict(state["model"])
+    with torch.no_grad():  # fp32 + distributed optimizer: the main param is a view of the model param
+        _load_optimizer(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return {"step": state["step"], "extra": state["extra"]}
+    rng_file = src / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.exists():
+        rng = torch.load(rng_file, map_location="cpu", weights_only=False)
+        if rng["layout"] == _layout(ps):
+            _set_rng_state(rng["rng"])
+    return {"step": int(state["step"]), "extra": state["extra"]}
