@@ -9,7 +9,10 @@ Layout of ``--save DIR`` (Megatron-LM's tracker name, so tooling that reads it k
 
 When ``path`` already is the step's directory (its name is ``iter_{step:07d}``, as the loop's
 ``rl_plugin.loop.checkpoint.step_dir`` passes it), the files go straight into it and no tracker is
-written (the loop writes its own once every rank returned). ``load`` accepts either form.
+written (the loop writes its own once every rank returned). ``load`` accepts either form. Either
+way the files are written into ``iter_*.partial`` and renamed when complete
+(``rl_plugin.backends.checkpoint_dirs``), so a killed save never leaves a directory ``--load``
+would read.
 
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
 DP=1. ``write_hf_dir`` writes full (all-gathered) weights as ``model.safetensors`` with the
@@ -19,7 +22,6 @@ checkpoint's original dtype, loadable by ``AutoModelForCausalLM.from_pretrained`
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -29,7 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from rl_plugin.backends import checkpoint_dirs as dirs
+
+TRACKER = dirs.TRACKER
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -43,7 +47,7 @@ def _barrier() -> None:
 
 
 def iter_dir(root: str, step: int) -> Path:
-    return Path(root) / f"iter_{step:07d}"
+    return dirs.iter_dir(root, step)
 
 
 def rng_state() -> Dict[str, Any]:
@@ -63,37 +67,28 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 def save(root: str, model, optimizer, *, step: int, extra: Optional[Dict[str, Any]] = None,
          backend_state: Optional[Dict[str, Any]] = None) -> Path:
-    """Collective: every rank writes its shards; rank 0 writes meta and, last, the tracker."""
+    """Collective: every rank writes its shards into ``iter_*.partial``; once all returned, rank 0
+    renames it to ``iter_*`` and (root form) points the tracker at it, last."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    as_step_dir = Path(root).name == iter_dir(root, step).name
-    out = Path(root) if as_step_dir else iter_dir(root, step)
-    if _rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    final, tracker = dirs.target(root, step)
+    staging = dirs.begin(final)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
-    torch.save(rng_state(), out / f"rng_rank{_rank()}.pt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    torch.save(rng_state(), staging / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
-        torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, out / "meta.pt")
+        torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, staging / "meta.pt")
+    dirs.commit(staging, final)
+    if tracker and _rank() == 0:
+        dirs.write_tracker(root, step)
     _barrier()
-    if _rank() == 0 and not as_step_dir:
-        tmp = Path(root) / (TRACKER + ".tmp")
-        tmp.write_text(str(int(step)))
-        os.replace(tmp, Path(root) / TRACKER)  # atomic: a crash never leaves a half-written pointer
-    _barrier()
-    return out
+    return final
 
 
 def resolve(path: str) -> Path:
     """``path`` may be a ``--save`` root (its tracker names the step) or an ``iter_*`` directory."""
-    p = Path(path)
-    if (p / TRACKER).exists():
-        return iter_dir(str(p), int((p / TRACKER).read_text().strip()))
-    if (p / "meta.pt").exists():
-        return p
-    raise FileNotFoundError(f"--load {path}: neither a checkpoint root with {TRACKER} nor an iter_* checkpoint directory")
+    return dirs.resolve(path, "meta.pt")
 
 
 def load(path: str, model, optimizer) -> Dict[str, Any]:
