@@ -30,6 +30,7 @@ FLAG_MODULES = (
     "rollout",
     "cluster",
     "logging",
+    "fault_tolerance",
 )
 
 

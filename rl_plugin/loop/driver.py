@@ -21,7 +21,7 @@ from rl_plugin.loop.logger import MetricsLogger
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
-from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line
+from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
@@ -69,6 +69,9 @@ class Driver:
         self.step = 0
         self.start_rollout = 0
         self.samples_seen = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
+        self.rollout_restarts = 0  # dead rollout managers replaced so far (--max-rollout-retries)
+        self.rollout_state = None  # the manager's dataset position before the next generate
+        self.faults = fault_points()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _resolve_paths(self) -> None:
@@ -121,12 +124,53 @@ class Driver:
         self.group.wait(refs[1:], "export_weights", first_rank=1)  # None on ranks > 0; errors named
         try:
             ray.get(self.rollout.update_weights.remote(refs[0]))  # rank 0's dict, never via the driver
+        except ray.exceptions.RayActorError as exc:
+            self._restart_rollout("update_weights", exc)  # the fresh manager is synced there
+            return time.perf_counter() - t0
         except ray.exceptions.RayTaskError as exc:
             raise LoopError(f"weight sync failed (train rank 0 export or rollout update): {exc}") from None
         if self.args.check_weight_sync:
             trainer = self.group.call("weights_fingerprint")[0]
             compare_fingerprints(trainer, self._rollout_call("weights_fingerprint"))
         return time.perf_counter() - t0
+
+    def generate(self, k: int):
+        """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
+        (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
+        data = self._retrying(f"generate (rollout {k})", lambda: generate_ref(self.rollout, k, self.faults))
+        self.rollout_state = self._rollout_call("state_dict")
+        return data
+
+    def _retrying(self, during: str, submit):
+        """``ray.get(submit())``, resubmitted to a fresh rollout manager when the actor died;
+        an error raised inside the call (bad data, a reward function) ends the run at once."""
+        while True:
+            try:
+                return ray.get(submit())
+            except ray.exceptions.RayActorError as exc:
+                self._restart_rollout(during, exc)
+            except ray.exceptions.RayTaskError as exc:
+                raise LoopError(f"rollout manager failed during {during}: {error_line(exc)}. {self._resume_hint()}") from None
+
+    def _restart_rollout(self, during: str, exc: Exception) -> None:
+        """Replace a dead rollout manager: a fresh actor at the dataset position of before the
+        failed call, loaded with the trainer's current weights. At most --max-rollout-retries
+        times per run; then the run stops naming the engine, the cause and --load."""
+        a = self.args
+        cause = error_line(exc)
+        engine = f"the rollout engine ({a.rollout_engine}, in the rollout manager actor)"
+        if self.rollout_restarts >= a.max_rollout_retries:
+            raise LoopError(
+                f"{engine} died during {during}: {cause}. It was restarted {self.rollout_restarts} time(s) already "
+                f"(--max-rollout-retries {a.max_rollout_retries}). {self._resume_hint()}"
+            )
+        self.rollout_restarts += 1
+        print(f"{engine} died during {during}: {cause}; restarting it and retrying "
+              f"({self.rollout_restarts}/{a.max_rollout_retries}, --max-rollout-retries)", flush=True)
+        ray.kill(self.rollout, no_restart=True)
+        self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self._rollout_call("load_state_dict", self.rollout_state)
+        self.sync_weights()
 
     def train_rollout(self, data) -> List[Dict[str, Any]]:
         a, g = self.args, self.group
@@ -161,6 +205,7 @@ class Driver:
             self._resume()
             if self.step == 0:
                 _keep_previous(self.metrics_file)
+            self.rollout_state = self._rollout_call("state_dict")
             self.sync_weights()
             logger = MetricsLogger(a, str(self.metrics_file))
             bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
@@ -192,7 +237,7 @@ class Driver:
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
         a = self.args
         t0 = time.perf_counter()
-        data = self._rollout_call("generate", k)
+        data = self.generate(k)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = self.train_rollout(data)
@@ -211,7 +256,7 @@ class Driver:
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
             self.save(k)
         if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
-            ev = self._rollout_call("evaluate", k)
+            ev = self._retrying(f"evaluate (rollout {k})", lambda: self.rollout.evaluate.remote(k))
             logger.log(self.step, {"rollout_id": k, **ev})
         bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", train_step_s=f"{t_train / max(len(reports), 1):.2f}",
                         rollout_s=f"{time.perf_counter() - t0:.2f}", step=self.step)

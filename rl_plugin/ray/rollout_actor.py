@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import ray
 
 from rl_plugin.rollout.manager import RolloutManager
@@ -29,3 +32,27 @@ def error_line(exc: Exception) -> str:
         if head.endswith(("Error", "Exception")) and " " not in head:
             return ln
     return lines[-1] if lines else type(exc).__name__
+
+
+# Test hook: "K[,K...]" makes the driver SIGKILL the rollout actor's process right after sending
+# it rollout K's generate call (once per listed K; list K twice to kill its retry too), to
+# exercise the restart-and-retry path (``--max-rollout-retries``) with a real process death.
+FAULT_ENV = "RL_PLUGIN_FAULT_KILL_ROLLOUT_AT"
+
+
+def fault_points() -> list:
+    spec = os.environ.get(FAULT_ENV, "")
+    return [int(x) for x in spec.split(",") if x.strip()]
+
+
+def generate_ref(actor, rollout_id: int, faults: list):
+    """``actor.generate.remote(rollout_id)``; under the test hook, the actor's process is then
+    SIGKILLed (what an OOM kill or a crashed engine looks like to the driver)."""
+    pid = None
+    if rollout_id in faults:
+        faults.remove(rollout_id)
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # asked before the call queues
+    ref = actor.generate.remote(rollout_id)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return ref

@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.loop.checkpoint import latest_step, write_tracker  # noqa: E402
 from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
+from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 
@@ -171,3 +172,27 @@ def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response" in err, err
+
+
+def test_killed_rollout_engine_is_restarted_and_the_run_continues_identically(runs_a, tmp_path, monkeypatch, capsys):
+    """The rollout actor's process is SIGKILLed while it generates rollout 1: the driver starts a
+    fresh one, loads the trainer's current weights into it (checked: --check-weight-sync) and
+    the dataset position, and retries; the metrics equal the uninterrupted run's byte for byte."""
+    d = tmp_path / "engine"
+    monkeypatch.setenv(ROLLOUT_FAULT_ENV, "1")
+    assert _run("fsdp", d) == 0
+    out = capsys.readouterr().out
+    assert "the rollout engine (hf, in the rollout manager actor) died during generate (rollout 1)" in out, out
+    assert "restarting it and retrying (1/3, --max-rollout-retries)" in out
+    assert (d / "metrics.jsonl").read_text() == (runs_a["fsdp"] / "metrics.jsonl").read_text()
+
+
+def test_rollout_engine_dying_past_the_retry_limit_names_engine_cause_and_load(ray_cluster, tmp_path, monkeypatch, capsys):
+    d = tmp_path / "engine_limit"
+    monkeypatch.setenv(ROLLOUT_FAULT_ENV, "1,1")  # rollout 1 and its retry
+    assert _run("fsdp", d, "--max-rollout-retries", "1", "--num-rollout", "2") == 1
+    err = capsys.readouterr().err
+    assert "the rollout engine (hf, in the rollout manager actor) died during generate (rollout 1)" in err, err
+    assert "It was restarted 1 time(s) already (--max-rollout-retries 1)" in err
+    assert f"resume with --load {d / 'ckpt'} (last checkpoint: step 2)" in err
+    assert [r["step"] for r in _lines(d / "metrics.jsonl")] == [1, 2]  # what was logged is kept

@@ -63,3 +63,10 @@ def test_world_multiple_of_model_parallel():
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_use_wandb_without_wandb():
     assert "--use-wandb: the wandb package is not installed" in _err(["--use-wandb"])
+
+
+def test_max_rollout_retries_not_negative():
+    msg = _err(["--max-rollout-retries", "-1"])
+    assert msg.startswith("--max-rollout-retries: must be >= 0 (got -1)") and "Fix:" in msg
+    assert parse_args(["--max-rollout-retries", "0"]).max_rollout_retries == 0
+    assert parse_args([]).max_rollout_retries == 3
