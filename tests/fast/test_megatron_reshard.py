@@ -15,7 +15,8 @@ the optimizer state the load restored (moments, step count): skipping the optimi
 it by 1e-2 relative, while each layout's step agrees to ~1e-7 (the next step's loss and grad norm
 alone do not depend on optimizer state, and the loss at ratio 1 not even on the weights). Also:
 the per-rank ``.pt`` checkpoints of earlier versions and FSDP checkpoints are refused by name and
-leave the model untouched.
+leave the model untouched, and so is a checkpoint of another model (the first tensor whose global
+shape differs is named).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def _batches():
     return [synthetic_batch(seed=s, num_prompts=2, n_per_prompt=4) for s in (1, 2, 3)]
 
 
-def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir):
+def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_dir=None):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.testing import dp_shard, make_args
 
+    if other_hf_dir:  # a checkpoint of another model (wider MLP), for the refusal below
+        other = MegatronBackend.from_args(make_args("--hf-checkpoint", other_hf_dir, *FLAGS, world_size=world))
+        other.save_checkpoint(str(Path(refuse_dir) / "other_model"), step=1)
+        del other
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
                                                   *FLAGS, world_size=world))
     ps = backend.parallel_state
@@ -62,7 +67,7 @@ def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir):
     if refuse_dir:
         before = backend.export_hf_state_dict()
         out["refused"] = {}
-        for name in ("old_format", "fsdp"):
+        for name in ("old_format", "fsdp", "other_model"):
             try:
                 backend.load_checkpoint(str(Path(refuse_dir) / name))
             except ValueError as e:
@@ -101,7 +106,8 @@ def runs(tmp_path_factory):
     a, b = str(root / "A"), str(root / "B")
     tp2 = run_world(_worker, 2, 2, hf_dir, None, a, None)
     dp2 = run_world(_worker, 2, 1, hf_dir, a, b, None)
-    dp1 = run_world(_worker, 1, 1, hf_dir, b, None, str(_old_and_fsdp_dirs(root / "refuse")))
+    other = str(make_tiny_hf_checkpoint(root / "tiny_wide", "qwen2", intermediate_size=96))
+    dp1 = run_world(_worker, 1, 1, hf_dir, b, None, str(_old_and_fsdp_dirs(root / "refuse")), other)
     return tp2[0], dp2[0], dp1[0], (a, b)
 
 
@@ -139,3 +145,6 @@ def test_old_formats_are_refused_untouched(runs):
     assert dp1["untouched"]
     assert "per-rank .pt format" in dp1["refused"]["old_format"] and "nothing was loaded" in dp1["refused"]["old_format"]
     assert "FSDP backend" in dp1["refused"]["fsdp"] and "--train-backend fsdp" in dp1["refused"]["fsdp"]
+    other = dp1["refused"]["other_model"]
+    assert "holds another model than --hf-checkpoint" in other and "Fix: pass the --hf-checkpoint" in other
+    assert "mlp.linear_fc1.weight is (" in other and "in the checkpoint and (" in other  # the first tensor that differs

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends import checkpoint_dirs as dirs
+from rl_plugin.backends.checkpoint_compat import check_same_model
 from rl_plugin.parallel import ParallelState
 
 FORMAT = "rl_plugin/megatron-dist-v1"
@@ -90,9 +91,9 @@ def _optimizers(optimizer):
 
 def _allocate_distributed_state(optimizer) -> None:
     """A fresh DistributedOptimizer has no Adam state yet, and without Apex/TE its
-    ``state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) asserts on the missing
-    ``step`` (megatron-core 0.16.1 distrib_optimizer.py l. 640). Allocate zeros (what the first
-    step would) so the load has tensors to fill; every value is overwritten by the load."""
+    ``state_dict()`` (called by ``sharded_state_dict``) asserts on the missing ``step``
+    (megatron-core 0.16.1 distrib_optimizer.py l. 640). Allocate zeros and step 0: exactly what
+    torch Adam's first step would create, so the math is unchanged; a load overwrites them."""
     for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if hasattr(opt, "get_parameter_state_dp_zero") and inner is not None and not inner.state and opt.init_state_fn:
@@ -167,6 +168,7 @@ def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState
 
     final, tracker = dirs.target(path, step)
     staging = dirs.begin(final)
+    _allocate_distributed_state(optimizer)  # a save before the first step: zeros, as that step would start from
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
@@ -195,7 +197,23 @@ def _check_format(path: str, src: Path) -> None:
         )
 
 
-def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[str, Any]:
+def _model_shapes(src: Path, model) -> tuple:
+    """``(saved, current)``: global tensor shapes by dist-checkpoint key, of the checkpoint's
+    model (its DCP metadata, optimizer entries left out) and of this run's model. Global shapes
+    do not depend on the layout, so this compares models, not TP x DP splits."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    saved = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size") and not k.startswith("optimizer.")}
+    sd = _unwrap(model).sharded_state_dict()
+    apply_factories(sd)  # e.g. the fused gate/up (SwiGLU) weight under TP: the tensors it is saved as
+    current = {t.key: tuple(t.global_shape) for t in nested_values(sd) if isinstance(t, ShardedTensor)}
+    return saved, current
+
+
+def load(path: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None) -> Dict[str, Any]:
     """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from
     ``path`` (a ``--save`` root or an ``iter_*`` directory); returns ``{"step", "extra"}``."""
     from megatron.core import dist_checkpointing
@@ -210,6 +228,7 @@ def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[s
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )
+    check_same_model(str(src), hf_dir, *_model_shapes(src, model))
     _allocate_distributed_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
     _unwrap(model).load_state_dict(state["model"])
