@@ -19,6 +19,7 @@ from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger
 from rl_plugin.loop.plot import plot_reward_curve
+from rl_plugin.models.hf_files import check_hf_weights
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
@@ -82,6 +83,7 @@ class Driver:
             fail("--prompt-data without --hf-checkpoint", "the loop needs a model to train", "pass --hf-checkpoint DIR (a Hugging Face model directory)")
         if not Path(a.hf_checkpoint, "config.json").exists():
             fail(f"--hf-checkpoint {a.hf_checkpoint}", "the directory holds no config.json", "point it at a Hugging Face model directory")
+        check_hf_weights(a.hf_checkpoint)
         self.output_dir = Path(a.output_dir or "outputs/run")
         self.metrics_file = Path(a.metrics_file or self.output_dir / "metrics.jsonl")
 
@@ -137,20 +139,20 @@ class Driver:
     def generate(self, k: int):
         """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
         (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
-        data = self._retrying(f"generate (rollout {k})", lambda: generate_ref(self.rollout, k, self.faults))
+        data = self._retrying("generate", k, lambda: generate_ref(self.rollout, k, self.faults))
         self.rollout_state = self._rollout_call("state_dict")
         return data
 
-    def _retrying(self, during: str, submit):
+    def _retrying(self, method: str, k: int, submit):
         """``ray.get(submit())``, resubmitted to a fresh rollout manager when the actor died;
         an error raised inside the call (bad data, a reward function) ends the run at once."""
         while True:
             try:
                 return ray.get(submit())
             except ray.exceptions.RayActorError as exc:
-                self._restart_rollout(during, exc)
+                self._restart_rollout(f"{method} (rollout {k})", exc)
             except ray.exceptions.RayTaskError as exc:
-                raise LoopError(f"rollout manager failed during {during}: {error_line(exc)}. {self._resume_hint()}") from None
+                raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def _restart_rollout(self, during: str, exc: Exception) -> None:
         """Replace a dead rollout manager: a fresh actor at the dataset position of before the
@@ -256,7 +258,7 @@ class Driver:
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
             self.save(k)
         if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
-            ev = self._retrying(f"evaluate (rollout {k})", lambda: self.rollout.evaluate.remote(k))
+            ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
             logger.log(self.step, {"rollout_id": k, **ev})
         bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", train_step_s=f"{t_train / max(len(reports), 1):.2f}",
                         rollout_s=f"{time.perf_counter() - t0:.2f}", step=self.step)

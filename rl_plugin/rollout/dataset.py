@@ -1,8 +1,9 @@
 """Prompt datasets from JSONL (``--prompt-data``, ``--input-key``, ``--label-key``), with a
 resumable position.
 
-The dataset is read once; every line must be a JSON object holding the input key (and the label
-key, when one is configured); a bad line raises naming the file and line. Batches are taken in
+The dataset is read once; every line must be a JSON object holding a non-empty input string (and
+the label key, when one is configured); a bad line raises naming the file and line. Lines of
+whitespace only hold no record and are skipped (a trailing newline is common in JSONL tools). Batches are taken in
 order, wrapping around into a new epoch (reshuffled with ``seed + epoch`` when ``shuffle``), so
 the position is just ``(epoch, offset)`` and ``state_dict`` / ``load_state_dict`` restore it.
 """
@@ -45,6 +46,8 @@ def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRec
             prompt = row[input_key]
             if not isinstance(prompt, str):
                 raise ValueError(f"{path}:{lineno}: {input_key!r} must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
+                raise ValueError(f"{path}:{lineno}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt")
             records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records)))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")
