@@ -89,14 +89,31 @@ def _optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _allocate_distributed_state(optimizer) -> None:
-    """A fresh DistributedOptimizer has no Adam state yet, and without Apex/TE its
-    ``state_dict()`` (called by ``sharded_state_dict``) asserts on the missing ``step``
-    (megatron-core 0.16.1 distrib_optimizer.py l. 640). Allocate zeros and step 0: exactly what
-    torch Adam's first step would create, so the math is unchanged; a load overwrites them."""
+def _init_sgd_state(opt, config=None) -> None:
+    """megatron-core 0.16.1 sets no ``init_state_fn`` for SGD (optimizer/__init__.py l. 408) yet
+    ``sharded_state_dict(is_loading=True)`` calls it (optimizer.py l. 1019). Momentum buffers as
+    zeros: with dampening 0, torch SGD's first step then makes buf = grad, as its lazy clone
+    would, and a load has a tensor to fill (without one, the saved momentum would be skipped)."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0):
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
+def _allocate_state(optimizer) -> None:
+    """Optimizer state tensors for a save or load before the first step.
+
+    A fresh DistributedOptimizer has no Adam state yet, and without Apex/TE its ``state_dict()``
+    (called by ``sharded_state_dict``) asserts on the missing ``step`` (megatron-core 0.16.1
+    distrib_optimizer.py l. 640). Allocate zeros and step 0: exactly what torch Adam's first step
+    would create, so the math is unchanged; a load overwrites them."""
     for opt in _optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
-        if hasattr(opt, "get_parameter_state_dp_zero") and inner is not None and not inner.state and opt.init_state_fn:
+        if inner is None:
+            continue
+        if opt.init_state_fn is None:
+            opt.init_state_fn = _init_sgd_state
+        if hasattr(opt, "get_parameter_state_dp_zero") and not inner.state:
             opt.init_state_fn(inner, opt.config)
             for state in inner.state.values():
                 state.setdefault("step", torch.tensor(0.0))
@@ -168,7 +185,7 @@ def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState
 
     final, tracker = dirs.target(path, step)
     staging = dirs.begin(final)
-    _allocate_distributed_state(optimizer)  # a save before the first step: zeros, as that step would start from
+    _allocate_state(optimizer)  # a save before the first step: zeros, as that step would start from
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
@@ -229,7 +246,7 @@ def load(path: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: O
             "as --hf-checkpoint."
         )
     check_same_model(str(src), hf_dir, *_model_shapes(src, model))
-    _allocate_distributed_state(optimizer)
+    _allocate_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
     _unwrap(model).load_state_dict(state["model"])
     with torch.no_grad():  # fp32 + distributed optimizer: the main param is a view of the model param
