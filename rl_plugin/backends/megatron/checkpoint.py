@@ -178,6 +178,16 @@ def _sync_torch_dist_strategy():
     return SyncTorchDistSave("torch_dist", 1)
 
 
+def _without_param_state(common: Dict[str, Any]) -> Dict[str, Any]:
+    """The common state minus the distributed optimizer's ``param_state``, for megatron's
+    every-rank-equal check: gathered on gloo, it exists only on DP rank 0 (None elsewhere), by
+    design of the mem-efficient fully_reshardable form; not a divergence to warn about."""
+    opt = common.get("optimizer")
+    if isinstance(opt, dict) and "param_state" in opt:
+        return {**common, "optimizer": {k: v for k, v in opt.items() if k != "param_state"}}
+    return common
+
+
 def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> str:
     """Collective. ``path``: a ``--save`` root or the step's ``iter_*`` directory; returns the
     step directory, complete (renamed from ``.partial`` after every rank wrote)."""
@@ -190,7 +200,8 @@ def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
-    dist_checkpointing.save(state, str(staging), sharded_strategy=_sync_torch_dist_strategy())
+    dist_checkpointing.save(state, str(staging), sharded_strategy=_sync_torch_dist_strategy(),
+                            preprocess_common_before_consistancy_check=_without_param_state)
     torch.save({"layout": _layout(ps), "rng": _rng_state()}, staging / f"rng_rank{dist.get_rank()}.pt")
     dirs.commit(staging, final)
     if tracker and dirs.rank() == 0:
