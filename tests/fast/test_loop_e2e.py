@@ -136,11 +136,11 @@ def test_megatron_resume_on_another_layout(runs_a, tmp_path):
     d = tmp_path / "relayout"
     shutil.copytree(runs_a["megatron"] / "ckpt", d / "ckpt")
     write_tracker(d / "ckpt", 2)
-    assert _run("megatron", d, "--load", str(d / "ckpt"), "--tensor-model-parallel-size", "2") == 0
+    assert _run("megatron", d, "--load", str(d / "ckpt"), "--tensor-model-parallel-size", "2", "--num-rollout", "2") == 0
     resumed = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
     full = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r and r["step"] > 2]
-    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
-    for got, want in zip(resumed[:2], full[:2]):  # rollout 1: generated from the loaded weights
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, full[:2]):  # rollout 1: generated from the loaded weights
         for key in ("reward_mean", "reward_max", "response_len_mean", "tokens", "samples_seen", "lr"):
             assert got[key] == want[key], key
         scale = max(abs(want["advantage_max"]), abs(want["advantage_min"]))
@@ -212,11 +212,12 @@ def test_killed_rollout_engine_is_restarted_and_the_run_continues_identically(ru
     byte-identical metrics files; FSDP's is the kill-and-resume test above)."""
     d = tmp_path / "engine"
     monkeypatch.setenv(ROLLOUT_FAULT_ENV, "1")
-    assert _run("megatron", d) == 0
+    assert _run("megatron", d, "--num-rollout", "2") == 0  # A's first two rollouts (and the eval after rollout 1)
     out = capsys.readouterr().out
     assert "the rollout engine (hf, in the rollout manager actor) died during generate (rollout 1)" in out, out
     assert "restarting it and retrying (1/3, --max-rollout-retries)" in out
-    assert (d / "metrics.jsonl").read_text() == (runs_a["megatron"] / "metrics.jsonl").read_text()
+    lines = (d / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == 5 and lines == (runs_a["megatron"] / "metrics.jsonl").read_text().splitlines(keepends=True)[:5]
 
 
 def test_rollout_engine_dying_past_the_retry_limit_names_engine_cause_and_load(ray_cluster, tmp_path, monkeypatch, capsys):
