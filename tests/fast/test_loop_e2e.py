@@ -9,7 +9,7 @@ backend, run A is uninterrupted (3 rollouts x 2 optimizer steps, checkpoint ever
   for byte: no completed step lost, the resumed trajectory identical, same seed same metrics.
 - Megatron: resume from the step-2 checkpoint of run A; steps 3.. must equal A's.
 - Across backends: the same seed gives the same first rollout and the same step-1 loss and grad
-  norm (rel 1e-5).
+  norm (within ``tolerance.FP32_MODEL``, against the magnitude of the log-probs and advantages).
 """
 
 import json
@@ -25,6 +25,7 @@ from rl_plugin.loop.checkpoint import latest_step, write_tracker  # noqa: E402
 from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
+from tests.fast.tolerance import FP32_MODEL, within  # noqa: E402
 
 FLAGS = [
     "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "2",
@@ -55,6 +56,22 @@ def _lines(path):
     return [json.loads(x) for x in open(path).read().splitlines()]
 
 
+def _log_scale(row) -> float:
+    """Magnitude of the step's log-probs: the mean |log-prob| (the metric is the sample mean of
+    the old log-probs), the scale of the rounding in a mean of log-prob terms."""
+    return max(1.0, abs(row["old_log_prob"]))
+
+
+def _same_first_step(a, b) -> None:
+    """Two fp32 runs of one step in another layout/backend: the loss terms are -A * r with
+    r = exp(logp - old), so their rounding is bounded by FP32_MODEL * max|A| * |logp|."""
+    scale = max(abs(b["advantage_max"]), abs(b["advantage_min"])) * _log_scale(b)
+    for key in ("loss", "pg_loss"):
+        assert within(a[key], b[key], rtol=FP32_MODEL, scale=scale), (key, a[key], b[key])
+    assert within(a["grad_norm"], b["grad_norm"], rtol=FP32_MODEL), ("grad_norm", a["grad_norm"], b["grad_norm"])
+    assert within(a["old_log_prob"], b["old_log_prob"], rtol=FP32_MODEL), ("old_log_prob", a["old_log_prob"], b["old_log_prob"])
+
+
 @pytest.fixture(scope="module")
 def runs_a(ray_cluster, tmp_path_factory):
     out = {}
@@ -77,8 +94,11 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     assert [(r["rollout_id"], r["step"]) for r in evals] == [(1, 4), (2, 6)]
     for r in train:
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["samples"] == 8.0 and r["grad_norm"] > 0
-        assert r["rollout_log_prob_diff"] < 1e-4  # trainer and sampler compute the same log-probs
-    assert train[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy at the first step
+        # trainer and sampler compute the same log-probs: the mean |old - rollout| is fp32 rounding of
+        # two forwards (HF generate with a KV cache, the trainer's packed forward) of |logp| terms
+        assert r["rollout_log_prob_diff"] < FP32_MODEL * _log_scale(r)
+    # on-policy at the first step: ratio = exp(logp - old) of two fp32 forwards of the same weights
+    assert within(train[0]["ratio_mean"], 1.0, rtol=FP32_MODEL, scale=_log_scale(train[0]))
     assert latest_step(d / "ckpt") == 6
     assert (d / "reward_curve.png").stat().st_size > 1000
     timings = _lines(d / "metrics.timings.jsonl")
@@ -90,8 +110,7 @@ def test_same_seed_other_backend_same_first_step(runs_a):
     m = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r][0]
     for key in ("reward_mean", "reward_max", "response_len_mean", "tokens", "advantage_max", "advantage_min"):
         assert f[key] == m[key], key  # identical rollout
-    for key in ("loss", "pg_loss", "grad_norm", "old_log_prob"):
-        assert m[key] == pytest.approx(f[key], rel=1e-5, abs=1e-7), key
+    _same_first_step(m, f)
 
 
 def test_killed_actor_is_named_and_resume_loses_no_step(runs_a, tmp_path, monkeypatch, capsys):
@@ -127,7 +146,9 @@ def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     rows = [r for r in _lines(tmp_path / "metrics.jsonl") if "loss" in r]
     # 16 samples, 8 per DP rank in micro-batches of 2: rounds of 4 documents, a step closes at >= 6
     assert [r["samples"] for r in rows] == [8.0, 8.0]
-    assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
+    # policy == reference at the first step: low_var_kl of two fp32 forwards of the same weights,
+    # log-ratios d ~ FP32_MODEL * |logp|, kl ~ d^2 / 2 <= d
+    assert abs(rows[0]["kl_loss"]) <= FP32_MODEL * _log_scale(rows[0])
     assert rows[1]["kl_loss"] > 0  # the first step moved the policy away from the reference
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
@@ -142,8 +163,7 @@ def test_megatron_tp2_same_rollout_and_first_step_as_dp2(runs_a, tmp_path):
     assert len(tp) == 4
     for key in ("reward_mean", "reward_max", "response_len_mean", "tokens", "advantage_max", "advantage_min"):
         assert tp[0][key] == dp[0][key], key
-    for key in ("loss", "pg_loss", "grad_norm", "old_log_prob"):
-        assert tp[0][key] == pytest.approx(dp[0][key], rel=1e-5, abs=1e-7), key
+    _same_first_step(tp[0], dp[0])
 
 
 def test_bad_prompt_file_is_named(ray_cluster, tmp_path, capsys):
