@@ -32,6 +32,19 @@ def add_arguments(parser):
     return parser
 
 
+def validate_engine_installed(args) -> None:
+    """Run start-up check (not part of ``validate``: the flag checker also runs on machines
+    without the cluster's packages): ``--rollout-engine vllm/sglang`` needs its package here."""
+    if args.rollout_engine in ("vllm", "sglang"):
+        import importlib.util
+
+        from rl_plugin.rollout.engine import INSTALL_HINTS
+
+        if importlib.util.find_spec(args.rollout_engine) is None:
+            fail(f"--rollout-engine {args.rollout_engine}", f"the Python package '{args.rollout_engine}' is not installed",
+                 f"{INSTALL_HINTS[args.rollout_engine]}, or use --rollout-engine hf")
+
+
 def _positive(args, flag: str, attr: str) -> None:
     value = getattr(args, attr)
     if value is not None and value < 1:
@@ -41,14 +54,6 @@ def _positive(args, flag: str, attr: str) -> None:
 def validate(args) -> None:
     if args.update_weight_buffer_size is not None and args.update_weight_buffer_size < 1:
         fail("--update-weight-buffer-size", f"must be >= 1 byte (got {args.update_weight_buffer_size})", "use e.g. 536870912 (512 MiB, slime's default)")
-    if args.rollout_engine in ("vllm", "sglang"):
-        import importlib.util
-
-        from rl_plugin.rollout.engine import INSTALL_HINTS
-
-        if importlib.util.find_spec(args.rollout_engine) is None:
-            fail(f"--rollout-engine {args.rollout_engine}", f"the Python package '{args.rollout_engine}' is not installed",
-                 f"{INSTALL_HINTS[args.rollout_engine]}, or use --rollout-engine hf")
     for flag in ("--rollout-batch-size", "--rollout-max-response-len", "--num-rollout", "--eval-interval", "--n-samples-per-eval"):
         _positive(args, flag, flag[2:].replace("-", "_"))
     p = args.rollout_top_p

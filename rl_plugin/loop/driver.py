@@ -15,6 +15,7 @@ import ray
 
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments._util import fail
+from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger
@@ -158,6 +159,7 @@ class Driver:
         from tqdm import tqdm
 
         a = self.args
+        validate_engine_installed(a)
         self._resolve_paths()
         logger = None
         try:

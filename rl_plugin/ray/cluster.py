@@ -52,7 +52,10 @@ def shutdown_ray() -> None:
 
 
 def num_engines(args) -> int:
-    """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` (slime's rule); one by default."""
+    """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` (slime's rule); one by default.
+    Colocated server engines (vllm, sglang) take every training GPU: world / per-engine."""
+    if args.colocate and args.rollout_engine != "hf":
+        return max(1, args.actor_num_nodes * args.actor_num_gpus_per_node // args.rollout_num_gpus_per_engine)
     return max(1, (args.rollout_num_gpus or args.rollout_num_gpus_per_engine) // args.rollout_num_gpus_per_engine)
 
 

@@ -67,11 +67,17 @@ def test_use_wandb_without_wandb():
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_missing_engine_package_fails_at_start_up(engine, monkeypatch):
+def test_missing_engine_package_fails_at_start_up(engine, monkeypatch, capsys):
+    """rl-plugin-train exits 2 before starting Ray, naming the flag and the install step (the
+    flag checker alone accepts the flag: examples validate on machines without the package)."""
+    from rl_plugin.train import main
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == engine else real(name, *a))
-    msg = _err(["--rollout-engine", engine])
-    assert msg.startswith(f"--rollout-engine {engine}: the Python package '{engine}' is not installed")
+    parse_args(["--rollout-engine", engine])
+    assert main(["--train-backend", "fsdp", "--rollout-engine", engine]) == 2
+    msg = capsys.readouterr().err
+    assert f"--rollout-engine {engine}: the Python package '{engine}' is not installed" in msg
     assert ("scripts/setup_env.sh" if engine == "vllm" else "pip install") in msg and "or use --rollout-engine hf" in msg
 
 
