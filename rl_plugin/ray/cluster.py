@@ -85,8 +85,8 @@ class Placement:
         return {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)}
 
     def rollout_options(self, rollout_num_gpus: int) -> Dict[str, Any]:
-        if self.colocate:
-            share = 1.0 - COLOCATED_TRAIN_SHARE
+        if self.colocate:  # halved when engine actors share the bundle too (see engine_options)
+            share = (1.0 - COLOCATED_TRAIN_SHARE) / (2 if self.engine_bundles else 1)
             opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
         else:
             opts = dict(num_cpus=1, num_gpus=rollout_num_gpus if self.gpus and not self.engine_bundles else 0)
