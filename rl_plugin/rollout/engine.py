@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -84,7 +84,7 @@ def require_package(engine: str) -> None:
 
 
 def make_engine(name: str, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1, seed: int = 0,
-                max_model_len: int = 4096) -> RolloutEngine:
+                max_model_len: Optional[int] = None) -> RolloutEngine:
     """The engine ``--rollout-engine name`` asks for."""
     if name == "hf":
         from rl_plugin.rollout.hf_engine import HFEngine

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -53,19 +53,20 @@ def _engine_environment() -> None:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1,
-                 max_model_len: int = 4096, seed: int = 0):
+                 max_model_len: Optional[int] = None, seed: int = 0):
         _engine_environment()
         from transformers import AutoConfig
         from vllm import LLM
 
         cfg = AutoConfig.from_pretrained(str(checkpoint_dir))
-        max_len = min(int(max_model_len), int(getattr(cfg, "max_position_embeddings", max_model_len)))
+        # prompt + response length the KV cache is sized for: the model's own limit unless capped
+        max_len = max_model_len or getattr(cfg, "max_position_embeddings", None)
         self.vocab_size = int(cfg.vocab_size)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.eos = eos_token_ids(checkpoint_dir)
         self.llm = LLM(
             model=str(checkpoint_dir), skip_tokenizer_init=True, dtype="float32" if device == "cpu" else "auto",
-            tensor_parallel_size=int(tensor_parallel_size), seed=int(seed), max_model_len=max_len,
+            tensor_parallel_size=int(tensor_parallel_size), seed=int(seed), max_model_len=None if max_len is None else int(max_len),
             block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
         )
