@@ -66,6 +66,7 @@ class Driver:
         self.group = None
         self.rollout = None
         self.engines = []
+        self.last_sync = {"bytes": 0.0, "seconds": 0.0}
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -122,7 +123,7 @@ class Driver:
         every engine loads them in place (the driver only passes the bucket handles along)."""
         t0 = time.perf_counter()
         handles = self.group.call("export_weight_buckets", [(self.args.update_weight_buffer_size,)] * self.group.world_size)[0]
-        self._rollout_call("update_weights", handles)
+        self.last_sync = self._rollout_call("update_weights", handles)  # bytes, slowest engine's load seconds
         del handles  # the buckets are freed once no one holds their handles
         if self.args.check_weight_sync:
             trainer = self.group.call("weights_fingerprint")[0]
@@ -214,6 +215,7 @@ class Driver:
             timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:
                 timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,
+                                "time/weight_load_engines": self.last_sync["seconds"],
                                 "time/rollout_total": time.perf_counter() - t0})
             logger.log(self.step, {"rollout_id": k, "step_in_rollout": j, **stats, **rep}, timings)
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
