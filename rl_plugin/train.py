@@ -5,7 +5,7 @@ Per rollout k (``--num-rollout`` of them)::
     data  = rollout_manager.generate(k)          # prompts x n samples, rewards, sampler log-probs
     plans = steps.plan(data)                     # advantages over whole groups; steps; DP split
     train_group.train_rollout(plans)             # old/ref log-probs, then each optimizer step
-    rollout_manager.update_weights(export)       # weight sync: the next rollout is on-policy
+    rollout_manager.update_weights(buckets)      # weight sync in place, bucket by bucket: the next rollout is on-policy
     [check weights] [save] [eval] [log]
 
 With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). Resume:

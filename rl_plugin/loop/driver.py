@@ -15,6 +15,7 @@ import ray
 
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments._util import fail
+from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger
@@ -64,6 +65,8 @@ class Driver:
         self.args = args
         self.group = None
         self.rollout = None
+        self.engines = []
+        self.last_sync = {"bytes": 0.0, "seconds": 0.0}
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -86,7 +89,7 @@ class Driver:
         a = self.args
         self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
         self.placement = create_placement(a)
-        self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self.rollout, self.engines = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
 
@@ -116,16 +119,19 @@ class Driver:
             raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def sync_weights(self) -> float:
+        """Train rank 0 publishes its export in buckets of --update-weight-buffer-size bytes;
+        every engine loads them in place (the driver only passes the bucket handles along)."""
         t0 = time.perf_counter()
-        refs = self.group.call("export_weights", return_refs=True)
-        self.group.wait(refs[1:], "export_weights", first_rank=1)  # None on ranks > 0; errors named
-        try:
-            ray.get(self.rollout.update_weights.remote(refs[0]))  # rank 0's dict, never via the driver
-        except ray.exceptions.RayTaskError as exc:
-            raise LoopError(f"weight sync failed (train rank 0 export or rollout update): {exc}") from None
+        handles = self.group.call("export_weight_buckets", [(self.args.update_weight_buffer_size,)] * self.group.world_size)[0]
+        self.last_sync = self._rollout_call("update_weights", handles)  # bytes, slowest engine's load seconds
+        del handles  # the buckets are freed once no one holds their handles
         if self.args.check_weight_sync:
             trainer = self.group.call("weights_fingerprint")[0]
-            compare_fingerprints(trainer, self._rollout_call("weights_fingerprint"))
+            for i, rollout in enumerate(self._rollout_call("weights_fingerprint")):
+                try:
+                    compare_fingerprints(trainer, rollout)
+                except WeightSyncError as exc:
+                    raise WeightSyncError(f"rollout engine {i}: {exc}") from None
         return time.perf_counter() - t0
 
     def train_rollout(self, data) -> List[Dict[str, Any]]:
@@ -154,6 +160,7 @@ class Driver:
         from tqdm import tqdm
 
         a = self.args
+        validate_engine_installed(a)
         self._resolve_paths()
         logger = None
         try:
@@ -184,6 +191,8 @@ class Driver:
             self.group.kill()
         if self.rollout is not None:
             ray.kill(self.rollout, no_restart=True)
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
         if self.placement is not None:
             self.placement.remove()
         if self.owns_ray:
@@ -206,6 +215,7 @@ class Driver:
             timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:
                 timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,
+                                "time/weight_load_engines": self.last_sync["seconds"],
                                 "time/rollout_total": time.perf_counter() - t0})
             logger.log(self.step, {"rollout_id": k, "step_in_rollout": j, **stats, **rep}, timings)
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):

@@ -22,7 +22,8 @@ from rl_plugin.rollout.tokenizer import CharTokenizer
 
 NUM_DIGITS = 3
 TASK = "copy"
-MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+# head_dim = hidden / heads = 32: the smallest head size vLLM's CPU attention accepts (16 is not).
+MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
              intermediate_size=128, max_position_embeddings=64)
 
 # Flag defaults of the embedded run (argparse dests). Tuned on a 2-core CPU: see the benchmark.
@@ -50,7 +51,7 @@ def cache_root() -> Path:
 
 def _model_name() -> str:
     m = MODEL
-    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-l{m['num_layers']}-seed0"
+    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-a{m['num_heads']}-l{m['num_layers']}-seed0"
 
 
 def ensure_tiny_model(root: Path) -> Path:

@@ -117,10 +117,16 @@ class TrainActor:
         return bounds, micro
 
     # -- weights and checkpoints --------------------------------------------------------------
-    def export_weights(self) -> Optional[Dict[str, torch.Tensor]]:
-        """Collective export; rank 0 returns the HF state dict, the others None."""
+    def export_weight_buckets(self, buffer_bytes: int) -> Optional[List[Any]]:
+        """Collective export (each TP shard gathered once); rank 0 cuts it into buckets of at
+        most ``buffer_bytes`` (``--update-weight-buffer-size``) and publishes them through the
+        weight transport, returning the handles the engines read them by; other ranks None."""
+        from rl_plugin.rollout.weight_sync import ObjectStoreTransport, iter_buckets
+
         sd = self.backend.export_hf_state_dict()
-        return sd if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return ObjectStoreTransport().send(iter_buckets(sd, buffer_bytes))
 
     def weights_fingerprint(self) -> Optional[Dict[str, str]]:
         from rl_plugin.rollout.manager import weights_fingerprint

@@ -1,10 +1,16 @@
-"""The rollout manager: owns the prompt datasets, the generation engine and the reward function.
+"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward function.
 
 One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
 ``--rollout-batch-size`` prompts, samples ``--n-samples-per-prompt`` responses each (a prompt's
 samples are contiguous and form one group), scores them, and returns a ``RolloutData`` of flat
 tensors. Generation is seeded with ``seed + rollout_id``, so a resumed run regenerates exactly
 what the uninterrupted run would have, whatever happened before.
+
+Engines: the single ``hf`` engine runs in this process; otherwise the engines are actors
+(``rl_plugin.ray.engine_actor``). A rollout's prompt groups are cut into contiguous shares, one
+per engine, generated concurrently and gathered back in group order; each sample carries its
+index in the rollout (``first_sample``), so per-sample-seeded engines (vllm, sglang) sample the
+same tokens however many engines there are.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from rl_plugin.rollout.dataset import PromptDataset
-from rl_plugin.rollout.engine import SamplingParams, make_engine
+from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.weight_sync import ObjectStoreTransport
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 
@@ -49,13 +56,20 @@ def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
     return out
 
 
+def group_shares(num_groups: int, num_engines: int) -> List[int]:
+    """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
+    base, extra = divmod(num_groups, num_engines)
+    return [base + (1 if i < extra else 0) for i in range(num_engines)]
+
+
 class RolloutManager:
-    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str]):
+    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str], engines: Optional[Sequence[Any]] = None):
         torch.set_num_threads(1)
         self.args = args
         self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=args.apply_chat_template)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
-        self.engine = make_engine(args.rollout_engine, checkpoint_dir, device=device)
+        self.engines = list(engines or [])  # engine actors; empty: the engine lives here
+        self.engine = None if self.engines else make_engine(args.rollout_engine, checkpoint_dir, device=device)
         self.reward_fn = load_reward_fn(args.rm_type, args.custom_rm_path)
         self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
         self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None
@@ -75,7 +89,7 @@ class RolloutManager:
     def _rollout(self, recs, n: int, *, seed: int) -> RolloutData:
         t0 = time.perf_counter()
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
-        gens = self.engine.generate([p for p in prompt_ids for _ in range(n)], self.params, seed=seed)
+        gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
         gen_time = time.perf_counter() - t0
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
@@ -105,12 +119,42 @@ class RolloutManager:
             examples=[{"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])} for i in range(min(2, len(gens)))],
         )
 
-    # -- weights ------------------------------------------------------------------------------
-    def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        self.engine.update_weights(state_dict)
+    def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
+        """All samples (``n`` per group, groups contiguous), spread over the engines by whole
+        groups and gathered in order."""
+        if self.engine is not None:
+            return self.engine.generate(prompts, self.params, seed=seed)
+        import ray
 
-    def weights_fingerprint(self) -> Dict[str, str]:
-        return weights_fingerprint(self.engine.weights())
+        refs, start = [], 0
+        for engine, groups in zip(self.engines, group_shares(len(prompts) // n, len(self.engines))):
+            if groups:
+                refs.append(engine.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
+            start += groups * n
+        return [g for part in ray.get(refs) for g in part]
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, handles: Sequence[Any]) -> Dict[str, float]:
+        """Load the buckets behind ``handles`` (``rl_plugin.rollout.weight_sync``) into every
+        engine, in place; returns the bytes per engine and the slowest engine's seconds."""
+        if self.engine is not None:
+            t0, nbytes = time.perf_counter(), 0
+            for bucket in ObjectStoreTransport().receive(handles):
+                self.engine.update_weights(bucket)
+                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+            return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+        import ray
+
+        stats = ray.get([e.update_weights.remote(handles) for e in self.engines])
+        return {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+
+    def weights_fingerprint(self) -> List[Dict[str, str]]:
+        """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""
+        if self.engine is not None:
+            return [weights_fingerprint(self.engine.weights())]
+        import ray
+
+        return ray.get([e.weights_fingerprint.remote() for e in self.engines])
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:

@@ -83,10 +83,12 @@ def test_dataset_position_resumes_across_epochs(tmp_path):
     assert state == {"epoch": 0, "offset": 4}
 
 
-def test_server_engines_fail_loud():
-    for name in ("sglang", "vllm"):
-        with pytest.raises((RuntimeError, NotImplementedError), match=f"--rollout-engine {name}"):
-            make_engine(name, "unused")
+def test_sglang_fails_loud_without_the_package_or_a_gpu(tmp_path):
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    ck = make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64)
+    with pytest.raises(RuntimeError, match="--rollout-engine sglang: the Python package 'sglang' is not installed|--rollout-engine sglang needs a GPU"):
+        make_engine("sglang", str(ck))
 
 
 def test_hf_engine_log_probs_match_the_model(tmp_path):
