@@ -46,6 +46,7 @@ def add_arguments(parser):
     add_flag(g, "--dynamic-sampling-filter-path", type=str, default=None, help=f"Group filter of dynamic sampling, slime's signature fn(args, samples, **kw) -> bool (or an object with .keep), deciding on the raw rewards before any shaping. Built-in: {BUILTIN_FILTER} (keep groups whose rewards are not all equal; DAPO's filter).")
     add_flag(g, "--overlong-buffer-len", type=int, default=None, help="DAPO's soft over-long punishment (Yu et al. 2025, sec. 3.4): a response longer than --rollout-max-response-len minus this buffer loses reward linearly, reaching -(--overlong-penalty-factor) at the maximum length. Applied after the dynamic-sampling filter. DAPO uses a 4096-token buffer at 20480.")
     add_flag(g, "--overlong-penalty-factor", type=float, default=None, help="Maximum over-long penalty (default 1.0 with --overlong-buffer-len, as in DAPO).")
+    add_flag(g, "--debug-rollout-logprob-shift", type=float, default=0.0, help="Testing and debugging only: subtract d from every log-prob the engine returns, i.e. simulate an engine whose sampling policy disagrees with the trainer by log pi_old - log pi_rollout = d on every token, so the TIS weight (exp(d), then clipped) and the mismatch metrics (|d|, e^d - 1 - d) are known exactly. Never use it in training.")
     add_flag(g, "--deepspeed-grad-scale", action="store_true", help=(
         "DeepSpeed parity when normalising by documents (Fast-LLM PR #502): the reported loss stays J = (1/N) sum_i "
         "l_i, but the gradient applied is dJ/dtheta / N (DeepSpeed divides the already document-averaged loss once "
@@ -119,6 +120,14 @@ def _validate_rollout_control(args) -> None:
             fail(f"--overlong-buffer-len {buf} with --rollout-max-response-len {max_len}", "the buffer must leave a penalty-free length L_max - buffer > 0, or every response is punished", f"use --overlong-buffer-len < {max_len}")
 
 
+def _validate_debug(args) -> None:
+    d = args.debug_rollout_logprob_shift
+    if not math.isfinite(d):
+        fail("--debug-rollout-logprob-shift", f"must be a finite number (got {d})", "use e.g. 0.5, or drop the flag (it is for tests only)")
+    if d != 0 and args.use_rollout_logprobs:
+        fail("--debug-rollout-logprob-shift with --use-rollout-logprobs", "the shifted engine log-probs would become the old log-probs and the shift would be trained on, not measured", "drop --use-rollout-logprobs")
+
+
 def _validate_deepspeed(args) -> None:
     if args.deepspeed_grad_scale:
         agg = getattr(args, "loss_aggregation", "sample_mean")
@@ -131,4 +140,5 @@ def _validate_deepspeed(args) -> None:
 def validate(args) -> None:
     _validate_tis(args)
     _validate_rollout_control(args)
+    _validate_debug(args)
     _validate_deepspeed(args)

@@ -17,7 +17,6 @@ penalty to the rewards the advantages are computed from; ``reward_mean`` stays t
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -33,10 +32,6 @@ from rl_plugin.rollout.tokenizer import load_tokenizer
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
-# Test hook: a float d subtracts d from every engine log-prob the rollout returns, i.e. an engine
-# whose sampling policy disagrees with the trainer by log pi_old - log mu = d on every token (so
-# the TIS weight is exp(d) and the mismatch metrics |d| and e^d - 1 - d are known exactly).
-LOGPROB_SHIFT_ENV = "RL_PLUGIN_TEST_ROLLOUT_LOGPROB_SHIFT"
 MAX_DYNAMIC_SAMPLING_ROUNDS = 64
 
 
@@ -102,9 +97,8 @@ class RolloutManager:
             data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
         else:
             data = self._dynamic_rollout(rollout_id)
-        shift = os.environ.get(LOGPROB_SHIFT_ENV)
-        if shift:
-            data.rollout_log_probs = data.rollout_log_probs - float(shift)
+        if a.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
+            data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
         if a.overlong_buffer_len is not None:
             penalty = overlong_penalty(
                 data.response_lengths, max_len=a.rollout_max_response_len, buffer_len=a.overlong_buffer_len,

@@ -171,3 +171,33 @@ def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response" in err, err
+
+
+def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
+    """An engine whose log-probs disagree with the trainer by d = 0.5 per token
+    (--debug-rollout-logprob-shift): the mismatch metrics, reduced over every DP rank, read |d| and
+    K3 = e^d - 1 - d; the TIS weight e^0.5 = 1.65 is truncated to --tis-clip 1.5 on every token.
+    Dynamic sampling over-samples 8 prompts a round and trains only the 4 groups whose rewards
+    vary; its counts match the step's samples and groups. Tolerance: the engine and the trainer
+    compute the same fp32 log-probs to ~1e-5 (the diff < 1e-4 of the runs above)."""
+    import math
+
+    d = tmp_path / "tis"
+    flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "4", "--num-rollout", "2",
+             "--actor-num-gpus-per-node", "2", "--no-progress-bar", "--use-tis", "--tis-clip", "1.5",
+             "--debug-rollout-logprob-shift", "0.5", "--over-sampling-batch-size", "8",
+             "--dynamic-sampling-filter-path", "rl_plugin.rollout.filters.check_reward_nonzero_std",
+             "--overlong-buffer-len", "2", "--deepspeed-metric-names"]
+    assert main(["--train-backend", "fsdp", "--output-dir", str(d), *flags]) == 0
+    rows = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["mismatch/abs_diff_mean"] == pytest.approx(0.5, abs=1e-4)
+        assert r["mismatch/abs_diff_max"] == pytest.approx(0.5, abs=1e-4)
+        assert r["mismatch/k3_kl"] == pytest.approx(math.exp(0.5) - 1.5, abs=2e-4)
+        assert r["tis/weight_mean"] == pytest.approx(1.5, abs=1e-12) and r["tis/clipped_frac"] == 1.0
+        assert r["dynamic_sampling/groups_kept"] == 4.0 and r["groups"] == 4.0 and r["samples"] == 16.0
+        assert r["dynamic_sampling/groups_generated"] >= r["dynamic_sampling/groups_passed"] >= 4.0
+        assert r["dynamic_sampling/groups_generated"] == 8.0 * r["dynamic_sampling/rounds"]
+        assert r["ratio_new_old"] == r["ratio_mean"] and r["num_tokens"] == r["tokens"]
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # old log-probs are the trainer's, not the shifted ones

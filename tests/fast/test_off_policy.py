@@ -133,6 +133,8 @@ RULES = [
     ("--overlong-buffer-len 8 --overlong-penalty-factor -1", ["--overlong-penalty-factor: must be a finite number >= 0"]),
     ("--overlong-buffer-len 64 --rollout-max-response-len 64", ["--overlong-buffer-len 64 with --rollout-max-response-len 64", "L_max - buffer > 0"]),
     ("--deepspeed-grad-scale --loss-aggregation token_mean", ["--deepspeed-grad-scale", "normalising by documents", "--loss-aggregation sample_mean"]),
+    ("--debug-rollout-logprob-shift nan", ["--debug-rollout-logprob-shift: must be a finite number"]),
+    ("--debug-rollout-logprob-shift 0.5 --use-rollout-logprobs", ["--debug-rollout-logprob-shift with --use-rollout-logprobs"]),
     ("--deepspeed-metric-names --pg-metrics none", ["--deepspeed-metric-names with --pg-metrics none"]),
 ]
 
