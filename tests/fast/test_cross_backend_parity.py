@@ -37,6 +37,7 @@ CASES["token_mean/tis_token_truncate"] = ["--loss-aggregation", "token_mean", "-
 CASES["sample_mean/tis_sequence_mask"] = ["--use-tis", "--tis-level", "sequence", "--tis-mode", "mask", "--tis-clip-low", "0.5", "--tis-clip", "2"]
 CASES["prompt_mean/gspo+tis_geometric"] = ["--loss-aggregation", "prompt_mean", "--advantage-estimator", "gspo", "--use-tis",
                                            "--tis-level", "geometric", "--tis-clip-low", "0.9", "--tis-clip", "1.05"]
+CASES["sample_mean/deepspeed_grad_scale"] = ["--advantage-estimator", "grpo", "--deepspeed-grad-scale"]
 TOL = 1e-5
 PAD_ID = 0  # the tiny models' pad_token_id
 
@@ -140,7 +141,18 @@ def test_pad_token_embedding_row_is_trained(results):
         assert _tensor_rel(f, m) < TOL, case
 
 
+def test_deepspeed_grad_scale_keeps_the_loss_and_divides_the_gradient_by_n(results):
+    """--deepspeed-grad-scale on sample_mean: the reported loss is the same J, the gradient (grad
+    norm and, under SGD lr 1, the update) is dJ/dtheta / N, N = 12 documents in the step."""
+    n = 12
+    for name in ("fsdp", "megatron"):
+        plain, ds = (results[0]["out"][c][name] for c in ("sample_mean/grpo", "sample_mean/deepspeed_grad_scale"))
+        assert ds["report"]["loss"] == plain["report"]["loss"], name  # same code path up to the scale
+        assert _rel(ds["report"]["grad_norm"] * n, plain["report"]["grad_norm"]) < TOL, name
+        assert _update_rel({k: v * n for k, v in ds["update"].items()}, plain["update"]) < TOL, name
+
+
 def test_cases_differ(results):
     """The comparison can fail: the cases give different objectives on this batch."""
-    losses = [results[0]["out"][c]["fsdp"]["report"]["loss"] for c in CASES]
+    losses = [results[0]["out"][c]["fsdp"]["report"]["loss"] for c in CASES if "deepspeed" not in c]
     assert len({round(x, 7) for x in losses}) == len(losses), losses
