@@ -18,8 +18,8 @@ with J_pg aggregated by ``--loss-aggregation`` (or the custom reducer) and the K
 kept as sample means so they compare across runs. With ``--use-tis`` the per-token policy loss is
 multiplied by the detached off-policy weight (``offpolicy.py``) before aggregation.
 ``out.objective`` summed over every micro-batch of every DP x CP rank is exactly J (J / N with
-``--deepspeed-grad-scale``, whose reported loss stays J); each backend multiplies it by the factor that cancels its own
-averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
+``--deepspeed-grad-scale``, whose reported loss stays J); each backend multiplies it by the
+factor that cancels its own averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
 exactly dJ/dtheta.
 """
 
@@ -34,9 +34,9 @@ from rl_plugin.cp import ResponseLayout, all_rank_layouts, exclusive_cumsum, exp
 from rl_plugin.loss.aggregation import token_weights
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_responses
-from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator

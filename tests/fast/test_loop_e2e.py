@@ -119,16 +119,21 @@ def test_megatron_resume_continues_identically(runs_a, tmp_path):
 
 def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     """--docs-per-step (steps planned by the train actors, collective over DP), --use-kl-loss
-    (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend."""
+    (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend; with
+    --use-rollout-logprobs the engine's log-probs are the old ones (no recompute pass), so the
+    mismatch is exactly 0 and the step-1 ratio is 1 up to the engine/trainer fp32 difference."""
     flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--docs-per-step", "6",
              "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.1",
-             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync"]
+             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync", "--use-rollout-logprobs"]
     assert main(["--train-backend", "megatron", "--output-dir", str(tmp_path), *flags]) == 0
     rows = [r for r in _lines(tmp_path / "metrics.jsonl") if "loss" in r]
     # 16 samples, 8 per DP rank in micro-batches of 2: rounds of 4 documents, a step closes at >= 6
     assert [r["samples"] for r in rows] == [8.0, 8.0]
     assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
     assert rows[1]["kl_loss"] > 0  # the first step moved the policy away from the reference
+    assert [r["num_documents"] for r in rows] == [8.0, 8.0] and [r["documents_seen"] for r in rows] == [8.0, 16.0]
+    assert rows[0]["mismatch/abs_diff_mean"] == 0.0 and rows[0]["mismatch/k3_kl"] == 0.0  # old IS the engine's
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
