@@ -28,6 +28,7 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "rollout",
+    "off_policy",
     "cluster",
     "logging",
 )

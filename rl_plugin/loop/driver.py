@@ -26,6 +26,7 @@ from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manage
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
+ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")
 
 
 class LoopError(RuntimeError):
@@ -208,10 +209,13 @@ class Driver:
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights()
         stats = {key: data.stats[key] for key in ROLLOUT_STATS}
+        stats.update({key: v for key, v in data.stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
         for j, rep in enumerate(reports):
             self.step += 1
             self.samples_seen += int(rep["samples"])
             rep["samples_seen"] = float(self.samples_seen)
+            if a.docs_per_step is not None:  # DeepSpeed's names for the step's document counts
+                rep["num_documents"], rep["documents_seen"] = rep["samples"], float(self.samples_seen)
             timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:
                 timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,

@@ -11,6 +11,13 @@ Engines: the single ``hf`` engine runs in this process; otherwise the engines ar
 per engine, generated concurrently and gathered back in group order; each sample carries its
 index in the rollout (``first_sample``), so per-sample-seeded engines (vllm, sglang) sample the
 same tokens however many engines there are.
+
+With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``filters.py``) a rollout runs in
+rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
+r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter on their raw
+rewards; the first ``--rollout-batch-size`` passing groups, in generation order, are the rollout
+and the rest are dropped (as slime does). ``--overlong-buffer-len`` then adds DAPO's over-long
+penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
 """
 
 from __future__ import annotations
@@ -22,13 +29,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
 from rl_plugin.rollout.weight_sync import ObjectStoreTransport
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 
 EVAL_SEED_OFFSET = 1_000_003
+ROUND_SEED_STRIDE = 3_000_017
+MAX_DYNAMIC_SAMPLING_ROUNDS = 64
 
 
 @dataclass
@@ -45,6 +56,21 @@ class RolloutData:
     num_groups: int
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
+
+    def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
+        """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
+        ``0..len(groups)-1``; stats and examples are left to the caller."""
+        groups = torch.as_tensor(groups, dtype=torch.long)
+        idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
+        tl, rl = self.total_lengths, self.response_lengths
+        return RolloutData(
+            tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
+            total_lengths=tl[idx], response_lengths=rl[idx],
+            rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
+            rewards=self.rewards[idx],
+            group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
+            num_groups=int(groups.numel()),
+        )
 
 
 def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -74,11 +100,77 @@ class RolloutManager:
         self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
         self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None
         self.params = SamplingParams(args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len)
+        path = args.dynamic_sampling_filter_path
+        self.group_filter = load_filter(path) if path else None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutData:
-        recs = self.train.next_batch(self.args.rollout_batch_size)
-        return self._rollout(recs, self.args.n_samples_per_prompt, seed=self.args.seed + rollout_id)
+        a = self.args
+        if self.group_filter is None:
+            recs = self.train.next_batch(a.rollout_batch_size)
+            data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
+        else:
+            data = self._dynamic_rollout(rollout_id)
+        if a.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
+            data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
+        if a.overlong_buffer_len is not None:
+            penalty = overlong_penalty(
+                data.response_lengths, max_len=a.rollout_max_response_len, buffer_len=a.overlong_buffer_len,
+                factor=1.0 if a.overlong_penalty_factor is None else a.overlong_penalty_factor,
+            )
+            data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
+            data.stats["overlong/penalty_mean"] = float(penalty.mean())
+            data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
+            data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        return data
+
+    def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
+        """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
+        a = self.args
+        want, n = a.rollout_batch_size, a.n_samples_per_prompt
+        per_round = a.over_sampling_batch_size or want
+        kept: List[RolloutData] = []
+        generated = passed = 0
+        gen_time, raw_rewards, truncated = 0.0, [], 0.0
+        for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
+            recs = self.train.next_batch(per_round)
+            data, samples = self._rollout(recs, n, seed=a.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
+            gen_time += data.stats["rollout_gen_time"]
+            truncated += data.stats["truncated_frac"] * data.num_groups
+            raw_rewards.append(data.rewards)
+            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(a, samples[g * n : (g + 1) * n]))]
+            generated += data.num_groups
+            passed += len(keep)
+            have = sum(k.num_groups for k in kept)
+            if keep:
+                kept.append(data.select_groups(torch.tensor(keep[: want - have]), n))
+            if have + len(keep) >= want:
+                break
+        else:
+            raise RuntimeError(
+                f"--dynamic-sampling-filter-path {a.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
+                f"passed in {MAX_DYNAMIC_SAMPLING_ROUNDS} rounds of --over-sampling-batch-size {per_round}, short of "
+                f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
+            )
+        out = _concat(kept, n)
+        out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time)
+        out.stats.update({
+            "dynamic_sampling/groups_generated": float(generated), "dynamic_sampling/groups_passed": float(passed),
+            "dynamic_sampling/groups_kept": float(out.num_groups), "dynamic_sampling/rounds": float(r + 1),
+            "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
+        })
+        out.examples = data.examples
+        return out
+
+    @staticmethod
+    def _stats(rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float) -> Dict[str, float]:
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_max": float(rewards.max()),
+            "response_len_mean": float(rl.float().mean()),
+            "truncated_frac": truncated_frac,
+            "rollout_gen_time": gen_time,
+        }
 
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
         if self.eval is None:
@@ -86,7 +178,7 @@ class RolloutManager:
         data = self._rollout(self.eval.records, self.args.n_samples_per_eval, seed=self.args.seed + EVAL_SEED_OFFSET + rollout_id)
         return {"eval/reward_mean": data.stats["reward_mean"], "eval/response_len_mean": data.stats["response_len_mean"]}
 
-    def _rollout(self, recs, n: int, *, seed: int) -> RolloutData:
+    def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
         t0 = time.perf_counter()
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
         gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
@@ -100,14 +192,8 @@ class RolloutManager:
             raise RuntimeError(f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1")
         rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)
         tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens], dtype=torch.long)
-        stats = {
-            "reward_mean": float(rewards.mean()),
-            "reward_max": float(rewards.max()),
-            "response_len_mean": float(rl.float().mean()),
-            "truncated_frac": float(sum(not g.finished for g in gens) / len(gens)),
-            "rollout_gen_time": gen_time,
-        }
-        return RolloutData(
+        stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time)
+        data = RolloutData(
             tokens=torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long),
             total_lengths=tl,
             response_lengths=rl,
@@ -118,6 +204,10 @@ class RolloutManager:
             stats=stats,
             examples=[{"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])} for i in range(min(2, len(gens)))],
         )
+        if not with_samples:
+            return data
+        samples = [FilterSample(prompts[i], responses[i], labels[i], float(rewards[i]), int(rl[i]), not gens[i].finished) for i in range(len(gens))]
+        return data, samples
 
     def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
         """All samples (``n`` per group, groups contiguous), spread over the engines by whole
@@ -162,3 +252,17 @@ class RolloutManager:
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.train.load_state_dict(state["train_dataset"])
+
+
+def _concat(parts: List[RolloutData], group_size: int) -> RolloutData:
+    """Rollouts of whole groups back to back, group ids renumbered."""
+    num_groups = sum(p.num_groups for p in parts)
+    return RolloutData(
+        tokens=torch.cat([p.tokens for p in parts]),
+        total_lengths=torch.cat([p.total_lengths for p in parts]),
+        response_lengths=torch.cat([p.response_lengths for p in parts]),
+        rollout_log_probs=torch.cat([p.rollout_log_probs for p in parts]),
+        rewards=torch.cat([p.rewards for p in parts]),
+        group_ids=torch.arange(num_groups).repeat_interleave(group_size),
+        num_groups=num_groups,
+    )

@@ -4,7 +4,7 @@ single-process reference (real FSDP2 on gloo, tiny Qwen2, fp32).
 Layouts: DP=1 with one micro-batch and with --micro-batch-size 2; DP=2 (samples split 5/4, a
 prompt group straddling the ranks, so rank 1 runs an idle pass) with --micro-batch-size 1, with
 a token budget, and padded bshd rows (--qkv-format bshd, --micro-batch-size 3). For every --loss-aggregation mode with PPO clip, GSPO (token_mean) and
-PPO dual clip with the KL + entropy terms: step-1 loss (J), grad norm, every metric, the per-token log-probs and the
+PPO dual clip with the KL + entropy terms, and token-level masked IS (--use-tis --tis-mode mask): step-1 loss (J), grad norm, every metric, the per-token log-probs and the
 weight update (after AdamW) agree within ``tolerance.FP32_MODEL`` (fp32 rounding, scaled by the
 log-probs and advantages whose terms cancel in J and the metrics); J and the grad norm also equal an autograd
 reference built from ``tests/fast/reference.py`` on the unsharded HF model (exact dJ/dtheta:
@@ -24,6 +24,7 @@ from tests.fast.harness import run_world
 from tests.fast.tolerance import FP32_MODEL, max_abs, tensor_within, within
 
 EPS, EPS_HIGH, DUAL_C, DIVISOR, KL_COEF, ENT_COEF = 0.2, 0.28, 3.0, 8.0, 0.1, 0.01
+TIS_BAND = (0.8, 1.25)
 CONFIGS = {
     "sample_mean": [],
     "token_mean": ["--loss-aggregation", "token_mean"],
@@ -32,6 +33,8 @@ CONFIGS = {
     "gspo_token_mean": ["--advantage-estimator", "gspo", "--loss-aggregation", "token_mean"],
     "dual_clip_kl_entropy": ["--eps-clip-high", str(EPS_HIGH), "--eps-clip-c", str(DUAL_C), "--use-kl-loss",
                              "--kl-loss-coef", str(KL_COEF), "--entropy-coef", str(ENT_COEF), "--pg-metrics", "with_entropy"],
+    # token-level masked IS (IcePop) against engine log-probs = old + noise(0.15): ~1 token in 7 leaves the band
+    "tis_token_mask": ["--use-tis", "--tis-mode", "mask", "--tis-clip-low", str(TIS_BAND[0]), "--tis-clip", str(TIS_BAND[1])],
 }
 LAYOUTS = {
     1: {"dp1_mb9": ["--micro-batch-size", "9"], "dp1_mb2": ["--micro-batch-size", "2"]},
@@ -54,6 +57,7 @@ def with_policy_log_probs(ckpt: str, step: dict) -> dict:
     step = dict(step)
     step["old_log_probs"] = logp + 0.15 * torch.randn(logp.shape, generator=g)
     step["ref_log_probs"] = logp + 0.1 * torch.randn(logp.shape, generator=g)
+    step["rollout_log_probs"] = step["old_log_probs"] + 0.15 * torch.randn(logp.shape, generator=g)  # the engine's
     return step
 
 
@@ -90,6 +94,10 @@ def reference_step(ckpt: str, step: dict, cname: str):
     else:
         dual = cname == "dual_clip_kl_entropy"
         tok = ref.ppo_tokens(logp, old, adv, EPS, EPS_HIGH if dual else EPS, DUAL_C if dual else None)
+    if cname == "tis_token_mask":
+        w = ref.tis_weights(old, batch.rollout_log_probs.double(), mask, lengths, "token", "mask", *TIS_BAND)
+        assert 0 < int(((w == 0) & (mask > 0)).sum()) < int((mask > 0).sum()), "the band must drop some tokens, not all"
+        tok = tok * w
     j = ref.objective(tok, mask, lengths, groups, mode, DIVISOR)
     if cname == "dual_clip_kl_entropy":
         j = j + KL_COEF * ref.objective(ref.low_var_kl(logp, batch.ref_log_probs.double()), mask, lengths, groups, "sample_mean")

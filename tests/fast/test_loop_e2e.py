@@ -25,7 +25,7 @@ from rl_plugin.loop.checkpoint import latest_step, write_tracker  # noqa: E402
 from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
-from tests.fast.tolerance import FP32_MODEL, within  # noqa: E402
+from tests.fast.tolerance import FP32_MODEL, FP64, within  # noqa: E402
 
 FLAGS = [
     "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "2",
@@ -138,10 +138,12 @@ def test_megatron_resume_continues_identically(runs_a, tmp_path):
 
 def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     """--docs-per-step (steps planned by the train actors, collective over DP), --use-kl-loss
-    (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend."""
+    (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend; with
+    --use-rollout-logprobs the engine's log-probs are the old ones (no recompute pass), so the
+    mismatch is exactly 0 and the step-1 ratio is 1 up to the engine/trainer fp32 difference."""
     flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--docs-per-step", "6",
              "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.1",
-             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync"]
+             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync", "--use-rollout-logprobs"]
     assert main(["--train-backend", "megatron", "--output-dir", str(tmp_path), *flags]) == 0
     rows = [r for r in _lines(tmp_path / "metrics.jsonl") if "loss" in r]
     # 16 samples, 8 per DP rank in micro-batches of 2: rounds of 4 documents, a step closes at >= 6
@@ -150,6 +152,10 @@ def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     # log-ratios d ~ FP32_MODEL * |logp|, kl ~ d^2 / 2 <= d
     assert abs(rows[0]["kl_loss"]) <= FP32_MODEL * _log_scale(rows[0])
     assert rows[1]["kl_loss"] > 0  # the first step moved the policy away from the reference
+    assert [r["num_documents"] for r in rows] == [8.0, 8.0] and [r["documents_seen"] for r in rows] == [8.0, 16.0]
+    assert rows[0]["mismatch/abs_diff_mean"] == 0.0 and rows[0]["mismatch/k3_kl"] == 0.0  # old IS the engine's
+    # old = the engine's log-probs: the ratio is exp of the train-inference rounding gap
+    assert within(rows[0]["ratio_mean"], 1.0, rtol=FP32_MODEL, scale=_log_scale(rows[0]))
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
@@ -191,3 +197,35 @@ def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response" in err, err
+
+
+def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
+    """An engine whose log-probs disagree with the trainer by d = 0.5 per token
+    (--debug-rollout-logprob-shift): the mismatch metrics, reduced over every DP rank, read |d| and
+    K3 = e^d - 1 - d; the TIS weight e^0.5 = 1.65 is truncated to --tis-clip 1.5 on every token.
+    Dynamic sampling over-samples 8 prompts a round and trains only the 4 groups whose rewards
+    vary; its counts match the step's samples and groups. Tolerance: the engine and the trainer
+    compute the same fp32 log-probs up to rounding, FP32_MODEL * |logp| (the runs above); K3's
+    slope at d = 0.5 is e^0.5 - 1 < 1, so the same bound holds for it."""
+    import math
+
+    d = tmp_path / "tis"
+    flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "4", "--num-rollout", "2",
+             "--actor-num-gpus-per-node", "2", "--no-progress-bar", "--use-tis", "--tis-clip", "1.5",
+             "--debug-rollout-logprob-shift", "0.5", "--over-sampling-batch-size", "8",
+             "--dynamic-sampling-filter-path", "rl_plugin.rollout.filters.check_reward_nonzero_std",
+             "--overlong-buffer-len", "2", "--deepspeed-metric-names"]
+    assert main(["--train-backend", "fsdp", "--output-dir", str(d), *flags]) == 0
+    rows = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        gap = FP32_MODEL * _log_scale(r)
+        assert abs(r["mismatch/abs_diff_mean"] - 0.5) <= gap and abs(r["mismatch/abs_diff_max"] - 0.5) <= gap
+        assert abs(r["mismatch/k3_kl"] - (math.exp(0.5) - 1.5)) <= gap
+        assert within(r["tis/weight_mean"], 1.5, rtol=FP64) and r["tis/clipped_frac"] == 1.0  # every weight clipped to 1.5
+        assert r["dynamic_sampling/groups_kept"] == 4.0 and r["groups"] == 4.0 and r["samples"] == 16.0
+        assert r["dynamic_sampling/groups_generated"] >= r["dynamic_sampling/groups_passed"] >= 4.0
+        assert r["dynamic_sampling/groups_generated"] == 8.0 * r["dynamic_sampling/rounds"]
+        assert r["ratio_new_old"] == r["ratio_mean"] and r["num_tokens"] == r["tokens"]
+    # old log-probs are the trainer's, not the shifted ones
+    assert within(rows[0]["ratio_mean"], 1.0, rtol=FP32_MODEL, scale=_log_scale(rows[0]))

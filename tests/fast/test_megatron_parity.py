@@ -28,14 +28,26 @@ from tests.fast.tolerance import FP32_MODEL, max_abs, within
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 MODES = [("sample_mean",), ("token_mean",), ("prompt_mean",), ("constant", "--loss-aggregation-divisor", "8")]
 POLICIES = ["grpo", "gspo"]
-CASES = [(m, p) for m in MODES for p in POLICIES]
+# TIS: engine log-probs = old + seeded noise; sequence-level masked IS on token_mean (policy "+tis").
+CASES = [(m, p) for m in MODES for p in POLICIES] + [(("token_mean",), "grpo+tis")]
+TIS_BAND = (0.8, 1.25)
+TIS_FLAGS = ["--use-tis", "--tis-level", "sequence", "--tis-mode", "mask", "--tis-clip-low", str(TIS_BAND[0]), "--tis-clip", str(TIS_BAND[1])]
+ROLLOUT_NOISE = 0.25
 SPLITS = ["whole", "tokens"]
 TEMPERATURE = 0.9
 
 
 def _case_flags(mode, policy):
-    return ["--loss-aggregation", *mode, "--advantage-estimator", policy, "--eps-clip", "0.2",
-            "--n-samples-per-prompt", "4", "--rollout-temperature", str(TEMPERATURE)]
+    estimator, _, tis = policy.partition("+")
+    return ["--loss-aggregation", *mode, "--advantage-estimator", estimator, "--eps-clip", "0.2",
+            "--n-samples-per-prompt", "4", "--rollout-temperature", str(TEMPERATURE), *(TIS_FLAGS if tis else [])]
+
+
+def _with_rollout_noise(batch):
+    """The engine's log-probs as an offset from the old ones, drawn for the GLOBAL batch."""
+    g = torch.Generator().manual_seed(11)
+    batch.rollout_log_probs = ROLLOUT_NOISE * torch.randn(batch.loss_mask.shape[0], generator=g)
+    return batch
 
 
 def _split(name, local, ps):
@@ -67,6 +79,13 @@ def _hf_reference(hf_dir, batch, num_groups, mode, policy):
     loss_fn = get_policy_loss("gspo" if policy == "gspo" else "ppo_clip")
     pg, _ = loss_fn(logp, old, batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
                     eps_clip=0.2)
+    if policy.endswith("+tis"):
+        from tests.fast import reference as ref
+
+        w = ref.tis_weights(old.detach(), old.detach() + batch.rollout_log_probs, batch.loss_mask, batch.response_lengths.tolist(),
+                            "sequence", "mask", *TIS_BAND)
+        assert 0 < int((w == 0).sum()) < w.numel(), "the band must mask some samples and keep others"
+        pg = pg * w.to(pg.dtype)
     divisor = float(mode[2]) if len(mode) > 1 else None
     j = aggregate(pg, batch.loss_mask, batch.response_lengths, mode[0], group_ids=batch.group_ids, divisor=divisor)
     j.backward()
@@ -85,6 +104,7 @@ def _layout_worker(rank, world, tp, hf_dir):
     backend = MegatronBackend.from_args(make_args(*base, world_size=world))
     ps = backend.parallel_state
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
+    batch = _with_rollout_noise(batch)
     local0 = dp_shard(batch, ps.dp_size, ps.dp_rank)
     w0 = backend.export_hf_state_dict()
     ckpt = tempfile.mkdtemp(prefix="mgt_parity_") if rank == 0 else None
@@ -100,6 +120,7 @@ def _layout_worker(rank, world, tp, hf_dir):
             backend.load_checkpoint(obj[0])
             backend.loss_config = cfg
             local = with_old_log_probs(local0, backend.compute_log_probs(local0))
+            local = replace(local, rollout_log_probs=local.old_log_probs + local0.rollout_log_probs)
             report = backend.train_step(local, num_groups=num_groups, micro_batches=_split(split, local, ps))
             w1 = backend.export_hf_state_dict()
             out[(mode[0], policy, split)] = (report, {k: w1[k] - w0[k] for k in w0})
