@@ -29,6 +29,12 @@ call site: log-probs, advantages, logits), and K a safety factor for the depth o
 - ``BF16_MODEL`` (16 u_bf16 ~ 3.1e-2): a bf16 model step against its fp32 twin (weights,
   activations and the chained contractions each round to bf16).
 
+Checked against other CPUs' kernels on one machine: torch's ``ATEN_CPU_CAPABILITY`` env var forces
+its AVX2 or scalar (``default``) kernels instead of AVX-512, e.g.
+``ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest tests/fast/test_fsdp_parity.py``. The
+parity, snapshot and log-prob tests pass under all three; the fixed-tolerance suite before this
+module failed under ``default`` with the same ``ppo_kl`` error another machine's CPU produced.
+
 None of these is near what a real bug produces: a wrong denominator (counts not all-reduced, a
 CP chunk counted twice, a padding token in a sum) changes J or a gradient by >= 1e-3 relative, and
 the parity tests' mutation checks fail by >= 1e-2.
