@@ -80,7 +80,9 @@ class RolloutManager:
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
+        t1 = time.perf_counter()
         rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
+        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         empty = [i for i, g in enumerate(gens) if not g.response_ids]
         if empty:
             raise RuntimeError(f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1")
@@ -92,6 +94,7 @@ class RolloutManager:
             "response_len_mean": float(rl.float().mean()),
             "truncated_frac": float(sum(not g.finished for g in gens) / len(gens)),
             "rollout_gen_time": gen_time,
+            "rollout_reward_time": reward_time,
         }
         return RolloutData(
             tokens=torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long),
