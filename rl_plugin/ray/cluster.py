@@ -44,10 +44,12 @@ def init_ray(num_cpus: int) -> bool:
         # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
         # RAM) holds a full weight export, which travels through the object store at every sync.
         store = None if use_gpus() else 512 * 1024 * 1024
-        before = set(children(os.getpid()))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
         global _REAPER
-        _REAPER = start_reaper(sorted(set(children(os.getpid())) - before))  # the cluster's head processes
+        before = set(children(os.getpid()))
+        _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        if _REAPER is not None:
+            _REAPER.set_heads(sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid}))  # the cluster's head processes
     return True
 
 

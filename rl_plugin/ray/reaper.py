@@ -3,11 +3,12 @@
 ``ray.init()`` starts the cluster's head processes (gcs_server, raylet, monitors) as children of
 the driver; raylet starts the dashboard and runtime-env agents. When the driver is SIGKILLed,
 the head processes die with it but the agents are left running under PID 1 (and ignore
-SIGTERM). So ``init_ray`` starts this process in its own session (a terminal's Ctrl-C does not
-reach it) with a pipe from the driver on stdin: it records the head processes and all their
-descendants (every second at first, then every 5 s), and when the pipe reaches EOF (the driver
-closed it after ``ray.shutdown()``, or died) it SIGKILLs every recorded process that is still
-the same process (pid and start time match), then exits.
+SIGTERM). So ``init_ray`` starts this process, before ``ray.init()``, in its own session (a
+terminal's Ctrl-C does not reach it) with a pipe from the driver on stdin. It records every new
+descendant of the driver while the cluster starts, then (told the head processes' pids on the
+pipe) the heads and all their descendants, every 0.5 s at first, then every 5 s. When the pipe
+reaches EOF (the driver closed it after ``ray.shutdown()``, or died) it SIGKILLs every recorded
+process that is still the same process (pid and start time match), then exits.
 
 Linux only (it reads ``/proc``); elsewhere ``start_reaper`` does nothing.
 """
@@ -65,17 +66,33 @@ def descendants(roots: Iterable[int], table: Dict[int, tuple]) -> Dict[int, int]
     return out
 
 
-def watch(heads: List[int]) -> None:
+def watch(driver: int, exclude: List[int]) -> None:
+    """Record the driver's new descendants until stdin names the cluster's head processes
+    (``heads PID ...``), then the heads' descendants; on EOF kill what is recorded and alive."""
     tracked: Dict[int, int] = {}
-    start = time.monotonic()
+    heads: Optional[List[int]] = None
+    skip = set(exclude) | {os.getpid()}
+    start, pending = time.monotonic(), b""
     while True:
         table = process_table()
-        roots = [p for p in list(heads) + list(tracked) if p in table and table[p][1] == tracked.get(p, table[p][1])]
+        if heads is None:  # ray.init() is running: every new child of the driver is the cluster's
+            roots = [p for p, (ppid, _) in table.items() if ppid == driver and p not in skip]
+        else:
+            roots = list(heads)
+        roots += [p for p, t in tracked.items() if p in table and table[p][1] == t]
         tracked.update(descendants(roots, table))
-        period = 1.0 if time.monotonic() - start < 60 else 5.0
+        period = 0.5 if time.monotonic() - start < 60 else 5.0
         ready, _, _ = select.select([sys.stdin], [], [], period)
-        if ready and not os.read(sys.stdin.fileno(), 4096):
-            break  # EOF: the driver is done or dead
+        if ready:
+            data = os.read(sys.stdin.fileno(), 4096)
+            if not data:
+                break  # EOF: the driver is done or dead
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if line.startswith(b"heads"):
+                    heads = [int(x) for x in line.split()[1:]]
+                    tracked = descendants(heads + [p for p in tracked if p not in skip and _is_below(p, heads, table)], table)
     time.sleep(GRACE_S)
     for pid, ticks in tracked.items():
         st = _stat(pid)
@@ -86,11 +103,20 @@ def watch(heads: List[int]) -> None:
                 pass
 
 
+def _is_below(pid: int, roots: List[int], table: Dict[int, tuple]) -> bool:
+    return pid in descendants(roots, table)
+
+
 class Reaper:
-    """The driver's end: the pipe whose closing (or the driver's death) tells the watchdog to act."""
+    """The driver's end of the pipe: ``set_heads`` after ``ray.init()``, ``stop`` at shutdown
+    (closing the pipe, as the driver's death does)."""
 
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
+
+    def set_heads(self, heads: List[int]) -> None:
+        self.proc.stdin.write(("heads " + " ".join(map(str, heads)) + "\n").encode())
+        self.proc.stdin.flush()
 
     def stop(self) -> None:
         """Close the pipe; the watchdog (its own session) cleans up after ``GRACE_S`` and exits,
@@ -99,16 +125,20 @@ class Reaper:
             self.proc.stdin.close()
 
 
-def start_reaper(heads: List[int]) -> Optional[Reaper]:
-    if not Path("/proc/self/stat").exists() or not heads:
+def start_reaper() -> Optional[Reaper]:
+    """Start the watchdog BEFORE ``ray.init()``: a driver killed while the cluster starts up
+    must take it down too. The driver's existing children are not its business."""
+    if not Path("/proc/self/stat").exists():
         return None
+    existing = children(os.getpid())
     # run as a script (stdlib only), so it needs nothing on the path; no stdout/stderr of the
     # driver held open (a pipe reader of the driver's output must see EOF when the driver ends)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *map(str, heads)], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(os.getpid()), *map(str, existing)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
     return Reaper(proc)
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch([int(x) for x in sys.argv[1:]])
+    watch(int(sys.argv[1]), [int(x) for x in sys.argv[2:]])
