@@ -77,6 +77,18 @@ def test_save_over_another_runs_checkpoints_is_refused(no_ray, capsys):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
 
 
+def test_overwrite_save_moves_the_old_checkpoints_aside(no_ray, capsys):
+    """#1's explicit way out: nothing is deleted, the tracker and iter_* dirs move to overwritten_1/."""
+    save = no_ray / "ckpt"
+    _fake_ckpt(save, 30, backend="fsdp")
+    with pytest.raises(AssertionError, match="after Ray started"):  # got past every check, to Ray
+        main([*BASE, "--save", str(save), "--overwrite-save", "--output-dir", str(no_ray / "o")])
+    assert sorted(p.name for p in save.iterdir()) == ["overwritten_1"]
+    assert (save / "overwritten_1" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
+    assert (save / "overwritten_1" / "iter_0000030" / "meta.pt").exists()
+    assert not (no_ray / "o" / ".rl_plugin.lock").exists()  # released on the way out
+
+
 def test_load_of_a_missing_directory_is_an_error(no_ray, capsys):
     """#2: a typo in --load used to train from scratch and exit 0."""
     missing = no_ray / "ckpt_typo"
