@@ -4,7 +4,9 @@ Checks what needs no world, exactly as ``rl-plugin-train`` does in its first sec
 rules (with the embedded defaults when there is no ``--prompt-data``), the data-parallel rules
 for the DP size the cluster flags imply, and the files the flags name (``arguments.paths``).
 Prints the resolved settings as JSON and exits 0; an invalid combination exits 2 with the
-message on stderr. Run it on a job's flags before queueing it on a cluster.
+message on stderr. Run it on a job's flags before queueing it on a cluster; on a machine that
+does not hold the job's files, add ``--no-file-checks`` (a checker option, not a trainer flag)
+to check the flags alone.
 """
 
 from __future__ import annotations
@@ -18,11 +20,18 @@ from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.arguments.paths import validate_paths
 
 
+NO_FILE_CHECKS = "--no-file-checks"
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_files = NO_FILE_CHECKS not in argv
+    argv = [a for a in argv if a != NO_FILE_CHECKS]
     try:
         args = parse_train_flags(argv, prog="python -m rl_plugin.arguments")  # argparse itself exits 2 on unknown flags
         validate_world(args, dp_size=planned_dp_size(args))
-        validate_paths(args)
+        if check_files:
+            validate_paths(args)
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
