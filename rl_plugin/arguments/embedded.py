@@ -26,6 +26,7 @@ EMBEDDED_DEFAULTS = dict(
     rm_type="digit_match",
     eval_interval=25,
     n_samples_per_eval=1,
+    log_interval=10,  # 300 one-step rollouts: a summary line every 10 keeps the terminal readable
 )
 
 
