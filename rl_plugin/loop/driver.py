@@ -226,7 +226,7 @@ class Driver:
                 _keep_previous(self.metrics_file)
             self.sync_weights()
             logger = MetricsLogger(a, str(self.metrics_file))
-            self.bar = bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
+            bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
             for k in range(self.start_rollout, a.num_rollout):
                 self._one_rollout(k, logger, bar)
             bar.close()
