@@ -38,3 +38,10 @@ def validate(args) -> None:
             f"the world must be a multiple of TP x CP x PP = {model_parallel}",
             f"use a world size that is a multiple of {model_parallel}",
         )
+
+
+def planned_dp_size(args) -> int:
+    """The data-parallel size the cluster flags imply: training ranks / (TP x CP x PP). The
+    trainer checks the world's actual size again once its actors are up."""
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    return max(1, world // (args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size))

@@ -1,7 +1,9 @@
 """Starting or joining a Ray cluster, and placing the loop's actors with placement groups.
 
 ``RAY_ADDRESS`` set: join that cluster. Otherwise start a small local one (no dashboard, only
-the CPUs the placement needs) with ``RAY_AUTH_MODE=disabled`` unless the caller chose a mode.
+the CPUs the placement needs) with ``RAY_AUTH_MODE=disabled`` unless the caller chose a mode,
+watched by ``rl_plugin.ray.reaper`` so that the whole local cluster (its agents included) ends
+with the driver, even when the driver is SIGKILLed.
 
 Placement: one bundle per training rank (``{"GPU": 1, "CPU": 1}``; on a machine without GPUs
 ``{"CPU": 1}``, so ``--actor-num-gpus-per-node N`` means N CPU training processes). Disaggregated,
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
@@ -42,13 +46,25 @@ def init_ray(num_cpus: int) -> bool:
         # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
         # RAM) holds a full weight export, which travels through the object store at every sync.
         store = None if use_gpus() else 512 * 1024 * 1024
+        global _REAPER
+        before = set(children(os.getpid()))
+        _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        if _REAPER is not None:
+            _REAPER.set_heads(sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid}))  # the cluster's head processes
     return True
 
 
+_REAPER: Optional[Reaper] = None
+
+
 def shutdown_ray() -> None:
+    global _REAPER
     if ray.is_initialized():
         ray.shutdown()
+    if _REAPER is not None:
+        _REAPER.stop()  # kills whatever of the local cluster outlived ray.shutdown()
+        _REAPER = None
 
 
 def num_engines(args) -> int:

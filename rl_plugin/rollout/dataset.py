@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional
 class PromptRecord:
     prompt: str
     label: Any
-    index: int  # line index in the file (0-based)
+    index: int  # record index in the file (0-based; blank lines are skipped)
+    lineno: int = 0  # line number in the file (1-based), for messages
 
 
 def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRecord]:
@@ -45,7 +46,7 @@ def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRec
             prompt = row[input_key]
             if not isinstance(prompt, str):
                 raise ValueError(f"{path}:{lineno}: {input_key!r} must be a string, got {type(prompt).__name__}")
-            records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records)))
+            records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records), lineno))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")
     return records

@@ -131,11 +131,12 @@ class RolloutManager:
         per_round = a.over_sampling_batch_size or want
         kept: List[RolloutData] = []
         generated = passed = 0
-        gen_time, raw_rewards, truncated = 0.0, [], 0.0
+        gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
         for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
             recs = self.train.next_batch(per_round)
             data, samples = self._rollout(recs, n, seed=a.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
             gen_time += data.stats["rollout_gen_time"]
+            reward_time += data.stats["rollout_reward_time"]
             truncated += data.stats["truncated_frac"] * data.num_groups
             raw_rewards.append(data.rewards)
             keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(a, samples[g * n : (g + 1) * n]))]
@@ -153,7 +154,7 @@ class RolloutManager:
                 f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
             )
         out = _concat(kept, n)
-        out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time)
+        out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time, reward_time)
         out.stats.update({
             "dynamic_sampling/groups_generated": float(generated), "dynamic_sampling/groups_passed": float(passed),
             "dynamic_sampling/groups_kept": float(out.num_groups), "dynamic_sampling/rounds": float(r + 1),
@@ -163,13 +164,14 @@ class RolloutManager:
         return out
 
     @staticmethod
-    def _stats(rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float) -> Dict[str, float]:
+    def _stats(rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float, reward_time: float) -> Dict[str, float]:
         return {
             "reward_mean": float(rewards.mean()),
             "reward_max": float(rewards.max()),
             "response_len_mean": float(rl.float().mean()),
             "truncated_frac": truncated_frac,
             "rollout_gen_time": gen_time,
+            "rollout_reward_time": reward_time,
         }
 
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
@@ -186,13 +188,15 @@ class RolloutManager:
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
+        t1 = time.perf_counter()
         rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
+        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         empty = [i for i, g in enumerate(gens) if not g.response_ids]
         if empty:
             raise RuntimeError(f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1")
         rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)
         tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens], dtype=torch.long)
-        stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time)
+        stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time, reward_time)
         data = RolloutData(
             tokens=torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long),
             total_lengths=tl,

@@ -103,6 +103,11 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     assert (d / "reward_curve.png").stat().st_size > 1000
     timings = _lines(d / "metrics.timings.jsonl")
     assert len(timings) == 6 and all(t["time/train_step"] > 0 for t in timings)
+    per_rollout = [t for t in timings if "time/rollout_call" in t]  # issue 16 #13: reward timed apart from generation
+    assert len(per_rollout) == 3
+    for t in per_rollout:
+        assert t["time/rollout_generate"] > 0 and t["time/rollout_reward"] > 0
+        assert t["time/rollout_generate"] + t["time/rollout_reward"] <= t["time/rollout_call"]
 
 
 def test_same_seed_other_backend_same_first_step(runs_a):
@@ -179,9 +184,9 @@ def test_bad_prompt_file_is_named(ray_cluster, tmp_path, capsys):
             "--num-rollout", "1", "--rm-type", "digit_match", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"]
     assert main(argv) == 2  # no --hf-checkpoint: caught before Ray starts
     model = str(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])))
-    assert main(argv + ["--hf-checkpoint", model]) == 1
+    assert main(argv + ["--hf-checkpoint", model]) == 2  # issue 16: the whole file is read before Ray starts
     err = capsys.readouterr().err
-    assert f"the rollout manager could not start: ValueError: {data}:2: not valid JSON" in err, err
+    assert f"--prompt-data: {data}:2: not valid JSON" in err, err
 
 
 def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
@@ -229,3 +234,46 @@ def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
         assert r["ratio_new_old"] == r["ratio_mean"] and r["num_tokens"] == r["tokens"]
     # old log-probs are the trainer's, not the shifted ones
     assert within(rows[0]["ratio_mean"], 1.0, rtol=FP32_MODEL, scale=_log_scale(rows[0]))
+
+
+def test_resume_supersedes_the_rows_written_after_the_checkpoint(ray_cluster, tmp_path, monkeypatch, capsys):
+    """Issue 16 #4: a run checkpoints at step 4, logs steps 5-6, dies at step 7. The resumed run
+    trains steps 5.. again: the file must read as one run (each step once, in order), and the
+    interrupted run's rows 5-6 are kept in metrics.superseded.jsonl, equal to the re-run ones
+    (same seed, same flags)."""
+    d = tmp_path / "s"
+    one_rank = ["--actor-num-gpus-per-node", "1", "--save-interval", "2", "--num-rollout", "4"]
+    monkeypatch.setenv(FAULT_ENV, "0:7")
+    assert _run("fsdp", d, *one_rank) == 1
+    assert latest_step(d / "ckpt") == 4
+    assert [r["step"] for r in _lines(d / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    monkeypatch.delenv(FAULT_ENV)
+    capsys.readouterr()
+    assert _run("fsdp", d, *one_rank, "--load", str(d / "ckpt")) == 0
+    assert "steps 5-6 were written after the checkpoint" in capsys.readouterr().out
+    rows = _lines(d / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [(r["rollout_id"], r["step"]) for r in rows if "eval/reward_mean" in r] == [(1, 4), (3, 8)]
+    superseded = _lines(d / "metrics.superseded.jsonl")
+    assert [r.pop("superseded_by_resume_from") for r in superseded] == [4, 4]
+    assert superseded == [r for r in rows if r["step"] in (5, 6)]
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_load_of_another_model_size_names_the_first_tensor(runs_a, tmp_path, backend, capsys):
+    """Issue 16 #9: a checkpoint of the tiny model loaded into a wider one: one line naming the
+    checkpoint, the model, the first mismatching tensor and the fix (was: 17 size-mismatch lines)."""
+    from rl_plugin.loop.embedded import MODEL
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+    from rl_plugin.rollout.tokenizer import FILENAME
+
+    cfg = {k: v for k, v in MODEL.items() if k != "family"}
+    wide = make_tiny_hf_checkpoint(tmp_path / "wide", MODEL["family"], **{**cfg, "hidden_size": 96})
+    shutil.copy(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])) / FILENAME, wide / FILENAME)
+    ckpt = runs_a[backend] / "ckpt"
+    assert _run(backend, tmp_path / "o", "--load", str(ckpt), "--hf-checkpoint", str(wide), "--num-rollout", "4") == 2
+    err = capsys.readouterr().err
+    assert f"--load {ckpt}/iter_0000006" in err and f"holds another model than --hf-checkpoint {wide}" in err, err
+    assert "(64,) in the checkpoint and (96,) in the model" in err or "in the checkpoint and (16, 96) in the model" in err, err
+    assert "Fix: pass the --hf-checkpoint the checkpoint was trained from" in err
+    assert "Traceback" not in err and err.count("size mismatch") == 0

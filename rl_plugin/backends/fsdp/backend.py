@@ -212,7 +212,7 @@ class FSDPBackend(TrainBackend):
             self.save_hf(self.args.save_hf)
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
-        meta = ckpt.load(path, self.model, self.optimizer)
+        meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir)
         self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
         set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
         return {"step": int(meta["step"]), "extra": meta.get("extra", {})}

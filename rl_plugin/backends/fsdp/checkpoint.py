@@ -96,13 +96,18 @@ def resolve(path: str) -> Path:
     raise FileNotFoundError(f"--load {path}: neither a checkpoint root with {TRACKER} nor an iter_* checkpoint directory")
 
 
-def load(path: str, model, optimizer) -> Dict[str, Any]:
+def load(path: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[str, Any]:
     """Collective: restore model, optimizer and this rank's RNG; returns ``{"step", "extra"}``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from rl_plugin.backends.checkpoint_compat import check_same_model
+
     src = resolve(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    saved = {k[len("model."):]: tuple(m.size) for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()
+             if k.startswith("model.") and hasattr(m, "size")}  # DCP flattens {"model": sd} to "model.<name>"
+    check_same_model(str(src), hf_dir, saved, {k: tuple(v.shape) for k, v in model_sd.items() if torch.is_tensor(v)})
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(src))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

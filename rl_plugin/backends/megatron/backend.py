@@ -105,7 +105,7 @@ class MegatronBackend(TrainBackend):
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         return checkpoint.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               ps=self.parallel_state)
+                               ps=self.parallel_state, hf_dir=self.hf_dir)
 
     # -- reference model (--use-kl-loss) -----------------------------------------------------
     def _reference_model(self):

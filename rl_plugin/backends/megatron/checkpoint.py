@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rl_plugin.backends.checkpoint_compat import check_same_model
 from rl_plugin.parallel import ParallelState
 
 
@@ -81,6 +82,10 @@ def _unalias_step_tensors(opt) -> None:
             state["step"] = state["step"].clone()
 
 
+def _shapes(sd) -> Dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in sd.items() if torch.is_tensor(v)}
+
+
 def _layout(ps: ParallelState) -> Dict[str, int]:
     return {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size}
 
@@ -111,7 +116,7 @@ def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState
     return str(step_dir)
 
 
-def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[str, Any]:
+def load(path: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None) -> Dict[str, Any]:
     """Restore what ``save`` wrote at ``DIR/latest``; returns ``{"step", "extra"}``."""
     latest = Path(path) / "latest"
     if not latest.exists():
@@ -126,6 +131,7 @@ def load(path: str, *, model, optimizer, scheduler, ps: ParallelState) -> Dict[s
             f"--load {path}: saved with layout {state['layout']}, this run is {_layout(ps)}. "
             "Fix: resume with the same --tensor-model-parallel-size, --context-parallel-size and world size."
         )
+    check_same_model(str(file), hf_dir, _shapes(state["model"]), _shapes(model.state_dict()))
     model.load_state_dict(state["model"])
     for opt, sd, param_state in zip(_optimizers(optimizer), state["optimizer"], state["optimizer_param_state"]):
         opt.load_state_dict(sd)
