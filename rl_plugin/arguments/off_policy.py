@@ -104,8 +104,6 @@ def _validate_rollout_control(args) -> None:
     if osb is not None and rbs is not None and osb < rbs:
         fail(f"--over-sampling-batch-size {osb} with --rollout-batch-size {rbs}", "a round samples fewer prompts than a rollout trains on, so even a round where every group passes cannot fill the batch", f"use --over-sampling-batch-size >= {rbs} (DAPO over-samples, e.g. {2 * rbs})")
     if path is not None:
-        if path == BUILTIN_FILTER and args.n_samples_per_prompt < 2:
-            fail(f"--dynamic-sampling-filter-path {BUILTIN_FILTER} with --n-samples-per-prompt {args.n_samples_per_prompt}", "a group of one response has no reward variance, so no group ever passes and the rollout can never fill", "use --n-samples-per-prompt >= 2")
         _importable("--dynamic-sampling-filter-path", path)
     buf, factor = args.overlong_buffer_len, args.overlong_penalty_factor
     if factor is not None and buf is None:

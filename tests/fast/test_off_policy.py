@@ -126,8 +126,8 @@ RULES = [
     ("--over-sampling-batch-size 64", ["--over-sampling-batch-size without --dynamic-sampling-filter-path", BUILTIN_FILTER]),
     (f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 32 --over-sampling-batch-size 16",
      ["--over-sampling-batch-size 16 with --rollout-batch-size 32", "cannot fill the batch", ">= 32"]),
-    (f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --n-samples-per-prompt 1",
-     ["--n-samples-per-prompt 1", "no group ever passes", "--n-samples-per-prompt >= 2"]),
+    # a group of one sample (no reward variance, no group passes) is refused for every estimator by
+    # the --n-samples-per-prompt rule of arguments/policy.py, tested in test_arguments.py
     ("--dynamic-sampling-filter-path rl_plugin.rollout.filters.nope", ["--dynamic-sampling-filter-path: cannot load the function", "no callable 'nope'"]),
     ("--overlong-penalty-factor 1.0", ["--overlong-penalty-factor without --overlong-buffer-len"]),
     ("--overlong-buffer-len 0", ["--overlong-buffer-len: must be >= 1"]),
