@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # DAPO-style (Yu et al. 2025): token-mean loss over all tokens of the step (long responses weigh
-# in proportion to their length), clip-higher (0.2 / 0.28) and token-budget micro-batches.
-# Dynamic sampling and overlong shaping of DAPO are reward/rollout policies not bundled here.
+# in proportion to their length), clip-higher (0.2 / 0.28), token-budget micro-batches, dynamic
+# sampling (rounds of 128 prompts until 64 groups with reward variance are kept) and the soft
+# over-long punishment over the last 4096 tokens of the 16384-token budget.
+# 16 GPUs (2 nodes x 8), colocated: training and 8 vLLM engines of TP=2 time-share the same GPUs.
 set -euo pipefail
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B}
 DATA_DIR=${DATA_DIR:-/data}
 
 MODEL_ARGS=(--train-backend megatron --hf-checkpoint "$MODEL_DIR" --tensor-model-parallel-size 2 --bf16 --fp32-lm-head)
-CLUSTER_ARGS=(--actor-num-nodes 2 --actor-num-gpus-per-node 8 --colocate --rollout-engine hf)
+CLUSTER_ARGS=(--actor-num-nodes 2 --actor-num-gpus-per-node 8 --colocate --rollout-engine vllm --rollout-num-gpus-per-engine 2)
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/dapo-math-17k.jsonl"
    --apply-chat-template
@@ -16,6 +18,10 @@ ROLLOUT_ARGS=(
    --n-samples-per-prompt 16
    --rollout-max-response-len 16384
    --num-rollout 2000
+   --over-sampling-batch-size 128
+   --dynamic-sampling-filter-path rl_plugin.rollout.filters.check_reward_nonzero_std
+   --overlong-buffer-len 4096
+   --overlong-penalty-factor 1.0
 )
 LOSS_ARGS=(
    --advantage-estimator grpo

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GSPO (Zheng et al. 2025) on a Qwen2.5-7B-class model: sequence-level, length-normalised importance
 # ratio with a tight clip (3e-4 / 4e-4), sample_mean aggregation (the paper's objective).
-# 8 GPUs for training (TP=2 x DP=4) + 8 GPUs for SGLang rollout, Megatron backend.
+# 8 GPUs for training (TP=2 x DP=4) + 8 GPUs for SGLang rollout (4 engines of TP=2), Megatron backend.
 set -euo pipefail
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B-Instruct}
 DATA_DIR=${DATA_DIR:-/data}
@@ -18,7 +18,9 @@ CLUSTER_ARGS=(
    --actor-num-nodes 1
    --actor-num-gpus-per-node 8
    --rollout-num-gpus 8
-   --rollout-engine hf
+   --rollout-num-gpus-per-engine 2
+   --rollout-engine sglang
+   --update-weight-buffer-size 536870912
 )
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/dapo-math-17k.jsonl"

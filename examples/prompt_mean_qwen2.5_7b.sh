@@ -2,12 +2,13 @@
 # Prompt-level mean (ScaleRL, Khatri et al. 2025): average the token losses within each prompt's
 # group first, then over prompts, so every prompt weighs the same whatever its responses' lengths.
 # A step must hold whole groups: --global-batch-size is a multiple of --n-samples-per-prompt.
+# 8 GPUs FSDP training + 8 GPUs vLLM rollout (8 engines of 1 GPU), weights synced in place.
 set -euo pipefail
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B-Instruct}
 DATA_DIR=${DATA_DIR:-/data}
 
 MODEL_ARGS=(--train-backend fsdp --hf-checkpoint "$MODEL_DIR" --bf16)
-CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-engine hf)
+CLUSTER_ARGS=(--actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8 --rollout-num-gpus-per-engine 1 --rollout-engine vllm)
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/math-12k.jsonl"
    --input-key problem

@@ -5,7 +5,7 @@ Per rollout k (``--num-rollout`` of them)::
     data  = rollout_manager.generate(k)          # prompts x n samples, rewards, sampler log-probs
     plans = steps.plan(data)                     # advantages over whole groups; steps; DP split
     train_group.train_rollout(plans)             # old/ref log-probs, then each optimizer step
-    rollout_manager.update_weights(export)       # weight sync: the next rollout is on-policy
+    rollout_manager.update_weights(buckets)      # weight sync in place, bucket by bucket: the next rollout is on-policy
     [check weights] [save] [eval] [log]
 
 With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). Resume:
@@ -17,22 +17,14 @@ position (loop state in the checkpoint's ``extra``). ``--save-interval N`` count
 from __future__ import annotations
 
 import sys
-import time
-from pathlib import Path
 from typing import List, Optional
 
-from rl_plugin.arguments import RLArgumentError, build_parser, validate_rl_args, validate_world
+from rl_plugin.arguments import RLArgumentError
+from rl_plugin.arguments.embedded import parse_train_flags
 
 
 def parse_train_args(argv: Optional[List[str]] = None):
-    from rl_plugin.loop.embedded import EMBEDDED_DEFAULTS
-
-    parser = build_parser(prog="rl-plugin-train")
-    first = parser.parse_args(argv)
-    if first.prompt_data is None:  # the embedded default: its own defaults, explicit flags win
-        parser.set_defaults(**EMBEDDED_DEFAULTS)
-        first = parser.parse_args(argv)
-    return validate_rl_args(first)
+    return parse_train_flags(argv, prog="rl-plugin-train")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -41,16 +33,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rl_plugin.loop.driver import Driver, LoopError
+    from rl_plugin.loop.driver import Driver, Interrupted, LoopError
 
     try:
-        Driver(args).run()
-    except RLArgumentError as exc:  # a flag problem found once paths or the world are known
+        Driver(args, argv=sys.argv[1:] if argv is None else argv).run()
+    except RLArgumentError as exc:  # a flag or file problem, found before Ray starts (or at --load)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"\n{exc}", file=sys.stderr)
+        return 130  # the shell's code for "ended by SIGINT"
     except LoopError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the loop started: nothing was written
+        print("\ninterrupted (Ctrl-C) before training started; nothing was written", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -28,8 +28,10 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "rollout",
+    "off_policy",
     "cluster",
     "logging",
+    "checkpointing",
     "fault_tolerance",
 )
 
@@ -45,6 +47,9 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
+    from rl_plugin.arguments import megatron_compat
+
+    megatron_compat.validate(args)  # ranges of the Megatron-LM flags we read (theirs or ours)
     for mod in _modules():
         mod.validate(args)
     return args

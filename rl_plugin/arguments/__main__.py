@@ -1,7 +1,12 @@
 """``python -m rl_plugin.arguments [flags]``: parse and validate a training shell's flags.
 
+Checks what needs no world, exactly as ``rl-plugin-train`` does in its first second: the flag
+rules (with the embedded defaults when there is no ``--prompt-data``), the data-parallel rules
+for the DP size the cluster flags imply, and the files the flags name (``arguments.paths``).
 Prints the resolved settings as JSON and exits 0; an invalid combination exits 2 with the
-message on stderr. Run it on a job's flags before queueing it on a cluster.
+message on stderr. Run it on a job's flags before queueing it on a cluster; on a machine that
+does not hold the job's files, add ``--no-file-checks`` (a checker option, not a trainer flag)
+to check the flags alone.
 """
 
 from __future__ import annotations
@@ -9,14 +14,24 @@ from __future__ import annotations
 import json
 import sys
 
-from rl_plugin.arguments import RLArgumentError, build_parser, validate_rl_args
+from rl_plugin.arguments import RLArgumentError, validate_world
+from rl_plugin.arguments.cluster import planned_dp_size
+from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.arguments.paths import validate_paths
+
+
+NO_FILE_CHECKS = "--no-file-checks"
 
 
 def main(argv=None) -> int:
-    parser = build_parser(prog="python -m rl_plugin.arguments")
-    args = parser.parse_args(argv)  # argparse itself exits 2 on unknown flags / bad choices
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_files = NO_FILE_CHECKS not in argv
+    argv = [a for a in argv if a != NO_FILE_CHECKS]
     try:
-        validate_rl_args(args)
+        args = parse_train_flags(argv, prog="python -m rl_plugin.arguments")  # argparse itself exits 2 on unknown flags
+        validate_world(args, dp_size=planned_dp_size(args))
+        if check_files:
+            validate_paths(args)
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

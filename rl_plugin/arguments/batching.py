@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.arguments.policy import GROUP_RELATIVE
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
 def add_arguments(parser):
@@ -19,8 +24,14 @@ def validate(args) -> None:
     n = args.n_samples_per_prompt
     if n < 1:
         fail("--n-samples-per-prompt", f"must be >= 1 (got {n})", "use e.g. --n-samples-per-prompt 8")
-    if args.advantage_estimator == "rloo" and n < 2:
-        fail("--advantage-estimator rloo", f"the leave-one-out baseline needs >= 2 samples per prompt (got --n-samples-per-prompt {n})", "use --n-samples-per-prompt >= 2")
+    if args.advantage_estimator in GROUP_RELATIVE and n < 2:
+        baseline = "leave-one-out mean" if args.advantage_estimator == "rloo" else "group mean"
+        fail(
+            f"--n-samples-per-prompt {n} with --advantage-estimator {args.advantage_estimator}",
+            f"the advantage subtracts the {baseline} of the prompt's samples, so a group of one sample has advantage 0 "
+            "and every optimizer step is a no-op (>= 2 samples per prompt needed)",
+            "use --n-samples-per-prompt >= 2 (GRPO recipes use 8-16)",
+        )
     if args.docs_per_step is not None:
         if args.docs_per_step < 1:
             fail("--docs-per-step", f"must be >= 1 (got {args.docs_per_step})", "use a positive document count")
@@ -39,6 +50,13 @@ def validate(args) -> None:
     gbs = args.global_batch_size
     if gbs is not None and gbs < 1:
         fail("--global-batch-size", f"must be >= 1 (got {gbs})", "use a positive sample count")
+    rollout = args.rollout_batch_size * n if args.rollout_batch_size is not None else None
+    if gbs is not None and rollout is not None and args.docs_per_step is None and rollout % gbs != 0:
+        fail(
+            f"--global-batch-size {gbs}",
+            f"a rollout of --rollout-batch-size x --n-samples-per-prompt = {args.rollout_batch_size} x {n} = {rollout} samples must split into whole optimizer steps",
+            f"use a --global-batch-size that divides {rollout}, e.g. {_largest_divisor_at_most(rollout, gbs)}",
+        )
     if args.loss_aggregation == "prompt_mean" and gbs is not None and gbs % n != 0:
         fail(
             f"--loss-aggregation prompt_mean with --global-batch-size {gbs} and --n-samples-per-prompt {n}",

@@ -17,7 +17,8 @@ HEADER = """# rl_plugin flags
 
 Generated from the parser by `python -m rl_plugin.arguments.docs`; a test fails if it drifts.
 Validate a training shell's flags with `python -m rl_plugin.arguments [flags]` (prints the
-resolved settings as JSON; exits 2 with the rule and the fix on an invalid combination).
+resolved settings as JSON; exits 2 with the rule and the fix on an invalid combination; checks
+the files the flags name too, unless given `--no-file-checks`).
 
 Flags in the **megatron** group are Megatron-LM's own: rl_plugin defines them only when it runs
 without Megatron-LM's parser, spelled and defaulted the same way. As Megatron-LM's

@@ -7,7 +7,9 @@ spelled and defaulted as Megatron-LM spells them, so a training shell ports over
 
 from __future__ import annotations
 
-from rl_plugin.arguments._util import add_flag
+import math
+
+from rl_plugin.arguments._util import add_flag, fail
 
 
 def add_arguments(parser):
@@ -39,9 +41,51 @@ def add_arguments(parser):
     add_flag(g, "--save", type=str, default=None, help="Checkpoint directory to save to (Megatron-LM).")
     add_flag(g, "--load", type=str, default=None, help="Checkpoint directory to resume from (Megatron-LM).")
     add_flag(g, "--save-interval", type=int, default=None, help="Save a checkpoint every N rollouts (Megatron-LM spells it in steps; rl-plugin-train saves between rollouts, so that resume restores the dataset position too), and always after the last rollout.")
-    add_flag(g, "--log-interval", type=int, default=1, help="Print training metrics every N steps.")
+    add_flag(g, "--log-interval", type=int, default=1, help="Print a one-line summary of the training metrics (reward, loss, grad norm, step timings) every N optimizer steps, with or without the progress bar.")
     return parser
 
 
+# (flag, attribute, lowest allowed, lowest is allowed, highest (exclusive) or None, example fix)
+RANGES = (
+    ("--lr", "lr", 0.0, True, None, "--lr 1e-6"),
+    ("--min-lr", "min_lr", 0.0, True, None, "--min-lr 0"),
+    ("--weight-decay", "weight_decay", 0.0, True, None, "--weight-decay 0.01"),
+    ("--adam-beta1", "adam_beta1", 0.0, True, 1.0, "--adam-beta1 0.9"),
+    ("--adam-beta2", "adam_beta2", 0.0, True, 1.0, "--adam-beta2 0.98"),
+    ("--adam-eps", "adam_eps", 0.0, False, None, "--adam-eps 1e-8"),
+    ("--sgd-momentum", "sgd_momentum", 0.0, True, 1.0, "--sgd-momentum 0.9"),
+    ("--clip-grad", "clip_grad", 0.0, True, None, "--clip-grad 1.0 (0 disables clipping)"),
+    ("--lr-warmup-iters", "lr_warmup_iters", 0, True, None, "--lr-warmup-iters 0"),
+    ("--lr-decay-iters", "lr_decay_iters", 1, True, None, "--lr-decay-iters 1000"),
+    ("--save-interval", "save_interval", 1, True, None, "--save-interval 10 (rollouts)"),
+    ("--log-interval", "log_interval", 1, True, None, "--log-interval 1"),
+    ("--micro-batch-size", "micro_batch_size", 1, True, None, "--micro-batch-size 1"),
+    ("--seq-length", "seq_length", 1, True, None, "--seq-length 4096"),
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size", 1, True, None, "--tensor-model-parallel-size 1"),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1, True, None, "--pipeline-model-parallel-size 1"),
+    ("--context-parallel-size", "context_parallel_size", 1, True, None, "--context-parallel-size 1"),
+)
+
+
+def _in_range(value, low, low_ok: bool, high) -> bool:
+    if not math.isfinite(value):
+        return False
+    return (value >= low if low_ok else value > low) and (high is None or value < high)
+
+
 def validate(args) -> None:
-    """Megatron-side flags have Megatron-LM's own checks; nothing here changes the objective."""
+    """Ranges of the Megatron-LM flags the plugin reads (Megatron-LM itself does not check them:
+    a negative --lr trains uphill, --adam-beta1 2 diverges). A flag Megatron-LM's parser lacks
+    (when this runs as its ``extra_args_provider``) is skipped."""
+    for flag, attr, low, low_ok, high, example in RANGES:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if not _in_range(value, low, low_ok, high):
+            interval = f"{'[' if low_ok else '('}{low}, {high})" if high is not None else (f">= {low}" if low_ok else f"> {low}")
+            fail(flag, f"must be {'in ' if high is not None else ''}{interval} (got {value})", f"use e.g. {example}")
+    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
+    if lr is not None and min_lr is not None and min_lr > lr:
+        fail(f"--min-lr {min_lr} with --lr {lr}", "the decay schedule ends at --min-lr, so it must not exceed the peak --lr", f"use --min-lr <= {lr}")
+    if getattr(args, "save_interval", None) is not None and getattr(args, "save", "unset") is None:
+        fail("--save-interval without --save", "there is no checkpoint directory, so the interval would be silently ignored", "add --save DIR, or drop --save-interval")

@@ -5,6 +5,9 @@ from __future__ import annotations
 from rl_plugin.arguments._util import add_flag, fail
 
 ESTIMATORS = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators whose baseline is the sample's own prompt group (group mean, leave-one-out mean):
+# with one sample per prompt every advantage is exactly 0.
+GROUP_RELATIVE = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
@@ -35,6 +38,14 @@ def validate(args) -> None:
     for flag, value in (("--eps-clip", args.eps_clip), ("--eps-clip-high", args.eps_clip_high)):
         if value is not None and not value > 0:
             fail(flag, f"the clip range must be > 0 (got {value}); <= 0 clips every ratio to a constant and the policy gradient vanishes", f"use e.g. {flag} 0.2")
+    high = args.eps_clip_high
+    if high is not None and args.eps_clip is not None and 0 < high < args.eps_clip:
+        fail(
+            f"--eps-clip-high {high} with --eps-clip {args.eps_clip}",
+            "the upper clip bound is tighter than the lower one; clip-higher (DAPO) widens the upper bound to keep "
+            "exploration alive, and a narrower one is almost always the two values swapped",
+            f"use --eps-clip {high} --eps-clip-high {args.eps_clip}, or drop --eps-clip-high for a symmetric clip",
+        )
     if args.eps_clip_c is not None and not args.eps_clip_c > 1:
         fail("--eps-clip-c", f"the dual-clip constant must be > 1 (got {args.eps_clip_c}); c <= 1 caps the loss below the clipped PPO loss", "use e.g. --eps-clip-c 3, or drop it")
     if args.kl_loss_coef != 0 and not args.use_kl_loss:

@@ -1,31 +1,39 @@
 """The driver of ``rl-plugin-train``: owns the Ray actors and runs rollout -> train -> sync.
 
-See ``rl_plugin.train`` for the loop. Failures end the run with a ``LoopError`` naming what broke
-(e.g. which train actor died and why) and where to resume from; the metrics file keeps every
-line already written and the last complete checkpoint stays the resume point.
+See ``rl_plugin.train`` for the loop. Before Ray starts, ``preflight`` checks everything that
+needs no world and the driver takes the output directory's lock (``run_lock``). Failures end the
+run with a ``LoopError`` naming what broke (e.g. which train actor died and why) and where to
+resume from; Ctrl-C ends it with one line naming the last checkpoint and the ``--load`` command.
+The metrics file keeps every line already written and the last complete checkpoint stays the
+resume point; on resume, lines past the checkpoint's step are moved to ``*.superseded.jsonl``.
 """
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments._util import fail
-from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
+from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.arguments.rollout import validate_engine_installed
+from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir, write_loop_state, write_tracker
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
-from rl_plugin.loop.logger import MetricsLogger
+from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
+from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
+from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.plot import plot_reward_curve
-from rl_plugin.models.hf_files import check_hf_weights
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
+ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")
 
 
 class LoopError(RuntimeError):
@@ -34,6 +42,27 @@ class LoopError(RuntimeError):
 
 class WeightSyncError(LoopError):
     pass
+
+
+class Interrupted(LoopError):
+    """Ctrl-C (SIGINT): the actors are torn down; the message names the resume command."""
+
+
+def resume_command(argv: Sequence[str], load_dir: str) -> str:
+    """The command line that resumes this run: ``argv`` with ``--load load_dir`` (replacing any
+    ``--load`` and dropping ``--overwrite-save``)."""
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        if tok == "--load":
+            skip = True
+            continue
+        if tok.startswith("--load=") or tok == "--overwrite-save":
+            continue
+        out.append(tok)
+    return shlex.join(["rl-plugin-train", *out, "--load", str(load_dir)])
 
 
 def compare_fingerprints(trainer: Dict[str, str], rollout: Dict[str, str]) -> None:
@@ -60,11 +89,22 @@ def _keep_previous(metrics_file: Path) -> None:
             print(f"{path} exists from an earlier run: kept as {path.name}.prev{n}", flush=True)
 
 
+def _actor_died(exc: Exception) -> bool:
+    """The rollout manager died (``RayActorError``), or one of its engine actors did while the
+    manager waited on it (the manager's call then fails with the engine's ``RayActorError``)."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    return isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError)
+
+
 class Driver:
-    def __init__(self, args):
+    def __init__(self, args, argv: Optional[Sequence[str]] = None):
         self.args = args
+        self.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command in messages
         self.group = None
         self.rollout = None
+        self.engines = []
+        self.last_sync = {"bytes": 0.0, "seconds": 0.0}
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -81,9 +121,6 @@ class Driver:
             prepare_embedded(a)
         if a.hf_checkpoint is None:
             fail("--prompt-data without --hf-checkpoint", "the loop needs a model to train", "pass --hf-checkpoint DIR (a Hugging Face model directory)")
-        if not Path(a.hf_checkpoint, "config.json").exists():
-            fail(f"--hf-checkpoint {a.hf_checkpoint}", "the directory holds no config.json", "point it at a Hugging Face model directory")
-        check_hf_weights(a.hf_checkpoint)
         self.output_dir = Path(a.output_dir or "outputs/run")
         self.metrics_file = Path(a.metrics_file or self.output_dir / "metrics.jsonl")
 
@@ -91,7 +128,7 @@ class Driver:
         a = self.args
         self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
         self.placement = create_placement(a)
-        self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self.rollout, self.engines = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
 
@@ -101,15 +138,29 @@ class Driver:
             return
         step = latest_step(a.load)
         if step is None:
-            print(f"--load {a.load}: no checkpoint yet, starting from scratch", flush=True)
+            print(f"--load {a.load}: the directory holds no checkpoint yet, starting from scratch", flush=True)
             return
-        metas = self.group.call("load", [(step_dir(a.load, step),)] * self.group.world_size)
+        try:
+            metas = self.group.call("load", [(step_dir(a.load, step),)] * self.group.world_size)
+        except TrainActorError as exc:
+            if exc.died or not exc.error_line:
+                raise
+            # a checkpoint that does not fit this run (another model, another layout): the backend's
+            # message names the checkpoint, the model and the fix; drop Ray's traceback around it
+            raise RLArgumentError(exc.error_line.split(": ", 1)[-1]) from None
         extra = metas[0]["extra"]
         self.step = int(metas[0]["step"])
         self.start_rollout = int(extra["rollout_id"])
         self.samples_seen = int(extra.get("samples_seen", 0))
+        check_progress(a, self.start_rollout, self.step)  # checkpoints without loop_state.json
+        if is_finished(a, self.start_rollout):
+            return
         self._rollout_call("load_state_dict", extra["rollout_state"])
         print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
+        moved = supersede_after(self.metrics_file, self.step)
+        if moved:
+            print(f"{self.metrics_file}: steps {moved[0]}-{moved[-1]} were written after the checkpoint by the interrupted run and "
+                  f"are trained again now; their lines moved to {self.metrics_file.stem}.superseded.jsonl", flush=True)
 
     # -- pieces of a rollout -------------------------------------------------------------------
     def _rollout_call(self, method: str, *args):
@@ -121,19 +172,26 @@ class Driver:
             raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def sync_weights(self) -> float:
+        """Train rank 0 publishes its export in buckets of --update-weight-buffer-size bytes;
+        every engine loads them in place (the driver only passes the bucket handles along)."""
         t0 = time.perf_counter()
-        refs = self.group.call("export_weights", return_refs=True)
-        self.group.wait(refs[1:], "export_weights", first_rank=1)  # None on ranks > 0; errors named
+        handles = self.group.call("export_weight_buckets", [(self.args.update_weight_buffer_size,)] * self.group.world_size)[0]
         try:
-            ray.get(self.rollout.update_weights.remote(refs[0]))  # rank 0's dict, never via the driver
-        except ray.exceptions.RayActorError as exc:
-            self._restart_rollout("update_weights", exc)  # the fresh manager is synced there
+            self.last_sync = ray.get(self.rollout.update_weights.remote(handles))  # bytes, slowest engine's load seconds
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            if not _actor_died(exc):
+                raise LoopError(f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}") from None
+            self._restart_rollout("update_weights", exc)  # the fresh manager and engines are synced there
             return time.perf_counter() - t0
-        except ray.exceptions.RayTaskError as exc:
-            raise LoopError(f"weight sync failed (train rank 0 export or rollout update): {exc}") from None
+        finally:
+            del handles  # the buckets are freed once no one holds their handles
         if self.args.check_weight_sync:
             trainer = self.group.call("weights_fingerprint")[0]
-            compare_fingerprints(trainer, self._rollout_call("weights_fingerprint"))
+            for i, rollout in enumerate(self._rollout_call("weights_fingerprint")):
+                try:
+                    compare_fingerprints(trainer, rollout)
+                except WeightSyncError as exc:
+                    raise WeightSyncError(f"rollout engine {i}: {exc}") from None
         return time.perf_counter() - t0
 
     def generate(self, k: int):
@@ -149,10 +207,10 @@ class Driver:
         while True:
             try:
                 return ray.get(submit())
-            except ray.exceptions.RayActorError as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if not _actor_died(exc):
+                    raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
                 self._restart_rollout(f"{method} (rollout {k})", exc)
-            except ray.exceptions.RayTaskError as exc:
-                raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def _restart_rollout(self, during: str, exc: Exception) -> None:
         """Replace a dead rollout manager: a fresh actor at the dataset position of before the
@@ -160,7 +218,8 @@ class Driver:
         times per run; then the run stops naming the engine, the cause and --load."""
         a = self.args
         cause = error_line(exc)
-        engine = f"the rollout engine ({a.rollout_engine}, in the rollout manager actor)"
+        engine = (f"the rollout engine ({a.rollout_engine}, in the rollout manager actor)" if not self.engines
+                  else f"a rollout engine ({a.rollout_engine}, one of {len(self.engines)} engine actors) or its manager")
         if self.rollout_restarts >= a.max_rollout_retries:
             raise LoopError(
                 f"{engine} died during {during}: {cause}. It was restarted {self.rollout_restarts} time(s) already "
@@ -169,8 +228,9 @@ class Driver:
         self.rollout_restarts += 1
         print(f"{engine} died during {during}: {cause}; restarting it and retrying "
               f"({self.rollout_restarts}/{a.max_rollout_retries}, --max-rollout-retries)", flush=True)
-        ray.kill(self.rollout, no_restart=True)
-        self.rollout = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        for actor in [self.rollout, *self.engines]:
+            ray.kill(actor, no_restart=True)
+        self.rollout, self.engines = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
         self._rollout_call("load_state_dict", self.rollout_state)
         self.sync_weights()
 
@@ -193,18 +253,41 @@ class Driver:
         extra = {"rollout_id": rollout_id + 1, "rollout_state": self._rollout_call("state_dict"), "samples_seen": self.samples_seen}
         path = step_dir(a.save, self.step)
         self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
+        write_loop_state(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
+                                             "train_backend": a.train_backend, "num_rollout": a.num_rollout})
         write_tracker(a.save, self.step)  # only once every rank has finished writing
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        a = self.args
+        validate_engine_installed(a)
+        self._resolve_paths()
+        point = preflight(a)  # everything that needs no world: RLArgumentError before Ray starts
+        if point is not None and is_finished(a, point.next_rollout):
+            print(finished_message(a, point.step), flush=True)
+            return
+        lock = RunLock(self.output_dir).acquire()
+        try:
+            if a.overwrite_save:
+                moved = move_checkpoints_aside(a.save)
+                if moved is not None:
+                    print(f"--overwrite-save: the earlier checkpoints of {a.save} were moved to {moved}", flush=True)
+            self._run_loop()
+        finally:
+            lock.release()
+
+    def _run_loop(self) -> None:
         from tqdm import tqdm
 
         a = self.args
-        self._resolve_paths()
         logger = None
+        k = None
         try:
             self._start()
             self._resume()
+            if is_finished(a, self.start_rollout):
+                print(finished_message(a, self.step), flush=True)
+                return
             if self.step == 0:
                 _keep_previous(self.metrics_file)
             self.rollout_state = self._rollout_call("state_dict")
@@ -214,6 +297,9 @@ class Driver:
             for k in range(self.start_rollout, a.num_rollout):
                 self._one_rollout(k, logger, bar)
             bar.close()
+        except KeyboardInterrupt:
+            where = f"during rollout {k} (after step {self.step})" if k is not None else "during start-up"
+            raise Interrupted(f"interrupted (Ctrl-C) {where}. {self._resume_hint()}") from None
         except TrainActorError as exc:
             raise LoopError(f"{exc}. {self._resume_hint()}") from None
         except RolloutSetupError as exc:
@@ -226,15 +312,22 @@ class Driver:
         print(f"metrics: {self.metrics_file}\nreward curve: {png}", flush=True)
 
     def _teardown(self) -> None:
-        """Kill this run's actors and free its placement (the Ray cluster may outlive the run)."""
-        if self.group is not None:
-            self.group.kill()
-        if self.rollout is not None:
-            ray.kill(self.rollout, no_restart=True)
-        if self.placement is not None:
-            self.placement.remove()
-        if self.owns_ray:
-            shutdown_ray()
+        """Kill this run's actors and free its placement (the Ray cluster may outlive the run).
+        Best effort: after Ctrl-C the cluster's processes may already be gone."""
+        try:
+            if self.group is not None:
+                self.group.kill()
+            if self.rollout is not None:
+                ray.kill(self.rollout, no_restart=True)
+            for engine in self.engines:
+                ray.kill(engine, no_restart=True)
+            if self.placement is not None:
+                self.placement.remove()
+        except Exception:  # noqa: BLE001 - never hide the run's own error behind a teardown error
+            pass
+        finally:
+            if self.owns_ray:
+                shutdown_ray()
 
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
         a = self.args
@@ -246,26 +339,36 @@ class Driver:
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights()
         stats = {key: data.stats[key] for key in ROLLOUT_STATS}
+        stats.update({key: v for key, v in data.stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
+        t_engine, t_reward = data.stats.get("rollout_gen_time", t_gen), data.stats.get("rollout_reward_time", 0.0)
         for j, rep in enumerate(reports):
             self.step += 1
             self.samples_seen += int(rep["samples"])
             rep["samples_seen"] = float(self.samples_seen)
+            if a.docs_per_step is not None:  # DeepSpeed's names for the step's document counts
+                rep["num_documents"], rep["documents_seen"] = rep["samples"], float(self.samples_seen)
             timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
-            if j == 0:
-                timings.update({"time/rollout_generate": t_gen, "time/train": t_train, "time/weight_sync": t_sync,
-                                "time/rollout_total": time.perf_counter() - t0})
-            logger.log(self.step, {"rollout_id": k, "step_in_rollout": j, **stats, **rep}, timings)
+            if j == 0:  # rollout_generate: the engine; rollout_reward: scoring; rollout_call: the whole remote call
+                timings.update({"time/rollout_generate": t_engine, "time/rollout_reward": t_reward, "time/rollout_call": t_gen,
+                                "time/train": t_train, "time/weight_sync": t_sync,
+                                "time/weight_load_engines": self.last_sync["seconds"], "time/rollout_total": time.perf_counter() - t0})
+            row = {"rollout_id": k, "step_in_rollout": j, **stats, **rep}
+            logger.log(self.step, row, timings)
+            if self.step % a.log_interval == 0:
+                (bar.write if not a.no_progress_bar else print)(summary_line(self.step, row, timings))
+                sys.stdout.flush()
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
             self.save(k)
         if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
             ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
             logger.log(self.step, {"rollout_id": k, **ev})
-        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", train_step_s=f"{t_train / max(len(reports), 1):.2f}",
-                        rollout_s=f"{time.perf_counter() - t0:.2f}", step=self.step)
+        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", gen_s=f"{t_engine:.2f}", reward_s=f"{t_reward:.2f}",
+                        train_s=f"{t_train:.2f}", step=self.step)
         bar.update(1)
 
     def _resume_hint(self) -> str:
         a = self.args
         if a.save and latest_step(a.save) is not None:
-            return f"Completed steps are in {self.metrics_file}; resume with --load {a.save} (last checkpoint: step {latest_step(a.save)})"
+            return (f"Completed steps are in {self.metrics_file}; resume with --load {a.save} (last checkpoint: step {latest_step(a.save)}): "
+                    f"{resume_command(self.argv, a.save)}")
         return f"Completed steps are in {self.metrics_file}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"

@@ -3,7 +3,8 @@
 It builds (once, then reuses) a tiny Qwen2-architecture model with a character tokenizer over
 the digits, and the digit-copy task (``rl_plugin.rollout.task``) with a held-out eval split,
 and fills in rollout/optimizer defaults that make the tiny model learn the task on a 2-core CPU
-in minutes (measured by ``benchmarks/embedded_default.py``). Any flag given explicitly wins.
+in minutes (measured by ``benchmarks/embedded_default.py``; the defaults live in
+``rl_plugin.arguments.embedded``). Any flag given explicitly wins.
 
 Files go under ``$RL_PLUGIN_CACHE`` (default ``outputs/``): ``tiny_model/<config>/`` (HF
 checkpoint + ``char_tokenizer.json``, loaded by both backends and the rollout engine) and
@@ -17,27 +18,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rl_plugin.arguments.embedded import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DIGITS  # noqa: F401 (re-exported)
 from rl_plugin.rollout.task import DIGITS, write_task_data
 from rl_plugin.rollout.tokenizer import CharTokenizer
 
-NUM_DIGITS = 3
+NUM_DIGITS = EMBEDDED_TASK_DIGITS
 TASK = "copy"
-MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+# head_dim = hidden / heads = 32: the smallest head size vLLM's CPU attention accepts (16 is not).
+MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
              intermediate_size=128, max_position_embeddings=64)
-
-# Flag defaults of the embedded run (argparse dests). Tuned on a 2-core CPU: see the benchmark.
-EMBEDDED_DEFAULTS = dict(
-    rollout_batch_size=16,
-    n_samples_per_prompt=8,
-    rollout_max_response_len=NUM_DIGITS + 1,
-    num_rollout=300,
-    micro_batch_size=128,
-    lr=3e-3,
-    eps_clip_high=0.28,
-    rm_type="digit_match",
-    eval_interval=25,
-    n_samples_per_eval=1,
-)
 
 
 def is_embedded(args) -> bool:
@@ -50,7 +39,7 @@ def cache_root() -> Path:
 
 def _model_name() -> str:
     m = MODEL
-    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-l{m['num_layers']}-seed0"
+    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-a{m['num_heads']}-l{m['num_layers']}-seed0"
 
 
 def ensure_tiny_model(root: Path) -> Path:

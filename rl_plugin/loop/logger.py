@@ -5,14 +5,20 @@ grad norms), one JSON line per optimizer step plus one per evaluation, so two ru
 seed and flags write byte-identical files. Wall-clock timings go to ``timings.jsonl`` beside it
 (and to TensorBoard / W&B). Both files are opened in append mode and flushed after every line: a
 resumed or crashed run never loses a line already written.
+
+On resume, lines of steps after the checkpoint's step were written by the interrupted run and
+will be written again by the resumed one: ``supersede_after`` moves them (never deletes them) to
+``<metrics>.superseded.jsonl``, so the metrics file reads as one run. ``summary_line`` is the
+compact line printed every ``--log-interval`` steps.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 def _clean(d: Dict[str, Any]) -> Dict[str, Any]:
@@ -28,7 +34,7 @@ class MetricsLogger:
     def __init__(self, args, metrics_file: str):
         self.metrics_path = Path(metrics_file)
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.timings_path = self.metrics_path.with_name(self.metrics_path.stem + ".timings.jsonl")
+        self.timings_path = timings_path(self.metrics_path)
         self._metrics = self.metrics_path.open("a")
         self._timings = self.timings_path.open("a")
         self._tb = None
@@ -72,3 +78,55 @@ def read_metrics(path) -> list:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def timings_path(metrics_file) -> Path:
+    p = Path(metrics_file)
+    return p.with_name(p.stem + ".timings.jsonl")
+
+
+def superseded_path(path) -> Path:
+    p = Path(path)
+    return p.with_name(p.stem + ".superseded.jsonl")
+
+
+def supersede_after(metrics_file, step: int) -> List[int]:
+    """Move every line with ``"step" > step`` from the metrics file and its timings file to
+    ``*.superseded.jsonl`` (appended, each line tagged ``"superseded_by_resume_from": step``);
+    the rest is rewritten atomically. Returns the superseded steps of the metrics file."""
+    moved: List[int] = []
+    for path in (Path(metrics_file), timings_path(metrics_file)):
+        if not path.is_file():
+            continue
+        keep, drop = [], []
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            (drop if json.loads(line).get("step", 0) > step else keep).append(line)
+        if not drop:
+            continue
+        with superseded_path(path).open("a") as f:
+            for line in drop:
+                f.write(json.dumps({**json.loads(line), "superseded_by_resume_from": step}, sort_keys=True) + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+        if path == Path(metrics_file):
+            moved = sorted({json.loads(line)["step"] for line in drop})
+    return moved
+
+
+SUMMARY_KEYS = (("reward_mean", "reward", "{:.3f}"), ("loss", "loss", "{:.4g}"), ("grad_norm", "grad_norm", "{:.3g}"),
+                ("response_len_mean", "resp_len", "{:.1f}"), ("lr", "lr", "{:.3g}"))
+SUMMARY_TIMES = (("time/rollout_generate", "gen"), ("time/rollout_reward", "reward"), ("time/train", "train"), ("time/weight_sync", "sync"))
+
+
+def summary_line(step: int, row: Dict[str, Any], timings: Dict[str, float]) -> str:
+    """``step 12 | rollout 5 | reward 0.412 | loss -0.0123 | grad_norm 0.53 | ... | gen 0.81s reward 0.02s train 1.20s``"""
+    parts = [f"step {step}", f"rollout {row.get('rollout_id')}"]
+    for key, name, fmt in SUMMARY_KEYS:
+        v = row.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(f"{name} {fmt.format(v)}")
+    times = " ".join(f"{name} {timings[key]:.2f}s" for key, name in SUMMARY_TIMES if key in timings)
+    return " | ".join(parts + ([times] if times else []))

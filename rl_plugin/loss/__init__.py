@@ -13,6 +13,7 @@ from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import fp32_output_projection, log_probs_and_entropy
+from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_function, tis_weights
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
 from rl_plugin.loss.step import MicroBatch, MicroBatchLoss, StepContext, prepare_step, step_loss_value
 
@@ -21,5 +22,5 @@ __all__ = [
     "StepContext", "StepCounts", "aggregate", "compute_advantages", "compute_step_counts",
     "fp32_output_projection", "get_policy_loss", "gspo_loss", "kl_estimate", "load_custom_reducer",
     "log_probs_and_entropy", "ppo_clip_loss", "prepare_step", "register_policy_loss",
-    "step_loss_value", "to_tokens", "token_weights",
+    "step_loss_value", "to_tokens", "token_weights", "TIS_LEVELS", "TIS_MODES", "load_custom_tis_function", "tis_weights",
 ]

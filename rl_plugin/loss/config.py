@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from rl_plugin.loss.aggregation import load_custom_reducer
+from rl_plugin.loss.offpolicy import load_custom_tis_function
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,16 @@ class LossConfig:
     qkv_format: str = "thd"
     max_seq_len: Optional[int] = None
     logprob_chunk_size: int = 1024
+    # off-policy correction (offpolicy.py); the names match slime's args for custom TIS functions
+    use_tis: bool = False
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    custom_tis_function: Optional[Callable] = None
+    # DeepSpeed parity (arguments/off_policy.py): backward objective x 1/N, reported J unchanged
+    deepspeed_grad_scale: bool = False
+    deepspeed_metric_names: bool = False
 
     @property
     def needs_entropy(self) -> bool:
@@ -36,6 +47,7 @@ class LossConfig:
     def from_args(cls, args) -> "LossConfig":
         """From an argparse namespace that went through ``validate_rl_args``."""
         path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        tis_path = args.custom_tis_function_path
         return cls(
             loss_aggregation=args.loss_aggregation,
             loss_aggregation_divisor=args.loss_aggregation_divisor,
@@ -54,4 +66,12 @@ class LossConfig:
             qkv_format=args.qkv_format,
             max_seq_len=getattr(args, "seq_length", None) if args.qkv_format == "bshd" else None,
             logprob_chunk_size=int(getattr(args, "log_probs_chunk_size", 1024) or 1024),
+            use_tis=bool(args.use_tis),
+            tis_level=args.tis_level,
+            tis_mode=args.tis_mode,
+            tis_clip=float(args.tis_clip),
+            tis_clip_low=float(args.tis_clip_low),
+            custom_tis_function=load_custom_tis_function(tis_path) if tis_path else None,
+            deepspeed_grad_scale=bool(args.deepspeed_grad_scale),
+            deepspeed_metric_names=bool(args.deepspeed_metric_names),
         )

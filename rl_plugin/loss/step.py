@@ -15,9 +15,11 @@ The step objective (DESIGN.md) is
     J = J_pg(mode) + kl_coef * SampleMean(kl) - entropy_coef * SampleMean(entropy)
 
 with J_pg aggregated by ``--loss-aggregation`` (or the custom reducer) and the KL / entropy terms
-kept as sample means so they compare across runs. ``out.objective`` summed over every micro-batch
-of every DP x CP rank is exactly J; each backend multiplies it by the factor that cancels its own
-averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
+kept as sample means so they compare across runs. With ``--use-tis`` the per-token policy loss is
+multiplied by the detached off-policy weight (``offpolicy.py``) before aggregation.
+``out.objective`` summed over every micro-batch of every DP x CP rank is exactly J (J / N with
+``--deepspeed-grad-scale``, whose reported loss stays J); each backend multiplies it by the
+factor that cancels its own averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
 exactly dJ/dtheta.
 """
 
@@ -34,14 +36,25 @@ from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator
+from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
 from rl_plugin.loss.policy import get_policy_loss
 from rl_plugin.parallel import ParallelState, all_reduce
 
 SUM_METRICS_BASIC = ("pg_clipfrac", "ppo_kl", "ratio_mean", "old_log_prob", "advantage_mean", "ratio_sum", "ratio_sq_sum")
 LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+MISMATCH_SUMS = ("mismatch/abs_diff_mean", "mismatch/k3_kl")
+TIS_SUMS = ("tis/weight_mean", "tis/clipped_frac")
+# DeepSpeed's names for the same quantities (--deepspeed-metric-names), logged besides ours.
+DEEPSPEED_NAMES = {
+    "ratio_new_old": "ratio_mean", "ratio_new_old_sum": "ratio_sum", "ratio_new_old_squared_sum": "ratio_sq_sum",
+    "kl_new_old": "ppo_kl", "clipped_ratio_fraction": "pg_clipfrac", "advantage": "advantage_mean",
+    "max_advantage": "advantage_max", "min_advantage": "advantage_min", "num_tokens": "tokens",
+    "entropy": "entropy", "old_logprobs": "old_log_prob",
+}
 
 
 @dataclass
@@ -66,6 +79,8 @@ class MicroBatch:
     pg_weights: torch.Tensor
     sample_mean_weights: torch.Tensor
     sample_token_counts: torch.Tensor
+    tis_weights: Optional[torch.Tensor] = None
+    step_token_index: Optional[torch.Tensor] = None  # step-level index of the micro-batch's FULL responses
 
     @property
     def num_local_tokens(self) -> int:
@@ -96,6 +111,38 @@ class StepContext:
         self._resp_offsets = exclusive_cumsum(batch.response_lengths.long())
         self.metrics = MetricAccumulator()
         self.policy_loss = get_policy_loss(cfg.policy_loss)
+        self.custom_tis_names: List[str] = []
+        self.tis_weights = self._off_policy_weights()
+        self.grad_scale = 1.0 / counts.num_samples if cfg.deepspeed_grad_scale else 1.0
+
+    # -- off-policy weights and mismatch metrics, once per step -------------------------------
+    def _off_policy_weights(self) -> Optional[torch.Tensor]:
+        """TIS weights of this rank's full responses (or None), and the mismatch metrics. Every
+        CP rank holds the same full responses, so only CP rank 0 adds to the (DP x CP) sums."""
+        b, cfg = self.batch, self.cfg
+        has_both = b.old_log_probs is not None and b.rollout_log_probs is not None
+        if cfg.use_tis and not has_both:
+            missing = "rollout_log_probs (the engine's)" if b.rollout_log_probs is None else "old_log_probs (the trainer's)"
+            raise BadBatchError(f"--use-tis needs both old and rollout log-probs; the step batch has no {missing}")
+        self.measure_mismatch = has_both
+        if not has_both:
+            return None
+        terms = mismatch_terms(b.old_log_probs, b.rollout_log_probs, b.loss_mask)
+        w = flags = None
+        if cfg.use_tis and cfg.custom_tis_function is None:
+            w, flags = tis_weights_and_flags(
+                b.old_log_probs, b.rollout_log_probs, b.loss_mask, b.response_lengths,
+                level=cfg.tis_level, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+            )
+        acc, w_sm = self.metrics, self.sample_mean_weights
+        if self.ps.cp_rank == 0:
+            acc.add("mismatch/abs_diff_mean", (terms["abs_diff"] * w_sm).sum())
+            acc.add("mismatch/k3_kl", (terms["k3_kl"] * w_sm).sum())
+            if w is not None:
+                acc.add("tis/weight_mean", (w * w_sm).sum())
+                acc.add("tis/clipped_frac", (flags * w_sm).sum())
+        acc.add_max("mismatch/abs_diff_max", terms["abs_diff"][b.loss_mask > 0])
+        return w
 
     # -- micro-batches ----------------------------------------------------------------------
     def micro_batch(self, sample_index) -> MicroBatch:
@@ -122,6 +169,8 @@ class StepContext:
             pg_weights=self.pg_weights[local],
             sample_mean_weights=self.sample_mean_weights[local],
             sample_token_counts=self.counts.sample_tokens[sample_index],
+            tis_weights=None if self.tis_weights is None else self.tis_weights[local],
+            step_token_index=step_resp,
         )
 
     # -- the loss -------------------------------------------------------------------------
@@ -143,6 +192,10 @@ class StepContext:
             sample_ids=mb.layout.sample_ids, num_samples=mb.layout.num_samples,
             sample_token_counts=mb.sample_token_counts, cp_group=self.ps.cp_group,
         )
+        if mb.tis_weights is not None:
+            pg_tok = pg_tok * mb.tis_weights.to(dtype)  # detached: a constant of the step
+        elif cfg.use_tis:
+            pg_tok = self._custom_tis(pg_tok, mb)
         if cfg.custom_pg_reducer is not None:
             pg_term = self._custom_pg_term(pg_tok, mb)
         else:
@@ -160,7 +213,41 @@ class StepContext:
             entropy_term = (entropy.to(dtype) * w_sm).sum()
             objective = objective - cfg.entropy_coef * entropy_term
         self._record(objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm)
+        if self.grad_scale != 1.0:
+            objective = objective * self.grad_scale  # recorded (reported) unscaled, above
         return MicroBatchLoss(objective=objective, pg_token_sum=(pg_tok * mask).sum(), num_tokens=mask.sum())
+
+    def _cp_layouts(self, mb: MicroBatch):
+        return [mb.layout] if self.ps.cp_size == 1 else all_rank_layouts(
+            mb.batch.total_lengths, mb.batch.response_lengths, cp_size=self.ps.cp_size,
+            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
+        )
+
+    def _custom_tis(self, pg_tok: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """slime's ``--custom-tis-function-path`` hook on the micro-batch's FULL responses
+        (``offpolicy.load_custom_tis_function``), then this rank's CP slice of its result. The
+        returned loss masks multiply the loss; the step's denominators stay global."""
+        full = gather_responses(pg_tok, self._cp_layouts(mb), self.ps.cp_rank, self.ps.cp_group)
+        b, dtype = mb.batch, pg_tok.dtype
+        split = b.response_lengths.long().tolist()
+        out, masks, metrics = self.cfg.custom_tis_function(
+            self.cfg, pg_loss=full,
+            train_log_probs=list(b.old_log_probs.to(dtype).split(split)),
+            rollout_log_probs=list(b.rollout_log_probs.to(dtype).split(split)),
+            loss_masks=list(b.loss_mask.split(split)),
+            total_lengths=b.total_lengths.tolist(), response_lengths=split,
+        )
+        if out.shape != full.shape:
+            raise ValueError(f"--custom-tis-function-path returned pg_loss of shape {tuple(out.shape)}, expected {tuple(full.shape)}")
+        new_mask = torch.cat([torch.as_tensor(x) for x in masks]).to(dtype) if len(masks) else full.new_zeros(0)
+        if self.ps.cp_rank == 0:
+            w_sm = self.sample_mean_weights[mb.step_token_index]
+            for name, value in (metrics or {}).items():
+                key = f"tis/{name}"
+                if key not in self.custom_tis_names:
+                    self.custom_tis_names.append(key)
+                self.metrics.add(key, (value.detach().to(torch.float64).reshape(-1) * w_sm).sum())
+        return (out * new_mask)[mb.layout.resp_index]
 
     def _custom_pg_term(self, pg_tok: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """miles-compatible hook: ``factory(total_lengths, response_lengths, loss_masks,
@@ -214,11 +301,34 @@ class StepContext:
             names_max, names_min = ["advantage_max"], ["advantage_min"]
             if self.cfg.pg_metrics == "with_entropy":
                 names_sum.append("entropy")
+        if self.measure_mismatch:
+            names_sum += list(MISMATCH_SUMS)
+            names_max.append("mismatch/abs_diff_max")
+            if self.cfg.use_tis and self.cfg.custom_tis_function is None:
+                names_sum += list(TIS_SUMS)
+        if self.cfg.use_tis and self.cfg.custom_tis_function is not None:
+            names_sum += self._all_custom_tis_names()
         out = self.metrics.reduce(self.ps, names_sum, names_max, names_min)
         out["samples"] = float(self.counts.num_samples)
         out["tokens"] = float(self.counts.total_tokens)
         out["groups"] = float(self.counts.num_groups)
+        if self.measure_mismatch:
+            out["rollout_log_prob_diff"] = out["mismatch/abs_diff_mean"]  # the name of earlier releases
+        if self.cfg.deepspeed_metric_names and self.cfg.pg_metrics != "none":
+            out.update({ds: out[ours] for ds, ours in DEEPSPEED_NAMES.items() if ours in out})
         return out
+
+    def _all_custom_tis_names(self) -> List[str]:
+        """The union of the custom TIS function's metric names over DP x CP (a rank without a
+        micro-batch never called it), so every rank joins the reduction with the same keys."""
+        import torch.distributed as dist
+
+        group = self.ps.dp_cp_group
+        if group is None:  # DP x CP = 1
+            return sorted(self.custom_tis_names)
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(self.custom_tis_names), group=group)
+        return sorted({n for names in gathered for n in names})
 
 
 def prepare_step(batch: StepBatch, cfg: LossConfig, ps: ParallelState, *, num_groups: Optional[int] = None) -> StepContext:

@@ -80,7 +80,12 @@ class TrainActor:
         """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
         ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
         t0 = time.perf_counter()
-        batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
+        if self.args.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
+            if batch.rollout_log_probs is None:
+                raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs")
+            batch.old_log_probs = batch.rollout_log_probs.clone()
+        else:
+            batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
         if self.args.use_kl_loss:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
         logprob_time = time.perf_counter() - t0
@@ -95,7 +100,6 @@ class TrainActor:
             report = {key: _plain(v) for key, v in report.items()}
             report["time/train_step"] = time.perf_counter() - t1
             report["time/log_probs"] = logprob_time if k == 0 else 0.0
-            report["rollout_log_prob_diff"] = _mean_abs_diff(batch, start, end)
             reports.append(report)
         return reports
 
@@ -117,10 +121,16 @@ class TrainActor:
         return bounds, micro
 
     # -- weights and checkpoints --------------------------------------------------------------
-    def export_weights(self) -> Optional[Dict[str, torch.Tensor]]:
-        """Collective export; rank 0 returns the HF state dict, the others None."""
+    def export_weight_buckets(self, buffer_bytes: int) -> Optional[List[Any]]:
+        """Collective export (each TP shard gathered once); rank 0 cuts it into buckets of at
+        most ``buffer_bytes`` (``--update-weight-buffer-size``) and publishes them through the
+        weight transport, returning the handles the engines read them by; other ranks None."""
+        from rl_plugin.rollout.weight_sync import ObjectStoreTransport, iter_buckets
+
         sd = self.backend.export_hf_state_dict()
-        return sd if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return ObjectStoreTransport().send(iter_buckets(sd, buffer_bytes))
 
     def weights_fingerprint(self) -> Optional[Dict[str, str]]:
         from rl_plugin.rollout.manager import weights_fingerprint
@@ -147,16 +157,3 @@ def _plain(v):
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
     return v
-
-
-def _mean_abs_diff(batch: StepBatch, start: int, end: int) -> float:
-    """Mean |trainer old log-prob - sampler log-prob| over the response tokens of samples
-    ``[start, end)`` (this rank's share of a step): ~0 when the trainer and the rollout engine
-    compute the same distribution (a rank-0 diagnostic, not reduced over ranks)."""
-    if batch.rollout_log_probs is None or batch.old_log_probs is None or end <= start:
-        return float("nan")
-    bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(batch.response_lengths.long(), 0)])
-    a, b = int(bounds[start]), int(bounds[end])
-    if b <= a:
-        return 0.0
-    return float((batch.old_log_probs[a:b] - batch.rollout_log_probs[a:b]).abs().mean())

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import ray
 
 from rl_plugin.ray.cluster import Placement
+from rl_plugin.ray.rollout_actor import error_line
 from rl_plugin.ray.train_actor import FAULT_ENV, TrainActor
 
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
@@ -24,8 +25,10 @@ DEATH_GRACE_S = 30.0
 
 
 class TrainActorError(RuntimeError):
-    def __init__(self, rank: int, method: str, cause: str, *, died: bool, info: Optional[Dict[str, Any]] = None):
+    def __init__(self, rank: int, method: str, cause: str, *, died: bool, info: Optional[Dict[str, Any]] = None,
+                 error_line: Optional[str] = None):
         self.rank, self.method, self.died = rank, method, died
+        self.error_line = error_line  # the remote ``SomeError: message`` line of a raised error
         where = f" (pid {info['pid']}, node {info['ip']})" if info else ""
         what = "died" if died else "raised"
         super().__init__(f"train actor rank {rank}{where} {what} during {method}: {cause}")
@@ -83,7 +86,7 @@ class TrainGroup:
         rank = rank_of[ref]
         if isinstance(exc, ray.exceptions.RayActorError):
             return TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank))
-        raised = TrainActorError(rank, method, str(exc), died=False, info=self._info(rank))
+        raised = TrainActorError(rank, method, str(exc), died=False, info=self._info(rank), error_line=error_line(exc))
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S) if pending else ([], [])
         for other in ready:
             try:

@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional
 class PromptRecord:
     prompt: str
     label: Any
-    index: int  # line index in the file (0-based)
+    index: int  # record index in the file (0-based; blank lines are skipped)
+    lineno: int = 0  # line number in the file (1-based), for messages
 
 
 def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRecord]:
@@ -48,7 +49,7 @@ def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRec
                 raise ValueError(f"{path}:{lineno}: {input_key!r} must be a string, got {type(prompt).__name__}")
             if not prompt.strip():
                 raise ValueError(f"{path}:{lineno}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt")
-            records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records)))
+            records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records), lineno))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")
     return records

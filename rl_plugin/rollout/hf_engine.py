@@ -14,7 +14,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams
+from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
 
 
 class HFEngine(RolloutEngine):
@@ -25,11 +25,13 @@ class HFEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
         self.model.eval()
         cfg = self.model.config
-        self.eos_token_id = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-        self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_id
+        self.eos_token_ids = eos_token_ids(checkpoint_dir)
+        self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int) -> List[Generation]:
+    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
+        # Seeded per call, not per sample: a rollout split over several hf engines samples
+        # differently from one engine (``first_sample`` is unused).
         buckets = defaultdict(list)  # prompt length -> indices, so no bucket needs padding
         for i, p in enumerate(prompts):
             if not p:
@@ -44,13 +46,13 @@ class HFEngine(RolloutEngine):
             res = self.model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                 do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True,
             )
             new = res.sequences[:, length:]  # [B, steps]
             logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, steps, V]
             logp = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            is_eos = new == self.eos_token_id
+            is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
             # response length: through the first <eos>, else all generated steps
             first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
             for row, i in enumerate(idx):
@@ -60,11 +62,11 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """A bucket (any subset of the tensors): copied in place; unknown names are rejected."""
         own = self.model.state_dict()
-        missing = sorted(set(own) - set(state_dict) - _tied_names(self.model))
         unexpected = sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"weight sync: the trainer's export does not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if unexpected:
+            raise ValueError(f"weight sync: the trainer's export does not match the rollout model: unexpected {unexpected[:5]}")
         for name, value in state_dict.items():
             if own[name].shape != value.shape:
                 raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(own[name].shape)} in the rollout model")
@@ -72,10 +74,3 @@ class HFEngine(RolloutEngine):
 
     def weights(self) -> Dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-
-
-def _tied_names(model) -> set:
-    """Parameter names that alias another (tied embeddings): the trainer may omit them."""
-    if getattr(model.config, "tie_word_embeddings", False):
-        return {"lm_head.weight"}
-    return set()

@@ -1,10 +1,23 @@
-"""The rollout manager: owns the prompt datasets, the generation engine and the reward function.
+"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward function.
 
 One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
 ``--rollout-batch-size`` prompts, samples ``--n-samples-per-prompt`` responses each (a prompt's
 samples are contiguous and form one group), scores them, and returns a ``RolloutData`` of flat
 tensors. Generation is seeded with ``seed + rollout_id``, so a resumed run regenerates exactly
 what the uninterrupted run would have, whatever happened before.
+
+Engines: the single ``hf`` engine runs in this process; otherwise the engines are actors
+(``rl_plugin.ray.engine_actor``). A rollout's prompt groups are cut into contiguous shares, one
+per engine, generated concurrently and gathered back in group order; each sample carries its
+index in the rollout (``first_sample``), so per-sample-seeded engines (vllm, sglang) sample the
+same tokens however many engines there are.
+
+With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``filters.py``) a rollout runs in
+rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
+r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter on their raw
+rewards; the first ``--rollout-batch-size`` passing groups, in generation order, are the rollout
+and the rest are dropped (as slime does). ``--overlong-buffer-len`` then adds DAPO's over-long
+penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
 """
 
 from __future__ import annotations
@@ -12,16 +25,21 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
-from rl_plugin.rollout.engine import SamplingParams, make_engine
+from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
+from rl_plugin.rollout.weight_sync import ObjectStoreTransport
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 
 EVAL_SEED_OFFSET = 1_000_003
+ROUND_SEED_STRIDE = 3_000_017
+MAX_DYNAMIC_SAMPLING_ROUNDS = 64
 
 
 @dataclass
@@ -39,6 +57,21 @@ class RolloutData:
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
 
+    def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
+        """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
+        ``0..len(groups)-1``; stats and examples are left to the caller."""
+        groups = torch.as_tensor(groups, dtype=torch.long)
+        idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
+        tl, rl = self.total_lengths, self.response_lengths
+        return RolloutData(
+            tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
+            total_lengths=tl[idx], response_lengths=rl[idx],
+            rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
+            rewards=self.rewards[idx],
+            group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
+            num_groups=int(groups.numel()),
+        )
+
 
 def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """sha256 of every tensor's bytes (fp32, contiguous): equal fingerprints = bitwise-equal weights."""
@@ -49,22 +82,97 @@ def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
     return out
 
 
+def group_shares(num_groups: int, num_engines: int) -> List[int]:
+    """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
+    base, extra = divmod(num_groups, num_engines)
+    return [base + (1 if i < extra else 0) for i in range(num_engines)]
+
+
 class RolloutManager:
-    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str]):
+    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str], engines: Optional[Sequence[Any]] = None):
         torch.set_num_threads(1)
         self.args = args
         self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=args.apply_chat_template)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
-        self.engine = make_engine(args.rollout_engine, checkpoint_dir, device=device)
+        self.engines = list(engines or [])  # engine actors; empty: the engine lives here
+        self.engine = None if self.engines else make_engine(args.rollout_engine, checkpoint_dir, device=device)
         self.reward_fn = load_reward_fn(args.rm_type, args.custom_rm_path)
         self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
         self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None
         self.params = SamplingParams(args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len)
+        path = args.dynamic_sampling_filter_path
+        self.group_filter = load_filter(path) if path else None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutData:
-        recs = self.train.next_batch(self.args.rollout_batch_size)
-        return self._rollout(recs, self.args.n_samples_per_prompt, seed=self.args.seed + rollout_id)
+        a = self.args
+        if self.group_filter is None:
+            recs = self.train.next_batch(a.rollout_batch_size)
+            data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
+        else:
+            data = self._dynamic_rollout(rollout_id)
+        if a.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
+            data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
+        if a.overlong_buffer_len is not None:
+            penalty = overlong_penalty(
+                data.response_lengths, max_len=a.rollout_max_response_len, buffer_len=a.overlong_buffer_len,
+                factor=1.0 if a.overlong_penalty_factor is None else a.overlong_penalty_factor,
+            )
+            data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
+            data.stats["overlong/penalty_mean"] = float(penalty.mean())
+            data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
+            data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        return data
+
+    def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
+        """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
+        a = self.args
+        want, n = a.rollout_batch_size, a.n_samples_per_prompt
+        per_round = a.over_sampling_batch_size or want
+        kept: List[RolloutData] = []
+        generated = passed = 0
+        gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
+        for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
+            recs = self.train.next_batch(per_round)
+            data, samples = self._rollout(recs, n, seed=a.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
+            gen_time += data.stats["rollout_gen_time"]
+            reward_time += data.stats["rollout_reward_time"]
+            truncated += data.stats["truncated_frac"] * data.num_groups
+            raw_rewards.append(data.rewards)
+            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(a, samples[g * n : (g + 1) * n]))]
+            generated += data.num_groups
+            passed += len(keep)
+            have = sum(k.num_groups for k in kept)
+            if keep:
+                kept.append(data.select_groups(torch.tensor(keep[: want - have]), n))
+            if have + len(keep) >= want:
+                break
+        else:
+            raise RuntimeError(
+                f"--dynamic-sampling-filter-path {a.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
+                f"passed in {MAX_DYNAMIC_SAMPLING_ROUNDS} rounds of --over-sampling-batch-size {per_round}, short of "
+                f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
+            )
+        out = _concat(kept, n)
+        out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time, reward_time)
+        out.stats.update({
+            "dynamic_sampling/groups_generated": float(generated), "dynamic_sampling/groups_passed": float(passed),
+            "dynamic_sampling/groups_kept": float(out.num_groups), "dynamic_sampling/rounds": float(r + 1),
+            "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
+        })
+        out.examples = data.examples
+        return out
+
+    @staticmethod
+    def _stats(rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float, reward_time: float) -> Dict[str, float]:
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_max": float(rewards.max()),
+            "response_len_mean": float(rl.float().mean()),
+            "truncated_frac": truncated_frac,
+            "rollout_gen_time": gen_time,
+            "rollout_reward_time": reward_time,
+        }
 
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
         if self.eval is None:
@@ -72,28 +180,24 @@ class RolloutManager:
         data = self._rollout(self.eval.records, self.args.n_samples_per_eval, seed=self.args.seed + EVAL_SEED_OFFSET + rollout_id)
         return {"eval/reward_mean": data.stats["reward_mean"], "eval/response_len_mean": data.stats["response_len_mean"]}
 
-    def _rollout(self, recs, n: int, *, seed: int) -> RolloutData:
+    def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
         t0 = time.perf_counter()
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
-        gens = self.engine.generate([p for p in prompt_ids for _ in range(n)], self.params, seed=seed)
+        gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
         gen_time = time.perf_counter() - t0
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
+        t1 = time.perf_counter()
         rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
+        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         empty = [i for i, g in enumerate(gens) if not g.response_ids]
         if empty:
             raise RuntimeError(f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1")
         rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)
         tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens], dtype=torch.long)
-        stats = {
-            "reward_mean": float(rewards.mean()),
-            "reward_max": float(rewards.max()),
-            "response_len_mean": float(rl.float().mean()),
-            "truncated_frac": float(sum(not g.finished for g in gens) / len(gens)),
-            "rollout_gen_time": gen_time,
-        }
-        return RolloutData(
+        stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time, reward_time)
+        data = RolloutData(
             tokens=torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long),
             total_lengths=tl,
             response_lengths=rl,
@@ -104,13 +208,47 @@ class RolloutManager:
             stats=stats,
             examples=[{"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])} for i in range(min(2, len(gens)))],
         )
+        if not with_samples:
+            return data
+        samples = [FilterSample(prompts[i], responses[i], labels[i], float(rewards[i]), int(rl[i]), not gens[i].finished) for i in range(len(gens))]
+        return data, samples
+
+    def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
+        """All samples (``n`` per group, groups contiguous), spread over the engines by whole
+        groups and gathered in order."""
+        if self.engine is not None:
+            return self.engine.generate(prompts, self.params, seed=seed)
+        import ray
+
+        refs, start = [], 0
+        for engine, groups in zip(self.engines, group_shares(len(prompts) // n, len(self.engines))):
+            if groups:
+                refs.append(engine.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
+            start += groups * n
+        return [g for part in ray.get(refs) for g in part]
 
     # -- weights ------------------------------------------------------------------------------
-    def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        self.engine.update_weights(state_dict)
+    def update_weights(self, handles: Sequence[Any]) -> Dict[str, float]:
+        """Load the buckets behind ``handles`` (``rl_plugin.rollout.weight_sync``) into every
+        engine, in place; returns the bytes per engine and the slowest engine's seconds."""
+        if self.engine is not None:
+            t0, nbytes = time.perf_counter(), 0
+            for bucket in ObjectStoreTransport().receive(handles):
+                self.engine.update_weights(bucket)
+                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+            return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+        import ray
 
-    def weights_fingerprint(self) -> Dict[str, str]:
-        return weights_fingerprint(self.engine.weights())
+        stats = ray.get([e.update_weights.remote(handles) for e in self.engines])
+        return {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+
+    def weights_fingerprint(self) -> List[Dict[str, str]]:
+        """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""
+        if self.engine is not None:
+            return [weights_fingerprint(self.engine.weights())]
+        import ray
+
+        return ray.get([e.weights_fingerprint.remote() for e in self.engines])
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
@@ -118,3 +256,17 @@ class RolloutManager:
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.train.load_state_dict(state["train_dataset"])
+
+
+def _concat(parts: List[RolloutData], group_size: int) -> RolloutData:
+    """Rollouts of whole groups back to back, group ids renumbered."""
+    num_groups = sum(p.num_groups for p in parts)
+    return RolloutData(
+        tokens=torch.cat([p.tokens for p in parts]),
+        total_lengths=torch.cat([p.total_lengths for p in parts]),
+        response_lengths=torch.cat([p.response_lengths for p in parts]),
+        rollout_log_probs=torch.cat([p.rollout_log_probs for p in parts]),
+        rewards=torch.cat([p.rewards for p in parts]),
+        group_ids=torch.arange(num_groups).repeat_interleave(group_size),
+        num_groups=num_groups,
+    )

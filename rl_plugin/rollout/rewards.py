@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import math
 import re
+import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
@@ -63,6 +64,21 @@ def math_exact_reward(prompt: str, response: str, label) -> float:
     return float(_normalise(extract_final_answer(response)) == _normalise(str(label)) != "")
 
 
+class RewardFunctionError(ValueError):
+    """A reward function that cannot be loaded or that raised; the message names the flag, the
+    file:line in the user's code, and (when scoring) the sample index and its prompt."""
+
+
+class CustomReward:
+    """``--custom-rm-path``'s function, with where it came from (for error messages)."""
+
+    def __init__(self, fn: RewardFn, spec: str, source: str | None):
+        self.fn, self.spec, self.source = fn, spec, source
+
+    def __call__(self, prompt: str, response: str, label) -> float:
+        return self.fn(prompt, response, label)
+
+
 def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
     if custom_rm_path:
         return _load_custom(custom_rm_path)
@@ -72,6 +88,22 @@ def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
         raise ValueError(f"--rm-type {rm_type!r}: unknown reward; built-ins are {sorted(REWARDS)}, or pass --custom-rm-path") from None
 
 
+def _user_frame(exc: BaseException, source: str | None):
+    """The innermost traceback frame in the user's file (else the innermost one): (file, line, code)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename, exc.lineno, (exc.text or "").strip()
+    mine = [f for f in frames if source and Path(f.filename).resolve() == Path(source).resolve()]
+    f = (mine or frames or [None])[-1]
+    return (f.filename, f.lineno, (f.line or "").strip()) if f is not None else ("?", 0, "")
+
+
+def _where(exc: BaseException, source: str | None) -> str:
+    file, line, code = _user_frame(exc, source)
+    msg = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    return f"{type(exc).__name__}: {msg} at {file}:{line}" + (f" (`{code}`)" if code else "")
+
+
 def _load_custom(spec: str) -> RewardFn:
     if ":" in spec:
         target, name = spec.rsplit(":", 1)
@@ -79,29 +111,52 @@ def _load_custom(spec: str) -> RewardFn:
         target, name = spec.rsplit(".", 1)
     else:
         raise ValueError(f"--custom-rm-path {spec!r}: expected package.module:function or path/to/file.py:function")
+    source = None
     try:
         if target.endswith(".py"):
             path = Path(target)
             if not path.is_file():
                 raise FileNotFoundError(f"no such file {path}")
+            source = str(path)
             module_spec = importlib.util.spec_from_file_location(f"_rl_plugin_custom_rm_{path.stem}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
+            source = getattr(module, "__file__", None)
         fn = getattr(module, name)
     except (ImportError, FileNotFoundError, AttributeError) as exc:
         raise ValueError(f"--custom-rm-path {spec!r}: cannot load the reward function: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say where
+        raise RewardFunctionError(
+            f"--custom-rm-path {spec}: the reward module failed to import: {_where(exc, source or target)}. "
+            f"Fix: correct the module at that line"
+        ) from None
     if not callable(fn):
         raise ValueError(f"--custom-rm-path {spec!r}: {name} is not callable")
-    return fn
+    return CustomReward(fn, spec, source)
+
+
+def _describe(fn: RewardFn) -> str:
+    if isinstance(fn, CustomReward):
+        return f"--custom-rm-path {fn.spec}"
+    name = next((k for k, v in REWARDS.items() if v is fn), getattr(fn, "__name__", repr(fn)))
+    return f"--rm-type {name}"
 
 
 def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], labels: Sequence) -> List[float]:
-    """Apply ``fn`` to every sample; a non-numeric or non-finite reward raises naming the sample."""
+    """Apply ``fn`` to every sample; a reward function that raises, or returns a non-numeric or
+    non-finite reward, stops the rollout naming the sample (and, for a raise, the file:line)."""
     out = []
     for i, (p, r, lab) in enumerate(zip(prompts, responses, labels)):
-        value = fn(p, r, lab)
+        try:
+            value = fn(p, r, lab)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the user's file:line and the sample
+            source = fn.source if isinstance(fn, CustomReward) else None
+            raise RewardFunctionError(
+                f"{_describe(fn)} raised {_where(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
+                f"label {lab!r}). Fix: make the function return a float for every sample; it is called as fn(prompt, response, label)"
+            ) from None
         try:
             value = float(value)
         except (TypeError, ValueError):

@@ -82,3 +82,23 @@ def log_softmax_entropy(logits, targets, temperature=1.0):
 
 def isclose(a, b, tol):
     return math.isclose(float(a), float(b), rel_tol=tol, abs_tol=tol)
+
+
+def tis_weights(old, rollout, mask, lengths, level, mode, low, high):
+    """Per-token off-policy weights, one sample at a time (DESIGN.md "Off-policy data")."""
+    out = []
+    for o, r, m in zip(split(old, lengths), split(rollout, lengths), split(mask.to(torch.float64), lengths)):
+        d = (o.double() - r.double()) * m
+        if level == "token":
+            rho = [math.exp(float(x)) for x in d]
+        else:
+            s = float(d.sum())
+            if level == "geometric":
+                s = s / max(float(m.sum()), 1.0)
+            rho = [math.exp(s)] * len(d)
+        for x in rho:
+            if mode == "truncate":
+                out.append(min(max(x, low), high))
+            else:
+                out.append(x if low <= x <= high else 0.0)
+    return torch.tensor(out, dtype=torch.float64)

@@ -10,7 +10,6 @@ that ``AutoModelForCausalLM.from_pretrained`` loads with the trained weights.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from tests.fast.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
 from tests.fast.harness import run_world
+from tests.fast.tolerance import FP32_MODEL, tensor_within, within
 
 SCHEDULE = ["--lr-decay-style", "linear", "--lr-decay-iters", "4", "--micro-batch-size", "2"]
 
@@ -85,10 +85,18 @@ def test_dp2_checkpoint_loads_on_dp1(runs):
     first, _, dp1, _ = runs
     assert dp1[0]["meta"] == {"step": 1, "extra": {"rollout_id": 5}}
     a, b = first[0], dp1[0]
-    for key in ("loss", "grad_norm", "lr"):
-        assert math.isclose(a["report"][key], b["report"][key], rel_tol=1e-5), key
+    # fp32 reduction order (DP=2 vs DP=1): J's per-token terms are -A * exp(logp - old), rounding
+    # ~ |A| * u|logp|; the grad norm does not cancel (relative); the LR is the same arithmetic.
+    step = make_step(2, with_ref=False)
+    scale = float(step["advantages"].abs().max()) * float(step["old_log_probs"].abs().max())
+    assert within(a["report"]["loss"], b["report"]["loss"], rtol=FP32_MODEL, scale=scale)
+    assert within(a["report"]["grad_norm"], b["report"]["grad_norm"], rtol=FP32_MODEL)
+    assert a["report"]["lr"] == b["report"]["lr"]
+    # weights after AdamW: the update lr * m / (sqrt(v) + eps) moves by at most ~lr * FP32_MODEL for a
+    # gradient error of FP32_MODEL * |g| (its derivative in g peaks at lr / (4 eps) where |g| = eps),
+    # plus the rounding of w itself: both below FP32_MODEL * max|w| (lr 1e-3 << max|w|)
     for name, w in a["weights"].items():
-        assert torch.allclose(b["weights"][name], w, rtol=0, atol=1e-6), name
+        assert tensor_within(b["weights"][name], w, rtol=FP32_MODEL), name
 
 
 def test_save_hf_directory_reloads(runs):

@@ -2,7 +2,7 @@
 attention lets packed samples attend to each other unless a block-diagonal mask is passed).
 
 Per-token log-probs of a packed micro-batch must equal those of each sample run alone through
-the unmodified HF model (rel 1e-5), for sdpa and eager, Qwen2 and Llama; bshd (padded rows) too.
+the unmodified HF model (within fp32 rounding, ``tolerance.FP32_MODEL``), for sdpa and eager, Qwen2 and Llama; bshd (padded rows) too.
 A negative control shows the same pack WITHOUT the block-diagonal mask differs, so the test can
 fail.
 """
@@ -16,6 +16,7 @@ from rl_plugin.backends.fsdp.model import load_hf_model
 from rl_plugin.backends.fsdp.packing import micro_batch_logits, model_inputs, packed_causal_mask
 from rl_plugin.loss import MicroBatchInputs, log_probs_and_entropy
 from tests.fast.fsdp_common import alone_log_probs, make_step, rel_err, step_batch, tiny_checkpoint
+from tests.fast.tolerance import FP32_MODEL, tensor_within
 
 CPU = torch.device("cpu")
 
@@ -46,8 +47,9 @@ def test_packed_equals_each_sample_alone(tmp_path_factory, torch_threads, family
         got_thd = packed_log_probs(model, batch, impl, "thd")
         got_bshd = packed_log_probs(model, batch, impl, "bshd")
     assert got_thd.shape == want.shape == (int(batch.response_lengths.sum()),)
-    assert rel_err(got_thd, want) < 1e-5, rel_err(got_thd, want)
-    assert rel_err(got_bshd, want) < 1e-5, rel_err(got_bshd, want)
+    # fp32 forwards of the same weights in another shape: rounding only (a mask leak is > 1e-2)
+    assert tensor_within(got_thd, want, rtol=FP32_MODEL), rel_err(got_thd, want)
+    assert tensor_within(got_bshd, want, rtol=FP32_MODEL), rel_err(got_bshd, want)
 
 
 def test_pack_without_block_mask_leaks_across_samples(tmp_path_factory, torch_threads):

@@ -15,6 +15,7 @@ from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
 from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.rollout.manager import RolloutData, weights_fingerprint
 from rl_plugin.train import parse_train_args
+from tests.fast.tolerance import FP32_LOSS_CORE, tensor_within
 
 
 def _rollout(num_groups=3, n=4):
@@ -36,7 +37,9 @@ def test_rollout_batch_advantages_over_whole_groups():
     for gid in range(3):
         r = data.rewards[data.group_ids == gid]
         ref = (r - r.mean()) / (r.std() + 1e-6)
-        torch.testing.assert_close(per_sample[data.group_ids == gid], ref, rtol=1e-5, atol=1e-5)
+        # fp32 (r - mean) / std in another reduction order: terms of magnitude max|r| / std cancel
+        scale = float(r.abs().max() / (r.std() + 1e-6))
+        assert tensor_within(per_sample[data.group_ids == gid], ref, rtol=FP32_LOSS_CORE, scale=scale), gid
 
 
 def test_global_batch_steps_split_over_dp_with_step_local_groups():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.fast.harness import run_world
+from tests.fast.tolerance import FP32_MODEL, within
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_fp32_head_bf16_weight_gets_fp32_gradient(dirs):
     out = run_world(_bf16_worker, 1, dirs["untied"])[0]
     assert out["weight_dtype"] == "torch.bfloat16" and out["logits_dtype"] == "torch.float32"
     assert out["main_grad_dtype"] == "torch.float32"
-    assert out["logits_rel"] < 1e-6, out
-    assert out["grad_rel"] < 1e-6, out
+    assert out["logits_rel"] < FP32_MODEL, out  # fp32 accumulation of exact bf16 products vs fp64
+    assert out["grad_rel"] < FP32_MODEL, out
     assert out["weight_changed"] > out["weight_numel"] // 2, out
 
 
@@ -99,5 +100,5 @@ def test_fp32_head_keeps_tied_embedding_gradient(dirs):
     updates = run_world(_tied_worker, 1, dirs["tied"])[0]
     (u_ref, n_ref), (u_fp32, n_fp32) = updates[False], updates[True]
     assert float(u_ref.norm()) > 0
-    assert float((u_fp32 - u_ref).norm() / u_ref.norm()) < 1e-5
-    assert abs(n_fp32 - n_ref) / n_ref < 1e-5
+    assert float((u_fp32 - u_ref).norm() / u_ref.norm()) < FP32_MODEL  # fp32 weights: the same step, another head
+    assert within(n_fp32, n_ref, rtol=FP32_MODEL)

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from tests.fast.harness import run_world
+from tests.fast.tolerance import FP32_MODEL, within
 
 
 def _worker(rank, world, hf_dir):
@@ -49,6 +50,7 @@ def _worker(rank, world, hf_dir):
         "ref_frozen": bool(torch.equal(ref0, ref1)),
         "kl_loss": kl_report["kl_loss"],
         "finite": bool(torch.isfinite(logp_thd).all()) and bool((logp_thd <= 0).all()),
+        "logp_scale": max(1.0, float(logp_thd.abs().max())),  # the magnitude fp32 log-prob rounding scales with
     }
 
 
@@ -57,8 +59,8 @@ def test_layouts_reference_model_and_kl(tmp_path):
 
     out = run_world(_worker, 1, str(make_tiny_hf_checkpoint(tmp_path / "tiny", "qwen2")))[0]
     assert out["finite"]
-    assert out["layout_diff"] < 1e-5, out
-    assert out["ref_vs_actor0"] < 1e-6, out
-    assert abs(out["norms"]["thd"] - out["norms"]["bshd"]) / out["norms"]["thd"] < 1e-5, out
+    assert out["layout_diff"] < FP32_MODEL * out["logp_scale"], out  # thd vs padded bshd: fp32 rounding only
+    assert out["ref_vs_actor0"] < FP32_MODEL * out["logp_scale"], out
+    assert within(out["norms"]["bshd"], out["norms"]["thd"], rtol=FP32_MODEL), out
     assert out["actor_moved"] > 1e-3 and out["ref_frozen"], out
     assert out["kl_loss"] > 0, out

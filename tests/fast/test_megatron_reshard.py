@@ -28,13 +28,7 @@ import torch
 
 from tests.fast.harness import run_world
 
-try:
-    from tests.fast.tolerance import FP32_MODEL, within
-except ImportError:  # the lead's shared helper; same constant: 256 u_fp32 for fp32 model steps across layouts
-    FP32_MODEL = 256 * 2.0 ** -24
-
-    def within(got, want, *, rtol, scale=0.0):
-        return abs(float(got) - float(want)) <= rtol * (abs(float(want)) + float(scale))
+from tests.fast.tolerance import FP32_MODEL, within
 
 FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "linear", "--lr-decay-iters", "10",
          "--micro-batch-size", "2"]

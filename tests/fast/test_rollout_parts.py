@@ -10,6 +10,7 @@ from rl_plugin.rollout.engine import SamplingParams, make_engine
 from rl_plugin.rollout.rewards import REWARDS, extract_final_answer, load_reward_fn, score_responses
 from rl_plugin.rollout.task import digit_match_reward, make_task_records, write_task_data
 from rl_plugin.rollout.tokenizer import CharTokenizer, load_tokenizer
+from tests.fast.tolerance import FP32_MODEL, tensor_within
 
 
 def test_char_tokenizer_round_trip(tmp_path):
@@ -82,10 +83,12 @@ def test_dataset_position_resumes_across_epochs(tmp_path):
     assert state == {"epoch": 0, "offset": 4}
 
 
-def test_server_engines_fail_loud():
-    for name in ("sglang", "vllm"):
-        with pytest.raises((RuntimeError, NotImplementedError), match=f"--rollout-engine {name}"):
-            make_engine(name, "unused")
+def test_sglang_fails_loud_without_the_package_or_a_gpu(tmp_path):
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    ck = make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64)
+    with pytest.raises(RuntimeError, match="--rollout-engine sglang: the Python package 'sglang' is not installed|--rollout-engine sglang needs a GPU"):
+        make_engine("sglang", str(ck))
 
 
 def test_hf_engine_log_probs_match_the_model(tmp_path):
@@ -111,7 +114,8 @@ def test_hf_engine_log_probs_match_the_model(tmp_path):
             logits = model(input_ids=ids).logits[0].float()
         p = len(g.prompt_ids)
         ref = torch.log_softmax(logits[p - 1 : -1] / 0.7, -1).gather(-1, ids[0, p:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor(g.log_probs), ref, rtol=1e-5, atol=1e-5)
+        # generate (KV cache, incremental) vs one full forward: fp32 rounding of |logp| + 1 terms
+        assert tensor_within(torch.tensor(g.log_probs), ref, rtol=FP32_MODEL, scale=1.0)
     # weight sync: new weights change generation's distribution, and bad names are rejected
     sd = {k: v + 0.01 for k, v in eng.weights().items()}
     eng.update_weights(sd)

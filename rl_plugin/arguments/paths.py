@@ -1,0 +1,134 @@
+"""Checks of the files and directories the flags name: phase 1b, no world needed.
+
+``validate_paths(args)`` runs in ``python -m rl_plugin.arguments`` and in the first second of
+``rl-plugin-train`` (before Ray starts), after ``validate_rl_args``. It is separate from
+``validate_rl_args`` because a flag set is often checked on a machine that does not hold the files
+(a laptop preparing a cluster job; Megatron-LM's ``extra_args_provider``).
+
+Rules: ``--prompt-data`` / ``--eval-prompt-data`` are files; ``--hf-checkpoint`` holds a
+``config.json``; ``--custom-rm-path`` names a file that compiles (a syntax error is reported at
+its file:line) or an importable module; ``--load`` exists (an existing EMPTY directory means
+"start fresh", a missing one is a typo) and is a ``--save`` directory, not one step inside it;
+``--save`` holds no checkpoints of another run unless this run resumes them (``--load`` the same
+directory) or ``--overwrite-save`` is given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Optional
+
+from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.arguments.checkpointing import same_dir
+
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically
+STEP_DIR = re.compile(r"iter_(\d{7})$")
+
+
+def latest_checkpoint_step(root) -> Optional[int]:
+    """The last complete checkpoint's step under a ``--save`` directory, or None."""
+    path = Path(root) / CHECKPOINT_TRACKER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise RLArgumentError(f"--load {root}: {CHECKPOINT_TRACKER} holds {text!r}, not a step number. Fix: write the step of the last complete iter_* directory into it.") from None
+
+
+def _file(flag: str, value: Optional[str]) -> None:
+    if value is not None and not Path(value).is_file():
+        what = "is a directory" if Path(value).is_dir() else "does not exist"
+        fail(f"{flag} {value}", f"the file {what}", "pass the path of a JSONL file (one JSON object per line)")
+
+
+# the weight formats ``from_pretrained`` reads: model.safetensors, sharded model-0000x-of-0000y.safetensors, pytorch_model*.bin
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def _hf_checkpoint(value: Optional[str]) -> None:
+    if value is None:
+        return
+    if not Path(value).is_dir():
+        fail(f"--hf-checkpoint {value}", "the directory does not exist", "pass a Hugging Face model directory (config.json + weights)")
+    if not (Path(value) / "config.json").is_file():
+        fail(f"--hf-checkpoint {value}", "the directory holds no config.json", "point it at a Hugging Face model directory")
+    if not any(next(Path(value).glob(p), None) is not None for p in WEIGHT_PATTERNS):
+        # only the config and tokenizer (an interrupted download, --include '*.json'): it would fail
+        # minutes later inside an actor with a transformers/mbridge traceback
+        present = sorted(p.name for p in Path(value).iterdir())[:8]
+        fail(f"--hf-checkpoint {value}", f"no weight files there ({' or '.join(WEIGHT_PATTERNS)}); it holds {present}",
+             "download the complete model (e.g. `huggingface-cli download REPO --local-dir DIR` fetches the weights too) "
+             "or point the flag at the directory that has them")
+
+
+def _custom_rm(spec: Optional[str]) -> None:
+    """The file exists and compiles, or the module can be found; the function itself is loaded
+    (and its import errors reported) by the trainer before Ray starts."""
+    if spec is None:
+        return
+    target = spec.rsplit(":", 1)[0] if ":" in spec else spec.rsplit(".", 1)[0]
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            fail(f"--custom-rm-path {spec}", f"the file {path} does not exist", "pass path/to/file.py:function or package.module:function")
+        try:
+            compile(path.read_text(), str(path), "exec")
+        except SyntaxError as exc:
+            code = (exc.text or "").strip()
+            fail(f"--custom-rm-path {spec}", f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}" + (f" in `{code}`" if code else ""),
+                 f"correct the reward module at {exc.filename}:{exc.lineno}")
+    elif ":" not in spec and "." not in spec:
+        fail(f"--custom-rm-path {spec}", "expected package.module:function or path/to/file.py:function", "name the module and the function")
+    else:
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            fail(f"--custom-rm-path {spec}", f"no module {target!r} on the Python path", f"install it, add its directory to PYTHONPATH, or pass path/to/{target.rsplit('.', 1)[-1]}.py:function")
+
+
+def _load(args) -> None:
+    load = args.load
+    if load is None:
+        return
+    path = Path(load)
+    if not path.exists():
+        fail(f"--load {load}", "the directory does not exist (only an existing, empty directory means 'no checkpoint yet, start fresh')",
+             f"check the path for a typo; to start a new run that will save there, create it first (mkdir -p {load})")
+    if not path.is_dir():
+        fail(f"--load {load}", "is a file, not a checkpoint directory", "pass the --save directory of the run to resume")
+    if STEP_DIR.match(path.name) and latest_checkpoint_step(path) is None:
+        fail(f"--load {load}", "this is one checkpoint step inside a --save directory; --load takes the --save directory "
+             f"itself (its {CHECKPOINT_TRACKER} names the step to resume)", f"pass --load {path.parent}")
+    latest_checkpoint_step(path)  # a corrupt tracker is named here
+
+
+def _save(args) -> None:
+    save = args.save
+    if save is None or args.overwrite_save or same_dir(save, args.load):
+        return
+    step = latest_checkpoint_step(save)
+    if step is None:
+        return
+    resumed = f"resumes from --load {args.load}" if args.load else "does not resume from them (no --load)"
+    fail(
+        f"--save {save}",
+        f"the directory already holds a run's checkpoints up to step {step} ({Path(save) / CHECKPOINT_TRACKER}) and this run "
+        f"{resumed}; it would overwrite their iter_* directories and move the resume point back to its own steps",
+        f"resume that run with --load {save}, or pass --overwrite-save to start over (its checkpoints are moved aside "
+        f"into {Path(save) / 'overwritten_<N>'}/, not deleted), or choose another --save directory",
+    )
+
+
+def validate_paths(args) -> None:
+    _file("--prompt-data", args.prompt_data)
+    _file("--eval-prompt-data", args.eval_prompt_data)
+    _hf_checkpoint(args.hf_checkpoint)
+    _custom_rm(args.custom_rm_path)
+    _load(args)
+    _save(args)

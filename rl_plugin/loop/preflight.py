@@ -1,0 +1,108 @@
+"""What ``rl-plugin-train`` checks in its first second, before Ray or a model starts.
+
+Everything that needs no world, so a bad command line or a bad file costs a second, not the
+~15 s of cluster and model start-up (and never half a run):
+
+1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
+2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
+   exists, ``--save`` holds no other run's checkpoints);
+3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
+   ``--num-rollout`` (``loop_state.json`` of the step dir);
+4. the reward function imports (errors at the user's file:line);
+5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` tokenizes and fits the model's
+   context with ``--rollout-max-response-len`` (``rl_plugin.rollout.prompt_check``).
+
+The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
+aside) are the driver's, taken right after these checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rl_plugin.arguments import validate_world
+from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.arguments.cluster import planned_dp_size
+from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.loop.checkpoint import latest_step, read_loop_state, step_dir, written_by
+
+
+@dataclass
+class ResumePoint:
+    step: int
+    next_rollout: Optional[int]  # None when the checkpoint predates loop_state.json
+
+
+def check_resume_point(args) -> Optional[ResumePoint]:
+    if not args.load:
+        return None
+    step = latest_step(args.load)
+    if step is None:
+        return None
+    d = step_dir(args.load, step)
+    backend = written_by(args.load, step)
+    if backend is not None and backend != args.train_backend:
+        fail(
+            f"--load {args.load} with --train-backend {args.train_backend}",
+            f"its checkpoint at step {step} ({d}) was written by the {backend} backend, whose checkpoint format the "
+            f"{args.train_backend} backend cannot read",
+            f"resume with --train-backend {backend}; to move the model to the {args.train_backend} backend, export it from a "
+            f"{backend} run with --save-hf DIR and start a new run from it with --hf-checkpoint DIR",
+        )
+    state = read_loop_state(args.load, step) or {}
+    point = ResumePoint(step, state.get("next_rollout"))
+    check_progress(args, point.next_rollout, step)
+    return point
+
+
+def check_progress(args, next_rollout: Optional[int], step: int) -> None:
+    """A checkpoint past ``--num-rollout`` would train nothing: refuse, naming both numbers."""
+    if next_rollout is not None and next_rollout > args.num_rollout:
+        fail(
+            f"--load {args.load} with --num-rollout {args.num_rollout}",
+            f"its checkpoint (step {step}) has already done {next_rollout} rollouts, more than --num-rollout, so this run would "
+            "train nothing. --num-rollout counts all rollouts of the run, those before the checkpoint included",
+            f"pass --num-rollout {next_rollout + args.num_rollout} to train {args.num_rollout} more rollouts",
+        )
+
+
+def is_finished(args, next_rollout: Optional[int]) -> bool:
+    return next_rollout is not None and next_rollout == args.num_rollout
+
+
+def finished_message(args, step: int) -> str:
+    return (f"--load {args.load}: the run is complete: its checkpoint (step {step}) has done all {args.num_rollout} rollouts of "
+            f"--num-rollout {args.num_rollout}, so there is nothing to train. To train further, raise --num-rollout "
+            f"(it counts all rollouts of the run, e.g. --num-rollout {2 * args.num_rollout})")
+
+
+def check_reward_and_data(args) -> None:
+    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length
+    from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn
+    from rl_plugin.rollout.tokenizer import load_tokenizer
+
+    try:
+        load_reward_fn(args.rm_type, args.custom_rm_path)
+    except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
+        raise RLArgumentError(str(exc)) from None
+    except ValueError as exc:
+        fail(f"--custom-rm-path {args.custom_rm_path}", str(exc), "pass package.module:function or path/to/file.py:function")
+    try:
+        tokenizer = load_tokenizer(args.hf_checkpoint, apply_chat_template=args.apply_chat_template)
+    except ValueError as exc:
+        fail(f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+    context = model_context_length(args.hf_checkpoint)
+    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        if path is not None:
+            check_prompt_file(flag, path, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                              max_response_len=args.rollout_max_response_len, context_len=context, hf_checkpoint=args.hf_checkpoint)
+
+
+def preflight(args) -> Optional[ResumePoint]:
+    """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
+    validate_world(args, dp_size=planned_dp_size(args))
+    validate_paths(args)
+    point = check_resume_point(args)
+    check_reward_and_data(args)
+    return point

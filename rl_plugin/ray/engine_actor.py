@@ -1,0 +1,60 @@
+"""Rollout engines in their own Ray actor processes (``--rollout-num-gpus`` / ``--rollout-num-gpus-per-engine``).
+
+One ``EngineActor`` per engine: ``--rollout-num-gpus / --rollout-num-gpus-per-engine`` of them,
+each on its own placement bundle (``--rollout-num-gpus-per-engine`` GPUs; on a CPU machine one
+CPU, so an "engine GPU" is an engine process). vLLM always runs in one: its CPU worker makes
+``torch.set_num_threads`` a no-op process-wide and reseeds the global RNG, which must not leak
+into the rollout manager. The manager (``rl_plugin.rollout.manager``) spreads a rollout's samples
+over the engines and gathers them in group order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Sequence
+
+import ray
+
+from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.weight_sync import ObjectStoreTransport
+
+
+class EngineActor:
+    def __init__(self, name: str, checkpoint_dir: str, *, tensor_parallel_size: int, seed: int):
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = make_engine(name, checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        self.transport = ObjectStoreTransport()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int) -> List[Generation]:
+        return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample)
+
+    def update_weights(self, handles: Sequence[object]) -> Dict[str, float]:
+        """Load every bucket in order, in place; returns bytes loaded and seconds spent."""
+        t0, nbytes = time.perf_counter(), 0
+        for bucket in self.transport.receive(handles):
+            self.engine.update_weights(bucket)
+            nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
+        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+
+    def weights_fingerprint(self) -> Dict[str, str]:
+        from rl_plugin.rollout.manager import weights_fingerprint
+
+        return weights_fingerprint(self.engine.weights())
+
+
+def create_engines(args, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
+    """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
+    remote = ray.remote(EngineActor)
+    actors = [
+        remote.options(**placement.engine_options(i), max_restarts=0).remote(
+            args.rollout_engine, checkpoint_dir, tensor_parallel_size=args.rollout_num_gpus_per_engine, seed=args.seed)
+        for i in range(placement.num_engines)
+    ]
+    ray.get([a.pid.remote() for a in actors])
+    return actors

