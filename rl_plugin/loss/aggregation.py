@@ -24,8 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.counts import StepCounts, counts_of
 from rl_plugin.parallel import ParallelState
 
 AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
@@ -38,19 +37,25 @@ def token_weights(
     response_lengths: torch.Tensor,
     group_ids: torch.Tensor,
     divisor: Optional[float] = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (float64)."""
-    m = loss_mask.detach().to(torch.float64)
-    sid = torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
+    """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (``dtype``, float64 by default).
+
+    Linear in tokens, no loop over samples: a per-sample factor is expanded to its tokens with
+    one ``repeat_interleave`` over the response lengths."""
+    m = loss_mask.detach().to(dtype)
     n = float(counts.num_samples)
+
+    def per_token(per_sample: torch.Tensor) -> torch.Tensor:  # [S] float64 -> [sum R_i] dtype
+        return torch.repeat_interleave(per_sample.to(dtype), response_lengths.long(), output_size=m.shape[0])
+
     if mode == "sample_mean":
-        per_sample = 1.0 / (n * counts.sample_tokens.clamp_min(1.0))
-        return m * per_sample[sid]
+        return m * per_token(1.0 / (n * counts.sample_tokens.clamp_min(1.0)))
     if mode == "token_mean":
         return m / max(counts.total_tokens, 1.0)
     if mode == "prompt_mean":
         per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
-        return m * per_group[group_ids.long()][sid]
+        return m * per_token(per_group[group_ids.long()])
     if mode == "constant":
         if divisor is None or not math.isfinite(divisor) or divisor <= 0:
             raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
@@ -80,17 +85,10 @@ def aggregate(
             f"x has {x.shape[0]} and loss_mask {loss_mask.shape[0]} tokens; response_lengths sum to "
             f"{int(response_lengths.sum())}"
         )
-    batch = StepBatch(
-        tokens=torch.zeros(int(response_lengths.sum()) + s, dtype=torch.long),
-        total_lengths=response_lengths + 1,
-        response_lengths=response_lengths,
-        loss_mask=loss_mask,
-        advantages=torch.zeros_like(loss_mask, dtype=torch.float32),
-        group_ids=group_ids,
-    )
-    counts = compute_step_counts(batch, ParallelState.single())
-    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor)
-    return (x * w.to(x.dtype)).sum()
+    counts = counts_of(loss_mask, response_lengths, group_ids, ParallelState.single())
+    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor,
+                      dtype=torch.promote_types(x.dtype, torch.float32))
+    return (x * w).sum()
 
 
 # --- custom reducer hook (miles-compatible) -------------------------------------------------
