@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from rl_plugin.loss.counts import StepCounts, counts_of
+from rl_plugin.loss.segments import repeat_per_token
 from rl_plugin.parallel import ParallelState
 
 AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
@@ -41,13 +42,13 @@ def token_weights(
 ) -> torch.Tensor:
     """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (``dtype``, float64 by default).
 
-    Linear in tokens, no loop over samples: a per-sample factor is expanded to its tokens with
-    one ``repeat_interleave`` over the response lengths."""
+    Linear in tokens, no loop over samples: a per-sample factor is repeated over its tokens in
+    one pass (``segments.repeat_per_token``) and multiplied by the mask."""
     m = loss_mask.detach().to(dtype)
     n = float(counts.num_samples)
 
     def per_token(per_sample: torch.Tensor) -> torch.Tensor:  # [S] float64 -> [sum R_i] dtype
-        return torch.repeat_interleave(per_sample.to(dtype), response_lengths.long(), output_size=m.shape[0])
+        return repeat_per_token(per_sample.to(dtype), response_lengths, m.shape[0])
 
     if mode == "sample_mean":
         return m * per_token(1.0 / (n * counts.sample_tokens.clamp_min(1.0)))
@@ -88,7 +89,9 @@ def aggregate(
     counts = counts_of(loss_mask, response_lengths, group_ids, ParallelState.single())
     w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor,
                       dtype=torch.promote_types(x.dtype, torch.float32))
-    return (x * w).sum()
+    if x.dim() == 1 and x.dtype == w.dtype:
+        return torch.dot(x, w.to(x.device))
+    return (x * w.to(x.device)).sum()
 
 
 # --- custom reducer hook (miles-compatible) -------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.errors import BadBatchError
+from rl_plugin.loss.segments import segment_sum
 from rl_plugin.parallel import ParallelState, all_reduce
 
 
@@ -42,10 +43,8 @@ def sample_token_counts(loss_mask: torch.Tensor, response_lengths: torch.Tensor)
     linear in tokens (an empty response gives 0), in the mask's float dtype (fp32 for a bool or
     integer mask: 0/1 sums are exact below 2^24 tokens per sample)."""
     m = loss_mask.detach()
-    m = m if m.is_floating_point() else m.float()
-    if response_lengths.numel() == 0:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.segment_reduce(m, "sum", lengths=response_lengths.long(), unsafe=True).to(torch.float64)
+    m = m if m.dtype in (torch.float32, torch.float64) else m.float()
+    return segment_sum(m, response_lengths).to(torch.float64)
 
 
 def compute_step_counts(batch: StepBatch, ps: ParallelState, num_groups: Optional[int] = None) -> StepCounts:

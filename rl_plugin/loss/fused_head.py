@@ -34,9 +34,9 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-# A chunk's logits block holds at most this many elements (16 MiB in fp32): two such fp32 blocks
+# A chunk's logits block holds at most this many elements (8 MiB in fp32): two such fp32 blocks
 # (and one in the matmul dtype) are the whole workspace of the backward.
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
 
 
 def default_chunk_rows(v_local: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:

@@ -206,7 +206,7 @@ def test_no_tensor_of_size_tokens_by_vocab():
 
 
 def test_default_chunk_bounds_the_block():
-    assert default_chunk_rows(32000) == 131 and default_chunk_rows(152064) == 27
+    assert default_chunk_rows(32000) == 65 and default_chunk_rows(152064) == 13
     assert default_chunk_rows(10 ** 9) == 1
 
 
@@ -220,3 +220,39 @@ def test_bad_inputs_raise():
         fused_log_probs_and_entropy(h, w, t[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         fused_log_probs_and_entropy(h, w, t, chunk_size=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_model_fused_head_equals_its_logits(tmp_path_factory, tied):
+    """FSDP backend's head, one process (fp32 HF model): log-probs, entropy and every parameter's
+    gradient with ``FusedLogProbHead`` equal those from the model's own logits, for the packed
+    (thd) and padded (bshd, rows picked by the head) layouts; a tied embedding stays tied.
+    fp32 bound: both sides run the same fp32 model and differ only in the head's summation
+    order, O(H u) relative on logits of size ~5: rel 1e-5, as the whole-step parity tests."""
+    from rl_plugin.backends.fsdp.model import FusedLogProbHead, install_fused_head, load_hf_model
+    from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
+    from rl_plugin.loss import MicroBatchInputs
+    from tests.fast.fsdp_common import make_step, rel_err, step_batch, tiny_checkpoint
+
+    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), tie_word_embeddings=tied)
+    batch = step_batch(make_step(4))
+    g = torch.Generator().manual_seed(1)
+    w_lp, w_ent = torch.randn(int(batch.response_lengths.sum()), generator=g), torch.randn(int(batch.response_lengths.sum()), generator=g)
+    for qkv in ("thd", "bshd"):
+        mb = MicroBatchInputs.build(batch, qkv_format=qkv, max_seq_len=32 if qkv == "bshd" else None)
+        out = []
+        for fused in (False, True):
+            model = load_hf_model(ckpt, attn_implementation="eager")
+            if fused:
+                install_fused_head(model, fp32=False)
+                assert isinstance(model.lm_head, FusedLogProbHead)
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+            lp, ent = micro_batch_log_probs(model, mb, "eager", torch.device("cpu"), temperature=TEMP,
+                                            chunk_size=5, with_entropy=True)
+            idx = mb.layout.resp_index
+            ((lp * w_lp[idx]).sum() + (ent * w_ent[idx]).sum()).backward()
+            out.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (lp0, ent0, g0), (lp1, ent1, g1) = out
+        assert rel_err(lp1, lp0) < 1e-5 and rel_err(ent1, ent0) < 1e-5, qkv
+        for name, grad in g0.items():
+            assert rel_err(g1[name], grad) < 1e-5, (qkv, name, rel_err(g1[name], grad))
