@@ -21,15 +21,18 @@ def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     lengths = lengths.long()
     if values.device.type != "cpu" or values.dtype not in _NUMPY_DTYPES:
         return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
-    out = torch.zeros(lengths.numel(), dtype=values.dtype)
-    nonempty = lengths > 0
-    if values.numel() and bool(nonempty.any()):
-        # consecutive non-empty runs tile the values exactly, so reduceat over their starts is
-        # their sums (empty samples have no start of their own: reduceat would misread them)
-        starts = (torch.cumsum(lengths, 0) - lengths)[nonempty]
-        sums = np.add.reduceat(values.detach().contiguous().numpy(), starts.numpy())
-        out[nonempty] = torch.from_numpy(sums)
-    return out
+    v, ln = values.detach().contiguous().numpy(), lengths.numpy()
+    if ln.size == 0 or v.size == 0:
+        return torch.zeros(ln.size, dtype=values.dtype)
+    starts = np.cumsum(ln) - ln
+    if ln.min() > 0:
+        return torch.from_numpy(np.add.reduceat(v, starts))
+    # consecutive non-empty runs tile the values exactly, so reduceat over their starts gives
+    # their sums (an empty sample has no start of its own: reduceat would misread it)
+    nonempty = ln > 0
+    out = np.zeros(ln.size, dtype=v.dtype)
+    out[nonempty] = np.add.reduceat(v, starts[nonempty])
+    return torch.from_numpy(out)
 
 
 def repeat_per_token(per_sample: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
