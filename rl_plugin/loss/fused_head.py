@@ -8,23 +8,24 @@ From the response rows' final hidden states ``h [T, H]`` and this TP rank's outp
     logp    = z_target - lse                 (the target logit lives on one TP shard)
     entropy = lse - sum_v p_v z_v            (p = softmax(z))
 
-exactly as ``log_probs_and_entropy`` computes them from materialised logits. Here the head is
-computed ``chunk_size`` tokens at a time: one ``[chunk, V_local]`` block of logits lives at a time,
-and the forward keeps only per-token scalars (lse, entropy). The backward recomputes each block
-(one extra matmul) and turns the per-token upstream gradients ``a = dJ/dlogp``, ``b = dJ/dentropy``
-into
+exactly as ``log_probs_and_entropy`` computes them from materialised logits. Here the forward
+computes the head ``chunk_size`` tokens at a time (one ``[chunk, V_local]`` block of logits lives
+at a time) and keeps only per-token scalars (lse, entropy). The backward recomputes the logits in
+blocks of the same size, ``[T, width]`` over a slice of the vocabulary (one extra matmul in all),
+and turns the per-token upstream gradients ``a = dJ/dlogp``, ``b = dJ/dentropy`` into
 
     dJ/dz_v = a (1[v = target] - p_v) - b p_v (log p_v + entropy)
-    dJ/dh   = (dJ/dz / tau) W            (summed over the TP shards: one all-reduce of [T, H])
-    dJ/dW  += (dJ/dz / tau)^T h          (fp32 accumulator, or straight into Megatron's main_grad)
+    dJ/dh  += (dJ/dz / tau) W            (fp32 [T, H] accumulator; all-reduced over TP once)
+    dJ/dW   = (dJ/dz / tau)^T h          (each vocab slice complete after one matmul: written in
+                                          the weight's dtype, or added to Megatron's main_grad)
 
 Only per-token scalars cross TP in the forward (one MAX of [chunk], one SUM of [3, chunk] per
 chunk). Precision follows the unfused path: with ``fp32_head`` (``--fp32-lm-head``) or fp32
 weights the matmul accumulates in fp32 and the logits are fp32; otherwise the matmul runs in the
 weight's dtype (bf16 logits, as the model's own head gives) and the softmax in fp32. fp64 inputs
-compute in fp64 (the exactness tests). The weight gradient is accumulated in fp32 (fp64 for fp64
-weights) and reaches the ORIGINAL weight: added to ``main_grad`` under Megatron DDP (the autograd
-grad is then zeros, so DDP's hook still fires), else returned in the weight's dtype.
+compute in fp64 (the exactness tests). The weight gradient (one matmul per vocab slice, fp32
+accumulation inside it) reaches the ORIGINAL weight: added to ``main_grad`` under Megatron DDP (the
+autograd grad is then zeros, so DDP's hook still fires), else returned in the weight's dtype.
 """
 
 from __future__ import annotations
