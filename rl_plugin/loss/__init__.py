@@ -10,6 +10,7 @@ from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
+from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import fp32_output_projection, log_probs_and_entropy
@@ -20,7 +21,7 @@ from rl_plugin.loss.step import MicroBatch, MicroBatchLoss, StepContext, prepare
 __all__ = [
     "AGGREGATION_MODES", "BadBatchError", "LossConfig", "MicroBatch", "MicroBatchInputs", "MicroBatchLoss", "StepBatch",
     "StepContext", "StepCounts", "aggregate", "compute_advantages", "compute_step_counts",
-    "fp32_output_projection", "get_policy_loss", "gspo_loss", "kl_estimate", "load_custom_reducer",
+    "fp32_output_projection", "fused_log_probs_and_entropy", "get_policy_loss", "gspo_loss", "kl_estimate", "load_custom_reducer",
     "log_probs_and_entropy", "ppo_clip_loss", "prepare_step", "register_policy_loss",
     "step_loss_value", "to_tokens", "token_weights", "TIS_LEVELS", "TIS_MODES", "load_custom_tis_function", "tis_weights",
 ]

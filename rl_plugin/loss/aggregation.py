@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.counts import StepCounts, compute_step_counts
+from rl_plugin.loss.counts import StepCounts, counts_of, sample_token_counts
+from rl_plugin.loss.segments import repeat_per_token
 from rl_plugin.parallel import ParallelState
 
 AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
@@ -38,19 +38,25 @@ def token_weights(
     response_lengths: torch.Tensor,
     group_ids: torch.Tensor,
     divisor: Optional[float] = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (float64)."""
-    m = loss_mask.detach().to(torch.float64)
-    sid = torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
+    """Per-token weights ``[sum R_i]`` of this rank's samples for ``mode`` (``dtype``, float64 by default).
+
+    Linear in tokens, no loop over samples: a per-sample factor is repeated over its tokens in
+    one pass (``segments.repeat_per_token``) and multiplied by the mask."""
+    m = loss_mask.detach().to(dtype)
     n = float(counts.num_samples)
+
+    def per_token(per_sample: torch.Tensor) -> torch.Tensor:  # [S] float64 -> [sum R_i] dtype
+        return repeat_per_token(per_sample.to(dtype), response_lengths, m.shape[0])
+
     if mode == "sample_mean":
-        per_sample = 1.0 / (n * counts.sample_tokens.clamp_min(1.0))
-        return m * per_sample[sid]
+        return per_token(1.0 / (n * counts.sample_tokens.clamp_min(1.0))).mul_(m)
     if mode == "token_mean":
         return m / max(counts.total_tokens, 1.0)
     if mode == "prompt_mean":
         per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
-        return m * per_group[group_ids.long()][sid]
+        return per_token(per_group[group_ids.long()]).mul_(m)
     if mode == "constant":
         if divisor is None or not math.isfinite(divisor) or divisor <= 0:
             raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
@@ -74,23 +80,26 @@ def aggregate(
     """
     response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
     s = response_lengths.numel()
-    group_ids = torch.arange(s) if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long)
+    if group_ids is not None:
+        group_ids = torch.as_tensor(group_ids, dtype=torch.long)
+    elif mode == "prompt_mean" or s == 0:
+        group_ids = torch.arange(s)  # every sample its own group
     if x.shape[0] != int(response_lengths.sum()) or loss_mask.shape[0] != x.shape[0]:
         raise ValueError(
             f"x has {x.shape[0]} and loss_mask {loss_mask.shape[0]} tokens; response_lengths sum to "
             f"{int(response_lengths.sum())}"
         )
-    batch = StepBatch(
-        tokens=torch.zeros(int(response_lengths.sum()) + s, dtype=torch.long),
-        total_lengths=response_lengths + 1,
-        response_lengths=response_lengths,
-        loss_mask=loss_mask,
-        advantages=torch.zeros_like(loss_mask, dtype=torch.float32),
-        group_ids=group_ids,
-    )
-    counts = compute_step_counts(batch, ParallelState.single())
-    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor)
-    return (x * w.to(x.dtype)).sum()
+    if mode == "prompt_mean" or s == 0:
+        counts = counts_of(loss_mask, response_lengths, group_ids, ParallelState.single())
+    else:  # the other modes read only N and M_i (and their sum): no group bookkeeping
+        m_i = sample_token_counts(loss_mask, response_lengths)
+        counts = StepCounts(num_samples=s, total_tokens=float(m_i.sum()), num_groups=0, group_samples=m_i[:0],
+                            group_tokens=m_i[:0], sample_tokens=m_i)
+    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor,
+                      dtype=torch.promote_types(x.dtype, torch.float32))
+    if x.dim() == 1 and x.dtype == w.dtype:
+        return torch.dot(x, w.to(x.device))
+    return (x * w.to(x.device)).sum()
 
 
 # --- custom reducer hook (miles-compatible) -------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.errors import BadBatchError
+from rl_plugin.loss.segments import segment_sum
 from rl_plugin.parallel import ParallelState, all_reduce
 
 
@@ -38,16 +39,24 @@ class StepCounts:
 
 
 def sample_token_counts(loss_mask: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
-    """M_i = sum of the mask over each sample's response, vectorised (``[S]``, float64)."""
-    sample_ids = torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
-    out = torch.zeros(response_lengths.numel(), dtype=torch.float64)
-    return out.index_add_(0, sample_ids, loss_mask.detach().to(torch.float64))
+    """M_i = sum of the mask over each sample's response (``[S]``, float64): one segmented sum,
+    linear in tokens (an empty response gives 0), in the mask's float dtype (fp32 for a bool or
+    integer mask: 0/1 sums are exact below 2^24 tokens per sample)."""
+    m = loss_mask.detach()
+    m = m if m.dtype in (torch.float32, torch.float64) else m.float()
+    return segment_sum(m, response_lengths).to(torch.float64)
 
 
 def compute_step_counts(batch: StepBatch, ps: ParallelState, num_groups: Optional[int] = None) -> StepCounts:
     """One all-reduce over DP (two if ``num_groups`` is unknown). Raises on an empty global step."""
-    m_i = sample_token_counts(batch.loss_mask, batch.response_lengths)
-    gid = batch.group_ids.long()
+    return counts_of(batch.loss_mask, batch.response_lengths, batch.group_ids, ps, num_groups)
+
+
+def counts_of(loss_mask: torch.Tensor, response_lengths: torch.Tensor, group_ids: torch.Tensor, ps: ParallelState,
+              num_groups: Optional[int] = None) -> StepCounts:
+    """``compute_step_counts`` from the three tensors it reads."""
+    m_i = sample_token_counts(loss_mask, response_lengths)
+    gid = group_ids.long()
     if num_groups is None:
         top = torch.tensor([int(gid.max()) + 1 if gid.numel() else 0], dtype=torch.long)
         num_groups = int(all_reduce(top, ps.dp_group, dist.ReduceOp.MAX).item())
@@ -55,7 +64,7 @@ def compute_step_counts(batch: StepBatch, ps: ParallelState, num_groups: Optiona
         i = int(torch.nonzero(gid >= num_groups).flatten()[0])
         raise BadBatchError(f"sample {i}: group_id {int(gid[i])} >= num_groups {num_groups} (ids are step-local)")
     packed = torch.zeros(2 + 2 * num_groups, dtype=torch.float64)
-    packed[0] = batch.num_samples
+    packed[0] = response_lengths.numel()
     packed[1] = m_i.sum()
     packed[2 : 2 + num_groups].index_add_(0, gid, torch.ones_like(m_i))
     packed[2 + num_groups :].index_add_(0, gid, m_i)

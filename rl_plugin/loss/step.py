@@ -4,8 +4,8 @@
                                                   # per-token weights, built ONCE per step
     for idx in micro_batch_sample_indices:
         mb = ctx.micro_batch(idx)                 # CP-local inputs, targets, sliced tensors
-        rows = logits.reshape(-1, V_local)[mb.layout.logit_index]
-        logp, ent = log_probs_and_entropy(rows, mb.targets, temperature=cfg.temperature, ...)
+        logp, ent = fused_log_probs_and_entropy(hidden_rows, weight_shard, mb.targets, ...)
+                                                  # or log_probs_and_entropy(logits rows, ...)
         out = ctx.loss(logp, ent, mb)             # this micro-batch's share of J
         (out.objective * backend_scale).backward()
     report = ctx.finish()                         # J, pg/kl/entropy terms, metrics (2 all-reduces)

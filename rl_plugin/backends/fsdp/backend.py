@@ -5,8 +5,8 @@ A step, on the shared loss core (no loss math here)::
     ctx = prepare_step(batch, cfg, ps)                 # global counts, per-token weights
     for idx in plan:                                   # --micro-batch-size or token budget
         mb   = ctx.micro_batch(idx)                    # packed thd (or padded bshd) inputs
-        rows = micro_batch_logits(model, mb)           # HF forward, block-diagonal causal mask
-        logp, ent = log_probs_and_entropy(rows, mb.targets, temperature=T)
+        logp, ent = micro_batch_log_probs(model, mb)   # HF forward, block-diagonal causal mask,
+                                                       # fused head (or logits + log-softmax)
         ctx.loss(logp, ent, mb).objective.backward()   # FSDP reduce-scatters a SUM over DP
     grad_norm = clip(--clip-grad); AdamW step; LR = Megatron schedule
     report = ctx.finish()                              # J and metrics, identical on every rank
@@ -21,6 +21,7 @@ backward) passes: the micro-batch count is MAX-reduced over DP and a rank with f
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from typing import Any, Dict, List, Optional
@@ -31,14 +32,17 @@ import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.fsdp import checkpoint as ckpt
-from rl_plugin.backends.fsdp.model import install_fp32_lm_head, load_hf_model, shard_model
+from rl_plugin.backends.fsdp.model import (fused_head_unsupported, install_fp32_lm_head, install_fused_head,
+                                           load_hf_model, shard_model)
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
-from rl_plugin.backends.fsdp.packing import micro_batch_logits
+from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, prepare_step
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce
+
+logger = logging.getLogger(__name__)
 
 
 def _device() -> torch.device:
@@ -92,13 +96,24 @@ class FSDPBackend(TrainBackend):
         dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
         model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
-        if self.args.fp32_lm_head:
+        if self._use_fused_head(model):
+            install_fused_head(model, fp32=bool(self.args.fp32_lm_head))
+        elif self.args.fp32_lm_head:
             install_fp32_lm_head(model)
         self.tied_names = _tied_names(model)
         if frozen:
             model.requires_grad_(False).eval()
         model.to(self.device)
         return shard_model(model, self.mesh, bf16=bool(self.args.bf16))
+
+    def _use_fused_head(self, model) -> bool:
+        """The fused head + log-probs unless ``--disable-fused-lm-head`` or the model needs its logits."""
+        if getattr(self.args, "disable_fused_lm_head", False):
+            return False
+        reason = fused_head_unsupported(model)
+        if reason is not None:
+            logger.warning("fused LM head not used: %s; log-probs come from the full logits", reason)
+        return reason is None
 
     def _reference(self):
         """The frozen reference policy (``--use-kl-loss``): the ``--hf-checkpoint`` weights."""
@@ -145,8 +160,8 @@ class FSDPBackend(TrainBackend):
                         continue
                     idx = plan[i]
                     fb = MicroBatchInputs.build(batch.select(idx), qkv_format=self.loss_config.qkv_format, max_seq_len=self.loss_config.max_seq_len)
-                    rows = micro_batch_logits(model, fb, self.attn_implementation, self.device)
-                    logp, _ = log_probs_and_entropy(rows, fb.targets.to(self.device), temperature=self.loss_config.temperature,
+                    logp, _ = micro_batch_log_probs(model, fb, self.attn_implementation, self.device,
+                                                    temperature=self.loss_config.temperature,
                                                     chunk_size=self.loss_config.logprob_chunk_size, with_entropy=False)
                     out[expand_runs(resp_off[idx], rl[idx])[fb.layout.resp_index]] = logp.float().cpu()
         finally:
@@ -167,9 +182,9 @@ class FSDPBackend(TrainBackend):
                 self._idle_pass(self.model, backward=True)
                 continue
             mb = ctx.micro_batch(plan[i])
-            rows = micro_batch_logits(self.model, mb, self.attn_implementation, self.device)
-            logp, ent = log_probs_and_entropy(rows, mb.targets.to(self.device), temperature=cfg.temperature,
-                                              chunk_size=cfg.logprob_chunk_size, with_entropy=cfg.needs_entropy)
+            logp, ent = micro_batch_log_probs(self.model, mb, self.attn_implementation, self.device,
+                                              temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
+                                              with_entropy=cfg.needs_entropy)
             out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
             out.objective.backward()  # factor 1: FSDP sums over DP (module docstring)
         norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))

@@ -13,12 +13,19 @@ all ranks and micro-batches is J, so backpropagating it unscaled applies exactly
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
 from rl_plugin.loss.logprobs import fp32_output_projection
+
+# Config fields with which an HF model post-processes its logits after ``lm_head`` (Gemma-2 soft-
+# capping, Cohere / Granite scaling): the fused head cannot stand in for those heads.
+LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
@@ -67,6 +74,93 @@ def install_fp32_lm_head(model: nn.Module) -> nn.Module:
     model.set_output_embeddings(FP32LMHead(head))
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         raise RuntimeError("--fp32-lm-head: replacing the head broke the tie with the input embedding")
+    return model
+
+
+@dataclass
+class FusedRequest:
+    """What the next forward of a ``FusedLogProbHead`` returns log-probs for."""
+
+    targets: torch.Tensor
+    temperature: float
+    chunk_size: int
+    with_entropy: bool
+    row_index: Optional[torch.Tensor] = None  # rows of the flattened hidden states (bshd); None: all
+
+
+class FusedLogProbHead(nn.Module):
+    """The model's ``lm_head`` that can return per-token ``(logp, entropy)`` instead of logits.
+
+    Outside ``with head.fused(request):`` it is the plain head (``--fp32-lm-head``: the fp32
+    projection). Inside, its forward runs ``fused_log_probs_and_entropy`` on the hidden rows it
+    receives and returns ``[1, n, 2]`` (log-prob, entropy) in place of the logits, so the HF
+    model's own forward, with FSDP2's unshard of the weight around it (the weight is the full,
+    local tensor there, not the sharded DTensor), does the work and ``[n, V]`` never exists. The
+    ORIGINAL weight Parameter is held (ties and state-dict names kept); the gradient reaches it
+    like any ``nn.Linear``'s.
+    """
+
+    def __init__(self, linear: nn.Linear, *, fp32: bool):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fp32 = fp32
+        self.request: Optional[FusedRequest] = None
+
+    @contextlib.contextmanager
+    def fused(self, request: FusedRequest):
+        self.request = request
+        try:
+            yield
+        finally:
+            self.request = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        req = self.request
+        if req is None:
+            if self.fp32:
+                return fp32_output_projection(hidden, self.weight, self.bias)
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.weight, DTensor):
+            raise RuntimeError("FusedLogProbHead: the weight is a sharded DTensor; call the head inside the FSDP "
+                               "model's forward (model(**inputs)), where FSDP2 has unsharded it")
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if req.row_index is not None:
+            rows = rows[req.row_index]
+        logp, ent = fused_log_probs_and_entropy(
+            rows, self.weight, req.targets, temperature=req.temperature, fp32_head=self.fp32,
+            chunk_size=min(req.chunk_size, default_chunk_rows(self.weight.shape[0])), with_entropy=req.with_entropy,
+        )
+        return torch.stack([logp, ent], -1).unsqueeze(0)
+
+
+def fused_head_unsupported(model: nn.Module) -> Optional[str]:
+    """Why ``FusedLogProbHead`` cannot stand in for this HF model's head, or None."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return f"the output embedding is {type(head).__name__}, not nn.Linear"
+    if head.bias is not None:
+        return "the output layer has a bias"
+    for field in LOGIT_POSTPROCESS_FIELDS:
+        value = getattr(model.config, field, None)
+        if value not in (None, 1, 1.0):
+            return f"the model post-processes its logits (config.{field}={value})"
+    return None
+
+
+def install_fused_head(model: nn.Module, *, fp32: bool) -> nn.Module:
+    """Replace ``model.lm_head`` (before sharding) by ``FusedLogProbHead`` around the same Parameter."""
+    reason = fused_head_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"fused LM head: {reason}; use --disable-fused-lm-head")
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    model.set_output_embeddings(FusedLogProbHead(head, fp32=fp32))
+    if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError("fused LM head: replacing the head broke the tie with the input embedding")
     return model
 
 

@@ -18,11 +18,17 @@ sees it.
 response tokens, in ``layout.logit_index`` order: exactly the ``rows`` the loss core expects. For
 thd only those rows are projected (``logits_to_keep`` = the index), so no ``[T, V]`` logits of
 prompt tokens are built.
+
+``micro_batch_log_probs`` returns ``(logp, entropy)`` of those rows: with a ``FusedLogProbHead``
+installed the model's forward returns them directly (the head gets the response rows' hidden
+states and never builds their logits); otherwise from ``micro_batch_logits``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from rl_plugin.loss import log_probs_and_entropy
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
@@ -66,3 +72,23 @@ def micro_batch_logits(model, mb, attn_implementation: str, device: torch.device
         return logits.view(-1, logits.shape[-1])  # already only the kept rows, in index order
     return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(logits.device)]
 
+
+
+def micro_batch_log_probs(model, mb, attn_implementation: str, device: torch.device, *, temperature: float,
+                          chunk_size: int, with_entropy: bool):
+    """``(logp, entropy)`` ``[n_local]`` aligned with ``mb.targets`` (see module docstring)."""
+    from rl_plugin.backends.fsdp.model import FusedLogProbHead, FusedRequest
+
+    targets = mb.targets.to(device)
+    head = model.get_output_embeddings()
+    if not isinstance(head, FusedLogProbHead):
+        rows = micro_batch_logits(model, mb, attn_implementation, device)
+        return log_probs_and_entropy(rows, targets, temperature=temperature, chunk_size=chunk_size,
+                                     with_entropy=with_entropy)
+    row_index = None if mb.layout.qkv_format == "thd" else mb.layout.logit_index.to(device)
+    request = FusedRequest(targets=targets, temperature=temperature, chunk_size=chunk_size,
+                           with_entropy=with_entropy, row_index=row_index)
+    with head.fused(request):
+        out = model(**model_inputs(mb, attn_implementation, device)).logits  # [1, n, 2]
+    logp, ent = out.view(-1, 2).unbind(1)
+    return logp, ent

@@ -13,6 +13,7 @@ See ``setup.py`` (start-up), ``step.py`` (the step and why it applies exactly dJ
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,10 +23,25 @@ from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.megatron import checkpoint, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
+from rl_plugin.backends.megatron.forward import fused_head_unsupported
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.loss import LossConfig, StepBatch
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
+
+
+logger = logging.getLogger(__name__)
+
+
+def use_fused_head(args, model) -> bool:
+    """The fused head + log-probs (``forward.response_log_probs``) unless ``--disable-fused-lm-head``
+    or the model's output layer needs the unfused path (then say why, once)."""
+    if getattr(args, "disable_fused_lm_head", False):
+        return False
+    reason = fused_head_unsupported(model)
+    if reason is not None:
+        logger.warning("fused LM head not used: %s; log-probs come from the full logits", reason)
+    return reason is None
 
 
 class MegatronBackend(TrainBackend):
@@ -36,6 +52,7 @@ class MegatronBackend(TrainBackend):
         self.hf_dir = hf_dir
         self.loss_config = LossConfig.from_args(args)
         self.fp32_lm_head = bool(getattr(args, "fp32_lm_head", False))
+        self.fused_lm_head = use_fused_head(args, model)
         self._ref_model = None
         config = bridge.config
         # What Megatron-LM's training loop sets: the schedule calls these.
@@ -77,14 +94,14 @@ class MegatronBackend(TrainBackend):
             model, batch, self.parallel_state, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len,
             temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
             micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
-            fp32_lm_head=self.fp32_lm_head,
+            fp32_lm_head=self.fp32_lm_head, fused_lm_head=self.fused_lm_head,
         )
 
     def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
         return step.train_step(
             self.model, self.optimizer, self.scheduler, batch, self.loss_config, self.parallel_state,
             num_groups=num_groups, micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
-            fp32_lm_head=self.fp32_lm_head,
+            fp32_lm_head=self.fp32_lm_head, fused_lm_head=self.fused_lm_head,
         )
 
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:

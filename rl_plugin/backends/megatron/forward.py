@@ -16,15 +16,23 @@ Input layouts (from ``rl_plugin.cp``, already CP-local):
 the final norm), and the output projection is ``fp32_output_projection`` on the response rows
 only: fp32 accumulation and fp32 logits; its weight gradient reaches the original (bf16)
 ``output_layer.weight`` (its fp32 ``main_grad`` under DDP).
+
+``response_log_probs`` is what the step and the forward-only passes call: by default (the model
+allows it: no output bias, no multi-token prediction, and ``--disable-fused-lm-head`` unset) it
+takes the same final hidden rows and the output weight shard and runs the loss core's
+``fused_log_probs_and_entropy``, so the ``[n, V/tp]`` logits are never built; otherwise it
+projects (``response_logits``) and calls ``log_probs_and_entropy``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional, Tuple
 
 import torch
 
-from rl_plugin.loss import fp32_output_projection
+from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
+from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
 from rl_plugin.loss.step import MicroBatch
 
 
@@ -63,24 +71,69 @@ def hidden_states_only(gpt):
         gpt.post_process = saved
 
 
-def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
-    input_ids, position_ids, psp = model_inputs(mb, qkv_format)
-    device = next(model.parameters()).device
-    input_ids, position_ids = input_ids.to(device), position_ids.to(device)
-    index = mb.layout.logit_index.to(device)
-    if not fp32_lm_head:
-        logits = model(input_ids, position_ids, None, packed_seq_params=psp)  # [b, s, V/tp]
-        return logits.reshape(-1, logits.shape[-1])[index]
+def output_weight(gpt) -> torch.Tensor:
+    """This TP rank's ``[V/tp, H]`` output weight (the input embedding when tied)."""
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+
+
+def fused_head_unsupported(model) -> Optional[str]:
+    """Why the fused head cannot stand in for this model's output layer, or None."""
+    gpt = unwrap(model)
+    if getattr(gpt.output_layer, "bias", None) is not None:
+        return "the output layer has a bias"
+    if getattr(gpt.config, "mtp_num_layers", None):
+        return "multi-token prediction post-processes the hidden states"
+    return None
+
+
+def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
+    """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows, identical
+    on every TP rank. ``grad_summed_by_caller``: the next op (the fused head) all-reduces d(rows)
+    over TP itself; otherwise d(rows) is all-reduced here, as ColumnParallelLinear does."""
     from megatron.core import tensor_parallel
 
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format)
+    device = next(model.parameters()).device
     gpt = unwrap(model)
     with hidden_states_only(gpt):
-        hidden = model(input_ids, position_ids, None, packed_seq_params=psp)  # [s, b, h]
+        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [s, b, h]
     if gpt.config.sequence_parallel:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
-    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[index]
-    # The TP ranks hold the same hidden rows and different vocab shards: identity forward,
-    # all-reduce of d(rows) backward (what ColumnParallelLinear does for its input).
-    rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows)
-    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
-    return fp32_output_projection(rows, weight)
+        # The all-gather's backward reduce-scatters, i.e. it already SUMS the TP ranks' partial
+        # d(rows): no all-reduce on top (that would count every vocab shard tp times).
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[mb.layout.logit_index.to(device)]
+    if not gpt.config.sequence_parallel and not grad_summed_by_caller:
+        # The TP ranks hold the same rows and different vocab shards: identity forward,
+        # all-reduce of d(rows) backward (what ColumnParallelLinear does for its input).
+        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows)
+    return rows, gpt
+
+
+def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
+    """The unfused path: ``[n, V/tp]`` logits of the response rows."""
+    if not fp32_lm_head:
+        input_ids, position_ids, psp = model_inputs(mb, qkv_format)
+        device = next(model.parameters()).device
+        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [b, s, V/tp]
+        return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(device)]
+    rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
+    return fp32_output_projection(rows, output_weight(gpt))
+
+
+def response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
+                       temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring)."""
+    if fused:
+        rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
+        weight = output_weight(gpt)
+        return fused_log_probs_and_entropy(
+            rows, weight, mb.targets.to(rows.device), temperature=temperature, tp_group=ps.tp_group,
+            vocab_start=ps.tp_rank * weight.shape[0], fp32_head=fp32_lm_head, with_entropy=with_entropy,
+            chunk_size=min(chunk_size, default_chunk_rows(weight.shape[0])),
+            reduce_hidden_grad=not gpt.config.sequence_parallel,
+        )
+    rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
+    return log_probs_and_entropy(
+        rows, mb.targets.to(rows.device), temperature=temperature, tp_group=ps.tp_group,
+        vocab_start=ps.tp_rank * rows.shape[-1], chunk_size=chunk_size, with_entropy=with_entropy,
+    )

@@ -4,8 +4,9 @@ Train step (``train_step``):
 
     ctx = prepare_step(batch, cfg, ps)              # global counts, weights: once per step
     get_forward_backward_func()(forward_step, iter(plan), [model], num_microbatches=M)
-        forward_step: mb = ctx.micro_batch(idx); rows = response logits
-        loss_func:    out = ctx.loss(log_probs_and_entropy(rows, ...), mb)
+        forward_step: mb = ctx.micro_batch(idx); logp, ent = response_log_probs(...)
+                      (fused head + log-probs, or logits + log_probs_and_entropy)
+        loss_func:    out = ctx.loss(logp, ent, mb)
                       return out.objective * CANCEL, {}
     optimizer.step(); scheduler.step()
     report = ctx.finish()                           # J and metrics, identical on every rank
@@ -31,10 +32,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from rl_plugin.backends.megatron.forward import response_logits
+from rl_plugin.backends.megatron.forward import response_log_probs
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import all_rank_layouts, exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, log_probs_and_entropy, prepare_step
+from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, prepare_step
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.parallel import ParallelState
 
@@ -44,14 +45,10 @@ def cancel_factor(num_microbatches: int, ps: ParallelState) -> float:
     return float(num_microbatches * ps.dp_size)
 
 
-def _vocab_start(rows: torch.Tensor, ps: ParallelState) -> int:
-    return ps.tp_rank * rows.shape[-1]
-
-
 def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, ps: ParallelState, *,
                num_groups: int, micro_batches: Optional[List[torch.Tensor]] = None,
                micro_batch_size: int = 1, max_tokens_per_gpu: Optional[int] = None,
-               fp32_lm_head: bool = False) -> Dict[str, float]:
+               fp32_lm_head: bool = False, fused_lm_head: bool = False) -> Dict[str, float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ctx = prepare_step(batch, cfg, ps, num_groups=num_groups)
@@ -69,21 +66,19 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
             # the cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
             dummy = torch.zeros((), requires_grad=True, device=next(model_chunk.parameters()).device)
             return dummy, lambda out: (out * 0.0, {})
-        rows = response_logits(model_chunk, mb, qkv_format=cfg.qkv_format, fp32_lm_head=fp32_lm_head)
+        logp, ent = response_log_probs(
+            model_chunk, mb, ps, qkv_format=cfg.qkv_format, fp32_lm_head=fp32_lm_head, fused=fused_lm_head,
+            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=cfg.needs_entropy,
+        )
 
-        def loss_func(rows_):
-            logp, ent = log_probs_and_entropy(
-                rows_, mb.targets.to(rows_.device), temperature=cfg.temperature, tp_group=ps.tp_group,
-                vocab_start=_vocab_start(rows_, ps), chunk_size=cfg.logprob_chunk_size,
-                with_entropy=cfg.needs_entropy,
-            )
+        def loss_func(logp_ent):
             # The loss core works on per-token CPU scalars (no-op on CPU; on GPU one [n] copy,
             # differentiable), with CPU-capable groups (setup.init_parallel).
-            ent_c = ent.cpu() if cfg.needs_entropy else None
-            out = ctx.loss(logp.cpu(), ent_c, mb)
-            return (out.objective * scale).to(rows_.device), {}
+            logp_, ent_ = logp_ent.unbind(1)
+            out = ctx.loss(logp_.cpu(), ent_.cpu() if cfg.needs_entropy else None, mb)
+            return (out.objective * scale).to(logp_ent.device), {}
 
-        return rows, loss_func
+        return torch.stack([logp, ent], 1), loss_func
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -107,7 +102,7 @@ def train_step(model, optimizer, scheduler, batch: StepBatch, cfg: LossConfig, p
 @torch.no_grad()
 def forward_log_probs(model, batch: StepBatch, ps: ParallelState, *, qkv_format: str, max_seq_len: Optional[int],
                       temperature: float, chunk_size: int, micro_batches: List[torch.Tensor],
-                      fp32_lm_head: bool = False) -> torch.Tensor:
+                      fp32_lm_head: bool = False, fused_lm_head: bool = False) -> torch.Tensor:
     """Per-response-token log-probs ``[sum R_i]`` (fp32, full responses, batch order)."""
 
     was_training = model.training
@@ -124,10 +119,9 @@ def forward_log_probs(model, batch: StepBatch, ps: ParallelState, *, qkv_format:
             mb = MicroBatchInputs.build(sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=qkv_format,
                                         max_seq_len=max_seq_len)
             layout = mb.layout
-            rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
-            logp, _ = log_probs_and_entropy(rows, mb.targets.to(rows.device), temperature=temperature,
-                                            tp_group=ps.tp_group, vocab_start=_vocab_start(rows, ps),
-                                            chunk_size=chunk_size, with_entropy=False)
+            logp, _ = response_log_probs(model, mb, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head,
+                                         fused=fused_lm_head, temperature=temperature, chunk_size=chunk_size,
+                                         with_entropy=False)
             layouts = [layout] if ps.cp_size == 1 else all_rank_layouts(
                 sub.total_lengths, sub.response_lengths, cp_size=ps.cp_size, qkv_format=qkv_format, max_seq_len=max_seq_len)
             full = gather_responses(logp.float().cpu(), layouts, ps.cp_rank, ps.cp_group)
