@@ -18,6 +18,7 @@ import math
 from rl_plugin.arguments._util import add_flag, fail
 from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES
 from rl_plugin.rollout.filters import BUILTIN_FILTER
+from rl_plugin.user_code import load_function
 
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 
@@ -57,12 +58,8 @@ def add_arguments(parser):
 
 
 def _importable(flag: str, path: str) -> None:
-    from rl_plugin.loss.offpolicy import load_custom_tis_function
-    from rl_plugin.rollout.filters import load_filter
-
-    loader = load_custom_tis_function if flag == "--custom-tis-function-path" else load_filter
     try:
-        loader(path)
+        load_function(path, flag)
     except ValueError as exc:
         fail(flag, f"cannot load the function ({exc})", "pass an importable 'package.module.function' on PYTHONPATH")
 

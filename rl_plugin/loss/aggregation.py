@@ -18,7 +18,6 @@ together leaves sum x * w unchanged: that is the whole layout-invariance argumen
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Callable, Optional
 
@@ -27,6 +26,7 @@ import torch
 from rl_plugin.loss.counts import StepCounts, counts_of, sample_token_counts
 from rl_plugin.loss.segments import repeat_per_token
 from rl_plugin.parallel import ParallelState
+from rl_plugin.user_code import load_function
 
 AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
 
@@ -109,17 +109,4 @@ CustomReducerFactory = Callable[..., Callable[[torch.Tensor], torch.Tensor]]
 
 def load_custom_reducer(path: str) -> CustomReducerFactory:
     """Import ``package.module.function`` (or ``package.module:function``)."""
-    module_name, sep, attr = path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: expected 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: cannot import {module_name!r}: {exc}") from exc
-    try:
-        fn = getattr(module, attr)
-    except AttributeError as exc:
-        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r}: {module_name!r} has no {attr!r}") from exc
-    if not callable(fn):
-        raise ValueError(f"--custom-pg-loss-reducer-function-path {path!r} is not callable")
-    return fn
+    return load_function(path, "--custom-pg-loss-reducer-function-path")

@@ -41,10 +41,11 @@ diagnostics as sample means):
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Dict, Tuple
 
 import torch
+
+from rl_plugin.user_code import load_function
 
 TIS_LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "mask")
@@ -165,14 +166,4 @@ def load_custom_tis_function(path: str) -> CustomTISFunction:
     ``tis_mode``; ``metrics``: name -> per-token tensor, reported as its sample mean under
     ``tis/<name>``.
     """
-    module_name, sep, attr = path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"--custom-tis-function-path {path!r}: expected 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--custom-tis-function-path {path!r}: cannot import {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ValueError(f"--custom-tis-function-path {path!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_function(path, "--custom-tis-function-path")

@@ -20,11 +20,12 @@ Over-long shaping (DAPO, sec. 3.4, "soft overlong punishment"), with L_max =
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, List
 
 import torch
+
+from rl_plugin.user_code import load_function
 
 BUILTIN_FILTER = "rl_plugin.rollout.filters.check_reward_nonzero_std"
 
@@ -51,17 +52,7 @@ def check_reward_nonzero_std(args, samples: List[FilterSample], **kwargs) -> boo
 
 
 def load_filter(path: str) -> Callable:
-    module_name, sep, attr = path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"--dynamic-sampling-filter-path {path!r}: expected 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--dynamic-sampling-filter-path {path!r}: cannot import {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ValueError(f"--dynamic-sampling-filter-path {path!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_function(path, "--dynamic-sampling-filter-path")
 
 
 def keep_decision(result) -> bool:
