@@ -35,6 +35,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from rl_plugin.loss.logprobs import shard_targets
+
 # A chunk's logits block holds at most this many elements (8 MiB in fp32): two such fp32 blocks
 # (and one in the matmul dtype) are the whole workspace of the backward.
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
@@ -64,9 +66,7 @@ class _FusedHeadLogProbs(torch.autograd.Function):
         logp = torch.empty(rows, dtype=acc, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
-        local_t = targets.long() - vocab_start
-        in_shard = (local_t >= 0) & (local_t < v_local)
-        local_t = local_t.clamp(0, max(v_local - 1, 0))
+        local_t, in_shard = shard_targets(targets, vocab_start, v_local)
         for s in range(0, rows, chunk):  # token chunks: one [chunk, V_local] block at a time
             e = min(s + chunk, rows)
             z = torch.mm(hidden[s:e].detach().to(mm_dtype), w_mm.t()).to(acc)

@@ -28,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 
+def shard_targets(targets: torch.Tensor, vocab_start: int, v_local: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(local_t, in_shard)``: each target's column in this rank's vocab shard
+    ``[vocab_start, vocab_start + v_local)``, clamped into it so gathers stay in bounds, and
+    whether the target is in the shard at all (only that rank contributes its logit)."""
+    local_t = targets.long() - vocab_start
+    in_shard = (local_t >= 0) & (local_t < v_local)
+    return local_t.clamp(0, max(v_local - 1, 0)), in_shard
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, tp_group, inv_temp, chunk_size, with_entropy):
@@ -36,9 +45,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logp = torch.empty(rows, dtype=compute, device=logits.device)
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
-        local_t = targets.long() - vocab_start
-        in_shard = (local_t >= 0) & (local_t < v_local)
-        local_t = local_t.clamp(0, max(v_local - 1, 0))
+        local_t, in_shard = shard_targets(targets, vocab_start, v_local)
         for s in range(0, rows, chunk_size):  # loop over token chunks, bounded memory
             e = min(s + chunk_size, rows)
             z = logits[s:e].to(compute) * inv_temp  # the only fp32 [chunk, V/tp] buffer

@@ -28,6 +28,7 @@ from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
+from tests.fast.local_ray import local_ray_cluster  # noqa: E402
 from tests.fast.tolerance import FP32_MODEL, FP64, within  # noqa: E402
 
 FLAGS = [
@@ -39,16 +40,8 @@ FLAGS = [
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    previous = os.environ.get("RL_PLUGIN_CACHE")
-    os.environ["RL_PLUGIN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024 * 1024)
-    yield
-    ray.shutdown()
-    if previous is None:
-        os.environ.pop("RL_PLUGIN_CACHE")
-    else:
-        os.environ["RL_PLUGIN_CACHE"] = previous
+    with local_ray_cluster(tmp_path_factory.mktemp("cache")):
+        yield
 
 
 def _run(backend, out, *extra):

@@ -10,7 +10,6 @@ engine and two, whichever backend trains.
 """
 
 import json
-import os
 from statistics import mean
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rl_plugin.train import main  # noqa: E402
+from tests.fast.local_ray import local_ray_cluster  # noqa: E402
 from tests.fast.test_rollout_engines import MEAN_BOUND  # noqa: E402
 
 FLAGS = ["--rollout-engine", "vllm", "--check-weight-sync", "--num-rollout", "6", "--update-weight-buffer-size", "65536",
@@ -27,23 +27,13 @@ RUNS = {"fsdp": [], "megatron": ["--rollout-num-gpus", "2"]}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    previous = os.environ.get("RL_PLUGIN_CACHE")
-    os.environ["RL_PLUGIN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024 * 1024)
-    try:
+    with local_ray_cluster(tmp_path_factory.mktemp("cache")):
         out = {}
         for backend, extra in RUNS.items():
             d = tmp_path_factory.mktemp(f"vllm_{backend}")
             assert main(["--train-backend", backend, "--output-dir", str(d), *FLAGS, *extra]) == 0
             out[backend] = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
         return out
-    finally:
-        ray.shutdown()
-        if previous is None:
-            os.environ.pop("RL_PLUGIN_CACHE")
-        else:
-            os.environ["RL_PLUGIN_CACHE"] = previous
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
