@@ -250,7 +250,8 @@ class Driver:
 
     def save(self, rollout_id: int) -> None:
         a = self.args
-        extra = {"rollout_id": rollout_id + 1, "rollout_state": self._rollout_call("state_dict"), "samples_seen": self.samples_seen}
+        # the dataset position after rollout_id's generate (training, sync and eval do not move it)
+        extra = {"rollout_id": rollout_id + 1, "rollout_state": self.rollout_state, "samples_seen": self.samples_seen}
         path = step_dir(a.save, self.step)
         self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
         write_loop_state(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
