@@ -16,6 +16,11 @@ Groups and what crosses them:
   step's loss contributions and metric sums are summed over it; TP ranks hold replicas.
 
 A group of size 1 may be ``None``; every collective helper here is a no-op then.
+
+Devices (the runner's device contract, ``rl_plugin.loss.runner``): ``tp_group`` and ``cp_group``
+carry tensors on the loss device (the logits' device: NCCL on GPU, gloo on CPU); ``dp_group`` and
+``dp_cp_group`` carry only CPU scalars (step counts, the micro-batch plan, metric vectors), so
+they must be gloo groups: ``cpu_group`` gives the gloo twin of a group of another backend.
 """
 
 from __future__ import annotations
@@ -93,6 +98,24 @@ class ParallelState:
             dp_group=build(lambda x: (x[0], x[1])),
             dp_cp_group=build(lambda x: x[0]),
         )
+
+
+def cpu_group(group: ProcessGroup) -> ProcessGroup:
+    """A gloo group with the ranks of ``group`` (the group itself when it is already gloo).
+
+    Collective over the WORLD when a twin is built: every rank all-gathers its group's rank list
+    and creates every distinct list in the same order (``new_group`` is collective)."""
+    if group is not None and dist.get_backend(group) == "gloo":
+        return group
+    mine = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, sorted(mine))
+    twin = None
+    for ranks in sorted({tuple(x) for x in lists}):
+        g = dist.new_group(list(ranks), backend="gloo")
+        if dist.get_rank() in ranks:
+            twin = g
+    return twin
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=None) -> torch.Tensor:

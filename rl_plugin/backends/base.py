@@ -4,7 +4,7 @@ The loop (``rl_plugin.train`` / ``rl_plugin.ray``) only talks to this interface,
 chosen by ``--train-backend`` and nothing above this layer knows megatron-core or FSDP.
 
 Data contract: a ``StepBatch`` (``rl_plugin.loss.batch``) holds THIS data-parallel rank's samples,
-full sequences (CP/TP ranks of the same DP rank receive the same batch; the backend slices for
+full sequences (CP/TP ranks of the same DP rank receive the same batch; the runner slices for
 CP). ``group_ids`` are step-local prompt-group ids shared across DP ranks, ``num_groups`` the
 step's group count.
 """
@@ -12,33 +12,73 @@ step's group count.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss.inputs import MicroBatchInputs
+from rl_plugin.loss.runner import Forward, Loss, StepRunner
 from rl_plugin.parallel import ParallelState
 
 
 class TrainBackend(abc.ABC):
+    """A backend: the runner's ``StepBackend`` (``forward``, ``schedule``, ``optimizer_step``,
+    ``loss_device``; see ``rl_plugin.loss.runner``), weights export and checkpoints. The step
+    itself is the core's: ``compute_log_probs`` and ``train_step`` delegate to ``self.runner``."""
+
     parallel_state: ParallelState
+    loss_device: torch.device
+    runner: StepRunner
 
     @classmethod
     @abc.abstractmethod
     def from_args(cls, args) -> "TrainBackend":
         """Build model, optimizer and groups; torch.distributed is already initialised."""
 
+    # -- what the runner calls (rl_plugin.loss.runner.StepBackend) ------------------------------
     @abc.abstractmethod
-    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor") -> torch.Tensor:
-        """Forward only: per-response-token log-probs ``[sum R_i]`` (fp32, full responses, at
-        ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
+    def forward(self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int,
+                with_entropy: bool) -> torch.Tensor:
+        """``[n_local, 2]`` (log-prob, entropy) of one micro-batch's local response tokens, on
+        ``loss_device``; a micro-batch with no sample gives ``[0, 2]``."""
 
     @abc.abstractmethod
-    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches: Optional[List[torch.Tensor]] = None) -> Dict[str, Any]:
+    def schedule(self, model, num_micro_batches: int, forward: Forward, loss: Loss, *, forward_only: bool) -> int:
+        """Run ``loss(i, forward(i))`` over this rank's micro-batches (backward unless
+        ``forward_only``, scaled to cancel the backend's averaging); returns the passes run."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> Tuple[float, float]:
+        """Apply the accumulated gradient: ``(grad_norm before clipping, lr this step used)``."""
+
+    @abc.abstractmethod
+    def model_for(self, role: str):
+        """The ``actor`` model or the frozen ``ref`` model (the ``--hf-checkpoint`` weights)."""
+
+    # -- what the loop calls --------------------------------------------------------------------
+    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor",
+                          micro_batches: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Forward only: per-response-token log-probs ``[sum R_i]`` (fp32, CPU, full responses, at
+        ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
+        if role not in ("actor", "ref"):
+            raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
+        return self.runner.log_probs(self.model_for(role), batch, micro_batches)
+
+    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches: Optional[List[torch.Tensor]] = None,
+                   old_from_forward: bool = False) -> Dict[str, Any]:
         """One optimizer step applying exactly dJ/dtheta; returns J and the metrics
-        (``loss``, ``pg_loss``, ..., ``grad_norm``, ``lr`` = the rate this step used), identical on
-        every rank. ``micro_batches`` (sample indices) is the loop's plan (``--docs-per-step``);
-        None lets the backend plan with ``rl_plugin.batching.plan_micro_batches``."""
+        (``loss``, ``pg_loss``, ..., ``grad_norm``, ``lr`` = the rate this step used,
+        ``num_micro_batches``), identical on every rank. ``micro_batches`` (sample indices) is the
+        loop's plan (``--docs-per-step``); None plans with the runner's one planner.
+        ``old_from_forward``: the old log-probs are this step's detached training log-probs
+        (``runner.old_log_probs_rule`` says when that is exact)."""
+        return self.runner.train_step(self.model_for("actor"), batch, num_groups=num_groups,
+                                      micro_batches=micro_batches, old_from_forward=old_from_forward)
+
+    def deterministic_forward(self) -> bool:
+        """Whether the training forward computes what the eval forward does (no dropout)."""
+        return True
 
     @abc.abstractmethod
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The shared loss core: pure functions of tensors, global counts and a ParallelState.
 
-Never imports a backend, Ray, or megatron's parallel_state. See ``step.py`` for the per-step
-protocol both backends follow.
+Never imports a backend, Ray, or megatron's parallel_state. See ``runner.py`` for the step runner
+both backends plug into (and the device contract) and ``step.py`` for the per-step loss protocol.
 """
 
 from rl_plugin.loss.advantages import compute_advantages, to_tokens
@@ -16,12 +16,12 @@ from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_function, tis_weights
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
-from rl_plugin.loss.step import MicroBatch, MicroBatchLoss, StepContext, prepare_step, step_loss_value
+from rl_plugin.loss.step import MicroBatch, MicroBatchLoss, StepContext, prepare_step
 
 __all__ = [
     "AGGREGATION_MODES", "BadBatchError", "LossConfig", "MicroBatch", "MicroBatchInputs", "MicroBatchLoss", "StepBatch",
     "StepContext", "StepCounts", "aggregate", "compute_advantages", "compute_step_counts",
     "fp32_output_projection", "fused_log_probs_and_entropy", "get_policy_loss", "gspo_loss", "kl_estimate", "load_custom_reducer",
     "log_probs_and_entropy", "ppo_clip_loss", "prepare_step", "register_policy_loss",
-    "step_loss_value", "to_tokens", "token_weights", "TIS_LEVELS", "TIS_MODES", "load_custom_tis_function", "tis_weights",
+    "to_tokens", "token_weights", "TIS_LEVELS", "TIS_MODES", "load_custom_tis_function", "tis_weights",
 ]

@@ -52,8 +52,9 @@ TIS_MODES = ("truncate", "mask")
 LOG_WEIGHT_BOUND = 20.0
 
 
-def _sample_ids(response_lengths: torch.Tensor) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
+def _sample_ids(response_lengths: torch.Tensor, device=None) -> torch.Tensor:
+    rl = response_lengths.long().to(device)
+    return torch.repeat_interleave(torch.arange(rl.numel(), device=rl.device), rl)
 
 
 def tis_weights_and_flags(
@@ -78,11 +79,11 @@ def tis_weights_and_flags(
         if level == "token":
             log_rho = d
         else:
-            rl = response_lengths.long()
-            sid = _sample_ids(rl)
-            seq = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, sid, d)
+            n = response_lengths.numel()
+            sid = _sample_ids(response_lengths, d.device)  # on the device of the log-probs
+            seq = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, d)
             if level == "geometric":
-                counts = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, sid, m)
+                counts = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, m)
                 seq = seq / counts.clamp_min(1.0)
             log_rho = seq[sid]
         rho = torch.exp(log_rho.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))

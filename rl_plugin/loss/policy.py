@@ -113,10 +113,10 @@ def gspo_loss(
     m = loss_mask.to(dtype)
     # Padding tokens (id outside [0, S)) go to a dump bin S that no sample reads.
     bins = torch.where((sample_ids >= 0) & (sample_ids < num_samples), sample_ids, num_samples)
-    partial = torch.zeros(num_samples + 1, dtype=dtype).index_add(0, bins, m * (log_probs - old_log_probs))
+    partial = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m * (log_probs - old_log_probs))
     seq_log_ratio = all_reduce_sum(partial[:num_samples], cp_group)
     if sample_token_counts is None:
-        counts = torch.zeros(num_samples + 1, dtype=dtype).index_add(0, bins, m.detach())[:num_samples]
+        counts = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m.detach())[:num_samples]
         counts = all_reduce_sum(counts, cp_group)
     else:
         counts = sample_token_counts.to(dtype)

@@ -1,7 +1,8 @@
-"""One optimizer step on the shared loss core: what both backends call.
+"""One optimizer step on the shared loss core (``runner.StepRunner`` drives it for both backends).
 
-    ctx = prepare_step(batch, cfg, ps)            # validate, global counts (one all-reduce),
-                                                  # per-token weights, built ONCE per step
+    ctx = prepare_step(batch, cfg, ps, device=d)  # validate, global counts (one all-reduce),
+                                                  # per-token weights, built ONCE per step and
+                                                  # moved to the loss device d ONCE
     for idx in micro_batch_sample_indices:
         mb = ctx.micro_batch(idx)                 # CP-local inputs, targets, sliced tensors
         logp, ent = fused_log_probs_and_entropy(hidden_rows, weight_shard, mb.targets, ...)
@@ -21,10 +22,18 @@ multiplied by the detached off-policy weight (``offpolicy.py``) before aggregati
 ``--deepspeed-grad-scale``, whose reported loss stays J); each backend multiplies it by the
 factor that cancels its own averaging (Megatron: num_microbatches x dp_cp_size; FSDP: dp_size) so the applied gradient is
 exactly dJ/dtheta.
+
+``old_from_forward=True`` (``runner.py``, "no redundant forward"): the step's old log-probs are
+the detached log-probs of this very forward (the rollout is trained in one optimizer step on the
+weights that would have produced them). The ratio is then computed against ``log_probs.detach()``
+exactly as with ``old_log_probs=None``; the TIS weights are built per micro-batch from the same
+detached values, and the mismatch metrics from the assembled step's old log-probs at ``finish``,
+so every number equals the separate-pass path's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -42,7 +51,7 @@ from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
 from rl_plugin.loss.policy import get_policy_loss
-from rl_plugin.parallel import ParallelState, all_reduce
+from rl_plugin.parallel import ParallelState
 
 SUM_METRICS_BASIC = ("pg_clipfrac", "ppo_kl", "ratio_mean", "old_log_prob", "advantage_mean", "ratio_sum", "ratio_sq_sum")
 LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
@@ -81,6 +90,8 @@ class MicroBatch:
     sample_token_counts: torch.Tensor
     tis_weights: Optional[torch.Tensor] = None
     step_token_index: Optional[torch.Tensor] = None  # step-level index of the micro-batch's FULL responses
+    local_index: Optional[torch.Tensor] = None  # step-level index of each local token (loss device)
+    sample_ids: Optional[torch.Tensor] = None  # sample of each local token (loss device)
 
     @property
     def num_local_tokens(self) -> int:
@@ -89,49 +100,82 @@ class MicroBatch:
 
 @dataclass
 class MicroBatchLoss:
-    """``objective``: this micro-batch's share of J (differentiable). ``pg_token_sum`` /
-    ``num_tokens``: sum of m * pg_loss over local tokens and the local masked-token count, for a
-    backend that prefers Megatron's own ``calculate_per_token_loss`` normalisation."""
+    """``objective``: this micro-batch's share of J (differentiable)."""
 
     objective: torch.Tensor
-    pg_token_sum: torch.Tensor
-    num_tokens: torch.Tensor
+
+
+def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device, non_blocking=True)
 
 
 class StepContext:
-    def __init__(self, batch: StepBatch, cfg: LossConfig, ps: ParallelState, counts: StepCounts):
+    """The step's per-token tensors on the loss device (``device``): moved there once, here.
+
+    ``loss_mask``, ``advantages``, ``old/ref/rollout_log_probs``, the two weight vectors, the TIS
+    weights and M_i live on ``device`` for the whole step; a micro-batch takes its slice with one
+    index tensor (``micro_batch``). The counts and weights are built on the CPU from the CPU
+    batch (their collective carries CPU scalars), then moved; the off-policy terms are built on
+    ``device`` so both ways of getting old log-probs compute them on the same hardware."""
+
+    def __init__(self, batch: StepBatch, cfg: LossConfig, ps: ParallelState, counts: StepCounts,
+                 device: Optional[torch.device] = None, old_from_forward: bool = False):
         self.batch, self.cfg, self.ps, self.counts = batch, cfg, ps, counts
+        self.device = device = torch.device("cpu") if device is None else torch.device(device)
         mode = "token_mean" if cfg.calculate_per_token_loss else cfg.loss_aggregation
-        self.pg_weights = token_weights(
+        pg_weights = token_weights(
             mode, counts, batch.loss_mask, batch.response_lengths, batch.group_ids, cfg.loss_aggregation_divisor
         )
-        self.sample_mean_weights = token_weights(
-            "sample_mean", counts, batch.loss_mask, batch.response_lengths, batch.group_ids
-        )
+        sm_weights = token_weights("sample_mean", counts, batch.loss_mask, batch.response_lengths, batch.group_ids)
+        self.pg_weights, self.sample_mean_weights = _to(pg_weights, device), _to(sm_weights, device)
+        self.loss_mask, self.advantages = _to(batch.loss_mask, device), _to(batch.advantages, device)
+        self.old_log_probs, self.ref_log_probs = _to(batch.old_log_probs, device), _to(batch.ref_log_probs, device)
+        self.rollout_log_probs = _to(batch.rollout_log_probs, device)
+        self.sample_tokens = _to(counts.sample_tokens, device)
         self._resp_offsets = exclusive_cumsum(batch.response_lengths.long())
-        self.metrics = MetricAccumulator()
+        self.metrics = MetricAccumulator(device)
         self.policy_loss = get_policy_loss(cfg.policy_loss)
         self.custom_tis_names: List[str] = []
-        self.tis_weights = self._off_policy_weights()
         self.grad_scale = 1.0 / counts.num_samples if cfg.deepspeed_grad_scale else 1.0
+        self.old_from_forward = old_from_forward
+        if old_from_forward:
+            self._check_old_from_forward()
+            # The detached training log-probs of every response token, for the mismatch metrics.
+            self.forward_old = (torch.zeros(batch.loss_mask.shape[0], dtype=torch.float32, device=device)
+                                if self.measure_mismatch else None)
+            self.tis_weights = None  # built per micro-batch (loss)
+        else:
+            self.tis_weights = self._off_policy_weights(self.old_log_probs)
 
     # -- off-policy weights and mismatch metrics, once per step -------------------------------
-    def _off_policy_weights(self) -> Optional[torch.Tensor]:
+    def _check_old_from_forward(self) -> None:
+        b, cfg = self.batch, self.cfg
+        self.measure_mismatch = b.rollout_log_probs is not None
+        if b.old_log_probs is not None:
+            raise ValueError("old_from_forward: the step batch already carries old_log_probs")
+        if cfg.use_tis and b.rollout_log_probs is None:
+            raise BadBatchError("--use-tis needs the rollout log-probs (the engine's); the step batch has none")
+        why = old_from_forward_unsupported(cfg, self.ps.cp_size, self.measure_mismatch)
+        if why is not None:
+            raise ValueError(f"old_from_forward: {why}; compute old log-probs in a separate pass")
+
+    def _off_policy_weights(self, old: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """TIS weights of this rank's full responses (or None), and the mismatch metrics. Every
         CP rank holds the same full responses, so only CP rank 0 adds to the (DP x CP) sums."""
         b, cfg = self.batch, self.cfg
-        has_both = b.old_log_probs is not None and b.rollout_log_probs is not None
+        has_both = old is not None and b.rollout_log_probs is not None
         if cfg.use_tis and not has_both:
             missing = "rollout_log_probs (the engine's)" if b.rollout_log_probs is None else "old_log_probs (the trainer's)"
             raise BadBatchError(f"--use-tis needs both old and rollout log-probs; the step batch has no {missing}")
         self.measure_mismatch = has_both
         if not has_both:
             return None
-        terms = mismatch_terms(b.old_log_probs, b.rollout_log_probs, b.loss_mask)
+        rollout, mask = self.rollout_log_probs, self.loss_mask
+        terms = mismatch_terms(old, rollout, mask)
         w = flags = None
         if cfg.use_tis and cfg.custom_tis_function is None:
             w, flags = tis_weights_and_flags(
-                b.old_log_probs, b.rollout_log_probs, b.loss_mask, b.response_lengths,
+                old, rollout, mask, b.response_lengths,
                 level=cfg.tis_level, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
             )
         acc, w_sm = self.metrics, self.sample_mean_weights
@@ -141,7 +185,18 @@ class StepContext:
             if w is not None:
                 acc.add("tis/weight_mean", (w * w_sm).sum())
                 acc.add("tis/clipped_frac", (flags * w_sm).sum())
-        acc.add_max("mismatch/abs_diff_max", terms["abs_diff"][b.loss_mask > 0])
+        acc.add_max("mismatch/abs_diff_max", terms["abs_diff"][mask > 0])
+        return w
+
+    def _forward_tis_weights(self, old: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """``old_from_forward``: the TIS weights of the micro-batch's responses from its detached
+        log-probs. At CP = 1 its local tokens are its full responses in order, so the token and
+        sequence weights are the per-sample functions the whole-step pass computes."""
+        cfg = self.cfg
+        w, _ = tis_weights_and_flags(
+            old, self.rollout_log_probs[mb.local_index], mb.loss_mask, mb.batch.response_lengths,
+            level=cfg.tis_level, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+        )
         return w
 
     # -- micro-batches ----------------------------------------------------------------------
@@ -154,7 +209,9 @@ class StepContext:
         )
         layout = inputs.layout
         step_resp = expand_runs(self._resp_offsets[sample_index], self.batch.response_lengths.long()[sample_index])
-        local = step_resp[layout.resp_index]  # step-level response index of each local token
+        # Step-level response index of each local token: the ONE index moved to the loss device
+        # per micro-batch; every per-token field is a gather of a step tensor already there.
+        local = step_resp[layout.resp_index].to(self.device, non_blocking=True)
         return MicroBatch(
             sample_index=sample_index,
             batch=sub,
@@ -162,15 +219,17 @@ class StepContext:
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
             targets=inputs.targets,
-            loss_mask=self.batch.loss_mask[local],
-            advantages=self.batch.advantages[local],
-            old_log_probs=None if self.batch.old_log_probs is None else self.batch.old_log_probs[local],
-            ref_log_probs=None if self.batch.ref_log_probs is None else self.batch.ref_log_probs[local],
+            loss_mask=self.loss_mask[local],
+            advantages=self.advantages[local],
+            old_log_probs=None if self.old_log_probs is None else self.old_log_probs[local],
+            ref_log_probs=None if self.ref_log_probs is None else self.ref_log_probs[local],
             pg_weights=self.pg_weights[local],
             sample_mean_weights=self.sample_mean_weights[local],
-            sample_token_counts=self.counts.sample_tokens[sample_index],
+            sample_token_counts=self.sample_tokens[sample_index.to(self.device, non_blocking=True)],
             tis_weights=None if self.tis_weights is None else self.tis_weights[local],
             step_token_index=step_resp,
+            local_index=local,
+            sample_ids=layout.sample_ids.to(self.device, non_blocking=True),
         )
 
     # -- the loss -------------------------------------------------------------------------
@@ -183,15 +242,20 @@ class StepContext:
         mask = mb.loss_mask.to(dtype)
         w_pg = mb.pg_weights.to(dtype)
         w_sm = mb.sample_mean_weights.to(dtype)
-        # On-policy with no stored old log-probs: the ratio is exactly 1 (value), grad flows.
+        # On-policy with no stored old log-probs (or old_from_forward): the ratio is exactly 1
+        # (value), grad flows.
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs.to(dtype)
         adv = mb.advantages.to(dtype)
         pg_tok, clipped = self.policy_loss(
             log_probs, old, adv, loss_mask=mb.loss_mask,
             eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-            sample_ids=mb.layout.sample_ids, num_samples=mb.layout.num_samples,
+            sample_ids=mb.sample_ids, num_samples=mb.layout.num_samples,
             sample_token_counts=mb.sample_token_counts, cp_group=self.ps.cp_group,
         )
+        if self.old_from_forward and self.measure_mismatch:
+            self.forward_old[mb.local_index] = old.float()  # what the separate pass would store
+            if cfg.use_tis:
+                mb.tis_weights = self._forward_tis_weights(self.forward_old[mb.local_index], mb)
         if mb.tis_weights is not None:
             pg_tok = pg_tok * mb.tis_weights.to(dtype)  # detached: a constant of the step
         elif cfg.use_tis:
@@ -215,7 +279,7 @@ class StepContext:
         self._record(objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm)
         if self.grad_scale != 1.0:
             objective = objective * self.grad_scale  # recorded (reported) unscaled, above
-        return MicroBatchLoss(objective=objective, pg_token_sum=(pg_tok * mask).sum(), num_tokens=mask.sum())
+        return MicroBatchLoss(objective=objective)
 
     def _cp_layouts(self, mb: MicroBatch):
         return [mb.layout] if self.ps.cp_size == 1 else all_rank_layouts(
@@ -230,18 +294,20 @@ class StepContext:
         full = gather_responses(pg_tok, self._cp_layouts(mb), self.ps.cp_rank, self.ps.cp_group)
         b, dtype = mb.batch, pg_tok.dtype
         split = b.response_lengths.long().tolist()
+        idx = mb.step_token_index.to(self.device, non_blocking=True)
         out, masks, metrics = self.cfg.custom_tis_function(
             self.cfg, pg_loss=full,
-            train_log_probs=list(b.old_log_probs.to(dtype).split(split)),
-            rollout_log_probs=list(b.rollout_log_probs.to(dtype).split(split)),
-            loss_masks=list(b.loss_mask.split(split)),
+            train_log_probs=list(self.old_log_probs[idx].to(dtype).split(split)),
+            rollout_log_probs=list(self.rollout_log_probs[idx].to(dtype).split(split)),
+            loss_masks=list(self.loss_mask[idx].split(split)),
             total_lengths=b.total_lengths.tolist(), response_lengths=split,
         )
         if out.shape != full.shape:
             raise ValueError(f"--custom-tis-function-path returned pg_loss of shape {tuple(out.shape)}, expected {tuple(full.shape)}")
-        new_mask = torch.cat([torch.as_tensor(x) for x in masks]).to(dtype) if len(masks) else full.new_zeros(0)
+        new_mask = (torch.cat([torch.as_tensor(x) for x in masks]).to(full.device, dtype) if len(masks)
+                    else full.new_zeros(0))
         if self.ps.cp_rank == 0:
-            w_sm = self.sample_mean_weights[mb.step_token_index]
+            w_sm = self.sample_mean_weights[idx]
             for name, value in (metrics or {}).items():
                 key = f"tis/{name}"
                 if key not in self.custom_tis_names:
@@ -255,13 +321,9 @@ class StepContext:
         responses (gathered over CP, so the user never sees chunks). Its value is a sum over the
         micro-batch, normalised here by the global N (or global tokens in per-token mode); each CP
         rank holds the same value, so it is divided by cp_size."""
-        layouts = [mb.layout] if self.ps.cp_size == 1 else all_rank_layouts(
-            mb.batch.total_lengths, mb.batch.response_lengths, cp_size=self.ps.cp_size,
-            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
-        )
-        full = gather_responses(pg_tok, layouts, self.ps.cp_rank, self.ps.cp_group)
+        full = gather_responses(pg_tok, self._cp_layouts(mb), self.ps.cp_rank, self.ps.cp_group)
         rl = mb.batch.response_lengths.long()
-        loss_masks = list(mb.batch.loss_mask.split(rl.tolist()))
+        loss_masks = list(self.loss_mask[mb.step_token_index.to(self.device)].split(rl.tolist()))
         reducer = self.cfg.custom_pg_reducer(
             mb.batch.total_lengths.tolist(), rl.tolist(), loss_masks, self.cfg.calculate_per_token_loss
         )
@@ -285,15 +347,19 @@ class StepContext:
             acc.add("advantage_mean", (adv * w_sm).sum())
             acc.add("ratio_sum", (ratio * mask).sum())
             acc.add("ratio_sq_sum", (ratio * ratio * mask).sum())
-            valid = mask > 0
-            acc.add_max("advantage_max", adv[valid])
-            acc.add_min("advantage_min", adv[valid])
+            valid = mask > 0  # masked, not indexed: no host sync on an accelerator
+            acc.add_max("advantage_max", torch.where(valid, adv, adv.new_full((), -math.inf)))
+            acc.add_min("advantage_min", torch.where(valid, adv, adv.new_full((), math.inf)))
             if self.cfg.pg_metrics == "with_entropy" and entropy is not None:
                 acc.add("entropy", (entropy.to(w_sm.dtype) * w_sm).sum())
 
     # -- end of step ------------------------------------------------------------------------
     def finish(self) -> Dict[str, Optional[float]]:
         """J and the metrics for the step; collective over DP x CP (call on every rank)."""
+        if self.old_from_forward and self.measure_mismatch:
+            # The mismatch / TIS metrics of the assembled old log-probs: the same function of the
+            # same values as the separate pass's (``_off_policy_weights`` at prepare time).
+            self._off_policy_weights(self.forward_old)
         names_sum: List[str] = list(LOSS_TERMS)
         names_max, names_min = [], []
         if self.cfg.pg_metrics != "none":
@@ -331,14 +397,22 @@ class StepContext:
         return sorted({n for names in gathered for n in names})
 
 
-def prepare_step(batch: StepBatch, cfg: LossConfig, ps: ParallelState, *, num_groups: Optional[int] = None) -> StepContext:
-    """Validate this rank's step data, compute the global counts once, build the weights."""
+def old_from_forward_unsupported(cfg: LossConfig, cp_size: int, has_rollout_log_probs: bool) -> Optional[str]:
+    """Why the old log-probs cannot be taken from the training forward with the same numbers as
+    a separate pass (None: they can). The step-level conditions (one optimizer step per rollout,
+    same weights, deterministic forward) are the caller's (``runner.old_log_probs_rule``)."""
+    if cfg.use_tis and cfg.custom_tis_function is not None:
+        return "--custom-tis-function-path reads the full old log-probs before the loss"
+    if cp_size > 1 and has_rollout_log_probs:
+        return ("context parallelism: the mismatch metrics and sequence-level TIS weights need every CP chunk's "
+                "old log-probs of a response")
+    return None
+
+
+def prepare_step(batch: StepBatch, cfg: LossConfig, ps: ParallelState, *, num_groups: Optional[int] = None,
+                 device: Optional[torch.device] = None, old_from_forward: bool = False) -> StepContext:
+    """Validate this rank's step data, compute the global counts once, build the weights and
+    move the step's per-token tensors to the loss ``device`` (default CPU) once."""
     batch.validate()
     counts = compute_step_counts(batch, ps, num_groups)
-    return StepContext(batch, cfg, ps, counts)
-
-
-def step_loss_value(local_sum: torch.Tensor, ps: ParallelState) -> float:
-    """Reported J from a rank's summed contributions: SUM over DP x CP (TP holds replicas)."""
-    t = local_sum.detach().to(torch.float64).clone().reshape(1)
-    return float(all_reduce(t, ps.dp_cp_group).item())
+    return StepContext(batch, cfg, ps, counts, device=device, old_from_forward=old_from_forward)

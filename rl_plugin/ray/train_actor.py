@@ -4,6 +4,9 @@ The actor is a thin shell around ``rl_plugin.backends.base.TrainBackend``: the d
 same method on every rank (collectives inside the backend need all of them) and reads rank 0's
 answer. ``train_rollout`` runs one rollout's optimizer steps: old (and reference) log-probs for
 all of this rank's samples first, on the weights that generated them, then the steps in order.
+When the rollout is ONE optimizer step, the old log-probs are that step's own detached training
+log-probs and the separate forward is skipped (``rl_plugin.loss.runner.old_log_probs_rule``:
+same numbers, bit for bit; the rule lists where the separate pass stays).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class TrainActor:
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self.step = 0
+        self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
 
     def address(self) -> Tuple[str, int, int]:
@@ -80,10 +84,14 @@ class TrainActor:
         """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
         ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
         t0 = time.perf_counter()
+        old_from_forward = False
         if self.args.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
             if batch.rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs")
             batch.old_log_probs = batch.rollout_log_probs.clone()
+        elif self.separate_old_pass_reason(batch, step_bounds) is None:
+            batch.old_log_probs = None  # the step's own forward provides them (no redundant forward)
+            old_from_forward = True
         else:
             batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
         if self.args.use_kl_loss:
@@ -95,6 +103,8 @@ class TrainActor:
             t1 = time.perf_counter()
             sub = batch.select(torch.arange(start, end))
             kwargs = {} if step_micro_batches is None else {"micro_batches": step_micro_batches[k]}
+            if old_from_forward:
+                kwargs["old_from_forward"] = True
             report = dict(self.backend.train_step(sub, num_groups=num_groups, **kwargs))
             self.step += 1
             report = {key: _plain(v) for key, v in report.items()}
@@ -103,15 +113,26 @@ class TrainActor:
             reports.append(report)
         return reports
 
+    def separate_old_pass_reason(self, batch: StepBatch, step_bounds: Sequence[Tuple[int, int]]) -> Optional[str]:
+        """Why this rollout needs its separate old-log-prob forward (None: the training forward's
+        detached log-probs are the old ones, bit for bit; ``runner.old_log_probs_rule``)."""
+        from rl_plugin.loss.runner import old_log_probs_rule
+
+        if not self.fuse_old_log_probs:
+            return "disabled (fuse_old_log_probs = False)"
+        return old_log_probs_rule(
+            step_bounds=step_bounds, num_samples=batch.num_samples, cfg=self.backend.runner.cfg,
+            ps=self.backend.parallel_state, has_rollout_log_probs=batch.rollout_log_probs is not None,
+            deterministic_forward=self.backend.deterministic_forward(),
+        )
+
     def plan_docs_steps(self, batch: StepBatch) -> Tuple[List[Tuple[int, int]], List[List[torch.Tensor]]]:
         """--docs-per-step: this rank's micro-batches grouped into steps (collective over DP)."""
-        from rl_plugin.batching import plan_micro_batches, plan_steps_by_docs
+        from rl_plugin.batching import plan_steps_by_docs
 
-        a = self.args
-        budget = a.max_tokens_per_gpu if a.use_dynamic_batch_size else None
         dp_group = self.backend.parallel_state.dp_group
-        mbs = plan_micro_batches(batch, micro_batch_size=a.micro_batch_size, max_tokens_per_gpu=budget, dp_group=dp_group)
-        steps = plan_steps_by_docs(mbs, a.docs_per_step, dp_group=dp_group)
+        mbs = self.backend.runner.plan(batch)  # the runner's one planner
+        steps = plan_steps_by_docs(mbs, self.args.docs_per_step, dp_group=dp_group)
         bounds, micro = [], []
         for step in steps:  # micro-batches are contiguous runs, so a step is a contiguous slice
             idx = torch.cat(step) if step else torch.zeros(0, dtype=torch.long)

@@ -1,15 +1,12 @@
 """``FSDPBackend``: one training process of the FSDP2 backend (see ``rl_plugin.backends.base``).
 
-A step, on the shared loss core (no loss math here)::
+The step is the core's (``rl_plugin.loss.runner.StepRunner``); this backend supplies::
 
-    ctx = prepare_step(batch, cfg, ps)                 # global counts, per-token weights
-    for idx in plan:                                   # --micro-batch-size or token budget
-        mb   = ctx.micro_batch(idx)                    # packed thd (or padded bshd) inputs
-        logp, ent = micro_batch_log_probs(model, mb)   # HF forward, block-diagonal causal mask,
-                                                       # fused head (or logits + log-softmax)
-        ctx.loss(logp, ent, mb).objective.backward()   # FSDP reduce-scatters a SUM over DP
-    grad_norm = clip(--clip-grad); AdamW step; LR = Megatron schedule
-    report = ctx.finish()                              # J and metrics, identical on every rank
+    forward(model, mb)     -> [n, 2] (logp, entropy)   packing.micro_batch_log_probs: HF forward,
+                                                       block-diagonal causal mask, fused head (or
+                                                       logits + log-softmax)
+    schedule(model, M, forward, loss)                  for i < passes: loss(i, forward(i)).backward()
+    optimizer_step()       -> (grad_norm, lr)          clip(--clip-grad); AdamW; Megatron LR schedule
 
 Exactly dJ/dtheta: FSDP2 is told to SUM gradients over DP (``model.shard_model``), so each
 micro-batch's objective is backpropagated with factor 1; its micro-batch shares already sum to J.
@@ -17,6 +14,10 @@ micro-batch's objective is backpropagated with factor 1; its micro-batch shares 
 FSDP unshards each layer collectively, so every DP rank runs the same number of forward (and
 backward) passes: the micro-batch count is MAX-reduced over DP and a rank with fewer micro-batches
 (or no samples at all) runs one-token passes whose output is multiplied by 0.
+
+Devices: the model and the loss live on ``self.device`` (CUDA when present). The DP group the
+loss core reduces counts and metrics over carries CPU scalars: under NCCL it is a gloo twin of
+the device mesh's group (``parallel.cpu_group``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,13 +37,16 @@ from rl_plugin.backends.fsdp.model import (fused_head_unsupported, install_fp32_
                                            load_hf_model, shard_model)
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
-from rl_plugin.batching import plan_micro_batches
-from rl_plugin.cp import exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, prepare_step
+from rl_plugin.loss import LossConfig
+from rl_plugin.loss.runner import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
-from rl_plugin.parallel import ParallelState, all_reduce
+from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 
 logger = logging.getLogger(__name__)
+
+# HF config fields with which a model applies dropout functionally in its training forward.
+DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "activation_dropout", "attn_pdrop",
+                         "resid_pdrop", "embd_pdrop")
 
 
 def _device() -> torch.device:
@@ -72,9 +76,10 @@ class FSDPBackend(TrainBackend):
         self.device = _device()
         world, rank = dist.get_world_size(), dist.get_rank()
         self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
-        group = self.mesh.get_group("dp") if world > 1 else None
+        group = cpu_group(self.mesh.get_group("dp")) if world > 1 else None  # counts, plan, metrics: CPU
         self.parallel_state = ParallelState(dp_size=world, dp_rank=rank, dp_group=group, dp_cp_group=group)
         self.loss_config = LossConfig.from_args(args)
+        self.loss_device = self.device
         self.attn_implementation = getattr(args, "fsdp_attn_implementation", "sdpa")
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -84,6 +89,9 @@ class FSDPBackend(TrainBackend):
         self.optimizer = build_optimizer(self.model, args)
         self.optimizer_steps = 0
         self._ref_model = None
+        budget = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
+        self.runner = StepRunner(self, self.loss_config, micro_batch_size=args.micro_batch_size,
+                                 max_tokens_per_gpu=budget)
 
     @classmethod
     def from_args(cls, args) -> "FSDPBackend":
@@ -121,72 +129,41 @@ class FSDPBackend(TrainBackend):
             self._ref_model = self._build_model(frozen=True)
         return self._ref_model
 
-    # -- passes -----------------------------------------------------------------------------
-    def _plan(self, batch: StepBatch, micro_batches) -> List[torch.Tensor]:
-        if micro_batches is not None:
-            return [torch.as_tensor(m, dtype=torch.long) for m in micro_batches]
-        budget = self.args.max_tokens_per_gpu if self.args.use_dynamic_batch_size else None
-        return plan_micro_batches(batch, micro_batch_size=self.args.micro_batch_size, max_tokens_per_gpu=budget,
-                                  dp_group=self.parallel_state.dp_group)
+    def model_for(self, role: str):
+        return self.model if role == "actor" else self._reference()
 
-    def _num_passes(self, plan: List[torch.Tensor]) -> int:
-        """Passes every DP rank runs: the largest micro-batch count over DP (FSDP is collective)."""
-        n = torch.tensor([len(plan)], dtype=torch.long)
-        return int(all_reduce(n, self.parallel_state.dp_group, dist.ReduceOp.MAX).item())
+    def deterministic_forward(self) -> bool:
+        """No dropout in the training forward (the eval forward never has any): no active
+        ``nn.Dropout`` module and no positive attention / hidden dropout in the model's config."""
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            return False
+        cfg = self.model.config
+        return not any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in DROPOUT_CONFIG_FIELDS)
 
-    def _idle_pass(self, model, *, backward: bool) -> None:
-        """A one-token pass contributing exactly 0, so this rank joins FSDP's collectives."""
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        logits = model(input_ids=ids, use_cache=False).logits
-        if backward:
-            (logits.float().sum() * 0.0).backward()
+    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
+    def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
+        if inputs.layout.num_samples == 0:
+            # An idle pass: one token through the model so this rank joins FSDP's collectives;
+            # its output, times 0, carries the graph so the backward joins them too.
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            return (logits.float().sum() * 0.0).expand(0, 2)
+        logp, ent = micro_batch_log_probs(model, inputs, self.attn_implementation, self.device, temperature=temperature,
+                                          chunk_size=chunk_size, with_entropy=with_entropy)
+        return torch.stack([logp, ent], 1)
 
-    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor", micro_batches=None) -> torch.Tensor:
-        if role not in ("actor", "ref"):
-            raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
-        batch.validate()
-        model = self.model if role == "actor" else self._reference()
-        plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
-        rl = batch.response_lengths.long()
-        resp_off = exclusive_cumsum(rl)
-        out = torch.zeros(int(rl.sum()), dtype=torch.float32)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for i in range(self._num_passes(plan)):
-                    if i >= len(plan):
-                        self._idle_pass(model, backward=False)
-                        continue
-                    idx = plan[i]
-                    fb = MicroBatchInputs.build(batch.select(idx), qkv_format=self.loss_config.qkv_format, max_seq_len=self.loss_config.max_seq_len)
-                    logp, _ = micro_batch_log_probs(model, fb, self.attn_implementation, self.device,
-                                                    temperature=self.loss_config.temperature,
-                                                    chunk_size=self.loss_config.logprob_chunk_size, with_entropy=False)
-                    out[expand_runs(resp_off[idx], rl[idx])[fb.layout.resp_index]] = logp.float().cpu()
-        finally:
-            model.train(was_training)
-        return out
-
-    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
-        """One step (module docstring). ``micro_batches``: sample-index tensors (default: the
-        ``--micro-batch-size`` / token-budget plan). Reports J and the metrics, ``grad_norm``
-        (before clipping), ``lr`` (the rate this step used) and ``num_micro_batches`` (passes
-        per rank), identical on every rank."""
-        cfg = self.loss_config
-        ctx = prepare_step(batch, cfg, self.parallel_state, num_groups=num_groups)
-        plan = [m for m in self._plan(batch, micro_batches) if m.numel()]
-        passes = self._num_passes(plan)
+    def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
+        """Every DP rank runs the largest micro-batch count over DP (FSDP is collective); the
+        runner hands a rank past its own count empty micro-batches (idle passes)."""
+        n = torch.tensor([num_micro_batches], dtype=torch.long)
+        passes = int(all_reduce(n, self.parallel_state.dp_group, dist.ReduceOp.MAX).item())
         for i in range(passes):
-            if i >= len(plan):
-                self._idle_pass(self.model, backward=True)
-                continue
-            mb = ctx.micro_batch(plan[i])
-            logp, ent = micro_batch_log_probs(self.model, mb, self.attn_implementation, self.device,
-                                              temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                              with_entropy=cfg.needs_entropy)
-            out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
-            out.objective.backward()  # factor 1: FSDP sums over DP (module docstring)
+            objective = loss(i, forward(i))
+            if not forward_only:
+                objective.backward()  # factor 1: FSDP sums over DP (module docstring)
+        return passes
+
+    def optimizer_step(self) -> Tuple[float, float]:
         norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))
         if not math.isfinite(norm):
             # Same rank-consistent outcome as Megatron's skipped step: nothing is applied.
@@ -198,9 +175,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
-        report = ctx.finish()
-        report.update(grad_norm=norm, lr=lr, num_micro_batches=float(passes))
-        return report
+        return norm, lr
 
     # -- weights and checkpoints ------------------------------------------------------------
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:

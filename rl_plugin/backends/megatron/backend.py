@@ -1,12 +1,13 @@
 """``MegatronBackend``: the ``TrainBackend`` on megatron-core (one instance per training process).
 
     backend = MegatronBackend.from_args(args)   # torch.distributed already initialised
-    old = backend.compute_log_probs(batch)       # forward only, actor (or role="ref")
-    report = backend.train_step(batch, num_groups=P)
+    old = backend.compute_log_probs(batch)       # forward only, actor (or role="ref"): the runner
+    report = backend.train_step(batch, num_groups=P)   # the runner (rl_plugin.loss.runner)
     hf = backend.export_hf_state_dict()          # TP-gathered, HF names, every rank
     backend.save_checkpoint(dir, step=k); backend.load_checkpoint(dir)
 
-See ``setup.py`` (start-up), ``step.py`` (the step and why it applies exactly dJ/dtheta),
+See ``setup.py`` (start-up), ``step.py`` (forward, schedule, optimizer step; why the step
+applies exactly dJ/dtheta),
 ``forward.py`` (inputs and logits, ``--fp32-lm-head``), ``bridge.py`` (mbridge),
 ``checkpoint.py`` and ``cpu_shim.py`` (CPU / gloo).
 """
@@ -14,7 +15,7 @@ See ``setup.py`` (start-up), ``step.py`` (the step and why it applies exactly dJ
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,8 @@ from rl_plugin.backends.megatron import checkpoint, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
-from rl_plugin.batching import plan_micro_batches
-from rl_plugin.loss import LossConfig, StepBatch
+from rl_plugin.loss import LossConfig
+from rl_plugin.loss.runner import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
 
@@ -54,6 +55,10 @@ class MegatronBackend(TrainBackend):
         self.fp32_lm_head = bool(getattr(args, "fp32_lm_head", False))
         self.fused_lm_head = use_fused_head(args, model)
         self._ref_model = None
+        self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
+        budget = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
+        self.runner = StepRunner(self, self.loss_config, micro_batch_size=int(args.micro_batch_size),
+                                 max_tokens_per_gpu=budget)
         config = bridge.config
         # What Megatron-LM's training loop sets: the schedule calls these.
         from megatron.core.distributed import finalize_model_grads
@@ -74,35 +79,23 @@ class MegatronBackend(TrainBackend):
         optimizer, scheduler = setup.build_optimizer(args, model)
         return cls(args, model, bridge, optimizer, scheduler, ps, hf_dir)
 
-    # -- micro-batches ------------------------------------------------------------------------
-    def plan(self, batch: StepBatch) -> List[torch.Tensor]:
-        a = self.args
-        budget = a.max_tokens_per_gpu if getattr(a, "use_dynamic_batch_size", False) else None
-        return plan_micro_batches(batch, micro_batch_size=int(a.micro_batch_size), max_tokens_per_gpu=budget,
-                                  dp_group=self.parallel_state.dp_group)
-
-    # -- TrainBackend ---------------------------------------------------------------------------
-    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor", micro_batches=None) -> torch.Tensor:
-        if role == "actor":
-            model = self.model
-        elif role == "ref":
-            model = self._reference_model()
-        else:
-            raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
-        cfg = self.loss_config
-        return step.forward_log_probs(
-            model, batch, self.parallel_state, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len,
-            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-            micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
-            fp32_lm_head=self.fp32_lm_head, fused_lm_head=self.fused_lm_head,
+    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
+    def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
+        return step.micro_batch_forward(
+            model, inputs, self.parallel_state, self.loss_device, qkv_format=self.loss_config.qkv_format,
+            fp32_lm_head=self.fp32_lm_head, fused=self.fused_lm_head, temperature=temperature,
+            chunk_size=chunk_size, with_entropy=with_entropy,
         )
 
-    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches=None) -> Dict[str, Any]:
-        return step.train_step(
-            self.model, self.optimizer, self.scheduler, batch, self.loss_config, self.parallel_state,
-            num_groups=num_groups, micro_batches=micro_batches if micro_batches is not None else self.plan(batch),
-            fp32_lm_head=self.fp32_lm_head, fused_lm_head=self.fused_lm_head,
-        )
+    def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
+        return step.run_schedule(model, self.optimizer, self.parallel_state, num_micro_batches, forward, loss,
+                                 forward_only=forward_only)
+
+    def optimizer_step(self) -> Tuple[float, float]:
+        return step.optimizer_step(self.optimizer, self.scheduler)
+
+    def model_for(self, role: str):
+        return self.model if role == "actor" else self._reference_model()
 
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.megatron.bridge import build_gpt_model, make_bridge, transformer_engine_available
-from rl_plugin.parallel import ParallelState
+from rl_plugin.parallel import ParallelState, cpu_group
 
 # TransformerConfig overrides: no fused CUDA kernels (TE picks its own on GPU), CPU-side init
 # when CUDA is absent. perform_initialization stays True although the checkpoint overwrites the
@@ -78,28 +78,17 @@ def _group_or_none(group):
 
 
 def _gloo_twin(group):
-    """A gloo group with the same ranks as ``group`` (collective over the world).
-
-    Every rank all-gathers its group's rank list, and all distinct lists are created in the same
-    order everywhere (``new_group`` is collective)."""
-    mine = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
-    lists = [None] * dist.get_world_size()
-    dist.all_gather_object(lists, sorted(mine))
-    twin = None
-    for ranks in sorted({tuple(x) for x in lists}):
-        g = dist.new_group(list(ranks), backend="gloo")
-        if dist.get_rank() in ranks:
-            twin = g
-    return twin
+    """A gloo group with the same ranks as ``group`` (collective over the world)."""
+    return cpu_group(group)
 
 
 def init_parallel(args) -> ParallelState:
     """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours.
 
-    Device split: the [T, V] vocab-parallel work runs on the model's device over megatron's TP
-    group; the loss core then works on per-token CPU scalars (``step.py`` moves log-probs to the
-    CPU), so its DP / CP / DP x CP groups must carry CPU tensors. Under gloo (CPU) they are
-    megatron's groups; under NCCL they are gloo twins with the same ranks."""
+    Devices (``rl_plugin.loss.runner``): the loss runs on the model's device, so the TP and CP
+    groups are megatron's own (they carry device tensors: vocab-parallel scalars, GSPO sums, the
+    CP gather); the DP and DP x CP groups carry CPU scalars (counts, plan, metrics): megatron's
+    groups under gloo, gloo twins with the same ranks under NCCL (``parallel.cpu_group``)."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -111,9 +100,9 @@ def init_parallel(args) -> ParallelState:
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(int(args.seed))
     cpu_groups = dist.get_backend() == "gloo"
-    twin = (lambda g: g) if cpu_groups else _gloo_twin
+    twin = (lambda g: g) if cpu_groups else cpu_group
     dp_g = twin(mpu.get_data_parallel_group())
-    cp_g = twin(mpu.get_context_parallel_group())
+    cp_g = mpu.get_context_parallel_group()
     dp_cp_g = twin(mpu.get_data_parallel_group(with_context_parallel=True))
     return ParallelState(
         dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank(),
