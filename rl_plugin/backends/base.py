@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.runner import Forward, Loss, StepRunner
 from rl_plugin.parallel import ParallelState
@@ -29,6 +30,7 @@ class TrainBackend(abc.ABC):
 
     parallel_state: ParallelState
     loss_device: torch.device
+    loss_config: LossConfig
     runner: StepRunner
 
     @classmethod

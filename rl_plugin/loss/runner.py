@@ -1,6 +1,6 @@
 """The step runner: the core owns the step; a backend supplies forward, schedule and optimizer step.
 
-    runner = StepRunner(backend, cfg, micro_batch_size=b, max_tokens_per_gpu=budget)
+    runner = StepRunner(backend, micro_batch_size=b, max_tokens_per_gpu=budget)   # cfg: backend.loss_config
     old    = runner.log_probs(model, batch)                   # forward only: old or ref policy
     report = runner.train_step(model, batch, num_groups=P)    # one optimizer step, exactly dJ/dtheta
 
@@ -85,6 +85,7 @@ class StepBackend(Protocol):
 
     parallel_state: ParallelState
     loss_device: torch.device
+    loss_config: LossConfig
 
     def forward(self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int,
                 with_entropy: bool) -> torch.Tensor: ...
@@ -123,10 +124,13 @@ def old_log_probs_rule(*, step_bounds: Sequence[Tuple[int, int]], num_samples: i
 class StepRunner:
     """The train step and the forward-only pass of one backend (module docstring)."""
 
-    def __init__(self, backend: StepBackend, cfg: LossConfig, *, micro_batch_size: int,
-                 max_tokens_per_gpu: Optional[int] = None):
-        self.backend, self.cfg = backend, cfg
+    def __init__(self, backend: StepBackend, *, micro_batch_size: int, max_tokens_per_gpu: Optional[int] = None):
+        self.backend = backend
         self.micro_batch_size, self.max_tokens_per_gpu = int(micro_batch_size), max_tokens_per_gpu
+
+    @property
+    def cfg(self) -> LossConfig:
+        return self.backend.loss_config
 
     @property
     def ps(self) -> ParallelState:

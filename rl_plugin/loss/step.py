@@ -185,7 +185,8 @@ class StepContext:
             if w is not None:
                 acc.add("tis/weight_mean", (w * w_sm).sum())
                 acc.add("tis/clipped_frac", (flags * w_sm).sum())
-        acc.add_max("mismatch/abs_diff_max", terms["abs_diff"][mask > 0])
+        abs_diff = terms["abs_diff"]
+        acc.add_max("mismatch/abs_diff_max", torch.where(mask > 0, abs_diff, abs_diff.new_full((), -math.inf)))
         return w
 
     def _forward_tis_weights(self, old: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

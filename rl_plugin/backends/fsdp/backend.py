@@ -90,7 +90,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer_steps = 0
         self._ref_model = None
         budget = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
-        self.runner = StepRunner(self, self.loss_config, micro_batch_size=args.micro_batch_size,
+        self.runner = StepRunner(self, micro_batch_size=args.micro_batch_size,
                                  max_tokens_per_gpu=budget)
 
     @classmethod

@@ -57,7 +57,7 @@ class MegatronBackend(TrainBackend):
         self._ref_model = None
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
         budget = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
-        self.runner = StepRunner(self, self.loss_config, micro_batch_size=int(args.micro_batch_size),
+        self.runner = StepRunner(self, micro_batch_size=int(args.micro_batch_size),
                                  max_tokens_per_gpu=budget)
         config = bridge.config
         # What Megatron-LM's training loop sets: the schedule calls these.
