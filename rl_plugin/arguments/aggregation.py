@@ -6,15 +6,14 @@ See DESIGN.md for the exact J of each mode; ``rl_plugin.loss.aggregation`` imple
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
-
-MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+from rl_plugin.registries import LOSS_AGGREGATIONS
 DEFAULT_MODE = "sample_mean"
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("loss aggregation", "How per-token policy losses become the step objective J.")
     add_flag(
-        g, "--loss-aggregation", choices=MODES, default=None,
+        g, "--loss-aggregation", choices=LOSS_AGGREGATIONS.names(), default=None,
         help=(
             "How the policy loss is averaged over a step; every denominator is global over the step. "
             "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "

@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 
 from rl_plugin.arguments._util import add_flag, fail
-from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES
-from rl_plugin.rollout.filters import BUILTIN_FILTER
+from rl_plugin.registries import BUILTIN_FILTER, TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import load_function
 
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0

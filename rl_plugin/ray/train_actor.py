@@ -8,7 +8,6 @@ all of this rank's samples first, on the weights that generated them, then the s
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import socket
@@ -18,11 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rl_plugin.loss.batch import StepBatch
-
-BACKENDS = {
-    "megatron": "rl_plugin.backends.megatron.backend:MegatronBackend",
-    "fsdp": "rl_plugin.backends.fsdp.backend:FSDPBackend",
-}
+from rl_plugin.registries import TRAIN_BACKENDS
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
@@ -30,11 +25,8 @@ FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
 
 
 def backend_class(name: str):
-    try:
-        module, cls = BACKENDS[name].split(":")
-    except KeyError:
-        raise ValueError(f"--train-backend {name!r}: unknown; choose from {sorted(BACKENDS)}") from None
-    return getattr(importlib.import_module(module), cls)
+    """The ``TrainBackend`` class ``--train-backend name`` names (``rl_plugin.registries.TRAIN_BACKENDS``)."""
+    return TRAIN_BACKENDS.get(name)
 
 
 class TrainActor:
