@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.parallel import ParallelState
 
@@ -25,8 +26,13 @@ class TrainBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_args(cls, args) -> "TrainBackend":
+    def from_config(cls, config: TrainConfig) -> "TrainBackend":
         """Build model, optimizer and groups; torch.distributed is already initialised."""
+
+    @classmethod
+    def from_args(cls, args) -> "TrainBackend":
+        """``from_config(TrainConfig.from_args(args))``, for callers holding validated flags."""
+        return cls.from_config(TrainConfig.from_args(args))
 
     @abc.abstractmethod
     def compute_log_probs(self, batch: StepBatch, *, role: str = "actor") -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Dict, List, Sequence
 
 import ray
 
+from rl_plugin.configs import EngineConfig
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.weight_sync import ObjectStoreTransport
 
@@ -48,12 +49,12 @@ class EngineActor:
         return weights_fingerprint(self.engine.weights())
 
 
-def create_engines(args, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
+def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
     remote = ray.remote(EngineActor)
     actors = [
         remote.options(**placement.engine_options(i), max_restarts=0).remote(
-            args.rollout_engine, checkpoint_dir, tensor_parallel_size=args.rollout_num_gpus_per_engine, seed=args.seed)
+            config.engine, checkpoint_dir, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed)
         for i in range(placement.num_engines)
     ]
     ray.get([a.pid.remote() for a in actors])

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.registries import TRAIN_BACKENDS
 
@@ -45,7 +46,7 @@ class TrainActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port, os.getpid()
 
-    def init(self, master_addr: str, master_port: int, args) -> Dict[str, int]:
+    def init(self, master_addr: str, master_port: int, config: TrainConfig) -> Dict[str, int]:
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
@@ -54,8 +55,8 @@ class TrainActor:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
-        self.args = args
-        self.backend = backend_class(args.train_backend).from_args(args)
+        self.config = config
+        self.backend = backend_class(config.train_backend).from_config(config)
         ps = self.backend.parallel_state
         return {"dp_rank": ps.dp_rank, "dp_size": ps.dp_size, "tp_rank": ps.tp_rank, "cp_rank": ps.cp_rank, "pid": os.getpid()}
 
@@ -72,13 +73,13 @@ class TrainActor:
         """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
         ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
         t0 = time.perf_counter()
-        if self.args.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
+        if self.config.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
             if batch.rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs")
             batch.old_log_probs = batch.rollout_log_probs.clone()
         else:
             batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
-        if self.args.use_kl_loss:
+        if self.config.loss.use_kl_loss:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
         logprob_time = time.perf_counter() - t0
         reports = []
@@ -99,11 +100,10 @@ class TrainActor:
         """--docs-per-step: this rank's micro-batches grouped into steps (collective over DP)."""
         from rl_plugin.batching import plan_micro_batches, plan_steps_by_docs
 
-        a = self.args
-        budget = a.max_tokens_per_gpu if a.use_dynamic_batch_size else None
+        b = self.config.batching
         dp_group = self.backend.parallel_state.dp_group
-        mbs = plan_micro_batches(batch, micro_batch_size=a.micro_batch_size, max_tokens_per_gpu=budget, dp_group=dp_group)
-        steps = plan_steps_by_docs(mbs, a.docs_per_step, dp_group=dp_group)
+        mbs = plan_micro_batches(batch, micro_batch_size=b.micro_batch_size, max_tokens_per_gpu=b.max_tokens_per_gpu, dp_group=dp_group)
+        steps = plan_steps_by_docs(mbs, b.docs_per_step, dp_group=dp_group)
         bounds, micro = [], []
         for step in steps:  # micro-batches are contiguous runs, so a step is a contiguous slice
             idx = torch.cat(step) if step else torch.zeros(0, dtype=torch.long)

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
@@ -89,23 +90,24 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
 
 
 class RolloutManager:
-    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str], engines: Optional[Sequence[Any]] = None):
+    def __init__(self, config: RolloutConfig, checkpoint_dir: str, train_data: str, eval_data: Optional[str],
+                 engines: Optional[Sequence[Any]] = None):
         torch.set_num_threads(1)
-        self.args = args
-        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=args.apply_chat_template)
+        self.config = cfg = config
+        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = None if self.engines else make_engine(args.rollout_engine, checkpoint_dir, device=device)
-        self.reward_fn = load_reward_fn(args.rm_type, args.custom_rm_path)
-        self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
-        self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None
-        self.params = SamplingParams(args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len)
-        path = args.dynamic_sampling_filter_path
+        self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
+        self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
+        self.train = PromptDataset.from_jsonl(train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
+        self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
+        path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutData:
-        a = self.args
+        a = self.config
         if self.group_filter is None:
             recs = self.train.next_batch(a.rollout_batch_size)
             data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
@@ -115,8 +117,8 @@ class RolloutManager:
             data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
         if a.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths, max_len=a.rollout_max_response_len, buffer_len=a.overlong_buffer_len,
-                factor=1.0 if a.overlong_penalty_factor is None else a.overlong_penalty_factor,
+                data.response_lengths, max_len=a.engine.max_response_len, buffer_len=a.overlong_buffer_len,
+                factor=a.overlong_penalty_factor,
             )
             data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
@@ -126,7 +128,7 @@ class RolloutManager:
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
         """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
-        a = self.args
+        a = self.config
         want, n = a.rollout_batch_size, a.n_samples_per_prompt
         per_round = a.over_sampling_batch_size or want
         kept: List[RolloutData] = []
@@ -177,7 +179,7 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
         if self.eval is None:
             raise ValueError("--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)")
-        data = self._rollout(self.eval.records, self.args.n_samples_per_eval, seed=self.args.seed + EVAL_SEED_OFFSET + rollout_id)
+        data = self._rollout(self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id)
         return {"eval/reward_mean": data.stats["reward_mean"], "eval/response_len_mean": data.stats["response_len_mean"]}
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):

@@ -38,7 +38,8 @@ from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megat
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
 from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
-from rl_plugin.loss import LossConfig, MicroBatchInputs, StepBatch, prepare_step
+from rl_plugin.configs import TrainConfig
+from rl_plugin.loss import MicroBatchInputs, StepBatch, prepare_step
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce
 
@@ -62,32 +63,32 @@ def _tied_names(model) -> List[str]:
 
 
 class FSDPBackend(TrainBackend):
-    def __init__(self, args):
+    def __init__(self, config: TrainConfig):
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.args = args
-        self.hf_dir = args.hf_checkpoint or default_tiny_checkpoint()
+        self.config = config
+        self.hf_dir = config.model.hf_checkpoint or default_tiny_checkpoint()
         self.device = _device()
         world, rank = dist.get_world_size(), dist.get_rank()
         self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
         group = self.mesh.get_group("dp") if world > 1 else None
         self.parallel_state = ParallelState(dp_size=world, dp_rank=rank, dp_group=group, dp_cp_group=group)
-        self.loss_config = LossConfig.from_args(args)
-        self.attn_implementation = getattr(args, "fsdp_attn_implementation", "sdpa")
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        self.loss_config = config.loss
+        self.attn_implementation = config.model.attn_implementation
+        random.seed(config.model.seed)
+        np.random.seed(config.model.seed)
+        torch.manual_seed(config.model.seed)
         self.model = self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, args)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
         self._ref_model = None
 
     @classmethod
-    def from_args(cls, args) -> "FSDPBackend":
-        return cls(args)
+    def from_config(cls, config: TrainConfig) -> "FSDPBackend":
+        return cls(config)
 
     # -- model ------------------------------------------------------------------------------
     def _build_model(self, *, frozen: bool = False):
@@ -97,18 +98,18 @@ class FSDPBackend(TrainBackend):
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
         model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
         if self._use_fused_head(model):
-            install_fused_head(model, fp32=bool(self.args.fp32_lm_head))
-        elif self.args.fp32_lm_head:
+            install_fused_head(model, fp32=self.config.model.fp32_lm_head)
+        elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
         self.tied_names = _tied_names(model)
         if frozen:
             model.requires_grad_(False).eval()
         model.to(self.device)
-        return shard_model(model, self.mesh, bf16=bool(self.args.bf16))
+        return shard_model(model, self.mesh, bf16=self.config.model.bf16)
 
     def _use_fused_head(self, model) -> bool:
         """The fused head + log-probs unless ``--disable-fused-lm-head`` or the model needs its logits."""
-        if getattr(self.args, "disable_fused_lm_head", False):
+        if not self.config.model.fused_lm_head:
             return False
         reason = fused_head_unsupported(model)
         if reason is not None:
@@ -125,8 +126,8 @@ class FSDPBackend(TrainBackend):
     def _plan(self, batch: StepBatch, micro_batches) -> List[torch.Tensor]:
         if micro_batches is not None:
             return [torch.as_tensor(m, dtype=torch.long) for m in micro_batches]
-        budget = self.args.max_tokens_per_gpu if self.args.use_dynamic_batch_size else None
-        return plan_micro_batches(batch, micro_batch_size=self.args.micro_batch_size, max_tokens_per_gpu=budget,
+        b = self.config.batching
+        return plan_micro_batches(batch, micro_batch_size=b.micro_batch_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
                                   dp_group=self.parallel_state.dp_group)
 
     def _num_passes(self, plan: List[torch.Tensor]) -> int:
@@ -187,7 +188,7 @@ class FSDPBackend(TrainBackend):
                                               with_entropy=cfg.needs_entropy)
             out = ctx.loss(logp, ent if cfg.needs_entropy else None, mb)
             out.objective.backward()  # factor 1: FSDP sums over DP (module docstring)
-        norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))
+        norm = clip_grad_norm(self.params, self.config.optimizer.clip_grad)
         if not math.isfinite(norm):
             # Same rank-consistent outcome as Megatron's skipped step: nothing is applied.
             self.optimizer.zero_grad(set_to_none=True)
@@ -197,7 +198,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         report = ctx.finish()
         report.update(grad_norm=norm, lr=lr, num_micro_batches=float(passes))
         return report
@@ -223,11 +224,11 @@ class FSDPBackend(TrainBackend):
         extra = dict(extra or {})
         ckpt.save(path, self.model, self.optimizer, step=step, extra=extra,
                   backend_state={"optimizer_steps": self.optimizer_steps})
-        if self.args.save_hf:
-            self.save_hf(self.args.save_hf)
+        if self.config.model.save_hf:
+            self.save_hf(self.config.model.save_hf)
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir)
         self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
-        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         return {"step": int(meta["step"]), "extra": meta.get("extra", {})}
