@@ -107,18 +107,18 @@ class RolloutManager:
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutData:
-        a = self.config
+        cfg = self.config
         if self.group_filter is None:
-            recs = self.train.next_batch(a.rollout_batch_size)
-            data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
+            recs = self.train.next_batch(cfg.rollout_batch_size)
+            data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
             data = self._dynamic_rollout(rollout_id)
-        if a.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
-            data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
-        if a.overlong_buffer_len is not None:
+        if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
+            data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
+        if cfg.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths, max_len=a.engine.max_response_len, buffer_len=a.overlong_buffer_len,
-                factor=a.overlong_penalty_factor,
+                data.response_lengths, max_len=cfg.engine.max_response_len, buffer_len=cfg.overlong_buffer_len,
+                factor=cfg.overlong_penalty_factor,
             )
             data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
@@ -128,20 +128,20 @@ class RolloutManager:
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
         """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
-        a = self.config
-        want, n = a.rollout_batch_size, a.n_samples_per_prompt
-        per_round = a.over_sampling_batch_size or want
+        cfg = self.config
+        want, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
+        per_round = cfg.over_sampling_batch_size or want
         kept: List[RolloutData] = []
         generated = passed = 0
         gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
         for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
             recs = self.train.next_batch(per_round)
-            data, samples = self._rollout(recs, n, seed=a.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
+            data, samples = self._rollout(recs, n, seed=cfg.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
             gen_time += data.stats["rollout_gen_time"]
             reward_time += data.stats["rollout_reward_time"]
             truncated += data.stats["truncated_frac"] * data.num_groups
             raw_rewards.append(data.rewards)
-            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(a, samples[g * n : (g + 1) * n]))]
+            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(cfg, samples[g * n : (g + 1) * n]))]
             generated += data.num_groups
             passed += len(keep)
             have = sum(k.num_groups for k in kept)
@@ -151,7 +151,7 @@ class RolloutManager:
                 break
         else:
             raise RuntimeError(
-                f"--dynamic-sampling-filter-path {a.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
+                f"--dynamic-sampling-filter-path {cfg.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
                 f"passed in {MAX_DYNAMIC_SAMPLING_ROUNDS} rounds of --over-sampling-batch-size {per_round}, short of "
                 f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
             )
