@@ -23,6 +23,15 @@ def validate(args) -> None:
             "(it would otherwise silently never decay)",
             "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant",
         )
+    if args.train_backend == "megatron":
+        pp = getattr(args, "pipeline_model_parallel_size", 1)  # getattr: a foreign (Megatron-LM) parser may lack it
+        if pp is not None and pp > 1:
+            fail(f"--train-backend megatron with --pipeline-model-parallel-size {pp}",
+                 "rl_plugin's Megatron backend has no pipeline schedule for the RL step yet",
+                 "use --pipeline-model-parallel-size 1 and shard with TP / CP / DP instead")
+        if getattr(args, "fp16", False):
+            fail("--train-backend megatron with --fp16", "rl_plugin's Megatron backend trains in bf16 or fp32 (no fp16 loss scaling path)",
+                 "use --bf16 (bf16 compute, fp32 main weights and gradients)")
     if args.train_backend == "fsdp":
         for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size), ("--context-parallel-size", args.context_parallel_size)):
             if value > 1:

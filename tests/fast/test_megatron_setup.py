@@ -34,14 +34,15 @@ def test_context_parallel_one_is_fine():
 
 
 def test_pipeline_parallel_is_rejected():
-    args = model_config("--pipeline-model-parallel-size", "2", world_size=2)
+    """The flag rule refuses it at parse time (test_arguments); the backend refuses a config built without the CLI."""
+    args = ModelConfig(pipeline_model_parallel_size=2)
     with pytest.raises(MegatronSetupError, match=r"--pipeline-model-parallel-size > 1 is not supported.*Fix"):
         setup.check_supported(args)
 
 
 def test_fp16_is_rejected_before_building():
     with pytest.raises(MegatronSetupError, match=r"--fp16 is not supported.*--bf16"):
-        setup.build_model(model_config("--fp16"), "/nonexistent")
+        setup.build_model(ModelConfig(fp16=True), "/nonexistent")
 
 
 def test_world_not_divisible_by_model_parallel():
