@@ -5,15 +5,13 @@ backends, train actors and the rollout side receive them and never see the ``Nam
 value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
 default)`` below the CLI); a value derived from several flags is computed here, once.
 
-=================  ===========================================================================
-``ModelConfig``    what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP
-``OptimizerConfig`` ``--optimizer``, learning-rate schedule, Adam/SGD settings, ``--clip-grad``
-``BatchingConfig`` micro-batches (``--micro-batch-size`` or the token budget), step sizes
-``LossConfig``     the loss core's settings (``rl_plugin.loss.config``, extended here)
-``TrainConfig``    one training process: the four above + ``--train-backend``, seed, old log-probs
-``EngineConfig``   the generation engine: ``--rollout-engine``, sampling, engine TP, seed
-``RolloutConfig``  the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
-=================  ===========================================================================
+- ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed
+- ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
+- ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
+- ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
+- ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``
+- ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
+- ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
 
 ``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
 in the process that builds it.

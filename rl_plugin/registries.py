@@ -4,17 +4,13 @@ Entries are ``"package.module:attr"`` strings (``Registry.register_lazy``), so i
 module imports no torch: the flag layer (``rl_plugin.arguments``) reads ``names()`` for argparse
 ``choices``, and the code that runs a piece resolves it with ``get(name)``.
 
-=====================  ==========================  =============================================
-registry               flag                        implemented in
-=====================  ==========================  =============================================
-POLICY_LOSSES          (from --advantage-estimator) ``rl_plugin.loss.policy``
-ADVANTAGE_ESTIMATORS   --advantage-estimator        ``rl_plugin.loss.advantages``
-LOSS_AGGREGATIONS      --loss-aggregation           ``rl_plugin.loss.aggregation``
-KL_ESTIMATORS          --kl-loss-type               ``rl_plugin.loss.kl``
-REWARDS                --rm-type                    ``rl_plugin.rollout.rewards``
-ROLLOUT_ENGINES        --rollout-engine             ``rl_plugin.rollout.{hf,vllm,sglang}_engine``
-TRAIN_BACKENDS         --train-backend              ``rl_plugin.backends.{megatron,fsdp}``
-=====================  ==========================  =============================================
+- ``POLICY_LOSSES``: chosen by ``--advantage-estimator`` (gspo -> gspo, else ppo_clip); ``rl_plugin.loss.policy``
+- ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages``
+- ``LOSS_AGGREGATIONS``: ``--loss-aggregation``; ``rl_plugin.loss.aggregation``
+- ``KL_ESTIMATORS``: ``--kl-loss-type``; ``rl_plugin.loss.kl``
+- ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards``
+- ``ROLLOUT_ENGINES``: ``--rollout-engine``; ``rl_plugin.rollout.{hf,vllm,sglang}_engine``
+- ``TRAIN_BACKENDS``: ``--train-backend``; ``rl_plugin.backends.{megatron,fsdp}``
 
 To add one: implement it beside its peers, add a ``register_lazy`` line here (or, from your own
 code, ``REGISTRY.register(name, obj)`` before the parser is built), and the flag accepts it.
