@@ -2,14 +2,20 @@
 defaults are the parser's, and nothing below the CLI reads the flags' namespace."""
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from rl_plugin.arguments import parse_args
-from rl_plugin.configs import (BatchingConfig, EngineConfig, LossConfig, ModelConfig, OptimizerConfig, RolloutConfig,
-                               TrainConfig)
+from rl_plugin.configs import (
+    BatchingConfig,
+    EngineConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 
 CONFIGS = [ModelConfig, OptimizerConfig, BatchingConfig, LossConfig, EngineConfig, RolloutConfig, TrainConfig]
 
