@@ -48,10 +48,10 @@ def ppo_tokens(logp, old, adv, eps, eps_high, c):
         r = torch.exp(lp - o)
         l1 = -a * r
         l2 = -a * torch.clamp(r, 1 - eps, 1 + eps_high)
-        l = torch.maximum(l1, l2)
+        term = torch.maximum(l1, l2)
         if c is not None and float(a) < 0:
-            l = torch.minimum(l, -a * c)
-        out.append(l)
+            term = torch.minimum(term, -a * c)
+        out.append(term)
     return torch.stack(out) if out else logp.new_zeros(0)
 
 

@@ -123,7 +123,7 @@ def test_same_weights_under_the_same_names(results):
 @pytest.mark.parametrize("case", list(CASES))
 def test_backends_agree(results, case):
     errs = {}
-    for rank, r in enumerate(results):
+    for r in results:
         m, f = r["out"][case]["megatron"], r["out"][case]["fsdp"]
         # J and the loss terms are sums of per-token terms of magnitude <= scale (log-probs, advantages)
         assert within(f["report"]["loss"], m["report"]["loss"], rtol=FP32_MODEL, scale=r["scale"]), case

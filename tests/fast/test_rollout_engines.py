@@ -187,7 +187,7 @@ def test_vllm_reads_back_its_weights_bitwise(vllm_run, ckpt):
 
 
 def test_vllm_update_drops_the_prefix_cache(vllm_run):
-    for (ids, n, got), ref in zip(vllm_run["after_update"], vllm_run["after_update_ref"]):
+    for (_ids, n, got), ref in zip(vllm_run["after_update"], vllm_run["after_update_ref"]):
         assert n == LONG_PROMPT
         err = (torch.tensor(got) - ref).abs().max()
         assert float(err) < MAX_BOUND, float(err)
