@@ -12,7 +12,7 @@ from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
 from rl_plugin.loop.driver import WeightSyncError, compare_fingerprints
 from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
-from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.loop.steps import RankPlan, plan_docs_steps, plan_global_batch_steps, rollout_batch, split_rollout_for_dp
 from rl_plugin.rollout.manager import RolloutData, weights_fingerprint
 from rl_plugin.train import parse_train_args
 from tests.fast.tolerance import FP32_LOSS_CORE, tensor_within
@@ -57,6 +57,30 @@ def test_global_batch_must_divide_the_rollout():
     b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")
     with pytest.raises(RLArgumentError, match=r"--global-batch-size 5: a rollout of --rollout-batch-size x --n-samples-per-prompt = 12 samples"):
         plan_global_batch_steps(b, global_batch_size=5, dp_size=1)
+
+
+def test_rank_plan_steps_are_slices_of_the_batch_with_their_micro_batches():
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    plans = plan_global_batch_steps(b, global_batch_size=6, dp_size=2)
+    steps = list(plans[1].steps())
+    assert [(s.num_samples, g, m) for s, g, m in steps] == [(3, 2, None), (3, 2, None)]  # micro-batches: the step's own
+    assert torch.equal(steps[1][0].tokens, b.select(torch.tensor([9, 10, 11])).tokens)
+    plans[1].batch.old_log_probs = torch.zeros(int(plans[1].batch.response_lengths.sum()))  # set after planning...
+    assert all(s.old_log_probs is not None for s, _, _ in plans[1].steps())  # ...travels with each step
+    with pytest.raises(ValueError, match="RankPlan: 2 step bounds, 1 group counts and no micro-batch lists"):
+        RankPlan(b, [(0, 6), (6, 12)], [3])
+
+
+def test_docs_per_step_plan_on_one_rank():
+    """Micro-batches of 2 samples, steps of >= 5 documents: 3 micro-batches per step, the last
+    step keeps the short tail; micro-batch indices are relative to the step's start."""
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    plan = plan_docs_steps(b, num_groups=3, docs_per_step=5, micro_batch_size=2)
+    assert plan.step_bounds == [(0, 6), (6, 12)] and plan.step_num_groups == [3, 3]
+    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1], [2, 3], [4, 5]]] * 2
+    plan = plan_docs_steps(b, num_groups=3, docs_per_step=8, micro_batch_size=3)
+    assert plan.step_bounds == [(0, 9), (9, 12)]
+    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[0, 1, 2]]]
 
 
 def test_docs_per_step_split_is_contiguous():
