@@ -45,15 +45,12 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from rl_plugin.cp import segment_ids
 from rl_plugin.user_code import load_function
 
 TIS_LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "mask")
 LOG_WEIGHT_BOUND = 20.0
-
-
-def _sample_ids(response_lengths: torch.Tensor) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(response_lengths.numel()), response_lengths.long())
 
 
 def tis_weights_and_flags(
@@ -79,7 +76,7 @@ def tis_weights_and_flags(
             log_rho = d
         else:
             rl = response_lengths.long()
-            sid = _sample_ids(rl)
+            sid = segment_ids(rl)
             seq = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, sid, d)
             if level == "geometric":
                 counts = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, sid, m)
@@ -132,7 +129,7 @@ def tis_weights(
         old_log_probs, rollout_log_probs, loss_mask, response_lengths, level=level, mode=mode, clip_low=clip_low, clip_high=clip_high
     )
     m = loss_mask.detach().to(torch.float64)
-    sid = _sample_ids(response_lengths)
+    sid = segment_ids(response_lengths)
     s = max(response_lengths.numel(), 1)
     per_sample = 1.0 / (s * torch.zeros(response_lengths.numel(), dtype=torch.float64).index_add_(0, sid, m).clamp_min(1.0))
     w_sm = m * per_sample[sid]

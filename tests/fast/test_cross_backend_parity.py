@@ -48,7 +48,7 @@ PAD_ID = 0  # the tiny models' pad_token_id
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch, with_old_log_probs
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
     from rl_plugin.batching import plan_micro_batches
     from rl_plugin.loss import LossConfig
 

@@ -15,7 +15,7 @@ from tests.fast.harness import run_world
 
 def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-distributed-optimizer")):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
 
     flags = ["--hf-checkpoint", hf_dir, *precision_flags, "--lr", "0.01",
              "--lr-decay-style", "linear", "--lr-decay-iters", "10", "--micro-batch-size", "2"]
@@ -64,7 +64,7 @@ def test_resume_continues_identical_trajectory(tmp_path, precision_flags):
 
 def _missing_worker(rank, world, hf_dir, path):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args
+    from tests.fast.megatron_common import make_args
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir))
     try:

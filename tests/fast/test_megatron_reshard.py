@@ -36,14 +36,14 @@ FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "lin
 
 
 def _batches():
-    from rl_plugin.backends.megatron.testing import synthetic_batch
+    from tests.fast.megatron_common import synthetic_batch
 
     return [synthetic_batch(seed=s, num_prompts=2, n_per_prompt=4) for s in (1, 2, 3)]
 
 
 def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_dir=None):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args
+    from tests.fast.megatron_common import dp_shard, make_args
 
     if other_hf_dir:  # a checkpoint of another model (wider MLP), for the refusal below
         other = MegatronBackend.from_args(make_args("--hf-checkpoint", other_hf_dir, *FLAGS, world_size=world))

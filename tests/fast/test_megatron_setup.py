@@ -7,7 +7,7 @@ import pytest
 from rl_plugin.backends.megatron import setup
 from rl_plugin.backends.megatron.bridge import transformer_engine_available
 from rl_plugin.backends.megatron.setup import MegatronSetupError
-from rl_plugin.backends.megatron.testing import make_args
+from tests.fast.megatron_common import make_args
 
 
 @pytest.mark.skipif(transformer_engine_available(), reason="transformer-engine is installed: CP is allowed")

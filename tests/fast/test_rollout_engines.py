@@ -230,7 +230,7 @@ def test_vllm_split_over_engines_samples_the_same(vllm_run):
 def _agreement_worker(rank, world, ckpt, samples):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args
+    from tests.fast.megatron_common import make_args
     from rl_plugin.loss import LossConfig, StepBatch
 
     backends = {"megatron": MegatronBackend.from_args(make_args("--hf-checkpoint", ckpt, world_size=world)),
