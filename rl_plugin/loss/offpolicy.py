@@ -1,6 +1,6 @@
 """Off-policy correction between the engine's sampling policy and the trainer's old policy.
 
-Three policies meet in a step (DESIGN.md, "Off-policy data"): the engine's sampling policy
+Three policies meet in a step (docs/design.md, "Off-policy data"): the engine's sampling policy
 mu (rollout log-probs), the trainer's policy at the start of the rollout pi_old (old log-probs)
 and the policy being optimised. PPO/GSPO ratios are taken against pi_old; the train-inference
 mismatch pi_old / mu is corrected here by a DETACHED importance weight w that multiplies the
@@ -31,7 +31,7 @@ batch is never CP-sliced), so sequence-level weights are exact without any colle
 built once per step on each rank's full responses and sliced per micro-batch like every other
 per-token field.
 
-Mismatch metrics (always measured when both log-probs are present; DESIGN.md "Metrics" keeps
+Mismatch metrics (always measured when both log-probs are present; docs/design.md "Metrics" keeps
 diagnostics as sample means):
 
     mismatch/abs_diff_mean   SampleMean |d_t|             mismatch/abs_diff_max   max_t |d_t|

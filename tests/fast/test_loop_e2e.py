@@ -86,7 +86,7 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     evals = [r for r in rows if "eval/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["rollout_id"] for r in train] == [0, 0, 1, 1, 2, 2]
-    assert [r["samples_seen"] for r in train] == [8.0 * s for s in range(1, 7)]  # DESIGN: samples seen so far
+    assert [r["samples_seen"] for r in train] == [8.0 * s for s in range(1, 7)]  # docs/design.md: samples seen so far
     assert [(r["rollout_id"], r["step"]) for r in evals] == [(1, 4), (2, 6)]
     for r in train:
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["samples"] == 8.0 and r["grad_norm"] > 0
