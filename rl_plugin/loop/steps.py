@@ -68,10 +68,6 @@ class RankPlan:
                 "each step needs one of each"
             )
 
-    @property
-    def num_steps(self) -> int:
-        return len(self.step_bounds)
-
     def steps(self) -> Iterator[Tuple[StepBatch, int, Optional[List[torch.Tensor]]]]:
         """``(step batch, num_groups, micro_batches or None)`` of each step, in order; the step
         batch is sliced from ``batch`` when reached, so per-token fields set on ``batch`` before

@@ -106,6 +106,27 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
         assert t["time/rollout_generate"] + t["time/rollout_reward"] <= t["time/rollout_call"]
 
 
+# The checkpoint layout the loop owns (docs/design.md "Checkpoints"): the tracker and one complete
+# iter_* directory per save, each holding the backend's files directly (nothing nested, no staging
+# left behind). DCP names one shard file per rank (__<rank>_0.distcp); both runs have 2 ranks.
+CHECKPOINT_FILES = {
+    "fsdp": [".metadata", "__0_0.distcp", "__1_0.distcp", "loop_state.json", "meta.pt", "rng_rank0.pt", "rng_rank1.pt"],
+    "megatron": [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "loop_state.json", "metadata.json",
+                 "rng_rank0.pt", "rng_rank1.pt"],
+}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_checkpoint_layout_on_disk(runs_a, backend):
+    root = runs_a[backend] / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in range(1, 7)] + ["latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    for s in range(1, 7):
+        assert sorted(p.name for p in (root / f"iter_{s:07d}").iterdir()) == CHECKPOINT_FILES[backend], s
+    state = json.loads((root / "iter_0000006" / "loop_state.json").read_text())
+    assert (state["step"], state["next_rollout"], state["train_backend"]) == (6, 3, backend)
+
+
 def test_same_seed_other_backend_same_first_step(runs_a):
     f = [r for r in _lines(runs_a["fsdp"] / "metrics.jsonl") if "loss" in r][0]
     m = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r][0]

@@ -28,7 +28,6 @@ import torch
 
 from tests.fast import checkpointing
 from tests.fast.harness import run_world
-
 from tests.fast.tolerance import FP32_MODEL, within
 
 FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "linear", "--lr-decay-iters", "10",

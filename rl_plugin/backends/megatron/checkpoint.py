@@ -153,7 +153,9 @@ def _sync_torch_dist_strategy():
     give a checkpoint the default ``torch_dist`` load strategy reads."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
 
