@@ -119,9 +119,10 @@ CHECKPOINT_FILES = {
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_checkpoint_layout_on_disk(runs_a, backend):
     root = runs_a[backend] / "ckpt"
-    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in range(1, 7)] + ["latest_checkpointed_iteration.txt"]
+    saved = (2, 4, 6)  # --save-interval 1: after every rollout, 2 steps each
+    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in saved] + ["latest_checkpointed_iteration.txt"]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "6\n"
-    for s in range(1, 7):
+    for s in saved:
         assert sorted(p.name for p in (root / f"iter_{s:07d}").iterdir()) == CHECKPOINT_FILES[backend], s
     state = json.loads((root / "iter_0000006" / "loop_state.json").read_text())
     assert (state["step"], state["next_rollout"], state["train_backend"]) == (6, 3, backend)

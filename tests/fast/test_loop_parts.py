@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError
-from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
+from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, read_loop_state, resolve, step_dir, write_tracker
 from rl_plugin.loop.driver import WeightSyncError, compare_fingerprints
 from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
@@ -108,6 +108,30 @@ def test_checkpoint_tracker(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(ValueError, match="holds 'release', not a step number"):
         latest_step(tmp_path)
+
+
+def test_save_stages_then_renames_then_moves_the_tracker(tmp_path):
+    """The loop's layout without a backend: files go into iter_*.partial, the commit adds
+    loop_state.json, renames the directory and writes the tracker; a save of the same step
+    again replaces the directory; --load resolves the root or a step dir, never a .partial."""
+    staging = begin_save(tmp_path, 3)
+    assert staging.name == "iter_0000003.partial" and list(staging.iterdir()) == []
+    (staging / "shard.bin").write_bytes(b"a")
+    assert latest_step(tmp_path) is None  # nothing is a resume point before the commit
+    final = commit_save(tmp_path, 3, {"step": 3, "train_backend": "fsdp"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in final.iterdir()) == ["loop_state.json", "shard.bin"]
+    assert latest_step(tmp_path) == 3 and read_loop_state(tmp_path, 3) == {"step": 3, "train_backend": "fsdp"}
+    begin_save(tmp_path, 3).joinpath("shard.bin").write_bytes(b"b")
+    commit_save(tmp_path, 3)
+    assert (final / "shard.bin").read_bytes() == b"b" and not (final / "loop_state.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert resolve(tmp_path) == final and resolve(final) == final
+    begin_save(tmp_path, 4)
+    with pytest.raises(FileNotFoundError, match=r"unfinished save .* Fix: --load its parent directory"):
+        resolve(tmp_path / "iter_0000004.partial")
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint root"):
+        resolve(tmp_path / "nowhere")
 
 
 def test_metrics_are_appended_never_truncated_and_plotted(tmp_path):
