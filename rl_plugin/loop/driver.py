@@ -27,10 +27,11 @@ from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.plot import plot_reward_curve
-from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+from rl_plugin.step_plan import plan_global_batch_steps, split_rollout_for_dp
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")

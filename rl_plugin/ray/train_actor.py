@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from rl_plugin.loop.steps import RankPlan, plan_docs_steps
 from rl_plugin.loss.batch import StepBatch
+from rl_plugin.step_plan import RankPlan, plan_docs_steps
 
 BACKENDS = {
     "megatron": "rl_plugin.backends.megatron.backend:MegatronBackend",
@@ -78,7 +78,7 @@ class TrainActor:
 
     def train_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
-        ``train_step`` per step of the plan (``rl_plugin.loop.steps.RankPlan``)."""
+        ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``)."""
         batch = plan.batch
         t0 = time.perf_counter()
         if self.args.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
