@@ -21,16 +21,17 @@ import ray
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.rollout import validate_engine_installed
-from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir, write_loop_state, write_tracker
+from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.plot import plot_reward_curve
-from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+from rl_plugin.step_plan import plan_global_batch_steps, split_rollout_for_dp
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")
@@ -237,26 +238,22 @@ class Driver:
     def train_rollout(self, data) -> List[Dict[str, Any]]:
         a, g = self.args, self.group
         batch = rollout_batch(data, a.advantage_estimator)
-        if a.docs_per_step is not None:
+        if a.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
-            per_rank = [(shares[g.dp_rank(r)],) for r in range(g.world_size)]
-            plans = g.call("plan_docs_steps", per_rank)
-            args = [(per_rank[r][0], plans[r][0], [data.num_groups] * len(plans[r][0]), plans[r][1]) for r in range(g.world_size)]
+            plans = g.call("plan_docs_steps", [(shares[g.dp_rank(r)], data.num_groups) for r in range(g.world_size)])
         else:
-            gbs = a.global_batch_size or batch.num_samples
-            plans = plan_global_batch_steps(batch, global_batch_size=gbs, dp_size=g.dp_size)
-            args = [(p.batch, p.step_bounds, p.step_num_groups) for p in (plans[g.dp_rank(r)] for r in range(g.world_size))]
-        return g.call("train_rollout", args)[0]
+            by_dp = plan_global_batch_steps(batch, global_batch_size=a.global_batch_size or batch.num_samples, dp_size=g.dp_size)
+            plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
+        return g.call("train_rollout", [(plan,) for plan in plans])[0]  # one RankPlan per rank
 
     def save(self, rollout_id: int) -> None:
         a = self.args
         # the dataset position after rollout_id's generate (training, sync and eval do not move it)
         extra = {"rollout_id": rollout_id + 1, "rollout_state": self.rollout_state, "samples_seen": self.samples_seen}
-        path = step_dir(a.save, self.step)
-        self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
-        write_loop_state(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
-                                             "train_backend": a.train_backend, "num_rollout": a.num_rollout})
-        write_tracker(a.save, self.step)  # only once every rank has finished writing
+        staging = begin_save(a.save, self.step)  # the layout: rl_plugin.loop.checkpoint
+        self.group.call("save", [(str(staging), self.step, extra)] * self.group.world_size)
+        commit_save(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
+                                        "train_backend": a.train_backend, "num_rollout": a.num_rollout})  # once every rank wrote
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from rl_plugin.cp import segment_ids
 from rl_plugin.registries import ADVANTAGE_ESTIMATORS  # the names; entries point at the functions below
 
 EPS = 1e-6
@@ -59,7 +60,7 @@ def reinforce_pp_baseline_advantages(rewards, group_ids, *, response_lengths=Non
     if response_lengths is None:
         weights = torch.ones_like(centred)
     else:  # whiten over tokens: a sample's advantage counts once per masked response token
-        sid = torch.repeat_interleave(torch.arange(rewards.numel()), torch.as_tensor(response_lengths).long())
+        sid = segment_ids(response_lengths)
         m = torch.ones(sid.numel(), dtype=torch.float64) if loss_mask is None else loss_mask.to(torch.float64)
         weights = torch.zeros_like(centred).index_add_(0, sid, m)
     total = weights.sum().clamp_min(1)

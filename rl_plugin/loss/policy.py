@@ -30,6 +30,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from rl_plugin.cp import segment_ids
 from rl_plugin.loss.comm import all_reduce_sum
 from rl_plugin.registries import POLICY_LOSSES  # the names; entries point at the functions below
 
@@ -96,7 +97,7 @@ def gspo_loss(
             raise ValueError("gspo_loss needs response_lengths or sample_ids")
         response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
         num_samples = response_lengths.numel()
-        sample_ids = torch.repeat_interleave(torch.arange(num_samples), response_lengths)
+        sample_ids = segment_ids(response_lengths)
     if num_samples is None:
         raise ValueError("gspo_loss: num_samples is required with sample_ids")
     dtype = log_probs.dtype

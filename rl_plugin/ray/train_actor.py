@@ -12,13 +12,14 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.registries import TRAIN_BACKENDS
+from rl_plugin.step_plan import RankPlan, plan_docs_steps
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
@@ -68,10 +69,10 @@ class TrainActor:
             if rank == self.rank and step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def train_rollout(self, batch: StepBatch, step_bounds: Sequence[Tuple[int, int]], step_num_groups: Sequence[int],
-                      step_micro_batches: Optional[List[List[torch.Tensor]]] = None) -> List[Dict[str, Any]]:
-        """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
-        ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
+    def train_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
+        """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
+        ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``)."""
+        batch = plan.batch
         t0 = time.perf_counter()
         if self.config.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
             if batch.rollout_log_probs is None:
@@ -83,11 +84,10 @@ class TrainActor:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
         logprob_time = time.perf_counter() - t0
         reports = []
-        for k, ((start, end), num_groups) in enumerate(zip(step_bounds, step_num_groups)):
+        for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
             self._maybe_fault(self.step + 1)
             t1 = time.perf_counter()
-            sub = batch.select(torch.arange(start, end))
-            kwargs = {} if step_micro_batches is None else {"micro_batches": step_micro_batches[k]}
+            kwargs = {} if micro_batches is None else {"micro_batches": micro_batches}
             report = dict(self.backend.train_step(sub, num_groups=num_groups, **kwargs))
             self.step += 1
             report = {key: _plain(v) for key, v in report.items()}
@@ -96,21 +96,12 @@ class TrainActor:
             reports.append(report)
         return reports
 
-    def plan_docs_steps(self, batch: StepBatch) -> Tuple[List[Tuple[int, int]], List[List[torch.Tensor]]]:
-        """--docs-per-step: this rank's micro-batches grouped into steps (collective over DP)."""
-        from rl_plugin.batching import plan_micro_batches, plan_steps_by_docs
-
+    def plan_docs_steps(self, batch: StepBatch, num_groups: int) -> RankPlan:
+        """--docs-per-step: this rank's plan of its share ``batch`` (collective over DP)."""
         b = self.config.batching
-        dp_group = self.backend.parallel_state.dp_group
-        mbs = plan_micro_batches(batch, micro_batch_size=b.micro_batch_size, max_tokens_per_gpu=b.max_tokens_per_gpu, dp_group=dp_group)
-        steps = plan_steps_by_docs(mbs, b.docs_per_step, dp_group=dp_group)
-        bounds, micro = [], []
-        for step in steps:  # micro-batches are contiguous runs, so a step is a contiguous slice
-            idx = torch.cat(step) if step else torch.zeros(0, dtype=torch.long)
-            start = int(idx[0]) if idx.numel() else (bounds[-1][1] if bounds else 0)
-            bounds.append((start, start + idx.numel()))
-            micro.append([m - start for m in step if m.numel()])
-        return bounds, micro
+        return plan_docs_steps(batch, num_groups=num_groups, docs_per_step=b.docs_per_step,
+                               micro_batch_size=b.micro_batch_size, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                               dp_group=self.backend.parallel_state.dp_group)
 
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, buffer_bytes: int) -> Optional[List[Any]]:

@@ -7,8 +7,8 @@ import pytest
 from rl_plugin.backends.megatron import setup
 from rl_plugin.backends.megatron.bridge import transformer_engine_available
 from rl_plugin.backends.megatron.setup import MegatronSetupError
-from rl_plugin.backends.megatron.testing import make_args
 from rl_plugin.configs import ModelConfig
+from tests.fast.megatron_common import make_args
 
 
 def model_config(*flags, world_size=1):
