@@ -97,6 +97,7 @@ def iter_buckets(state_dict: Dict[str, torch.Tensor], buffer_bytes: int) -> Iter
 
 
 PROBE_ELEMENTS = 4096  # strided elements compared first when looking for a change
+BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def node_id() -> str:
@@ -115,7 +116,8 @@ def whole_groups(names: Sequence[str], all_names: Sequence[str]) -> List[str]:
 def changed_bitwise(old: torch.Tensor, new: torch.Tensor) -> bool:
     """True unless ``new`` equals ``old`` bit for bit (-0.0 vs 0.0 and NaN payloads count). A
     strided probe of ``PROBE_ELEMENTS`` first: a trained tensor differs there almost surely."""
-    a, b = old.reshape(-1).view(torch.uint8), new.reshape(-1).view(torch.uint8)
+    bits = BITS_OF_SIZE[old.element_size()]  # the same-width integer type: equal ints = equal bits
+    a, b = old.reshape(-1).view(bits), new.reshape(-1).view(bits)
     step = max(1, a.numel() // PROBE_ELEMENTS)
     if not torch.equal(a[::step], b[::step]):
         return True
