@@ -212,7 +212,7 @@ class Driver:
         """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
         (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
         data = self._retrying("generate", k, lambda: generate_ref(self.rollout, k, self.faults))
-        self.rollout_state = self._rollout_call("state_dict")
+        self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
         return data
 
     def _retrying(self, method: str, k: int, submit):

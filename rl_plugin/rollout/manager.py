@@ -56,6 +56,7 @@ class RolloutData:
     num_groups: int
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
+    dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
 
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
@@ -123,6 +124,7 @@ class RolloutManager:
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
             data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
             data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         return data
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
