@@ -184,7 +184,10 @@ def sweep_stale(directory: Path = SEGMENT_DIR, dead_pids: Optional[Iterable[int]
         if pid is None or pid == os.getpid():
             continue
         if (pid in dead) if dead is not None else not _running(pid):
-            _unlink(str(path))
+            try:
+                path.unlink()
+            except OSError:  # gone meanwhile, or another user's (sticky /dev/shm): not ours to remove
+                continue
             removed.append(path)
     return removed
 
