@@ -95,7 +95,6 @@ def iter_buckets(state_dict: Dict[str, torch.Tensor], buffer_bytes: int) -> Iter
         yield {n: state_dict[n].detach().to("cpu").contiguous() for n in names}
 
 
-
 PROBE_ELEMENTS = 4096  # strided elements compared first when looking for a change
 BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
