@@ -106,6 +106,7 @@ class Driver:
         self.rollout = None
         self.engines = []
         self.last_sync = {"bytes": 0.0, "seconds": 0.0}
+        self.sync_target = None  # (rollout manager, its engines' Ray node ids, the sync version they hold)
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -173,24 +174,37 @@ class Driver:
             raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def sync_weights(self) -> float:
-        """Train rank 0 publishes its export in buckets of --update-weight-buffer-size bytes;
-        every engine loads them in place (the driver only passes the bucket handles along)."""
+        """Train rank 0 publishes its export (``rl_plugin.rollout.weight_sync``: shared memory for
+        the engines on its node, the object store for the others, only the tensors changed since
+        the engines' last sync); every engine loads it in place. Rank 0's handle goes to the
+        rollout manager as an ObjectRef, so the load starts as soon as rank 0 published, without
+        a round trip through the driver; --check-weight-sync fingerprints come back with it."""
+        from rl_plugin.rollout.weight_sync import SyncRequest
+
         t0 = time.perf_counter()
-        handles = self.group.call("export_weight_buckets", [(self.args.update_weight_buffer_size,)] * self.group.world_size)[0]
+        a, g = self.args, self.group
+        if self.sync_target is None or self.sync_target[0] is not self.rollout:  # first sync, or a restarted manager
+            self.sync_target = (self.rollout, self._rollout_call("engine_node_ids"), None)
+        _, nodes, since = self.sync_target
+        request = SyncRequest(buffer_bytes=a.update_weight_buffer_size, transport=a.update_weight_transport,
+                              engine_nodes=tuple(nodes), since_version=since, fingerprint=bool(a.check_weight_sync))
+        refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
+        update = self.rollout.update_weights.remote(refs[0])
+        handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
         try:
-            self.last_sync = ray.get(self.rollout.update_weights.remote(handles))  # bytes, slowest engine's load seconds
+            self.last_sync = ray.get(update)  # bytes, slowest engine's load seconds
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not _actor_died(exc):
                 raise LoopError(f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}") from None
             self._restart_rollout("update_weights", exc)  # the fresh manager and engines are synced there
             return time.perf_counter() - t0
         finally:
-            del handles  # the buckets are freed once no one holds their handles
-        if self.args.check_weight_sync:
-            trainer = self.group.call("weights_fingerprint")[0]
-            for i, rollout in enumerate(self._rollout_call("weights_fingerprint")):
+            del refs, update  # the buckets are freed once no one holds their handles
+        self.sync_target = (self.rollout, nodes, handle.version)
+        if a.check_weight_sync:
+            for i, rollout in enumerate(self.last_sync.pop("fingerprints")):
                 try:
-                    compare_fingerprints(trainer, rollout)
+                    compare_fingerprints(handle.fingerprint, rollout)
                 except WeightSyncError as exc:
                     raise WeightSyncError(f"rollout engine {i}: {exc}") from None
         return time.perf_counter() - t0
@@ -199,7 +213,7 @@ class Driver:
         """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
         (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
         data = self._retrying("generate", k, lambda: generate_ref(self.rollout, k, self.faults))
-        self.rollout_state = self._rollout_call("state_dict")
+        self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
         return data
 
     def _retrying(self, method: str, k: int, submit):

@@ -35,6 +35,7 @@ class TrainActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.backend = None
+        self.publisher = None  # the weight sync's rank-0 side, made at the first export
         self.step = 0
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
 
@@ -104,16 +105,24 @@ class TrainActor:
                                dp_group=self.backend.parallel_state.dp_group)
 
     # -- weights and checkpoints --------------------------------------------------------------
-    def export_weight_buckets(self, buffer_bytes: int) -> Optional[List[Any]]:
-        """Collective export (each TP shard gathered once); rank 0 cuts it into buckets of at
-        most ``buffer_bytes`` (``--update-weight-buffer-size``) and publishes them through the
-        weight transport, returning the handles the engines read them by; other ranks None."""
-        from rl_plugin.rollout.weight_sync import ObjectStoreTransport, iter_buckets
+    def export_weight_buckets(self, request) -> Optional[Any]:
+        """Collective export (each TP shard gathered once); rank 0 publishes it for the engines
+        (``rl_plugin.rollout.weight_sync.WeightPublisher``: shared memory on its node, the object
+        store for other nodes, only the tensors that changed) and returns the ``SyncHandle``;
+        other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
+        from rl_plugin.rollout.weight_sync import WeightPublisher
 
         sd = self.backend.export_hf_state_dict()
         if self.rank != 0:
             return None
-        return ObjectStoreTransport().send(iter_buckets(sd, buffer_bytes))
+        if self.publisher is None:
+            self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
+        return self.publisher.publish(sd, request)
+
+    def close_weight_sync(self) -> None:
+        """Unlink the weight segment (teardown; a killed process's segment is swept later)."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def weights_fingerprint(self) -> Optional[Dict[str, str]]:
         from rl_plugin.rollout.manager import weights_fingerprint

@@ -105,6 +105,11 @@ class TrainGroup:
         return info[rank] if info and rank < len(info) else None
 
     def kill(self) -> None:
+        """Unlink rank 0's weight segment (if it still answers), then kill every rank."""
+        try:
+            ray.get(self.actors[0].close_weight_sync.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead rank 0: its segment is swept by the next run or the reaper
+            pass
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)

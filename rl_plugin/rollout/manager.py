@@ -34,7 +34,7 @@ from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
-from rl_plugin.rollout.weight_sync import ObjectStoreTransport
+from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 
@@ -57,6 +57,7 @@ class RolloutData:
     num_groups: int
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
+    dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
 
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
@@ -98,6 +99,7 @@ class RolloutManager:
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
+        self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
         self.train = PromptDataset.from_jsonl(train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
@@ -124,6 +126,7 @@ class RolloutManager:
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
             data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
             data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         return data
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
@@ -230,19 +233,29 @@ class RolloutManager:
         return [g for part in ray.get(refs) for g in part]
 
     # -- weights ------------------------------------------------------------------------------
-    def update_weights(self, handles: Sequence[Any]) -> Dict[str, float]:
-        """Load the buckets behind ``handles`` (``rl_plugin.rollout.weight_sync``) into every
-        engine, in place; returns the bytes per engine and the slowest engine's seconds."""
+    def engine_node_ids(self) -> List[str]:
+        """The Ray node id of every engine process (this actor's when the engine lives here):
+        train rank 0 publishes through shared memory to the engines on its node."""
         if self.engine is not None:
-            t0, nbytes = time.perf_counter(), 0
-            for bucket in ObjectStoreTransport().receive(handles):
-                self.engine.update_weights(bucket)
-                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
-            return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+            return [node_id()]
         import ray
 
-        stats = ray.get([e.update_weights.remote(handles) for e in self.engines])
-        return {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+        return ray.get([e.node_id.remote() for e in self.engines])
+
+    def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
+        """Load the sync behind ``handle`` (``rl_plugin.rollout.weight_sync``) into every engine,
+        in place; returns the bytes per engine, the slowest engine's seconds and, under
+        --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
+        if self.engine is not None:
+            stats = [load_sync(self.engine, self.receiver, handle)]
+        else:
+            import ray
+
+            stats = ray.get([e.update_weights.remote(handle) for e in self.engines])
+        out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+        if handle.fingerprint is not None:
+            out["fingerprints"] = [s["fingerprint"] for s in stats]
+        return out
 
     def weights_fingerprint(self) -> List[Dict[str, str]]:
         """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""
