@@ -27,7 +27,7 @@ def _worker(rank, world, tp, hf_dir, steps, prompts, n):
     import torch.distributed as dist
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
                                                   "--micro-batch-size", "4", "--lr", "1e-4", world_size=world))

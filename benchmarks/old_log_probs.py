@@ -28,13 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def worker(rank, world, backend_name, hf_dir, rollouts):
     from benchmarks.fsdp_step import make_batch
     from rl_plugin.arguments import parse_args
+    from rl_plugin.configs import TrainConfig
     from rl_plugin.ray.train_actor import TrainActor, backend_class
+    from rl_plugin.step_plan import RankPlan
 
-    args = parse_args(["--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--micro-batch-size", "4",
-                       "--lr", "1e-4", "--actor-num-gpus-per-node", str(world)])
-    backend = backend_class(backend_name).from_args(args)
+    config = TrainConfig.from_args(parse_args([
+        "--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--micro-batch-size", "4", "--lr", "1e-4",
+        "--actor-num-gpus-per-node", str(world)]))
+    backend = backend_class(backend_name).from_config(config)
     actor = TrainActor(rank, world)
-    actor.args, actor.backend = args, backend
+    actor.config, actor.backend = config, backend
     batch, groups = make_batch()
     g = torch.Generator().manual_seed(3)
     batch = replace(batch, rollout_log_probs=backend.compute_log_probs(batch) + 0.05 * torch.randn(
@@ -44,7 +47,7 @@ def worker(rank, world, backend_name, hf_dir, rollouts):
         for fused in (False, True):
             actor.fuse_old_log_probs = fused
             t0 = time.perf_counter()
-            actor.train_rollout(replace(batch), [(0, batch.num_samples)], [groups])
+            actor.train_rollout(RankPlan(replace(batch), [(0, batch.num_samples)], [groups]))
             if i:  # the first rollout of each warms up
                 times[fused].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}

@@ -50,6 +50,13 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
+def segment_ids(lengths: torch.Tensor) -> torch.Tensor:
+    """The segment (sample) of every element of consecutive runs: ``i`` repeated ``lengths[i]``
+    times, ``[sum lengths]`` int64 on ``lengths``' device. ``segment_ids([2, 0, 3]) == [0, 0, 2, 2, 2]``."""
+    lengths = torch.as_tensor(lengths).long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+
+
 def _as_long(x: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.long).reshape(-1)
 
@@ -223,14 +230,14 @@ def build_response_layout(
     n = (b - a).reshape(-1)
     resp_off = exclusive_cumsum(resp).unsqueeze(1)
     tok_off = exclusive_cumsum(total).unsqueeze(1)
-    sample_ids = torch.repeat_interleave(torch.arange(total.numel()).repeat_interleave(2), n)
+    sample_ids = segment_ids(n) // 2  # n: per (sample, chunk), two chunks per sample
     resp_index = expand_runs((resp_off + a - lo).reshape(-1), n)
     logit_index = expand_runs((chunk_local_off + a - starts).reshape(-1), n)
     target_index = expand_runs((tok_off + a + 1).reshape(-1), n)
 
     # Model input: every local position, -1 where it is padding.
     positions = expand_runs(starts.reshape(-1), lengths.reshape(-1))
-    owner = torch.repeat_interleave(torch.arange(total.numel()), local_len)
+    owner = segment_ids(local_len)
     input_index = torch.where(positions < total[owner], tok_off.squeeze(1)[owner] + positions, -1)
 
     return ResponseLayout(

@@ -3,12 +3,14 @@
 - ``add_rl_arguments(parser) -> parser``: adds the RL flags. Works on our own parser and as
   Megatron-LM's ``extra_args_provider`` (flags Megatron-LM already defines are not redefined).
 - ``validate_rl_args(args)``: phase 1, static checks; raises ``RLArgumentError`` naming the flags,
-  the rule and the fix, and reconciles ``--calculate-per-token-loss`` with ``--loss-aggregation``.
+  the rule and the fix; then writes the derived settings once (``--calculate-per-token-loss`` <=>
+  ``--loss-aggregation token_mean``). The rules never write ``args``, so their order is free.
 - ``validate_world(args, dp_size=...)``: phase 2, checks that need the world (DP size).
 - ``build_parser()``: our standalone parser = Megatron-LM compat flags + RL flags.
 
 A flag module is a file here with ``add_arguments(parser)`` and ``validate(args)`` (optionally
-``validate_world(args, dp_size=...)``), listed in ``FLAG_MODULES`` in validation order.
+``validate_world(args, dp_size=...)``), listed in ``FLAG_MODULES`` (the order of the ``--help`` groups).
+Each flag is defined once (``_util.add_flag`` raises on a second rl_plugin definition).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "rollout",
+    "weight_sync",
     "off_policy",
     "cluster",
     "logging",
@@ -47,11 +50,17 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
-    from rl_plugin.arguments import megatron_compat
+    """Phase 1: every module's rules, then the derived settings, written once.
+
+    A rule only reads the flags as given (a derived value it needs comes from a pure function such
+    as ``aggregation.resolved_mode``), so the rules can run in any order and never see another
+    rule's writes; ``aggregation.resolve`` then writes the one derived setting. Idempotent."""
+    from rl_plugin.arguments import aggregation, megatron_compat
 
     megatron_compat.validate(args)  # ranges of the Megatron-LM flags we read (theirs or ours)
     for mod in _modules():
         mod.validate(args)
+    aggregation.resolve(args)
     return args
 
 

@@ -6,15 +6,14 @@ See DESIGN.md for the exact J of each mode; ``rl_plugin.loss.aggregation`` imple
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
-
-MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+from rl_plugin.registries import LOSS_AGGREGATIONS
 DEFAULT_MODE = "sample_mean"
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("loss aggregation", "How per-token policy losses become the step objective J.")
     add_flag(
-        g, "--loss-aggregation", choices=MODES, default=None,
+        g, "--loss-aggregation", choices=LOSS_AGGREGATIONS.names(), default=None,
         help=(
             "How the policy loss is averaged over a step; every denominator is global over the step. "
             "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "
@@ -27,10 +26,6 @@ def add_arguments(parser):
     add_flag(
         g, "--loss-aggregation-divisor", type=float, default=None,
         help="The constant L of --loss-aggregation constant (Dr.GRPO uses the maximum response length, e.g. 4096). Only valid with constant.",
-    )
-    add_flag(
-        g, "--calculate-per-token-loss", action="store_true",
-        help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
     )
     add_flag(
         g, "--custom-pg-loss-reducer-function-path", type=str, default=None,
@@ -46,13 +41,28 @@ def add_arguments(parser):
     return parser
 
 
+def resolved_mode(args) -> str:
+    """The aggregation mode the flags ask for: ``--loss-aggregation``, else token_mean under
+    Megatron-LM's ``--calculate-per-token-loss`` (defined in ``megatron_compat``, or by Megatron-LM's
+    own parser), else sample_mean. A pure function of the flags as given: every rule that needs
+    the mode calls it, so no rule depends on another having run first."""
+    if args.loss_aggregation is not None:
+        return args.loss_aggregation
+    return "token_mean" if args.calculate_per_token_loss else DEFAULT_MODE
+
+
+def resolve(args) -> None:
+    """Write the derived setting once, after every rule passed (``validate_rl_args``):
+    ``loss_aggregation`` = the resolved mode, and ``calculate_per_token_loss`` <=> token_mean."""
+    mode = resolved_mode(args)
+    args.loss_aggregation = mode
+    args.calculate_per_token_loss = mode == "token_mean"
+
+
 def validate(args) -> None:
     explicit = args.loss_aggregation
     per_token = bool(args.calculate_per_token_loss)
-    if explicit is None:
-        mode = "token_mean" if per_token else DEFAULT_MODE
-    else:
-        mode = explicit
+    mode = resolved_mode(args)
     if args.custom_pg_loss_reducer_function_path and explicit not in (None, DEFAULT_MODE):
         fail(
             "--custom-pg-loss-reducer-function-path with --loss-aggregation " + explicit,
@@ -84,7 +94,3 @@ def validate(args) -> None:
             "the divisor is only used by the constant mode and would be silently ignored",
             "add --loss-aggregation constant, or drop --loss-aggregation-divisor",
         )
-    # Reconcile into one setting: token_mean <=> calculate_per_token_loss.
-    args.loss_aggregation = mode
-    if mode == "token_mean":
-        args.calculate_per_token_loss = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.arguments.aggregation import resolved_mode
 from rl_plugin.arguments.policy import GROUP_RELATIVE
 
 
@@ -41,7 +42,7 @@ def validate(args) -> None:
                 "a step is sized by one or the other: docs-per-step ends a step once the global document count reaches its target",
                 "drop one of the two flags",
             )
-        if args.loss_aggregation == "prompt_mean":
+        if resolved_mode(args) == "prompt_mean":
             fail(
                 "--loss-aggregation prompt_mean with --docs-per-step",
                 "a docs-per-step boundary falls wherever the document count crosses the target and can split a prompt group across two optimizer steps",
@@ -57,7 +58,7 @@ def validate(args) -> None:
             f"a rollout of --rollout-batch-size x --n-samples-per-prompt = {args.rollout_batch_size} x {n} = {rollout} samples must split into whole optimizer steps",
             f"use a --global-batch-size that divides {rollout}, e.g. {_largest_divisor_at_most(rollout, gbs)}",
         )
-    if args.loss_aggregation == "prompt_mean" and gbs is not None and gbs % n != 0:
+    if resolved_mode(args) == "prompt_mean" and gbs is not None and gbs % n != 0:
         fail(
             f"--loss-aggregation prompt_mean with --global-batch-size {gbs} and --n-samples-per-prompt {n}",
             "a step must never split a prompt group, so the global batch must be a multiple of the group size",

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 from rl_plugin.arguments._util import add_flag, fail
-from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES
-from rl_plugin.rollout.filters import BUILTIN_FILTER
+from rl_plugin.arguments.aggregation import resolved_mode
+from rl_plugin.registries import BUILTIN_FILTER, TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import load_function
 
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
@@ -125,7 +125,7 @@ def _validate_debug(args) -> None:
 
 def _validate_deepspeed(args) -> None:
     if args.deepspeed_grad_scale:
-        agg = getattr(args, "loss_aggregation", "sample_mean")
+        agg = resolved_mode(args)
         if agg != "sample_mean" or args.calculate_per_token_loss or args.custom_pg_loss_reducer_function_path:
             fail("--deepspeed-grad-scale", f"DeepSpeed's loss / N, gradient / N^2 applies when normalising by documents, not with --loss-aggregation {agg} or a custom reducer", "use --loss-aggregation sample_mean without a custom reducer, or drop --deepspeed-grad-scale")
     if args.deepspeed_metric_names and args.pg_metrics == "none":

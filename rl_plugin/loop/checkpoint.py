@@ -1,20 +1,34 @@
-"""Checkpoint bookkeeping of the loop (the backend writes model/optimizer/RNG inside a step dir).
+"""The checkpoint layout of a run, owned by the loop (the backends write only their own files).
 
-Layout, as Megatron-LM: ``<save>/iter_0000012/`` (the backend's files) and
-``<save>/latest_checkpointed_iteration.txt`` naming the last COMPLETE one; the tracker is
-written (atomically) only after every rank returned from ``save_checkpoint``, so a crash mid-save
-leaves the previous checkpoint as the resume point.
+``--save DIR`` holds, with Megatron-LM's names so tooling that reads them keeps working::
 
-Beside the backend's files the loop writes ``loop_state.json`` into each step dir (before the
-tracker): the backend that wrote it and where the loop stood (next rollout, samples seen). The
-trainer reads it before Ray starts to refuse a checkpoint of the other backend, or a finished run
-with nothing left to train, in its first second.
+    DIR/latest_checkpointed_iteration.txt   the last COMPLETE step; written last, atomically
+    DIR/iter_0000012/                        one complete checkpoint:
+        <the backend's files>                  written by ``TrainBackend.save_checkpoint(dir)``
+        loop_state.json                        the backend that wrote it, where the loop stood
+    DIR/iter_0000012.partial/                a save in progress (never read by --load)
+
+A save is three steps, done by ONE process (the driver; in a test, rank 0 between barriers):
+
+1. ``begin_save``: a fresh, empty ``iter_*.partial`` (one left by a killed save is removed);
+2. every training rank writes its files into it (``save_checkpoint`` of the backend);
+3. ``commit_save``: ``loop_state.json`` into the staging directory, then the staging directory
+   is renamed to ``iter_*`` (``os.replace`` of a directory is atomic on POSIX file systems),
+   and only then the tracker is moved to the new step.
+
+A process killed at any point therefore leaves either the previous tracker (pointing at a
+complete directory) or the new one: a crash mid-save leaves the previous checkpoint as the
+resume point, and a ``.partial`` directory is refused by ``resolve``.
+
+``loop_state.json`` lets the trainer refuse, before Ray starts, a checkpoint of the other
+backend or a finished run with nothing left to train.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -22,17 +36,17 @@ from rl_plugin.arguments.paths import CHECKPOINT_TRACKER as TRACKER
 from rl_plugin.arguments.paths import STEP_DIR, latest_checkpoint_step
 
 LOOP_STATE = "loop_state.json"
+PARTIAL = ".partial"
 
 
 def step_dir(root, step: int) -> str:
-    return str(Path(root) / f"iter_{step:07d}")
+    """``root/iter_{step:07d}``: where the complete checkpoint of ``step`` lives."""
+    return str(Path(root) / f"iter_{int(step):07d}")
 
 
-def write_tracker(root, step: int) -> None:
-    path = Path(root) / TRACKER
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{step}\n")
-    os.replace(tmp, path)
+def partial_dir(root, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written until it is complete."""
+    return Path(step_dir(root, step) + PARTIAL)
 
 
 def latest_step(root) -> Optional[int]:
@@ -40,11 +54,32 @@ def latest_step(root) -> Optional[int]:
     return latest_checkpoint_step(root)
 
 
-def write_loop_state(root, step: int, state: Dict[str, Any]) -> None:
-    path = Path(step_dir(root, step)) / LOOP_STATE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, sort_keys=True))
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or its old content, never a part of it (fsync, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_tracker(root, step: int) -> None:
+    """Point ``root``'s tracker at ``step``."""
+    _write_atomic(Path(root) / TRACKER, f"{int(step)}\n")
+
+
+def write_loop_state(root, step: int, state: Dict[str, Any]) -> None:
+    """``loop_state.json`` of the complete checkpoint of ``step``."""
+    _write_atomic(Path(step_dir(root, step)) / LOOP_STATE, json.dumps(state, sort_keys=True))
 
 
 def read_loop_state(root, step: int) -> Optional[Dict[str, Any]]:
@@ -52,16 +87,73 @@ def read_loop_state(root, step: int) -> Optional[Dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def begin_save(root, step: int) -> Path:
+    """Step 1 of a save: a fresh, empty ``iter_*.partial`` directory; returns it."""
+    staging = partial_dir(root, step)
+    if staging.exists():  # left by a save that was killed: never resumed from, safe to drop
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename the complete ``staging`` directory to ``final``, replacing an older ``final`` of
+    the same step (one written after the tracker's step by a run killed before moving it)."""
+    old = final.with_name(final.name + ".replaced")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def commit_save(root, step: int, loop_state: Optional[Dict[str, Any]] = None) -> Path:
+    """Step 3 of a save, once every rank has written its files into ``partial_dir(root, step)``:
+    ``loop_state.json``, the rename to ``iter_*``, then the tracker (last). Returns the step dir."""
+    staging, final = partial_dir(root, step), Path(step_dir(root, step))
+    if loop_state is not None:
+        _write_atomic(staging / LOOP_STATE, json.dumps(loop_state, sort_keys=True))
+    publish(staging, final)
+    write_tracker(root, step)
+    return final
+
+
+def resolve(path) -> Path:
+    """The complete step directory ``--load path`` means: a ``--save`` root (its tracker names
+    the step) or one ``iter_*`` directory. An unfinished ``.partial`` save is refused."""
+    p = Path(path)
+    if p.name.endswith(PARTIAL):
+        raise FileNotFoundError(
+            f"--load {path}: this is an unfinished save (killed while writing); it is never a resume point. "
+            f"Fix: --load its parent directory {p.parent} (its {TRACKER} names the last complete step)"
+        )
+    step = latest_step(p)
+    if step is not None:
+        d = Path(step_dir(p, step))
+        if not d.is_dir():
+            raise FileNotFoundError(f"--load {path}: {TRACKER} names step {step} but {d} does not exist")
+        return d
+    if STEP_DIR.match(p.name) and p.is_dir():
+        return p
+    raise FileNotFoundError(
+        f"--load {path}: neither a checkpoint root with {TRACKER} nor an iter_{{step:07d}} checkpoint directory"
+    )
+
+
 def written_by(root, step: int) -> Optional[str]:
-    """Which backend wrote the checkpoint at ``step``: ``loop_state.json`` says so; older
-    checkpoints are recognised by their files (Megatron: dist_checkpointing's ``common.pt``, or
-    the older ``latest`` + ``iter_*/rank_*.pt``; FSDP: ``meta.pt`` + DCP ``.metadata``; Megatron's
-    ``torch_dist`` has a ``.metadata`` too, so it is checked first). None when neither matches."""
+    """Which backend wrote the checkpoint at ``step``: ``loop_state.json`` says so; checkpoints
+    without one (written by a backend outside the loop) are recognised by their files (Megatron:
+    dist_checkpointing's ``common.pt``, or the refused per-rank ``rank_*.pt`` format; FSDP:
+    ``meta.pt`` + DCP ``.metadata``; Megatron's ``torch_dist`` has a ``.metadata`` too, so it is
+    checked first). None when neither matches."""
     state = read_loop_state(root, step)
     if state and state.get("train_backend"):
         return state["train_backend"]
     d = Path(step_dir(root, step))
-    if (d / "common.pt").is_file() or (d / "latest").is_file() or any(d.glob("iter_*/rank_*.pt")):
+    if (d / "common.pt").is_file() or (d / "latest").is_file() or any(d.glob("rank_*.pt")) or any(d.glob("iter_*/rank_*.pt")):
         return "megatron"
     if (d / "meta.pt").is_file() or (d / ".metadata").is_file():
         return "fsdp"

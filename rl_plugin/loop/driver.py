@@ -21,16 +21,17 @@ import ray
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.rollout import validate_engine_installed
-from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir, write_loop_state, write_tracker
+from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.plot import plot_reward_curve
-from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+from rl_plugin.step_plan import plan_global_batch_steps, split_rollout_for_dp
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")
@@ -105,6 +106,7 @@ class Driver:
         self.rollout = None
         self.engines = []
         self.last_sync = {"bytes": 0.0, "seconds": 0.0}
+        self.sync_target = None  # (rollout manager, its engines' Ray node ids, the sync version they hold)
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -172,24 +174,37 @@ class Driver:
             raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
 
     def sync_weights(self) -> float:
-        """Train rank 0 publishes its export in buckets of --update-weight-buffer-size bytes;
-        every engine loads them in place (the driver only passes the bucket handles along)."""
+        """Train rank 0 publishes its export (``rl_plugin.rollout.weight_sync``: shared memory for
+        the engines on its node, the object store for the others, only the tensors changed since
+        the engines' last sync); every engine loads it in place. Rank 0's handle goes to the
+        rollout manager as an ObjectRef, so the load starts as soon as rank 0 published, without
+        a round trip through the driver; --check-weight-sync fingerprints come back with it."""
+        from rl_plugin.rollout.weight_sync import SyncRequest
+
         t0 = time.perf_counter()
-        handles = self.group.call("export_weight_buckets", [(self.args.update_weight_buffer_size,)] * self.group.world_size)[0]
+        a, g = self.args, self.group
+        if self.sync_target is None or self.sync_target[0] is not self.rollout:  # first sync, or a restarted manager
+            self.sync_target = (self.rollout, self._rollout_call("engine_node_ids"), None)
+        _, nodes, since = self.sync_target
+        request = SyncRequest(buffer_bytes=a.update_weight_buffer_size, transport=a.update_weight_transport,
+                              engine_nodes=tuple(nodes), since_version=since, fingerprint=bool(a.check_weight_sync))
+        refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
+        update = self.rollout.update_weights.remote(refs[0])
+        handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
         try:
-            self.last_sync = ray.get(self.rollout.update_weights.remote(handles))  # bytes, slowest engine's load seconds
+            self.last_sync = ray.get(update)  # bytes, slowest engine's load seconds
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not _actor_died(exc):
                 raise LoopError(f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}") from None
             self._restart_rollout("update_weights", exc)  # the fresh manager and engines are synced there
             return time.perf_counter() - t0
         finally:
-            del handles  # the buckets are freed once no one holds their handles
-        if self.args.check_weight_sync:
-            trainer = self.group.call("weights_fingerprint")[0]
-            for i, rollout in enumerate(self._rollout_call("weights_fingerprint")):
+            del refs, update  # the buckets are freed once no one holds their handles
+        self.sync_target = (self.rollout, nodes, handle.version)
+        if a.check_weight_sync:
+            for i, rollout in enumerate(self.last_sync.pop("fingerprints")):
                 try:
-                    compare_fingerprints(trainer, rollout)
+                    compare_fingerprints(handle.fingerprint, rollout)
                 except WeightSyncError as exc:
                     raise WeightSyncError(f"rollout engine {i}: {exc}") from None
         return time.perf_counter() - t0
@@ -198,7 +213,7 @@ class Driver:
         """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
         (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
         data = self._retrying("generate", k, lambda: generate_ref(self.rollout, k, self.faults))
-        self.rollout_state = self._rollout_call("state_dict")
+        self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
         return data
 
     def _retrying(self, method: str, k: int, submit):
@@ -237,26 +252,22 @@ class Driver:
     def train_rollout(self, data) -> List[Dict[str, Any]]:
         a, g = self.args, self.group
         batch = rollout_batch(data, a.advantage_estimator)
-        if a.docs_per_step is not None:
+        if a.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
-            per_rank = [(shares[g.dp_rank(r)],) for r in range(g.world_size)]
-            plans = g.call("plan_docs_steps", per_rank)
-            args = [(per_rank[r][0], plans[r][0], [data.num_groups] * len(plans[r][0]), plans[r][1]) for r in range(g.world_size)]
+            plans = g.call("plan_docs_steps", [(shares[g.dp_rank(r)], data.num_groups) for r in range(g.world_size)])
         else:
-            gbs = a.global_batch_size or batch.num_samples
-            plans = plan_global_batch_steps(batch, global_batch_size=gbs, dp_size=g.dp_size)
-            args = [(p.batch, p.step_bounds, p.step_num_groups) for p in (plans[g.dp_rank(r)] for r in range(g.world_size))]
-        return g.call("train_rollout", args)[0]
+            by_dp = plan_global_batch_steps(batch, global_batch_size=a.global_batch_size or batch.num_samples, dp_size=g.dp_size)
+            plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
+        return g.call("train_rollout", [(plan,) for plan in plans])[0]  # one RankPlan per rank
 
     def save(self, rollout_id: int) -> None:
         a = self.args
         # the dataset position after rollout_id's generate (training, sync and eval do not move it)
         extra = {"rollout_id": rollout_id + 1, "rollout_state": self.rollout_state, "samples_seen": self.samples_seen}
-        path = step_dir(a.save, self.step)
-        self.group.call("save", [(path, self.step, extra)] * self.group.world_size)
-        write_loop_state(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
-                                             "train_backend": a.train_backend, "num_rollout": a.num_rollout})
-        write_tracker(a.save, self.step)  # only once every rank has finished writing
+        staging = begin_save(a.save, self.step)  # the layout: rl_plugin.loop.checkpoint
+        self.group.call("save", [(str(staging), self.step, extra)] * self.group.world_size)
+        commit_save(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
+                                        "train_backend": a.train_backend, "num_rollout": a.num_rollout})  # once every rank wrote
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:

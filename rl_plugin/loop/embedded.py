@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rl_plugin.arguments.embedded import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DIGITS  # noqa: F401 (re-exported)
+from rl_plugin.arguments.embedded import EMBEDDED_TASK_DIGITS
 from rl_plugin.rollout.task import DIGITS, write_task_data
 from rl_plugin.rollout.tokenizer import CharTokenizer
 

@@ -1,4 +1,5 @@
-"""Advantage estimators over whole prompt groups, registered by name (``--advantage-estimator``).
+"""Advantage estimators over whole prompt groups, registered by name (``--advantage-estimator``,
+``rl_plugin.registries.ADVANTAGE_ESTIMATORS``).
 
 Rewards r_i of N samples with group ids g(i), group size n_g, group mean mu_g, std sigma_g:
 
@@ -17,21 +18,14 @@ Advantages are then broadcast to every response token (``to_tokens``).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Optional
 
 import torch
 
-ESTIMATORS: Dict[str, Callable[..., torch.Tensor]] = {}
+from rl_plugin.cp import segment_ids
+from rl_plugin.registries import ADVANTAGE_ESTIMATORS  # the names; entries point at the functions below
+
 EPS = 1e-6
-
-
-def register_estimator(*names: str):
-    def deco(fn):
-        for name in names:
-            ESTIMATORS[name] = fn
-        return fn
-
-    return deco
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
@@ -44,33 +38,29 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     return n[group_ids], mean[group_ids], std[group_ids]
 
 
-@register_estimator("grpo", "gspo")
 def grpo_advantages(rewards, group_ids, **_):
     _, mean, std = _group_stats(rewards, group_ids)
     return ((rewards.to(torch.float64) - mean) / (std + EPS)).to(rewards.dtype)
 
 
-@register_estimator("dr_grpo")
 def dr_grpo_advantages(rewards, group_ids, **_):
     _, mean, _ = _group_stats(rewards, group_ids)
     return (rewards.to(torch.float64) - mean).to(rewards.dtype)
 
 
-@register_estimator("rloo")
 def rloo_advantages(rewards, group_ids, **_):
     n, mean, _ = _group_stats(rewards, group_ids)
     scale = torch.where(n > 1, n / (n - 1).clamp_min(1), torch.zeros_like(n))
     return (scale * (rewards.to(torch.float64) - mean)).to(rewards.dtype)
 
 
-@register_estimator("reinforce_plus_plus_baseline")
 def reinforce_pp_baseline_advantages(rewards, group_ids, *, response_lengths=None, loss_mask=None, **_):
     _, mean, _ = _group_stats(rewards, group_ids)
     centred = rewards.to(torch.float64) - mean
     if response_lengths is None:
         weights = torch.ones_like(centred)
     else:  # whiten over tokens: a sample's advantage counts once per masked response token
-        sid = torch.repeat_interleave(torch.arange(rewards.numel()), torch.as_tensor(response_lengths).long())
+        sid = segment_ids(response_lengths)
         m = torch.ones(sid.numel(), dtype=torch.float64) if loss_mask is None else loss_mask.to(torch.float64)
         weights = torch.zeros_like(centred).index_add_(0, sid, m)
     total = weights.sum().clamp_min(1)
@@ -91,10 +81,7 @@ def compute_advantages(
     bad = torch.nonzero(~torch.isfinite(rewards)).flatten()
     if bad.numel():
         raise ValueError(f"sample {int(bad[0])}: reward {rewards[bad[0]].item()} is not finite")
-    try:
-        fn = ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(f"unknown --advantage-estimator {estimator!r}; registered: {sorted(ESTIMATORS)}") from None
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
     return fn(rewards, group_ids.long(), response_lengths=response_lengths, loss_mask=loss_mask)
 
 

@@ -26,9 +26,32 @@ import torch
 from rl_plugin.loss.counts import StepCounts, counts_of, sample_token_counts
 from rl_plugin.loss.segments import repeat_per_token
 from rl_plugin.parallel import ParallelState
+from rl_plugin.registries import LOSS_AGGREGATIONS
 from rl_plugin.user_code import load_function
 
-AGGREGATION_MODES = ("sample_mean", "prompt_mean", "token_mean", "constant")
+AGGREGATION_MODES = LOSS_AGGREGATIONS.names()
+
+# One function per mode (registered by name in ``rl_plugin.registries.LOSS_AGGREGATIONS``):
+# (mask m, global counts, per_token: [S] -> [sum R_i] repeat, group ids, divisor) -> w.
+
+
+def sample_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
+    return per_token(1.0 / (float(counts.num_samples) * counts.sample_tokens.clamp_min(1.0))).mul_(m)
+
+
+def token_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
+    return m / max(counts.total_tokens, 1.0)
+
+
+def prompt_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
+    per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
+    return per_token(per_group[group_ids.long()]).mul_(m)
+
+
+def constant_weights(m, counts: StepCounts, per_token, group_ids, divisor):
+    if divisor is None or not math.isfinite(divisor) or divisor <= 0:
+        raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
+    return m / (float(counts.num_samples) * float(divisor))
 
 
 def token_weights(
@@ -44,24 +67,13 @@ def token_weights(
 
     Linear in tokens, no loop over samples: a per-sample factor is repeated over its tokens in
     one pass (``segments.repeat_per_token``) and multiplied by the mask."""
+    weights_of = LOSS_AGGREGATIONS.get(mode)  # an unknown mode names --loss-aggregation and the choices
     m = loss_mask.detach().to(dtype)
-    n = float(counts.num_samples)
 
     def per_token(per_sample: torch.Tensor) -> torch.Tensor:  # [S] float64 -> [sum R_i] dtype
         return repeat_per_token(per_sample.to(dtype), response_lengths, m.shape[0])
 
-    if mode == "sample_mean":
-        return per_token(1.0 / (n * counts.sample_tokens.clamp_min(1.0))).mul_(m)
-    if mode == "token_mean":
-        return m / max(counts.total_tokens, 1.0)
-    if mode == "prompt_mean":
-        per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
-        return per_token(per_group[group_ids.long()]).mul_(m)
-    if mode == "constant":
-        if divisor is None or not math.isfinite(divisor) or divisor <= 0:
-            raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
-        return m / (n * float(divisor))
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGGREGATION_MODES}")
+    return weights_of(m, counts, per_token, group_ids, divisor)
 
 
 def aggregate(

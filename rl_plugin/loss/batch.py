@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from rl_plugin.cp import exclusive_cumsum, expand_runs
+from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
 from rl_plugin.loss.errors import BadBatchError
 
 PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs")
@@ -38,7 +38,7 @@ class StepBatch:
 
     def response_sample_ids(self) -> torch.Tensor:
         """Sample index of every response token, ``[sum R_i]``."""
-        return torch.repeat_interleave(torch.arange(self.num_samples), self.response_lengths.long())
+        return segment_ids(self.response_lengths)
 
     def validate(self) -> "StepBatch":
         """Raise ``BadBatchError`` naming the first bad sample; returns self when valid.

@@ -45,8 +45,9 @@ class LossConfig:
 
     @classmethod
     def from_args(cls, args) -> "LossConfig":
-        """From an argparse namespace that went through ``validate_rl_args``."""
-        path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+        """From an argparse namespace that went through ``validate_rl_args`` (every value from the
+        parser, whose defaults are the only defaults; ``rl_plugin.configs.TrainConfig`` calls this)."""
+        path = args.custom_pg_loss_reducer_function_path
         tis_path = args.custom_tis_function_path
         return cls(
             loss_aggregation=args.loss_aggregation,
@@ -64,8 +65,8 @@ class LossConfig:
             pg_metrics=args.pg_metrics,
             custom_pg_reducer=load_custom_reducer(path) if path else None,
             qkv_format=args.qkv_format,
-            max_seq_len=getattr(args, "seq_length", None) if args.qkv_format == "bshd" else None,
-            logprob_chunk_size=int(getattr(args, "log_probs_chunk_size", 1024) or 1024),
+            max_seq_len=args.seq_length if args.qkv_format == "bshd" else None,
+            logprob_chunk_size=int(args.log_probs_chunk_size),
             use_tis=bool(args.use_tis),
             tis_level=args.tis_level,
             tis_mode=args.tis_mode,

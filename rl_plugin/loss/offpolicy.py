@@ -1,6 +1,6 @@
 """Off-policy correction between the engine's sampling policy and the trainer's old policy.
 
-Three policies meet in a step (DESIGN.md, "Off-policy data"): the engine's sampling policy
+Three policies meet in a step (docs/design.md, "Off-policy data"): the engine's sampling policy
 mu (rollout log-probs), the trainer's policy at the start of the rollout pi_old (old log-probs)
 and the policy being optimised. PPO/GSPO ratios are taken against pi_old; the train-inference
 mismatch pi_old / mu is corrected here by a DETACHED importance weight w that multiplies the
@@ -31,7 +31,7 @@ batch is never CP-sliced), so sequence-level weights are exact without any colle
 built once per step on each rank's full responses and sliced per micro-batch like every other
 per-token field.
 
-Mismatch metrics (always measured when both log-probs are present; DESIGN.md "Metrics" keeps
+Mismatch metrics (always measured when both log-probs are present; docs/design.md "Metrics" keeps
 diagnostics as sample means):
 
     mismatch/abs_diff_mean   SampleMean |d_t|             mismatch/abs_diff_max   max_t |d_t|
@@ -45,16 +45,11 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from rl_plugin.cp import segment_ids
+from rl_plugin.registries import TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import load_function
 
-TIS_LEVELS = ("token", "sequence", "geometric")
-TIS_MODES = ("truncate", "mask")
 LOG_WEIGHT_BOUND = 20.0
-
-
-def _sample_ids(response_lengths: torch.Tensor, device=None) -> torch.Tensor:
-    rl = response_lengths.long().to(device)
-    return torch.repeat_interleave(torch.arange(rl.numel(), device=rl.device), rl)
 
 
 def tis_weights_and_flags(
@@ -80,7 +75,7 @@ def tis_weights_and_flags(
             log_rho = d
         else:
             n = response_lengths.numel()
-            sid = _sample_ids(response_lengths, d.device)  # on the device of the log-probs
+            sid = segment_ids(response_lengths.long().to(d.device))  # on the device of the log-probs
             seq = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, d)
             if level == "geometric":
                 counts = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, m)
@@ -133,7 +128,7 @@ def tis_weights(
         old_log_probs, rollout_log_probs, loss_mask, response_lengths, level=level, mode=mode, clip_low=clip_low, clip_high=clip_high
     )
     m = loss_mask.detach().to(torch.float64)
-    sid = _sample_ids(response_lengths)
+    sid = segment_ids(response_lengths)
     s = max(response_lengths.numel(), 1)
     per_sample = 1.0 / (s * torch.zeros(response_lengths.numel(), dtype=torch.float64).index_add_(0, sid, m).clamp_min(1.0))
     w_sm = m * per_sample[sid]

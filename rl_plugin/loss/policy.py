@@ -1,4 +1,4 @@
-"""Policy-gradient losses, registered by name. Each returns ``(per_token_loss, clipped)``.
+"""Policy-gradient losses, registered by name (``rl_plugin.registries.POLICY_LOSSES``). Each returns ``(per_token_loss, clipped)``.
 
 Per-token outputs let any aggregation mode (``aggregation.py``) apply on top.
 
@@ -26,31 +26,24 @@ are dropped from every sum.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
+from rl_plugin.cp import segment_ids
 from rl_plugin.loss.comm import all_reduce_sum
+from rl_plugin.registries import POLICY_LOSSES  # the names; entries point at the functions below
 
 PolicyLossFn = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
-POLICY_LOSSES: Dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str):
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} registered twice")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    """``@register_policy_loss(name)``: add your own loss to ``rl_plugin.registries.POLICY_LOSSES``."""
+    return POLICY_LOSSES.register(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(POLICY_LOSSES)}") from None
+    return POLICY_LOSSES.get(name)
 
 
 def _clipped_objective(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c):
@@ -67,7 +60,6 @@ def _clipped_objective(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c):
     return loss, clipped
 
 
-@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -82,7 +74,6 @@ def ppo_clip_loss(
     return _clipped_objective(ratio, advantages.to(ratio.dtype), eps_clip, eps_clip_high, eps_clip_c)
 
 
-@register_policy_loss("gspo")
 def gspo_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -106,7 +97,7 @@ def gspo_loss(
             raise ValueError("gspo_loss needs response_lengths or sample_ids")
         response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
         num_samples = response_lengths.numel()
-        sample_ids = torch.repeat_interleave(torch.arange(num_samples), response_lengths)
+        sample_ids = segment_ids(response_lengths)
     if num_samples is None:
         raise ValueError("gspo_loss: num_samples is required with sample_ids")
     dtype = log_probs.dtype

@@ -11,13 +11,13 @@ over the engines and gathers them in group order.
 from __future__ import annotations
 
 import os
-import time
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 import ray
 
+from rl_plugin.configs import EngineConfig
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
-from rl_plugin.rollout.weight_sync import ObjectStoreTransport
+from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 
 class EngineActor:
@@ -26,7 +26,7 @@ class EngineActor:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = make_engine(name, checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
-        self.transport = ObjectStoreTransport()
+        self.receiver = WeightReceiver()
 
     def pid(self) -> int:
         return os.getpid()
@@ -34,13 +34,14 @@ class EngineActor:
     def generate(self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int) -> List[Generation]:
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample)
 
-    def update_weights(self, handles: Sequence[object]) -> Dict[str, float]:
-        """Load every bucket in order, in place; returns bytes loaded and seconds spent."""
-        t0, nbytes = time.perf_counter(), 0
-        for bucket in self.transport.receive(handles):
-            self.engine.update_weights(bucket)
-            nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
-        return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+    def node_id(self) -> str:
+        return node_id()
+
+    def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
+        """Load the sync behind ``handle`` in place, bucket after bucket (from train rank 0's
+        shared-memory segment on this node, else the object store); returns bytes loaded,
+        seconds spent and, under --check-weight-sync, this engine's fingerprint."""
+        return load_sync(self.engine, self.receiver, handle)
 
     def weights_fingerprint(self) -> Dict[str, str]:
         from rl_plugin.rollout.manager import weights_fingerprint
@@ -48,12 +49,12 @@ class EngineActor:
         return weights_fingerprint(self.engine.weights())
 
 
-def create_engines(args, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
+def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
     remote = ray.remote(EngineActor)
     actors = [
         remote.options(**placement.engine_options(i), max_restarts=0).remote(
-            args.rollout_engine, checkpoint_dir, tensor_parallel_size=args.rollout_num_gpus_per_engine, seed=args.seed)
+            config.engine, checkpoint_dir, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed)
         for i in range(placement.num_engines)
     ]
     ray.get([a.pid.remote() for a in actors])

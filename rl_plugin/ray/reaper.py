@@ -8,7 +8,8 @@ terminal's Ctrl-C does not reach it) with a pipe from the driver on stdin. It re
 descendant of the driver while the cluster starts, then (told the head processes' pids on the
 pipe) the heads and all their descendants, every 0.5 s at first, then every 5 s. When the pipe
 reaches EOF (the driver closed it after ``ray.shutdown()``, or died) it SIGKILLs every recorded
-process that is still the same process (pid and start time match), then exits.
+process that is still the same process (pid and start time match), unlinks the shared-memory
+weight segments those processes created (``/dev/shm/rl_plugin_weights.<pid>.*``), then exits.
 
 Linux only (it reads ``/proc``); elsewhere ``start_reaper`` does nothing.
 """
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 GRACE_S = 2.0  # after EOF: let a clean ray.shutdown() finish before killing what is left
+# train rank 0's weight segments (rl_plugin.rollout.weight_segment: /dev/shm/<prefix>.<pid>.<n>)
+WEIGHT_SEGMENTS = ("/dev/shm", "rl_plugin_weights")
 
 
 def _stat(pid: int):
@@ -100,6 +103,19 @@ def watch(driver: int, exclude: List[int]) -> None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
+                pass
+    remove_weight_segments(tracked)
+
+
+def remove_weight_segments(pids: Iterable[int]) -> None:
+    """Unlink the shared-memory weight segments the given (dead) processes created: a SIGKILLed
+    train actor cannot unlink its own."""
+    directory, prefix = WEIGHT_SEGMENTS
+    for pid in pids:
+        for path in Path(directory).glob(f"{prefix}.{int(pid)}.*"):
+            try:
+                path.unlink()
+            except OSError:
                 pass
 
 

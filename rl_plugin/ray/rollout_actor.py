@@ -7,18 +7,21 @@ import signal
 
 import ray
 
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.ray.engine_actor import create_engines
 from rl_plugin.rollout.manager import RolloutManager
 
 
 def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str, eval_data):
     """The engine actors (if any, see ``rl_plugin.ray.cluster.engine_processes``), then the
-    manager that drives them. Returns ``(manager, engines)``."""
+    manager that drives them. Returns ``(manager, engines)``. The flags become the typed
+    ``RolloutConfig`` here, once; the manager and the engines receive it, not ``args``."""
+    config = RolloutConfig.from_args(args)
     engines = []
     try:
-        engines = create_engines(args, placement, checkpoint_dir)
+        engines = create_engines(config.engine, placement, checkpoint_dir)
         opts = placement.rollout_options(args.rollout_num_gpus or args.rollout_num_gpus_per_engine)
-        actor = ray.remote(RolloutManager).options(**opts, max_restarts=0).remote(args, checkpoint_dir, train_data, eval_data, engines or None)
+        actor = ray.remote(RolloutManager).options(**opts, max_restarts=0).remote(config, checkpoint_dir, train_data, eval_data, engines or None)
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
         for e in engines:

@@ -11,21 +11,18 @@ same numbers, bit for bit; the rule lists where the separate pass stays).
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.batch import StepBatch
-
-BACKENDS = {
-    "megatron": "rl_plugin.backends.megatron.backend:MegatronBackend",
-    "fsdp": "rl_plugin.backends.fsdp.backend:FSDPBackend",
-}
+from rl_plugin.registries import TRAIN_BACKENDS
+from rl_plugin.step_plan import RankPlan, plan_docs_steps
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
@@ -33,17 +30,15 @@ FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
 
 
 def backend_class(name: str):
-    try:
-        module, cls = BACKENDS[name].split(":")
-    except KeyError:
-        raise ValueError(f"--train-backend {name!r}: unknown; choose from {sorted(BACKENDS)}") from None
-    return getattr(importlib.import_module(module), cls)
+    """The ``TrainBackend`` class ``--train-backend name`` names (``rl_plugin.registries.TRAIN_BACKENDS``)."""
+    return TRAIN_BACKENDS.get(name)
 
 
 class TrainActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.backend = None
+        self.publisher = None  # the weight sync's rank-0 side, made at the first export
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
@@ -57,7 +52,7 @@ class TrainActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port, os.getpid()
 
-    def init(self, master_addr: str, master_port: int, args) -> Dict[str, int]:
+    def init(self, master_addr: str, master_port: int, config: TrainConfig) -> Dict[str, int]:
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
@@ -66,8 +61,8 @@ class TrainActor:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
-        self.args = args
-        self.backend = backend_class(args.train_backend).from_args(args)
+        self.config = config
+        self.backend = backend_class(config.train_backend).from_config(config)
         ps = self.backend.parallel_state
         return {"dp_rank": ps.dp_rank, "dp_size": ps.dp_size, "tp_rank": ps.tp_rank, "cp_rank": ps.cp_rank, "pid": os.getpid()}
 
@@ -79,30 +74,29 @@ class TrainActor:
             if rank == self.rank and step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    def train_rollout(self, batch: StepBatch, step_bounds: Sequence[Tuple[int, int]], step_num_groups: Sequence[int],
-                      step_micro_batches: Optional[List[List[torch.Tensor]]] = None) -> List[Dict[str, Any]]:
-        """Old/ref log-probs for ``batch`` (this rank's samples of the rollout), then one
-        ``train_step`` per ``step_bounds[k] = (start, end)`` slice of it."""
+    def train_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
+        """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
+        ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``)."""
+        batch = plan.batch
         t0 = time.perf_counter()
         old_from_forward = False
-        if self.args.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
+        if self.config.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
             if batch.rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs")
             batch.old_log_probs = batch.rollout_log_probs.clone()
-        elif self.separate_old_pass_reason(batch, step_bounds) is None:
+        elif self.separate_old_pass_reason(plan) is None:
             batch.old_log_probs = None  # the step's own forward provides them (no redundant forward)
             old_from_forward = True
         else:
             batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
-        if self.args.use_kl_loss:
+        if self.config.loss.use_kl_loss:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
         logprob_time = time.perf_counter() - t0
         reports = []
-        for k, ((start, end), num_groups) in enumerate(zip(step_bounds, step_num_groups)):
+        for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
             self._maybe_fault(self.step + 1)
             t1 = time.perf_counter()
-            sub = batch.select(torch.arange(start, end))
-            kwargs = {} if step_micro_batches is None else {"micro_batches": step_micro_batches[k]}
+            kwargs = {} if micro_batches is None else {"micro_batches": micro_batches}
             if old_from_forward:
                 kwargs["old_from_forward"] = True
             report = dict(self.backend.train_step(sub, num_groups=num_groups, **kwargs))
@@ -113,7 +107,7 @@ class TrainActor:
             reports.append(report)
         return reports
 
-    def separate_old_pass_reason(self, batch: StepBatch, step_bounds: Sequence[Tuple[int, int]]) -> Optional[str]:
+    def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's
         detached log-probs are the old ones, bit for bit; ``runner.old_log_probs_rule``)."""
         from rl_plugin.loss.runner import old_log_probs_rule
@@ -121,37 +115,37 @@ class TrainActor:
         if not self.fuse_old_log_probs:
             return "disabled (fuse_old_log_probs = False)"
         return old_log_probs_rule(
-            step_bounds=step_bounds, num_samples=batch.num_samples, cfg=self.backend.runner.cfg,
-            ps=self.backend.parallel_state, has_rollout_log_probs=batch.rollout_log_probs is not None,
+            step_bounds=plan.step_bounds, num_samples=plan.batch.num_samples, cfg=self.backend.runner.cfg,
+            ps=self.backend.parallel_state, has_rollout_log_probs=plan.batch.rollout_log_probs is not None,
             deterministic_forward=self.backend.deterministic_forward(),
         )
 
-    def plan_docs_steps(self, batch: StepBatch) -> Tuple[List[Tuple[int, int]], List[List[torch.Tensor]]]:
-        """--docs-per-step: this rank's micro-batches grouped into steps (collective over DP)."""
-        from rl_plugin.batching import plan_steps_by_docs
-
-        dp_group = self.backend.parallel_state.dp_group
-        mbs = self.backend.runner.plan(batch)  # the runner's one planner
-        steps = plan_steps_by_docs(mbs, self.args.docs_per_step, dp_group=dp_group)
-        bounds, micro = [], []
-        for step in steps:  # micro-batches are contiguous runs, so a step is a contiguous slice
-            idx = torch.cat(step) if step else torch.zeros(0, dtype=torch.long)
-            start = int(idx[0]) if idx.numel() else (bounds[-1][1] if bounds else 0)
-            bounds.append((start, start + idx.numel()))
-            micro.append([m - start for m in step if m.numel()])
-        return bounds, micro
+    def plan_docs_steps(self, batch: StepBatch, num_groups: int) -> RankPlan:
+        """--docs-per-step: this rank's plan of its share ``batch`` (collective over DP), from the
+        runner's micro-batches (the one planner)."""
+        return plan_docs_steps(batch, self.backend.runner.plan(batch), num_groups=num_groups,
+                               docs_per_step=self.config.batching.docs_per_step,
+                               dp_group=self.backend.parallel_state.dp_group)
 
     # -- weights and checkpoints --------------------------------------------------------------
-    def export_weight_buckets(self, buffer_bytes: int) -> Optional[List[Any]]:
-        """Collective export (each TP shard gathered once); rank 0 cuts it into buckets of at
-        most ``buffer_bytes`` (``--update-weight-buffer-size``) and publishes them through the
-        weight transport, returning the handles the engines read them by; other ranks None."""
-        from rl_plugin.rollout.weight_sync import ObjectStoreTransport, iter_buckets
+    def export_weight_buckets(self, request) -> Optional[Any]:
+        """Collective export (each TP shard gathered once); rank 0 publishes it for the engines
+        (``rl_plugin.rollout.weight_sync.WeightPublisher``: shared memory on its node, the object
+        store for other nodes, only the tensors that changed) and returns the ``SyncHandle``;
+        other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
+        from rl_plugin.rollout.weight_sync import WeightPublisher
 
         sd = self.backend.export_hf_state_dict()
         if self.rank != 0:
             return None
-        return ObjectStoreTransport().send(iter_buckets(sd, buffer_bytes))
+        if self.publisher is None:
+            self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
+        return self.publisher.publish(sd, request)
+
+    def close_weight_sync(self) -> None:
+        """Unlink the weight segment (teardown; a killed process's segment is swept later)."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def weights_fingerprint(self) -> Optional[Dict[str, str]]:
         from rl_plugin.rollout.manager import weights_fingerprint

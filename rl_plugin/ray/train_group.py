@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 
+from rl_plugin.configs import TrainConfig
 from rl_plugin.ray.cluster import Placement
 from rl_plugin.ray.rollout_actor import error_line
 from rl_plugin.ray.train_actor import FAULT_ENV, TrainActor
@@ -47,7 +48,8 @@ class TrainGroup:
         addrs = self._wait([a.address.remote() for a in self.actors], "address")
         self.info: List[Dict[str, Any]] = [{"ip": ip, "pid": pid} for ip, _, pid in addrs]
         master_addr, master_port, _ = addrs[0]
-        layout = self.call("init", [(master_addr, master_port, args)] * self.world_size)
+        config = TrainConfig.from_args(args)  # the flags become typed configs once; the ranks receive these
+        layout = self.call("init", [(master_addr, master_port, config)] * self.world_size)
         for i, lay in zip(self.info, layout):
             i.update(lay)
         self.dp_size = layout[0]["dp_size"]
@@ -103,6 +105,11 @@ class TrainGroup:
         return info[rank] if info and rank < len(info) else None
 
     def kill(self) -> None:
+        """Unlink rank 0's weight segment (if it still answers), then kill every rank."""
+        try:
+            ray.get(self.actors[0].close_weight_sync.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead rank 0: its segment is swept by the next run or the reaper
+            pass
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)

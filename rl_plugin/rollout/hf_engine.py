@@ -10,7 +10,7 @@ choice and is not folded into it, as in slime/SGLang's returned log-probs).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,12 @@ class HFEngine(RolloutEngine):
         cfg = self.model.config
         self.eos_token_ids = eos_token_ids(checkpoint_dir)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
+
+    @classmethod
+    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
+               max_model_len: Optional[int] = None) -> "HFEngine":
+        """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
+        return cls(checkpoint_dir, device=device)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:

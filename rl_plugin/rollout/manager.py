@@ -29,11 +29,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
-from rl_plugin.rollout.weight_sync import ObjectStoreTransport
+from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 
@@ -56,6 +57,7 @@ class RolloutData:
     num_groups: int
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
+    dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
 
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
@@ -89,57 +91,60 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
 
 
 class RolloutManager:
-    def __init__(self, args, checkpoint_dir: str, train_data: str, eval_data: Optional[str], engines: Optional[Sequence[Any]] = None):
+    def __init__(self, config: RolloutConfig, checkpoint_dir: str, train_data: str, eval_data: Optional[str],
+                 engines: Optional[Sequence[Any]] = None):
         torch.set_num_threads(1)
-        self.args = args
-        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=args.apply_chat_template)
+        self.config = cfg = config
+        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = None if self.engines else make_engine(args.rollout_engine, checkpoint_dir, device=device)
-        self.reward_fn = load_reward_fn(args.rm_type, args.custom_rm_path)
-        self.train = PromptDataset.from_jsonl(train_data, args.input_key, args.label_key, shuffle=args.rollout_shuffle, seed=args.seed)
-        self.eval = PromptDataset.from_jsonl(eval_data, args.input_key, args.label_key) if eval_data else None
-        self.params = SamplingParams(args.rollout_temperature, args.rollout_top_p, args.rollout_max_response_len)
-        path = args.dynamic_sampling_filter_path
+        self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
+        self.receiver = WeightReceiver() if self.engine is not None else None
+        self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
+        self.train = PromptDataset.from_jsonl(train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
+        self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
+        path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int) -> RolloutData:
-        a = self.args
+        cfg = self.config
         if self.group_filter is None:
-            recs = self.train.next_batch(a.rollout_batch_size)
-            data = self._rollout(recs, a.n_samples_per_prompt, seed=a.seed + rollout_id)
+            recs = self.train.next_batch(cfg.rollout_batch_size)
+            data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
             data = self._dynamic_rollout(rollout_id)
-        if a.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
-            data.rollout_log_probs = data.rollout_log_probs - a.debug_rollout_logprob_shift
-        if a.overlong_buffer_len is not None:
+        if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
+            data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
+        if cfg.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths, max_len=a.rollout_max_response_len, buffer_len=a.overlong_buffer_len,
-                factor=1.0 if a.overlong_penalty_factor is None else a.overlong_penalty_factor,
+                data.response_lengths, max_len=cfg.engine.max_response_len, buffer_len=cfg.overlong_buffer_len,
+                factor=cfg.overlong_penalty_factor,
             )
             data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
             data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
             data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         return data
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
         """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
-        a = self.args
-        want, n = a.rollout_batch_size, a.n_samples_per_prompt
-        per_round = a.over_sampling_batch_size or want
+        cfg = self.config
+        want, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
+        per_round = cfg.over_sampling_batch_size or want
         kept: List[RolloutData] = []
         generated = passed = 0
         gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
         for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
             recs = self.train.next_batch(per_round)
-            data, samples = self._rollout(recs, n, seed=a.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
+            data, samples = self._rollout(recs, n, seed=cfg.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
             gen_time += data.stats["rollout_gen_time"]
             reward_time += data.stats["rollout_reward_time"]
             truncated += data.stats["truncated_frac"] * data.num_groups
             raw_rewards.append(data.rewards)
-            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(a, samples[g * n : (g + 1) * n]))]
+            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(cfg, samples[g * n : (g + 1) * n]))]
             generated += data.num_groups
             passed += len(keep)
             have = sum(k.num_groups for k in kept)
@@ -149,7 +154,7 @@ class RolloutManager:
                 break
         else:
             raise RuntimeError(
-                f"--dynamic-sampling-filter-path {a.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
+                f"--dynamic-sampling-filter-path {cfg.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
                 f"passed in {MAX_DYNAMIC_SAMPLING_ROUNDS} rounds of --over-sampling-batch-size {per_round}, short of "
                 f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
             )
@@ -177,7 +182,7 @@ class RolloutManager:
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
         if self.eval is None:
             raise ValueError("--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)")
-        data = self._rollout(self.eval.records, self.args.n_samples_per_eval, seed=self.args.seed + EVAL_SEED_OFFSET + rollout_id)
+        data = self._rollout(self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id)
         return {"eval/reward_mean": data.stats["reward_mean"], "eval/response_len_mean": data.stats["response_len_mean"]}
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
@@ -228,19 +233,29 @@ class RolloutManager:
         return [g for part in ray.get(refs) for g in part]
 
     # -- weights ------------------------------------------------------------------------------
-    def update_weights(self, handles: Sequence[Any]) -> Dict[str, float]:
-        """Load the buckets behind ``handles`` (``rl_plugin.rollout.weight_sync``) into every
-        engine, in place; returns the bytes per engine and the slowest engine's seconds."""
+    def engine_node_ids(self) -> List[str]:
+        """The Ray node id of every engine process (this actor's when the engine lives here):
+        train rank 0 publishes through shared memory to the engines on its node."""
         if self.engine is not None:
-            t0, nbytes = time.perf_counter(), 0
-            for bucket in ObjectStoreTransport().receive(handles):
-                self.engine.update_weights(bucket)
-                nbytes += sum(t.numel() * t.element_size() for t in bucket.values())
-            return {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+            return [node_id()]
         import ray
 
-        stats = ray.get([e.update_weights.remote(handles) for e in self.engines])
-        return {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+        return ray.get([e.node_id.remote() for e in self.engines])
+
+    def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
+        """Load the sync behind ``handle`` (``rl_plugin.rollout.weight_sync``) into every engine,
+        in place; returns the bytes per engine, the slowest engine's seconds and, under
+        --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
+        if self.engine is not None:
+            stats = [load_sync(self.engine, self.receiver, handle)]
+        else:
+            import ray
+
+            stats = ray.get([e.update_weights.remote(handle) for e in self.engines])
+        out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+        if handle.fingerprint is not None:
+            out["fingerprints"] = [s["fingerprint"] for s in stats]
+        return out
 
     def weights_fingerprint(self) -> List[Dict[str, str]]:
         """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""

@@ -19,23 +19,19 @@ import math
 import re
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, List, Sequence
 
+from rl_plugin.registries import REWARDS  # the names (--rm-type); entries point at the functions below
 from rl_plugin.rollout.task import digit_match_reward
 
 RewardFn = Callable[[str, str, object], float]
-REWARDS: Dict[str, RewardFn] = {}
 
 
 def register_reward(name: str):
-    def deco(fn):
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+    """``@register_reward(name)``: add your own built-in to ``rl_plugin.registries.REWARDS``."""
+    return REWARDS.register(name)
 
 
-@register_reward("digit_match")
 def digit_match(prompt: str, response: str, label) -> float:
     return digit_match_reward(response, str(label))
 
@@ -59,7 +55,6 @@ def extract_final_answer(response: str) -> str:
     return numbers[-1] if numbers else ""
 
 
-@register_reward("math_exact")
 def math_exact_reward(prompt: str, response: str, label) -> float:
     return float(_normalise(extract_final_answer(response)) == _normalise(str(label)) != "")
 
@@ -82,10 +77,9 @@ class CustomReward:
 def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
     if custom_rm_path:
         return _load_custom(custom_rm_path)
-    try:
-        return REWARDS[rm_type]
-    except KeyError:
-        raise ValueError(f"--rm-type {rm_type!r}: unknown reward; built-ins are {sorted(REWARDS)}, or pass --custom-rm-path") from None
+    if rm_type not in REWARDS:
+        raise ValueError(f"--rm-type {rm_type!r}: unknown reward; built-ins are {', '.join(REWARDS.names())}, or pass --custom-rm-path")
+    return REWARDS.get(rm_type)
 
 
 def _user_frame(exc: BaseException, source: str | None):
@@ -140,7 +134,7 @@ def _load_custom(spec: str) -> RewardFn:
 def _describe(fn: RewardFn) -> str:
     if isinstance(fn, CustomReward):
         return f"--custom-rm-path {fn.spec}"
-    name = next((k for k, v in REWARDS.items() if v is fn), getattr(fn, "__name__", repr(fn)))
+    name = next((k for k in REWARDS.names() if REWARDS.get(k) is fn), getattr(fn, "__name__", repr(fn)))
     return f"--rm-type {name}"
 
 

@@ -83,6 +83,11 @@ class SGLangEngine(RolloutEngine):
         self._names: Dict[str, None] = {}  # every name ever loaded, in order (a set that keeps order)
 
     @classmethod
+    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
+               max_model_len: Optional[int] = None) -> "SGLangEngine":
+        return cls.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
+
+    @classmethod
     def launch(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0) -> "SGLangEngine":
         """Start ``python -m sglang.launch_server`` on this actor's GPUs and wait until healthy."""
         require_package("sglang")

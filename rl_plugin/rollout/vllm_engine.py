@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
+from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 
 BLOCK_SIZE = 32  # KV block size: vLLM's CPU attention needs a multiple of 32
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE default for the rollout engine on CPU
@@ -52,6 +52,12 @@ def _engine_environment() -> None:
 
 
 class VLLMEngine(RolloutEngine):
+    @classmethod
+    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
+               max_model_len: Optional[int] = None) -> "VLLMEngine":
+        require_package("vllm")
+        return cls(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len)
+
     def __init__(self, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1,
                  max_model_len: Optional[int] = None, seed: int = 0):
         _engine_environment()

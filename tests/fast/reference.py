@@ -1,4 +1,4 @@
-"""Naive, loop-based reference objectives, written straight from DESIGN.md's formulas.
+"""Naive, loop-based reference objectives, written straight from docs/design.md's formulas.
 
 Deliberately independent of ``rl_plugin.loss`` (no weights, no index tricks): one Python loop
 per sample, one process, autograd for the gradients. The parity tests compare the vectorised,
@@ -21,7 +21,7 @@ def split(x, lengths):
 
 
 def objective(x, mask, lengths, groups, mode, divisor=None):
-    """J of DESIGN.md's table for per-token loss x over flat concatenated responses."""
+    """J of docs/design.md's list for per-token loss x over flat concatenated responses."""
     xs, ms = split(x, lengths), split(mask.to(x.dtype), lengths)
     n = len(lengths)
     if mode == "sample_mean":
@@ -48,10 +48,10 @@ def ppo_tokens(logp, old, adv, eps, eps_high, c):
         r = torch.exp(lp - o)
         l1 = -a * r
         l2 = -a * torch.clamp(r, 1 - eps, 1 + eps_high)
-        l = torch.maximum(l1, l2)
+        term = torch.maximum(l1, l2)
         if c is not None and float(a) < 0:
-            l = torch.minimum(l, -a * c)
-        out.append(l)
+            term = torch.minimum(term, -a * c)
+        out.append(term)
     return torch.stack(out) if out else logp.new_zeros(0)
 
 
@@ -85,7 +85,7 @@ def isclose(a, b, tol):
 
 
 def tis_weights(old, rollout, mask, lengths, level, mode, low, high):
-    """Per-token off-policy weights, one sample at a time (DESIGN.md "Off-policy data")."""
+    """Per-token off-policy weights, one sample at a time (docs/design.md "Off-policy data")."""
     out = []
     for o, r, m in zip(split(old, lengths), split(rollout, lengths), split(mask.to(torch.float64), lengths)):
         d = (o.double() - r.double()) * m

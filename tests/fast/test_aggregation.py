@@ -24,7 +24,7 @@ from tests.fast.tolerance import FP64, within
     seed=st.integers(0, 2**16),
 )
 def test_constant_loss_gives_c_for_sample_token_prompt_mean(lengths, c, seed):
-    """For constant per-token loss c: sample_mean = token_mean = prompt_mean = c (DESIGN.md),
+    """For constant per-token loss c: sample_mean = token_mean = prompt_mean = c (docs/design.md),
     as long as at least one sample has an unmasked token (else every mode is 0)."""
     g = torch.Generator().manual_seed(seed)
     r = sum(lengths)

@@ -8,6 +8,9 @@ is killed with SIGKILL at one of two points of that save:
   ``iter_0000002.partial`` staging directory is all there is);
 - ``tracker``: ``iter_0000002`` is complete, the tracker not yet moved to it.
 
+The saves go through the loop's layout (``rl_plugin.loop.checkpoint``; ``tests/fast/checkpointing``
+plays the driver's part in this one-process world).
+
 Then: the tracker still names step 1, ``--load`` resolves to ``iter_0000001`` and restores it
 (the weights saved at step 1, bitwise), a ``.partial`` directory is refused by name, and the next
 save of step 2 replaces what the killed one left.
@@ -23,6 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.fast import checkpointing
 from tests.fast.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
 from tests.fast.harness import free_port, run_world
 
@@ -33,15 +37,15 @@ def _saver(ckpt, root, kill_point, queue, port):
     """Save step 1, train, save step 2 and get killed inside that save (never returns)."""
     import torch.distributed as dist
 
-    from rl_plugin.backends import checkpoint_dirs
     from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loop import checkpoint
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt)))
     backend.train_step(step_batch(make_step(1, with_ref=False)), num_groups=3)
-    backend.save_checkpoint(root, step=1, extra={"rollout_id": 1})
+    checkpointing.save(backend, root, 1, extra={"rollout_id": 1})
     torch.save(backend.export_hf_state_dict(), Path(root) / "weights_step1.pt")
     backend.train_step(step_batch(make_step(2, with_ref=False)), num_groups=3)
 
@@ -49,9 +53,9 @@ def _saver(ckpt, root, kill_point, queue, port):
         queue.put(os.getpid())
         signal.pause()  # the parent SIGKILLs us here, mid-save
 
-    name = "commit" if kill_point == "shards" else "write_tracker"
-    setattr(checkpoint_dirs, name, wait_for_kill)
-    backend.save_checkpoint(root, step=2, extra={"rollout_id": 2})
+    name = "publish" if kill_point == "shards" else "write_tracker"
+    setattr(checkpoint, name, wait_for_kill)
+    checkpointing.save(backend, root, 2, extra={"rollout_id": 2})
     queue.put("save returned: the kill point was never reached")
 
 
@@ -59,14 +63,14 @@ def _resume(rank, world, ckpt, root):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
 
     backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt)))
-    meta = backend.load_checkpoint(root)
+    meta = checkpointing.load(backend, root)
     weights = backend.export_hf_state_dict()
     try:
-        backend.load_checkpoint(str(Path(root) / "iter_0000002.partial"))
+        checkpointing.load(backend, Path(root) / "iter_0000002.partial")
         partial_error = None
     except FileNotFoundError as e:
         partial_error = str(e)
-    backend.save_checkpoint(root, step=2, extra={"rollout_id": 2})  # the resumed run saves step 2 again
+    checkpointing.save(backend, root, 2, extra={"rollout_id": 2})  # the resumed run saves step 2 again
     return dict(meta=meta, weights=weights, partial_error=partial_error)
 
 

@@ -48,7 +48,7 @@ PAD_ID = 0  # the tiny models' pad_token_id
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch, with_old_log_probs
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
     from rl_plugin.batching import plan_micro_batches
     from rl_plugin.loss import LossConfig
 
@@ -123,7 +123,7 @@ def test_same_weights_under_the_same_names(results):
 @pytest.mark.parametrize("case", list(CASES))
 def test_backends_agree(results, case):
     errs = {}
-    for rank, r in enumerate(results):
+    for r in results:
         m, f = r["out"][case]["megatron"], r["out"][case]["fsdp"]
         # J and the loss terms are sums of per-token terms of magnitude <= scale (log-probs, advantages)
         assert within(f["report"]["loss"], m["report"]["loss"], rtol=FP32_MODEL, scale=r["scale"]), case

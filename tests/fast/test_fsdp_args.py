@@ -32,8 +32,9 @@ def test_attn_implementation_only_for_fsdp():
 def test_lr_schedule_is_megatrons():
     """Megatron's OptimizerParamScheduler values: warm-up from 0, then linear / cosine decay."""
     from rl_plugin.backends.fsdp.optim import megatron_lr
+    from rl_plugin.configs import OptimizerConfig
 
-    args = parse_args(FSDP + ["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--lr-decay-iters", "6"])
+    args = OptimizerConfig.from_args(parse_args(FSDP + ["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--lr-decay-iters", "6"]))
     got = [megatron_lr(args, s) for s in range(8)]
     assert got[:3] == [0.0, 0.5, 1.0]
     assert got[4] == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay

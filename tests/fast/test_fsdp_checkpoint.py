@@ -3,9 +3,10 @@
 DP=2 on gloo: model, AdamW moments, the LR schedule position, RNG and the step come back, so the
 resumed step 2 equals the uninterrupted one bit for bit (loss, grad norm, lr, every weight), and
 each rank's RNG stream continues where it was. The same checkpoint loads on DP=1 (DCP reshards)
-and gives the same step 2 within fp32 reduction-order error (saved and loaded in the loop's form,
-``save_checkpoint(<save>/iter_0000001)``, the files straight in that directory). ``--save-hf`` writes a directory
-that ``AutoModelForCausalLM.from_pretrained`` loads with the trained weights.
+and gives the same step 2 within fp32 reduction-order error (loaded from the step directory
+itself, ``<save>/iter_0000001``). ``--save-hf`` writes a directory that
+``AutoModelForCausalLM.from_pretrained`` loads with the trained weights. Saves go through the
+loop's layout (``tests/fast/checkpointing``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fast import checkpointing
 from tests.fast.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
 from tests.fast.harness import run_world
 from tests.fast.tolerance import FP32_MODEL, tensor_within, within
@@ -34,8 +36,7 @@ def uninterrupted(rank, world, ckpt, save_root, save_hf):
     backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *SCHEDULE, "--save-hf", save_hf)))
     backend.train_step(local_batch(1, rank, world), num_groups=3)
     step1 = backend.export_hf_state_dict()
-    backend.save_checkpoint(save_root, step=1, extra={"rollout_id": 5})
-    backend.save_checkpoint(f"{save_root}_loop/iter_0000001", step=1, extra={"rollout_id": 5})  # the loop's form
+    checkpointing.save(backend, save_root, 1, extra={"rollout_id": 5})
     rng_after_save = torch.rand(4)
     report = backend.train_step(local_batch(2, rank, world), num_groups=3)
     return dict(step1=step1, rng=rng_after_save, report=report, weights=backend.export_hf_state_dict())
@@ -46,7 +47,7 @@ def resumed(rank, world, ckpt, save_root):
 
     torch.manual_seed(1000 + rank)  # a different stream: load must restore the saved one
     backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *SCHEDULE)))
-    meta = backend.load_checkpoint(save_root)
+    meta = checkpointing.load(backend, save_root)
     rng = torch.rand(4)
     report = backend.train_step(local_batch(2, rank, world), num_groups=3)
     return dict(meta=meta, rng=rng, report=report, weights=backend.export_hf_state_dict())
@@ -60,10 +61,7 @@ def runs(tmp_path_factory):
     save_root, save_hf = str(root / "save"), str(root / "hf")
     first = run_world(uninterrupted, 2, ckpt, str(save_root), save_hf)
     again = run_world(resumed, 2, ckpt, str(save_root))
-    dp1 = run_world(resumed, 1, ckpt, f"{save_root}_loop/iter_0000001")
-    loop_dir = root / "save_loop"
-    assert (loop_dir / "iter_0000001" / "meta.pt").exists() and not (loop_dir / "latest_checkpointed_iteration.txt").exists()
-    assert not (loop_dir / "iter_0000001" / "iter_0000001").exists()  # not nested
+    dp1 = run_world(resumed, 1, ckpt, f"{save_root}/iter_0000001")
     return first, again, dp1, save_hf
 
 

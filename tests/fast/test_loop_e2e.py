@@ -86,7 +86,7 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     evals = [r for r in rows if "eval/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["rollout_id"] for r in train] == [0, 0, 1, 1, 2, 2]
-    assert [r["samples_seen"] for r in train] == [8.0 * s for s in range(1, 7)]  # DESIGN: samples seen so far
+    assert [r["samples_seen"] for r in train] == [8.0 * s for s in range(1, 7)]  # docs/design.md: samples seen so far
     assert [(r["rollout_id"], r["step"]) for r in evals] == [(1, 4), (2, 6)]
     for r in train:
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["samples"] == 8.0 and r["grad_norm"] > 0
@@ -104,6 +104,28 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     for t in per_rollout:
         assert t["time/rollout_generate"] > 0 and t["time/rollout_reward"] > 0
         assert t["time/rollout_generate"] + t["time/rollout_reward"] <= t["time/rollout_call"]
+
+
+# The checkpoint layout the loop owns (docs/design.md "Checkpoints"): the tracker and one complete
+# iter_* directory per save, each holding the backend's files directly (nothing nested, no staging
+# left behind). DCP names one shard file per rank (__<rank>_0.distcp); both runs have 2 ranks.
+CHECKPOINT_FILES = {
+    "fsdp": [".metadata", "__0_0.distcp", "__1_0.distcp", "loop_state.json", "meta.pt", "rng_rank0.pt", "rng_rank1.pt"],
+    "megatron": [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "loop_state.json", "metadata.json",
+                 "rng_rank0.pt", "rng_rank1.pt"],
+}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_checkpoint_layout_on_disk(runs_a, backend):
+    root = runs_a[backend] / "ckpt"
+    saved = (2, 4, 6)  # --save-interval 1: after every rollout, 2 steps each
+    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in saved] + ["latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    for s in saved:
+        assert sorted(p.name for p in (root / f"iter_{s:07d}").iterdir()) == CHECKPOINT_FILES[backend], s
+    state = json.loads((root / "iter_0000006" / "loop_state.json").read_text())
+    assert (state["step"], state["next_rollout"], state["train_backend"]) == (6, 3, backend)
 
 
 def test_same_seed_other_backend_same_first_step(runs_a):

@@ -8,12 +8,22 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError
-from rl_plugin.loop.checkpoint import latest_step, step_dir, write_tracker
+from rl_plugin.batching import micro_batches_by_count
+from rl_plugin.loop.checkpoint import (
+    begin_save,
+    commit_save,
+    latest_step,
+    read_loop_state,
+    resolve,
+    step_dir,
+    write_tracker,
+)
 from rl_plugin.loop.driver import WeightSyncError, compare_fingerprints
 from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
-from rl_plugin.loop.steps import plan_global_batch_steps, rollout_batch, split_rollout_for_dp
+from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.rollout.manager import RolloutData, weights_fingerprint
+from rl_plugin.step_plan import RankPlan, plan_docs_steps, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.train import parse_train_args
 from tests.fast.tolerance import FP32_LOSS_CORE, tensor_within
 
@@ -59,6 +69,30 @@ def test_global_batch_must_divide_the_rollout():
         plan_global_batch_steps(b, global_batch_size=5, dp_size=1)
 
 
+def test_rank_plan_steps_are_slices_of_the_batch_with_their_micro_batches():
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    plans = plan_global_batch_steps(b, global_batch_size=6, dp_size=2)
+    steps = list(plans[1].steps())
+    assert [(s.num_samples, g, m) for s, g, m in steps] == [(3, 2, None), (3, 2, None)]  # micro-batches: the step's own
+    assert torch.equal(steps[1][0].tokens, b.select(torch.tensor([9, 10, 11])).tokens)
+    plans[1].batch.old_log_probs = torch.zeros(int(plans[1].batch.response_lengths.sum()))  # set after planning...
+    assert all(s.old_log_probs is not None for s, _, _ in plans[1].steps())  # ...travels with each step
+    with pytest.raises(ValueError, match="RankPlan: 2 step bounds, 1 group counts and no micro-batch lists"):
+        RankPlan(b, [(0, 6), (6, 12)], [3])
+
+
+def test_docs_per_step_plan_on_one_rank():
+    """Micro-batches of 2 samples, steps of >= 5 documents: 3 micro-batches per step, the last
+    step keeps the short tail; micro-batch indices are relative to the step's start."""
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    plan = plan_docs_steps(b, micro_batches_by_count(12, 2), num_groups=3, docs_per_step=5)
+    assert plan.step_bounds == [(0, 6), (6, 12)] and plan.step_num_groups == [3, 3]
+    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1], [2, 3], [4, 5]]] * 2
+    plan = plan_docs_steps(b, micro_batches_by_count(12, 3), num_groups=3, docs_per_step=8)
+    assert plan.step_bounds == [(0, 9), (9, 12)]
+    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[0, 1, 2]]]
+
+
 def test_docs_per_step_split_is_contiguous():
     b = rollout_batch(_rollout(num_groups=2, n=3), "grpo")
     parts = split_rollout_for_dp(b, 4)
@@ -84,6 +118,30 @@ def test_checkpoint_tracker(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(ValueError, match="holds 'release', not a step number"):
         latest_step(tmp_path)
+
+
+def test_save_stages_then_renames_then_moves_the_tracker(tmp_path):
+    """The loop's layout without a backend: files go into iter_*.partial, the commit adds
+    loop_state.json, renames the directory and writes the tracker; a save of the same step
+    again replaces the directory; --load resolves the root or a step dir, never a .partial."""
+    staging = begin_save(tmp_path, 3)
+    assert staging.name == "iter_0000003.partial" and list(staging.iterdir()) == []
+    (staging / "shard.bin").write_bytes(b"a")
+    assert latest_step(tmp_path) is None  # nothing is a resume point before the commit
+    final = commit_save(tmp_path, 3, {"step": 3, "train_backend": "fsdp"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in final.iterdir()) == ["loop_state.json", "shard.bin"]
+    assert latest_step(tmp_path) == 3 and read_loop_state(tmp_path, 3) == {"step": 3, "train_backend": "fsdp"}
+    begin_save(tmp_path, 3).joinpath("shard.bin").write_bytes(b"b")
+    commit_save(tmp_path, 3)
+    assert (final / "shard.bin").read_bytes() == b"b" and not (final / "loop_state.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert resolve(tmp_path) == final and resolve(final) == final
+    begin_save(tmp_path, 4)
+    with pytest.raises(FileNotFoundError, match=r"unfinished save .* Fix: --load its parent directory"):
+        resolve(tmp_path / "iter_0000004.partial")
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint root"):
+        resolve(tmp_path / "nowhere")
 
 
 def test_metrics_are_appended_never_truncated_and_plotted(tmp_path):

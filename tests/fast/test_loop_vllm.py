@@ -2,8 +2,10 @@
 
 The embedded default (tiny Qwen2, digit copy) for 6 rollouts on each backend: FSDP with one vLLM
 engine process, Megatron with two (``--rollout-num-gpus 2``, a rollout's groups split over them).
-Weights go into the running engines in place after every rollout, in small buckets (64 KiB), and
-are checked bitwise (``--check-weight-sync`` raises on a mismatch). Asserted: the run succeeds,
+Weights go into the running engines in place after every rollout, in small buckets (64 KiB):
+FSDP's through train rank 0's shared-memory segment (the default on one machine), Megatron's
+through the object store (``--update-weight-transport object_store``); both are checked bitwise
+(``--check-weight-sync`` raises on a mismatch). Asserted: the run succeeds,
 the reward rises, the step-0 train-inference gap is within the agreement bound of
 ``test_rollout_engines``, and rollout 0 (same weights, same per-sample seeds) is the same with one
 engine and two, whichever backend trains.
@@ -22,7 +24,7 @@ from tests.fast.test_rollout_engines import MEAN_BOUND  # noqa: E402
 
 FLAGS = ["--rollout-engine", "vllm", "--check-weight-sync", "--num-rollout", "6", "--update-weight-buffer-size", "65536",
          "--no-progress-bar", "--eval-interval", "100"]
-RUNS = {"fsdp": [], "megatron": ["--rollout-num-gpus", "2"]}
+RUNS = {"fsdp": [], "megatron": ["--rollout-num-gpus", "2", "--update-weight-transport", "object_store"]}
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import unwrap
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
+    from tests.fast.megatron_common import make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
                                                   world_size=world))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fast import checkpointing
 from tests.fast.harness import run_world
 
 
 def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-distributed-optimizer")):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
 
     flags = ["--hf-checkpoint", hf_dir, *precision_flags, "--lr", "0.01",
              "--lr-decay-style", "linear", "--lr-decay-iters", "10", "--micro-batch-size", "2"]
@@ -26,14 +27,14 @@ def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-dis
 
     a = MegatronBackend.from_args(make_args(*flags, world_size=world))
     step(a, 0)
-    a.save_checkpoint(ckpt_dir, step=1, extra={"data_position": 17})
+    checkpointing.save(a, ckpt_dir, 1, extra={"data_position": 17})
     after_save = a.export_hf_state_dict()
     uninterrupted = [step(a, 1), step(a, 2)]
     final_a = a.export_hf_state_dict()
 
     b = MegatronBackend.from_args(make_args(*flags, world_size=world))
     fresh_differs = any(not torch.equal(v, after_save[k]) for k, v in b.export_hf_state_dict().items())
-    meta = b.load_checkpoint(ckpt_dir)
+    meta = checkpointing.load(b, ckpt_dir)
     loaded_equal = all(torch.equal(v, after_save[k]) for k, v in b.export_hf_state_dict().items())
     resumed = [step(b, 1), step(b, 2)]
     final_b = b.export_hf_state_dict()
@@ -63,11 +64,11 @@ def test_resume_continues_identical_trajectory(tmp_path, precision_flags):
 
 def _missing_worker(rank, world, hf_dir, path):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args
+    from tests.fast.megatron_common import make_args
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir))
     try:
-        backend.load_checkpoint(path)
+        checkpointing.load(backend, path)
     except FileNotFoundError as e:
         return str(e)
     return None

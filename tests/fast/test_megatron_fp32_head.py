@@ -35,7 +35,7 @@ def dirs(tmp_path_factory):
 def _bf16_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import hidden_states_only, model_inputs, response_logits, unwrap
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
+    from tests.fast.megatron_common import make_args, synthetic_batch
     from rl_plugin.loss import prepare_step
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--bf16", "--fp32-lm-head", "--lr", "0.01"))
@@ -79,7 +79,7 @@ def test_fp32_head_bf16_weight_gets_fp32_gradient(dirs):
 
 def _tied_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
+    from tests.fast.megatron_common import make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
                                                   "--lr", "1.0", "--clip-grad", "0"))

@@ -24,7 +24,7 @@ from tests.fast.tolerance import FP32_MODEL, within
 
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch, with_old_log_probs
+    from tests.fast.megatron_common import make_args, synthetic_batch, with_old_log_probs
 
     backend = MegatronBackend.from_args(make_args(
         "--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", "2", "--optimizer", "sgd", "--sgd-momentum", "0",

@@ -18,7 +18,7 @@ from tests.fast.tolerance import FP32_MODEL, within
 
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
+    from tests.fast.megatron_common import make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
                                                   "--lr", "0.5", "--clip-grad", "0", "--micro-batch-size", "3"))

@@ -96,7 +96,7 @@ def _layout_worker(rank, world, tp, hf_dir):
     from dataclasses import replace
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch, with_old_log_probs
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
     from rl_plugin.loss import LossConfig
 
     base = ["--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp), "--optimizer", "sgd",

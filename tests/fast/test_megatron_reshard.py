@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fast import checkpointing
 from tests.fast.harness import run_world
-
 from tests.fast.tolerance import FP32_MODEL, within
 
 FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "linear", "--lr-decay-iters", "10",
@@ -35,18 +35,18 @@ FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "lin
 
 
 def _batches():
-    from rl_plugin.backends.megatron.testing import synthetic_batch
+    from tests.fast.megatron_common import synthetic_batch
 
     return [synthetic_batch(seed=s, num_prompts=2, n_per_prompt=4) for s in (1, 2, 3)]
 
 
 def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_dir=None):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args
+    from tests.fast.megatron_common import dp_shard, make_args
 
     if other_hf_dir:  # a checkpoint of another model (wider MLP), for the refusal below
         other = MegatronBackend.from_args(make_args("--hf-checkpoint", other_hf_dir, *FLAGS, world_size=world))
-        other.save_checkpoint(str(Path(refuse_dir) / "other_model"), step=1)
+        checkpointing.save(other, Path(refuse_dir) / "other_model", 1)
         del other
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
                                                   *FLAGS, world_size=world))
@@ -63,7 +63,7 @@ def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_di
         out["refused"] = {}
         for name in ("old_format", "fsdp", "other_model"):
             try:
-                backend.load_checkpoint(str(Path(refuse_dir) / name))
+                checkpointing.load(backend, Path(refuse_dir) / name)
             except ValueError as e:
                 out["refused"][name] = str(e)
         after = backend.export_hf_state_dict()
@@ -71,19 +71,20 @@ def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_di
     if load_from is None:
         step(0)
     else:
-        out["meta"] = backend.load_checkpoint(load_from)
+        out["meta"] = checkpointing.load(backend, load_from)
     out["weights"] = backend.export_hf_state_dict()
     if save_to:
-        backend.save_checkpoint(save_to, step=1, extra={"rollout_id": 1})
+        checkpointing.save(backend, save_to, 1, extra={"rollout_id": 1})
     out["reports"] = [step(1), step(2)]
     return out
 
 
 def _old_and_fsdp_dirs(root: Path) -> Path:
-    old = root / "old_format"
-    (old / "iter_0000001").mkdir(parents=True)
-    torch.save({"step": 1}, old / "iter_0000001" / "rank_00000.pt")
-    (old / "latest").write_text("1")
+    old = root / "old_format"  # the per-rank format under the loop: iter_N/latest + iter_N/iter_N/rank_*.pt
+    (old / "iter_0000001" / "iter_0000001").mkdir(parents=True)
+    torch.save({"step": 1}, old / "iter_0000001" / "iter_0000001" / "rank_00000.pt")
+    (old / "iter_0000001" / "latest").write_text("1")
+    (old / "latest_checkpointed_iteration.txt").write_text("1\n")
     fsdp = root / "fsdp" / "iter_0000001"
     fsdp.mkdir(parents=True)
     torch.save({"step": 1, "extra": {}}, fsdp / "meta.pt")

@@ -19,7 +19,7 @@ def _worker(rank, world, hf_dir):
     import torch
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import dp_shard, make_args, synthetic_batch, with_old_log_probs
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
                                                   "--lr", "1.0", "--clip-grad", "0", "--micro-batch-size", "1",

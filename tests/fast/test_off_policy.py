@@ -171,6 +171,7 @@ def test_dynamic_sampling_trains_only_groups_with_reward_variance(tmp_path, monk
     """Real rollout manager (tiny HF model, real generate, digit-copy rewards): the dynamic rollout
     is exactly the first --rollout-batch-size groups, in order, whose raw rewards vary, of the
     over-sampled round; the counts match; shaping is added after the filter's raw decision."""
+    from rl_plugin.configs import RolloutConfig
     from rl_plugin.loop.embedded import prepare_embedded
     from rl_plugin.rollout.manager import RolloutManager
     from rl_plugin.train import parse_train_args
@@ -180,10 +181,10 @@ def test_dynamic_sampling_trains_only_groups_with_reward_variance(tmp_path, monk
     args = parse_train_args(common + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "12",
                                       "--dynamic-sampling-filter-path", BUILTIN_FILTER, "--overlong-buffer-len", "2"])
     prepare_embedded(args)
-    dyn = RolloutManager(args, args.hf_checkpoint, args.prompt_data, None).generate(0)
+    dyn = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None).generate(0)
     plain_args = parse_train_args(common + ["--rollout-batch-size", "12"])
     prepare_embedded(plain_args)
-    plain = RolloutManager(plain_args, plain_args.hf_checkpoint, plain_args.prompt_data, None).generate(0)  # = round 0
+    plain = RolloutManager(RolloutConfig.from_args(plain_args), plain_args.hf_checkpoint, plain_args.prompt_data, None).generate(0)  # = round 0
 
     raw = plain.rewards.view(12, 4)
     passing = torch.nonzero(raw.std(1) > 0).flatten()

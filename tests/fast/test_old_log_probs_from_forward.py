@@ -33,18 +33,19 @@ def _worker(rank, world, backend_name, hf_dir):
     from dataclasses import replace
 
     from rl_plugin.arguments import parse_args
-    from rl_plugin.backends.megatron.testing import dp_shard, synthetic_batch
-    from rl_plugin.loss import LossConfig
+    from rl_plugin.configs import TrainConfig
     from rl_plugin.ray.train_actor import TrainActor, backend_class
+    from rl_plugin.step_plan import RankPlan
+    from tests.fast.megatron_common import dp_shard, synthetic_batch
 
     def flags(*extra):
         return parse_args(["--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node",
                            str(world), "--micro-batch-size", "2", "--lr", "0.1", "--adam-eps", "1e-2", *extra])
 
-    args = flags()
-    backend = backend_class(backend_name).from_args(args)
+    config = TrainConfig.from_args(flags(*CASES[backend_name]))
+    backend = backend_class(backend_name).from_config(config)
     actor = TrainActor(rank, world)
-    actor.args, actor.backend = args, backend
+    actor.config, actor.backend = config, backend
     forward_only = []
     log_probs = backend.runner.log_probs
     backend.runner.log_probs = lambda *a, **k: forward_only.append(1) or log_probs(*a, **k)  # count the passes
@@ -61,13 +62,13 @@ def _worker(rank, world, backend_name, hf_dir):
     backend.save_checkpoint(ckpt[0], step=0)
     out = {}
     for case in (backend_name,):
-        backend.loss_config = LossConfig.from_args(flags(*CASES[case]))
         for fused in (False, True):
             backend.load_checkpoint(ckpt[0])
             actor.fuse_old_log_probs = fused
-            assert (actor.separate_old_pass_reason(local, [(0, local.num_samples)]) is None) == fused
+            plan = RankPlan(replace(local), [(0, local.num_samples)], [groups])
+            assert (actor.separate_old_pass_reason(plan) is None) == fused
             forward_only.clear()
-            reports = actor.train_rollout(replace(local), [(0, local.num_samples)], [groups])
+            reports = actor.train_rollout(plan)
             weights = backend.export_hf_state_dict()  # collective
             out[(case, fused)] = (reports, weights, len(forward_only))
     return out

@@ -187,7 +187,7 @@ def test_vllm_reads_back_its_weights_bitwise(vllm_run, ckpt):
 
 
 def test_vllm_update_drops_the_prefix_cache(vllm_run):
-    for (ids, n, got), ref in zip(vllm_run["after_update"], vllm_run["after_update_ref"]):
+    for (_ids, n, got), ref in zip(vllm_run["after_update"], vllm_run["after_update_ref"]):
         assert n == LONG_PROMPT
         err = (torch.tensor(got) - ref).abs().max()
         assert float(err) < MAX_BOUND, float(err)
@@ -230,7 +230,7 @@ def test_vllm_split_over_engines_samples_the_same(vllm_run):
 def _agreement_worker(rank, world, ckpt, samples):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.backends.megatron.testing import make_args
+    from tests.fast.megatron_common import make_args
     from rl_plugin.loss import LossConfig, StepBatch
 
     backends = {"megatron": MegatronBackend.from_args(make_args("--hf-checkpoint", ckpt, world_size=world)),

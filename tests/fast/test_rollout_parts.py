@@ -51,7 +51,7 @@ def test_math_exact_and_custom_reward(tmp_path):
     with pytest.raises(ValueError, match=r"--rm-type 'nope': unknown reward"):
         load_reward_fn("nope")
     with pytest.raises(ValueError, match=r"returned nan for sample 1 \(prompt 'b'"):
-        score_responses(lambda p, r, l: float("nan") if p == "b" else 0.0, ["a", "b"], ["", ""], [None, None])
+        score_responses(lambda p, r, _label: float("nan") if p == "b" else 0.0, ["a", "b"], ["", ""], [None, None])
     assert set(REWARDS) >= {"digit_match", "math_exact"}
 
 

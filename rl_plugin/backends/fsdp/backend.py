@@ -33,11 +33,16 @@ import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.fsdp import checkpoint as ckpt
-from rl_plugin.backends.fsdp.model import (fused_head_unsupported, install_fp32_lm_head, install_fused_head,
-                                           load_hf_model, shard_model)
+from rl_plugin.backends.fsdp.model import (
+    fused_head_unsupported,
+    install_fp32_lm_head,
+    install_fused_head,
+    load_hf_model,
+    shard_model,
+)
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
-from rl_plugin.loss import LossConfig
+from rl_plugin.configs import TrainConfig
 from rl_plugin.loss.runner import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
@@ -66,36 +71,35 @@ def _tied_names(model) -> List[str]:
 
 
 class FSDPBackend(TrainBackend):
-    def __init__(self, args):
+    def __init__(self, config: TrainConfig):
         if not dist.is_initialized():
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.args = args
-        self.hf_dir = args.hf_checkpoint or default_tiny_checkpoint()
+        self.config = config
+        self.hf_dir = config.model.hf_checkpoint or default_tiny_checkpoint()
         self.device = _device()
         world, rank = dist.get_world_size(), dist.get_rank()
         self.mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
         group = cpu_group(self.mesh.get_group("dp")) if world > 1 else None  # counts, plan, metrics: CPU
         self.parallel_state = ParallelState(dp_size=world, dp_rank=rank, dp_group=group, dp_cp_group=group)
-        self.loss_config = LossConfig.from_args(args)
+        self.loss_config = config.loss
         self.loss_device = self.device
-        self.attn_implementation = getattr(args, "fsdp_attn_implementation", "sdpa")
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
+        self.attn_implementation = config.model.attn_implementation
+        random.seed(config.model.seed)
+        np.random.seed(config.model.seed)
+        torch.manual_seed(config.model.seed)
         self.model = self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, args)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
         self._ref_model = None
-        budget = args.max_tokens_per_gpu if args.use_dynamic_batch_size else None
-        self.runner = StepRunner(self, micro_batch_size=args.micro_batch_size,
-                                 max_tokens_per_gpu=budget)
+        self.runner = StepRunner(self, micro_batch_size=config.batching.micro_batch_size,
+                                 max_tokens_per_gpu=config.batching.max_tokens_per_gpu)
 
     @classmethod
-    def from_args(cls, args) -> "FSDPBackend":
-        return cls(args)
+    def from_config(cls, config: TrainConfig) -> "FSDPBackend":
+        return cls(config)
 
     # -- model ------------------------------------------------------------------------------
     def _build_model(self, *, frozen: bool = False):
@@ -105,18 +109,18 @@ class FSDPBackend(TrainBackend):
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
         model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
         if self._use_fused_head(model):
-            install_fused_head(model, fp32=bool(self.args.fp32_lm_head))
-        elif self.args.fp32_lm_head:
+            install_fused_head(model, fp32=self.config.model.fp32_lm_head)
+        elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
         self.tied_names = _tied_names(model)
         if frozen:
             model.requires_grad_(False).eval()
         model.to(self.device)
-        return shard_model(model, self.mesh, bf16=bool(self.args.bf16))
+        return shard_model(model, self.mesh, bf16=self.config.model.bf16)
 
     def _use_fused_head(self, model) -> bool:
         """The fused head + log-probs unless ``--disable-fused-lm-head`` or the model needs its logits."""
-        if getattr(self.args, "disable_fused_lm_head", False):
+        if not self.config.model.fused_lm_head:
             return False
         reason = fused_head_unsupported(model)
         if reason is not None:
@@ -164,7 +168,7 @@ class FSDPBackend(TrainBackend):
         return passes
 
     def optimizer_step(self) -> Tuple[float, float]:
-        norm = clip_grad_norm(self.params, float(self.args.clip_grad or 0.0))
+        norm = clip_grad_norm(self.params, self.config.optimizer.clip_grad)
         if not math.isfinite(norm):
             # Same rank-consistent outcome as Megatron's skipped step: nothing is applied.
             self.optimizer.zero_grad(set_to_none=True)
@@ -174,7 +178,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         return norm, lr
 
     # -- weights and checkpoints ------------------------------------------------------------
@@ -198,11 +202,11 @@ class FSDPBackend(TrainBackend):
         extra = dict(extra or {})
         ckpt.save(path, self.model, self.optimizer, step=step, extra=extra,
                   backend_state={"optimizer_steps": self.optimizer_steps})
-        if self.args.save_hf:
-            self.save_hf(self.args.save_hf)
+        if self.config.model.save_hf:
+            self.save_hf(self.config.model.save_hf)
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir)
         self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
-        set_lr(self.optimizer, megatron_lr(self.args, self.optimizer_steps))
+        set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         return {"step": int(meta["step"]), "extra": meta.get("extra", {})}

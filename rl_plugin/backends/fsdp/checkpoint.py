@@ -1,18 +1,11 @@
 """Checkpoints of the FSDP backend: torch.distributed.checkpoint (DCP) plus a Hugging Face export.
 
-Layout of ``--save DIR`` (Megatron-LM's tracker name, so tooling that reads it keeps working)::
+Files of one step directory (the loop owns the layout around it, ``rl_plugin.loop.checkpoint``:
+``iter_*.partial`` while being written, renamed to ``iter_*`` when complete, tracker last)::
 
-    DIR/latest_checkpointed_iteration.txt      the last complete step (written last, by rank 0)
-    DIR/iter_0000003/                          DCP: {"model": sharded model, "optim": sharded AdamW}
-    DIR/iter_0000003/rng_rank{r}.pt            per-rank RNG (python, numpy, torch CPU, CUDA)
-    DIR/iter_0000003/meta.pt                   {"step", "extra" (the loop's state), "backend"}, rank 0
-
-When ``path`` already is the step's directory (its name is ``iter_{step:07d}``, as the loop's
-``rl_plugin.loop.checkpoint.step_dir`` passes it), the files go straight into it and no tracker is
-written (the loop writes its own once every rank returned). ``load`` accepts either form. Either
-way the files are written into ``iter_*.partial`` and renamed when complete
-(``rl_plugin.backends.checkpoint_dirs``), so a killed save never leaves a directory ``--load``
-would read.
+    iter_0000003/.metadata, __*.distcp         DCP: {"model": sharded model, "optim": sharded AdamW}
+    iter_0000003/rng_rank{r}.pt                per-rank RNG (``rl_plugin.backends.rng_state``)
+    iter_0000003/meta.pt                       {"step", "extra" (the loop's state), "backend"}, rank 0
 
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
 DP=1. ``write_hf_dir`` writes full (all-gathered) weights as ``model.safetensors`` with the
@@ -22,18 +15,17 @@ checkpoint's original dtype, loadable by ``AutoModelForCausalLM.from_pretrained`
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends import checkpoint_dirs as dirs
+from rl_plugin.backends.checkpoint_compat import check_same_model
+from rl_plugin.backends.rng_state import rng_state, set_rng_state
 
-TRACKER = dirs.TRACKER
+META = "meta.pt"  # rank 0 writes it after its shards
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -46,59 +38,34 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def iter_dir(root: str, step: int) -> Path:
-    return dirs.iter_dir(root, step)
-
-
-def rng_state() -> Dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save(root: str, model, optimizer, *, step: int, extra: Optional[Dict[str, Any]] = None,
-         backend_state: Optional[Dict[str, Any]] = None) -> Path:
-    """Collective: every rank writes its shards into ``iter_*.partial``; once all returned, rank 0
-    renames it to ``iter_*`` and (root form) points the tracker at it, last."""
+def save(directory: str, model, optimizer, *, step: int, extra: Optional[Dict[str, Any]] = None,
+         backend_state: Optional[Dict[str, Any]] = None) -> None:
+    """Collective: every rank writes its shards and RNG state of ``step`` into ``directory`` (an
+    empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final, tracker = dirs.target(root, step)
-    staging = dirs.begin(final)
+    Path(directory).mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
-    torch.save(rng_state(), staging / f"rng_rank{_rank()}.pt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    torch.save(rng_state(), Path(directory) / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
-        torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, staging / "meta.pt")
-    dirs.commit(staging, final)
-    if tracker and _rank() == 0:
-        dirs.write_tracker(root, step)
-    _barrier()
-    return final
+        torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, Path(directory) / META)
 
 
-def resolve(path: str) -> Path:
-    """``path`` may be a ``--save`` root (its tracker names the step) or an ``iter_*`` directory."""
-    return dirs.resolve(path, "meta.pt")
-
-
-def load(path: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[str, Any]:
-    """Collective: restore model, optimizer and this rank's RNG; returns ``{"step", "extra"}``."""
+def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Collective: restore model, optimizer and this rank's RNG from one complete step directory
+    (``iter_*``); returns ``meta.pt`` (``{"step", "extra", "backend"}``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from rl_plugin.backends.checkpoint_compat import check_same_model
-
-    src = resolve(path)
+    src = Path(directory)
+    if (src / "common.pt").is_file():
+        raise ValueError(f"--load {src}: it was written by the Megatron backend (dist_checkpointing common.pt). "
+                         "Fix: resume it with --train-backend megatron")
+    if not (src / META).is_file():
+        raise FileNotFoundError(f"--load {src}: no complete FSDP checkpoint there (no {META}). Fix: pass the --save "
+                                "directory of a run (its latest_checkpointed_iteration.txt names the step)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     saved = {k[len("model."):]: tuple(m.size) for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}  # DCP flattens {"model": sd} to "model.<name>"
@@ -109,7 +76,7 @@ def load(path: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[s
     rng_file = src / f"rng_rank{_rank()}.pt"
     if rng_file.exists():  # absent when the world grew since the save: keep this rank's seeding
         set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(src / "meta.pt", weights_only=False)
+    return torch.load(src / META, weights_only=False)
 
 
 def write_hf_dir(out_dir: str, state_dict: Dict[str, torch.Tensor], config, *, source_dir: Optional[str] = None,

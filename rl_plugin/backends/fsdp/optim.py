@@ -21,6 +21,8 @@ from typing import Iterable, List
 import torch
 from torch import nn
 
+from rl_plugin.configs import OptimizerConfig
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     decay, no_decay = [], []
@@ -32,28 +34,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW, or SGD with ``--optimizer sgd`` (Megatron-LM's flag: momentum ``--sgd-momentum``)."""
-    if getattr(args, "optimizer", "adam") == "sgd":
-        return torch.optim.SGD(param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
-                               momentum=float(args.sgd_momentum), foreach=True)
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(param_groups(model, opt.weight_decay), lr=megatron_lr(opt, 0),
+                               momentum=opt.sgd_momentum, foreach=True)
     return torch.optim.AdamW(
-        param_groups(model, args.weight_decay), lr=megatron_lr(args, 0),
-        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        param_groups(model, opt.weight_decay), lr=megatron_lr(opt, 0),
+        betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
         foreach=True,  # one multi-tensor op per state update over all (same-mesh, Shard(0)) DTensor shards
     )
 
 
-def megatron_lr(args, step: int) -> float:
+def megatron_lr(opt: OptimizerConfig, step: int) -> float:
     """Megatron-LM's learning rate after ``step`` optimizer steps (see module docstring)."""
-    max_lr, min_lr = float(args.lr), float(args.min_lr)
-    warmup = int(args.lr_warmup_iters or 0)
+    max_lr, min_lr = opt.lr, opt.min_lr
+    warmup = opt.lr_warmup_iters
     if warmup > 0 and step <= warmup:
         return max_lr * step / warmup
-    style = args.lr_decay_style
+    style = opt.lr_decay_style
     if style == "constant":
         return max_lr
-    decay = int(args.lr_decay_iters)
+    decay = int(opt.lr_decay_iters)
     if step > decay:
         return min_lr
     if style == "inverse-square-root":

@@ -28,19 +28,17 @@ from __future__ import annotations
 
 import torch
 
+from rl_plugin.backends.attention_mask import block_causal_mask
 from rl_plugin.loss import log_probs_and_entropy
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
 def packed_causal_mask(cu_seqlens: torch.Tensor, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Block-diagonal causal mask ``[1, 1, T, T]`` of samples with boundaries ``cu_seqlens``."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    total = seg.numel()
-    pos = torch.arange(total)
-    allowed = (seg.unsqueeze(1) == seg.unsqueeze(0)) & (pos.unsqueeze(0) <= pos.unsqueeze(1))
-    allowed = allowed.view(1, 1, total, total)
+    """Block-diagonal causal mask ``[1, 1, T, T]`` of samples with boundaries ``cu_seqlens``
+    (``rl_plugin.backends.attention_mask``), in the format ``attn_implementation`` takes."""
+    total = int(cu_seqlens[-1])
+    allowed = block_causal_mask(cu_seqlens, total).view(1, 1, total, total)
     if attn_implementation == "eager":
         zeros = torch.zeros((), dtype=dtype)
         return torch.where(allowed, zeros, torch.tensor(torch.finfo(dtype).min, dtype=dtype))

@@ -1,6 +1,6 @@
 """``MegatronBackend``: the ``TrainBackend`` on megatron-core (one instance per training process).
 
-    backend = MegatronBackend.from_args(args)   # torch.distributed already initialised
+    backend = MegatronBackend.from_config(cfg)  # a TrainConfig; torch.distributed already initialised
     old = backend.compute_log_probs(batch)       # forward only, actor (or role="ref"): the runner
     report = backend.train_step(batch, num_groups=P)   # the runner (rl_plugin.loss.runner)
     hf = backend.export_hf_state_dict()          # TP-gathered, HF names, every rank
@@ -25,19 +25,18 @@ from rl_plugin.backends.megatron import checkpoint, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
-from rl_plugin.loss import LossConfig
+from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss.runner import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
 
-
 logger = logging.getLogger(__name__)
 
 
-def use_fused_head(args, model) -> bool:
+def use_fused_head(model_config: ModelConfig, model) -> bool:
     """The fused head + log-probs (``forward.response_log_probs``) unless ``--disable-fused-lm-head``
     or the model's output layer needs the unfused path (then say why, once)."""
-    if getattr(args, "disable_fused_lm_head", False):
+    if not model_config.fused_lm_head:
         return False
     reason = fused_head_unsupported(model)
     if reason is not None:
@@ -46,19 +45,18 @@ def use_fused_head(args, model) -> bool:
 
 
 class MegatronBackend(TrainBackend):
-    def __init__(self, args, model, bridge, optimizer, scheduler, ps: ParallelState, hf_dir: str):
-        self.args, self.model, self.bridge = args, model, bridge
+    def __init__(self, config: TrainConfig, model, bridge, optimizer, scheduler, ps: ParallelState, hf_dir: str):
+        self.config, self.model, self.bridge = config, model, bridge
         self.optimizer, self.scheduler = optimizer, scheduler
         self.parallel_state = ps
         self.hf_dir = hf_dir
-        self.loss_config = LossConfig.from_args(args)
-        self.fp32_lm_head = bool(getattr(args, "fp32_lm_head", False))
-        self.fused_lm_head = use_fused_head(args, model)
+        self.loss_config = config.loss
+        self.fp32_lm_head = config.model.fp32_lm_head
+        self.fused_lm_head = use_fused_head(config.model, model)
         self._ref_model = None
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
-        budget = args.max_tokens_per_gpu if getattr(args, "use_dynamic_batch_size", False) else None
-        self.runner = StepRunner(self, micro_batch_size=int(args.micro_batch_size),
-                                 max_tokens_per_gpu=budget)
+        self.runner = StepRunner(self, micro_batch_size=config.batching.micro_batch_size,
+                                 max_tokens_per_gpu=config.batching.max_tokens_per_gpu)
         config = bridge.config
         # What Megatron-LM's training loop sets: the schedule calls these.
         from megatron.core.distributed import finalize_model_grads
@@ -68,16 +66,17 @@ class MegatronBackend(TrainBackend):
         config.grad_scale_func = optimizer.scale_loss
 
     @classmethod
-    def from_args(cls, args) -> "MegatronBackend":
+    def from_config(cls, config: TrainConfig) -> "MegatronBackend":
         if not dist.is_initialized():
-            raise RuntimeError("MegatronBackend.from_args: initialise torch.distributed first (gloo on CPU, nccl on GPU)")
+            raise RuntimeError("MegatronBackend.from_config: initialise torch.distributed first (gloo on CPU, nccl on GPU)")
         apply_cpu_shim()  # no-op where CUDA is present
-        setup.check_supported(args)
-        ps = setup.init_parallel(args)
-        hf_dir = args.hf_checkpoint or default_tiny_checkpoint()
-        model, bridge = setup.build_model(args, hf_dir)
-        optimizer, scheduler = setup.build_optimizer(args, model)
-        return cls(args, model, bridge, optimizer, scheduler, ps, hf_dir)
+        m, opt = config.model, config.optimizer
+        setup.check_supported(m)
+        ps = setup.init_parallel(m)
+        hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        model, bridge = setup.build_model(m, hf_dir, use_distributed_optimizer=opt.use_distributed_optimizer)
+        optimizer, scheduler = setup.build_optimizer(opt, model, bf16=m.bf16)
+        return cls(config, model, bridge, optimizer, scheduler, ps, hf_dir)
 
     # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
     def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
@@ -103,7 +102,7 @@ class MegatronBackend(TrainBackend):
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
         checkpoint.save(path, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                         ps=self.parallel_state, extra=extra)
-        save_hf = getattr(self.args, "save_hf", None)
+        save_hf = self.config.model.save_hf
         if save_hf:
             self.save_hf(save_hf)
 

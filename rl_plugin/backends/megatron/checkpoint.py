@@ -8,33 +8,32 @@ space, not its internal DP buckets), saved by the torch_dist (DCP) strategy. On 
 asks for the slices its own TP x DP layout needs, so a checkpoint written at TP2 x DP1 resumes at
 TP1 x DP2, DP2 at DP1, with or without the distributed optimizer.
 
-Files of one step directory (see ``rl_plugin.backends.checkpoint_dirs`` for the root layout and the
-atomic ``.partial`` -> ``iter_*`` rename)::
+Files of one step directory (the loop owns the layout around it, ``rl_plugin.loop.checkpoint``:
+``iter_*.partial`` while being written, renamed to ``iter_*`` when complete, tracker last)::
 
     iter_0000012/metadata.json, .metadata, __*.distcp   dist_checkpointing (torch_dist)
     iter_0000012/common.pt                              step, scheduler, layout, the loop's extra
     iter_0000012/rng_rank{r}.pt                         per-rank RNG streams
 
-RNG (torch CPU/CUDA, Python, NumPy, megatron's model-parallel tracker) is per rank; it is restored
-only on the layout it was saved on (on another layout there is no rank to continue the stream of;
-the run keeps its ``--seed`` seeding, and with dropout 0 the training math uses no randomness).
+RNG (``rl_plugin.backends.rng_state`` plus megatron's model-parallel tracker) is per rank; it is
+restored only on the layout it was saved on (on another layout there is no rank to continue the
+stream of; the run keeps its ``--seed`` seeding, and with dropout 0 the training math uses no
+randomness).
 
-The per-rank ``.pt`` format of earlier versions (``iter_*/rank_*.pt`` + ``latest``) is refused
-with a message, never partly loaded.
+The per-rank ``.pt`` format of earlier versions (``rank_*.pt``, nested ``iter_*/rank_*.pt`` +
+``latest``) is refused with a message naming it, never partly loaded.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends import checkpoint_dirs as dirs
 from rl_plugin.backends.checkpoint_compat import check_same_model
+from rl_plugin.backends.rng_state import rng_state, set_rng_state
 from rl_plugin.parallel import ParallelState
 
 FORMAT = "rl_plugin/megatron-dist-v1"
@@ -55,23 +54,13 @@ class CheckpointFormatError(ValueError):
 def _rng_state() -> Dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+    return {**rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    set_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -164,7 +153,9 @@ def _sync_torch_dist_strategy():
     give a checkpoint the default ``torch_dist`` load strategy reads."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
         mcore_to_pyt_state_dict,
     )
 
@@ -188,40 +179,40 @@ def _without_param_state(common: Dict[str, Any]) -> Dict[str, Any]:
     return common
 
 
-def save(path: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> str:
-    """Collective. ``path``: a ``--save`` root or the step's ``iter_*`` directory; returns the
-    step directory, complete (renamed from ``.partial`` after every rank wrote)."""
+def save(directory: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> None:
+    """Collective: every rank writes its part of ``step``'s checkpoint into ``directory`` (an
+    empty directory, created if missing: the loop's ``iter_*.partial``)."""
     from megatron.core import dist_checkpointing
 
-    final, tracker = dirs.target(path, step)
-    staging = dirs.begin(final)
+    Path(directory).mkdir(parents=True, exist_ok=True)
     _allocate_state(optimizer)  # a save before the first step: zeros, as that step would start from
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
-    dist_checkpointing.save(state, str(staging), sharded_strategy=_sync_torch_dist_strategy(),
+    dist_checkpointing.save(state, str(directory), sharded_strategy=_sync_torch_dist_strategy(),
                             preprocess_common_before_consistancy_check=_without_param_state)
-    torch.save({"layout": _layout(ps), "rng": _rng_state()}, staging / f"rng_rank{dist.get_rank()}.pt")
-    dirs.commit(staging, final)
-    if tracker and dirs.rank() == 0:
-        dirs.write_tracker(path, step)
-    dirs.barrier()
-    return str(final)
+    torch.save({"layout": _layout(ps), "rng": _rng_state()}, Path(directory) / f"rng_rank{dist.get_rank()}.pt")
 
 
-def _check_format(path: str, src: Path) -> None:
-    p = Path(path)
-    if (p / "latest").exists() or any(src.glob("rank_*.pt")) or any(src.glob("iter_*/rank_*.pt")):
+def _check_format(src: Path) -> None:
+    """Refuse, by name, a step directory this backend cannot read."""
+    if (src / "latest").exists() or any(src.glob("rank_*.pt")) or any(src.glob("iter_*/rank_*.pt")):
         raise CheckpointFormatError(
-            f"--load {path}: this is the per-rank .pt format of rl_plugin before megatron-core dist_checkpointing "
-            "(iter_*/rank_*.pt + 'latest'); it is not read any more, so nothing was loaded. Fix: start again from "
-            "--hf-checkpoint, or resume it with the rl_plugin version that wrote it and its exact layout."
+            f"--load {src}: this is the per-rank .pt format of rl_plugin before megatron-core dist_checkpointing "
+            "(rank_*.pt, or iter_*/rank_*.pt + 'latest' nested in the step directory); it is not read any more, so "
+            "nothing was loaded. Fix: start again from --hf-checkpoint, or resume it with the rl_plugin version that "
+            "wrote it and its exact layout."
         )
     if (src / "meta.pt").exists():
         raise CheckpointFormatError(
-            f"--load {path}: {src} was written by the FSDP backend (torch.distributed.checkpoint + meta.pt). "
+            f"--load {src}: it was written by the FSDP backend (torch.distributed.checkpoint + meta.pt). "
             "Fix: resume it with --train-backend fsdp."
+        )
+    if not (src / MARKER).is_file() or not (src / "common.pt").is_file():
+        raise FileNotFoundError(
+            f"--load {src}: no complete Megatron checkpoint there ({MARKER} and common.pt of dist_checkpointing are "
+            "missing). Fix: pass the --save directory of a run (its latest_checkpointed_iteration.txt names the step)"
         )
 
 
@@ -241,18 +232,17 @@ def _model_shapes(src: Path, model) -> tuple:
     return saved, current
 
 
-def load(path: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None) -> Dict[str, Any]:
-    """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from
-    ``path`` (a ``--save`` root or an ``iter_*`` directory); returns ``{"step", "extra"}``."""
+def load(directory: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from one
+    complete step directory (``iter_*``); returns ``{"step", "extra"}``."""
     from megatron.core import dist_checkpointing
 
-    _check_format(path, Path(path))
-    src = dirs.resolve(path, MARKER)
-    _check_format(path, src)
+    src = Path(directory)
+    _check_format(src)
     common = torch.load(src / "common.pt", map_location="cpu", weights_only=False)
     if common.get("format") != FORMAT:
         raise CheckpointFormatError(
-            f"--load {path}: {src} is a megatron-core dist checkpoint but not one rl_plugin wrote (format "
+            f"--load {src}: it is a megatron-core dist checkpoint but not one rl_plugin wrote (format "
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )

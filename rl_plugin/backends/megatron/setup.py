@@ -2,12 +2,14 @@
 
 Order (every rank, collectively; torch.distributed is already initialised):
 
-1. ``check_supported(args)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1.
-2. ``init_parallel(args)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
+Each step takes the typed config it needs (``rl_plugin.configs``), never the flags' namespace.
+
+1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1.
+2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
-3. ``build_model(args, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
+3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
    ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers).
-4. ``build_optimizer(args, model)``: ``get_megatron_optimizer`` (Adam, ``--clip-grad``,
+4. ``build_optimizer(optimizer_cfg, model)``: ``get_megatron_optimizer`` (Adam, ``--clip-grad``,
    ``--use-distributed-optimizer``) and ``OptimizerParamScheduler``.
 """
 
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.megatron.bridge import build_gpt_model, make_bridge, transformer_engine_available
+from rl_plugin.configs import ModelConfig
+from rl_plugin.configs import OptimizerConfig as RLOptimizerConfig
 from rl_plugin.parallel import ParallelState, cpu_group
 
 # TransformerConfig overrides: no fused CUDA kernels (TE picks its own on GPU), CPU-side init
@@ -35,22 +39,22 @@ class MegatronSetupError(ValueError):
     """A flag combination the Megatron backend cannot run; the message names the flag and fix."""
 
 
-def check_supported(args) -> None:
+def check_supported(cfg: ModelConfig) -> None:
     """Fail loud on layouts this installation cannot run (before any group or model is built)."""
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    cp = cfg.context_parallel_size
     if cp > 1 and not transformer_engine_available():
         raise MegatronSetupError(
             f"--context-parallel-size {cp}: megatron-core context parallelism needs transformer-engine "
             "attention (TEDotProductAttention), and transformer-engine is not installed. Fix: install "
             "transformer-engine (a GPU machine), or use --context-parallel-size 1."
         )
-    if getattr(args, "sequence_parallel", False) and not transformer_engine_available():
+    if cfg.sequence_parallel and not transformer_engine_available():
         raise MegatronSetupError(
             "--sequence-parallel: the local (non transformer-engine) layer spec uses torch norms, which "
             "megatron-core does not support under sequence parallelism (torch_norm.py asserts). Fix: install "
             "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
-    if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
+    if cfg.pipeline_model_parallel_size != 1:
         raise MegatronSetupError(
             "--pipeline-model-parallel-size > 1 is not supported by rl_plugin's Megatron backend yet. "
             "Fix: use --pipeline-model-parallel-size 1 (TP / CP / DP instead)."
@@ -82,7 +86,7 @@ def _gloo_twin(group):
     return cpu_group(group)
 
 
-def init_parallel(args) -> ParallelState:
+def init_parallel(cfg: ModelConfig) -> ParallelState:
     """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours.
 
     Devices (``rl_plugin.loss.runner``): the loss runs on the model's device, so the TP and CP
@@ -92,13 +96,12 @@ def init_parallel(args) -> ParallelState:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    tp = int(args.tensor_model_parallel_size)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
     check_world(dist.get_world_size(), tp, cp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
-    tensor_parallel.model_parallel_cuda_manual_seed(int(args.seed))
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     cpu_groups = dist.get_backend() == "gloo"
     twin = (lambda g: g) if cpu_groups else cpu_group
     dp_g = twin(mpu.get_data_parallel_group())
@@ -114,22 +117,22 @@ def init_parallel(args) -> ParallelState:
     )
 
 
-def build_model(args, hf_dir: str):
+def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: bool = False):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    bf16 = bool(getattr(args, "bf16", False))
-    if getattr(args, "fp16", False):
+    bf16 = cfg.bf16
+    if cfg.fp16:
         raise MegatronSetupError("--fp16 is not supported by rl_plugin's Megatron backend. Fix: use --bf16.")
     overrides = dict(_CONFIG_OVERRIDES)
     overrides.update(
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        sequence_parallel=cfg.sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
-        context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+        context_parallel_size=cfg.context_parallel_size,
     )
     bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
-    check_vocab(bridge.hf_config.vocab_size, int(args.tensor_model_parallel_size))
+    check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     model = build_gpt_model(bridge)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -141,32 +144,31 @@ def build_model(args, hf_dir: str):
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()
     return ddp, bridge
 
 
-def build_optimizer(args, model, total_steps: int = 10**9):
+def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, bf16: bool = False):
     """``(optimizer, scheduler)`` for the DDP model (Megatron-LM's flags and defaults)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    bf16 = bool(getattr(args, "bf16", False))
     cfg = OptimizerConfig(
-        optimizer=getattr(args, "optimizer", "adam"), sgd_momentum=float(getattr(args, "sgd_momentum", 0.9)), lr=float(args.lr), min_lr=float(args.min_lr), weight_decay=float(args.weight_decay),
-        adam_beta1=float(args.adam_beta1), adam_beta2=float(args.adam_beta2), adam_eps=float(args.adam_eps),
-        clip_grad=float(args.clip_grad), bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        optimizer=opt.optimizer, sgd_momentum=opt.sgd_momentum, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(cfg, [model])
-    decay = getattr(args, "lr_decay_iters", None) or total_steps
-    warmup = int(getattr(args, "lr_warmup_iters", 0) or 0)
+    decay = opt.lr_decay_iters or total_steps
+    warmup = opt.lr_warmup_iters
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else float(args.lr), max_lr=float(args.lr), min_lr=float(args.min_lr),
-        lr_warmup_steps=warmup, lr_decay_steps=max(int(decay), warmup + 1), lr_decay_style=args.lr_decay_style,
-        start_wd=float(args.weight_decay), end_wd=float(args.weight_decay), wd_incr_steps=max(int(decay), 1),
+        optimizer, init_lr=0.0 if warmup else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(int(decay), warmup + 1), lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=max(int(decay), 1),
         wd_incr_style="constant",
     )
     return optimizer, scheduler

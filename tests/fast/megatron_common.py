@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks of the Megatron backend (no test logic here).
+"""Helpers for tests and benchmarks of the Megatron backend (no test logic here; the benchmarks
+import it as ``tests.fast.megatron_common``).
 
 - ``make_args(*flags)``: a parsed, validated namespace from real command-line flags.
 - ``synthetic_batch(...)``: a seeded global step batch with uneven lengths, one-token and empty
@@ -8,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Tuple
 
 import torch
 
@@ -62,9 +63,3 @@ def with_old_log_probs(batch: StepBatch, old: torch.Tensor) -> StepBatch:
     offset = batch.old_log_probs if batch.old_log_probs is not None else torch.zeros_like(old)
     return replace(batch, old_log_probs=old + offset)
 
-
-def split_plans(num_samples: int, sizes: Sequence[int]):
-    """Contiguous micro-batch index tensors of the given sizes."""
-    if sum(sizes) != num_samples:
-        raise ValueError(f"micro-batch sizes {list(sizes)} do not add up to {num_samples} samples")
-    return list(torch.arange(num_samples).split(list(sizes)))

@@ -1,0 +1,181 @@
+"""Typed configs below the command line: built once from the validated flags, read everywhere below.
+
+The loop parses and validates the flags (``rl_plugin.arguments``), then builds these once;
+backends, train actors and the rollout side receive them and never see the ``Namespace``. Every
+value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
+default)`` below the CLI); a value derived from several flags is computed here, once.
+
+- ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed
+- ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
+- ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
+- ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
+- ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``
+- ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
+- ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
+
+``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
+in the process that builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rl_plugin.loss.config import LossConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_checkpoint: Optional[str] = None  # None: the embedded tiny model
+    save_hf: Optional[str] = None
+    bf16: bool = False
+    fp16: bool = False
+    fp32_lm_head: bool = False
+    fused_lm_head: bool = True  # not --disable-fused-lm-head
+    attn_implementation: str = "sdpa"  # --fsdp-attn-implementation (the FSDP backend's HF attention)
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    seed: int = 1234
+
+    @classmethod
+    def from_args(cls, args) -> "ModelConfig":
+        return cls(
+            hf_checkpoint=args.hf_checkpoint, save_hf=args.save_hf, bf16=bool(args.bf16), fp16=bool(args.fp16),
+            fp32_lm_head=bool(args.fp32_lm_head), fused_lm_head=not args.disable_fused_lm_head,
+            attn_implementation=args.fsdp_attn_implementation,
+            tensor_model_parallel_size=int(args.tensor_model_parallel_size),
+            context_parallel_size=int(args.context_parallel_size),
+            pipeline_model_parallel_size=int(args.pipeline_model_parallel_size),
+            sequence_parallel=bool(args.sequence_parallel), seed=int(args.seed),
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # required (validated) unless constant
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # 0 disables
+    use_distributed_optimizer: bool = False  # ZeRO-1 over DP (Megatron backend)
+
+    @classmethod
+    def from_args(cls, args) -> "OptimizerConfig":
+        return cls(
+            optimizer=args.optimizer, lr=float(args.lr), min_lr=float(args.min_lr), lr_decay_style=args.lr_decay_style,
+            lr_warmup_iters=int(args.lr_warmup_iters), lr_decay_iters=args.lr_decay_iters,
+            weight_decay=float(args.weight_decay), adam_beta1=float(args.adam_beta1), adam_beta2=float(args.adam_beta2),
+            adam_eps=float(args.adam_eps), sgd_momentum=float(args.sgd_momentum), clip_grad=float(args.clip_grad),
+            use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        )
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    micro_batch_size: int = 1
+    max_tokens_per_gpu: Optional[int] = None  # the token budget, set only with --use-dynamic-batch-size
+    global_batch_size: Optional[int] = None
+    docs_per_step: Optional[int] = None
+    n_samples_per_prompt: int = 8
+    rollout_batch_size: Optional[int] = None
+
+    @classmethod
+    def from_args(cls, args) -> "BatchingConfig":
+        return cls(
+            micro_batch_size=int(args.micro_batch_size),
+            max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
+            global_batch_size=args.global_batch_size, docs_per_step=args.docs_per_step,
+            n_samples_per_prompt=int(args.n_samples_per_prompt), rollout_batch_size=args.rollout_batch_size,
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training process needs (``TrainBackend.from_config``, ``TrainActor.init``)."""
+
+    train_backend: str = "megatron"
+    model: ModelConfig = ModelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    batching: BatchingConfig = BatchingConfig()
+    loss: LossConfig = LossConfig()
+    use_rollout_logprobs: bool = False  # old log-probs = the engine's (no recompute pass)
+
+    @classmethod
+    def from_args(cls, args) -> "TrainConfig":
+        return cls(
+            train_backend=args.train_backend, model=ModelConfig.from_args(args), optimizer=OptimizerConfig.from_args(args),
+            batching=BatchingConfig.from_args(args), loss=LossConfig.from_args(args),
+            use_rollout_logprobs=bool(args.use_rollout_logprobs),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_len: Optional[int] = None  # required with --prompt-data; the embedded run sets it
+    tensor_parallel_size: int = 1  # --rollout-num-gpus-per-engine
+    seed: int = 1234
+
+    @classmethod
+    def from_args(cls, args) -> "EngineConfig":
+        return cls(
+            engine=args.rollout_engine, temperature=float(args.rollout_temperature), top_p=float(args.rollout_top_p),
+            max_response_len=args.rollout_max_response_len, tensor_parallel_size=int(args.rollout_num_gpus_per_engine),
+            seed=int(args.seed),
+        )
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout manager's settings. slime's dynamic-sampling filters are called as
+    ``fn(args, samples)``; they receive this object (it carries slime's names)."""
+
+    engine: EngineConfig = EngineConfig()
+    input_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = False
+    rollout_shuffle: bool = False
+    rollout_batch_size: Optional[int] = None  # required with --prompt-data; the embedded run sets it
+    n_samples_per_prompt: int = 8
+    n_samples_per_eval: int = 1
+    rm_type: Optional[str] = None
+    custom_rm_path: Optional[str] = None
+    dynamic_sampling_filter_path: Optional[str] = None
+    over_sampling_batch_size: Optional[int] = None
+    overlong_buffer_len: Optional[int] = None
+    overlong_penalty_factor: float = 1.0  # DAPO's default, used only with overlong_buffer_len
+    debug_rollout_logprob_shift: float = 0.0
+    seed: int = 1234
+
+    @property
+    def rollout_max_response_len(self) -> Optional[int]:  # slime's name, for filters written against slime's args
+        return self.engine.max_response_len
+
+    @classmethod
+    def from_args(cls, args) -> "RolloutConfig":
+        factor = args.overlong_penalty_factor
+        return cls(
+            engine=EngineConfig.from_args(args), input_key=args.input_key, label_key=args.label_key,
+            apply_chat_template=bool(args.apply_chat_template), rollout_shuffle=bool(args.rollout_shuffle),
+            rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=int(args.n_samples_per_prompt),
+            n_samples_per_eval=int(args.n_samples_per_eval), rm_type=args.rm_type, custom_rm_path=args.custom_rm_path,
+            dynamic_sampling_filter_path=args.dynamic_sampling_filter_path,
+            over_sampling_batch_size=args.over_sampling_batch_size, overlong_buffer_len=args.overlong_buffer_len,
+            overlong_penalty_factor=1.0 if factor is None else float(factor),
+            debug_rollout_logprob_shift=float(args.debug_rollout_logprob_shift), seed=int(args.seed),
+        )
+
+
+__all__ = ["BatchingConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "TrainConfig"]
