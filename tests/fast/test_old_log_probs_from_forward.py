@@ -52,7 +52,8 @@ def _worker(rank, world, backend_name, hf_dir):
 
     batch, groups = synthetic_batch(seed=5, num_prompts=3, n_per_prompt=3, max_prompt=6, max_response=9)
     local = dp_shard(batch, world, rank)
-    backend.train_step(local, num_groups=groups)  # a first step, so the checkpoint holds Adam's state
+    lp = backend.compute_log_probs(local)  # a first step, so the checkpoint holds Adam's state
+    backend.train_step(replace(local, old_log_probs=lp, rollout_log_probs=lp), num_groups=groups)
     g = torch.Generator().manual_seed(17)
     noise = 0.05 * torch.randn(int(batch.response_lengths.sum()), generator=g)  # the engine's mismatch
     rollout_lp = backend.compute_log_probs(local) + dp_shard(replace(batch, advantages=noise), world, rank).advantages
