@@ -33,6 +33,7 @@ import torch
 
 from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
+from rl_plugin.loss.logprobs import TargetOutOfVocabError
 from rl_plugin.loss.step import MicroBatch
 
 
@@ -122,7 +123,20 @@ def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: boo
 
 def response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
                        temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring)."""
+    """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring). A
+    target outside the vocabulary raises ``TargetOutOfVocabError`` naming its step sample."""
+    try:
+        return _response_log_probs(model, mb, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused,
+                                   temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    except TargetOutOfVocabError as e:
+        local = int(mb.layout.sample_ids[e.row])
+        index = getattr(mb, "sample_index", None)
+        sample = int(index[local]) if index is not None else local
+        raise TargetOutOfVocabError(f"sample {sample}: {e}", e.row) from None
+
+
+def _response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
+                        temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
         weight = output_weight(gpt)
