@@ -8,6 +8,12 @@
   megatron-core 0.16.1's DDP hook skip ``param.grad`` (``distributed_data_parallel.py`` l. 437)
   unless the weight has ``zero_out_wgrad`` (set by megatron on the shared embedding weight). This
   pins that interplay: SGD updates with and without the fp32 head are equal (fp32 model).
+- ``--sequence-parallel`` at TP = 2 (regression): the hidden-state gradient below the head is
+  summed over TP once. The double-sum version (megatron's SP all-gather, whose backward
+  reduce-scatters, then ``copy_to_tensor_model_parallel_region``, whose backward all-reduces)
+  multiplied it by tp. Pinned on megatron-core's own mappings over 2 gloo ranks against the TP = 1
+  reference, for the fp32 projection + vocab-parallel log-probs and for the fused head, with and
+  without SP. (SP needs transformer-engine's norms for a whole model, absent on this CPU.)
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import tempfile
 import pytest
 import torch
 
+from tests.fast import reference as ref
 from tests.fast.harness import run_world
-from tests.fast.tolerance import FP32_MODEL, within
+from tests.fast.tolerance import FP32_LOSS_CORE, FP32_MODEL, FP64, tensor_within, within
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +109,69 @@ def test_fp32_head_keeps_tied_embedding_gradient(dirs):
     assert float(u_ref.norm()) > 0
     assert float((u_fp32 - u_ref).norm() / u_ref.norm()) < FP32_MODEL  # fp32 weights: the same step, another head
     assert within(n_fp32, n_ref, rtol=FP32_MODEL)
+
+
+SP_SEQ, SP_H, SP_V = 8, 6, 11  # sequence (split 4 + 4 under SP), hidden, vocab (uneven shards 6 + 5)
+SP_INDEX = torch.tensor([1, 2, 3, 5, 6, 7])  # the response rows (positions on both SP shards)
+
+
+def _sp_data(dtype):
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(SP_SEQ, 1, SP_H, generator=g, dtype=torch.float64)
+    weight = torch.randn(SP_V, SP_H, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, SP_V, (SP_INDEX.numel(),), generator=g)
+    a, b = torch.randn(2, SP_INDEX.numel(), generator=g, dtype=torch.float64)
+    return hidden.to(dtype), weight.to(dtype), targets, a, b
+
+
+def _sp_reference(dtype):
+    """TP = 1, no SP: d/dhidden of sum(a logp + b entropy) through the full head."""
+    hidden, weight, targets, a, b = _sp_data(torch.float64)
+    leaf = hidden.clone().requires_grad_(True)
+    rows = leaf.transpose(0, 1).reshape(-1, SP_H)[SP_INDEX]
+    logp, ent = ref.log_softmax_entropy(rows @ weight.t(), targets)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    return leaf.grad
+
+
+def _sp_worker(rank, world):
+    import torch.distributed as dist
+
+    from rl_plugin.backends.megatron.forward import response_rows
+    from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
+    from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
+
+    # megatron's mappings allocate on torch.cuda.current_device(): the CPU here (what the
+    # backend's cpu_shim does, without importing the rest of megatron for it)
+    torch.cuda.current_device = lambda: "cpu"
+    tp = dist.new_group(list(range(world)))
+    lo, hi = [(0, 6), (6, SP_V)][rank]
+    out = {}
+    for sp in (True, False):
+        for fused in (False, True):
+            dtype = torch.float64 if fused else torch.float32  # the fp32 projection computes in fp32
+            hidden, weight, targets, a, b = _sp_data(dtype)
+            if sp:
+                hidden = hidden[rank * SP_SEQ // world:(rank + 1) * SP_SEQ // world]  # this rank's sequence shard
+            leaf = hidden.clone().requires_grad_(True)
+            rows = response_rows(leaf, SP_INDEX, sequence_parallel=sp, grad_summed_by_caller=fused, tp_group=tp)
+            if fused:
+                logp, ent = fused_log_probs_and_entropy(rows, weight[lo:hi], targets, tp_group=tp, vocab_start=lo,
+                                                        chunk_size=4, reduce_hidden_grad=not sp)
+            else:
+                logits = fp32_output_projection(rows, weight[lo:hi])
+                logp, ent = log_probs_and_entropy(logits, targets, tp_group=tp, vocab_start=lo, chunk_size=4)
+            ((logp.double() * a).sum() + (ent.double() * b).sum()).backward()
+            out[(sp, fused)] = leaf.grad.double()
+    return out
+
+
+def test_sequence_parallel_fp32_head_sums_hidden_grad_over_tp_once():
+    want = _sp_reference(torch.float64)
+    for rank, out in enumerate(run_world(_sp_worker, 2)):
+        for (sp, fused), got in out.items():
+            w = want[rank * SP_SEQ // 2:(rank + 1) * SP_SEQ // 2] if sp else want
+            # fused: fp64 throughout. Unfused: the fp32 projection and log-softmax of O(5) logits
+            # (|h| |w| over H = 6 terms), so fp32 rounding scaled by those logits.
+            tol = FP64 if fused else FP32_LOSS_CORE
+            assert tensor_within(got, w, rtol=tol, scale=10.0), (rank, sp, fused, float((got - w).abs().max()), float((got / w).nanmean()))

@@ -87,26 +87,40 @@ def fused_head_unsupported(model) -> Optional[str]:
     return None
 
 
-def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
-    """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows, identical
-    on every TP rank. ``grad_summed_by_caller``: the next op (the fused head) all-reduces d(rows)
-    over TP itself; otherwise d(rows) is all-reduced here, as ColumnParallelLinear does."""
+def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_parallel: bool,
+                  grad_summed_by_caller: bool, tp_group=None) -> torch.Tensor:
+    """``[n, H]`` response rows of the final hidden states ``[s(/tp), b, H]``, identical on every TP
+    rank, whose backward sums the TP ranks' partial d(rows) EXACTLY ONCE (each rank's head sees
+    only its vocab shard, so its d(rows) is a partial sum):
+
+    - sequence parallel: ``hidden`` is this rank's sequence shard; the all-gather's backward
+      reduce-scatters, i.e. it already SUMS the partial d(rows) over TP. Nothing on top: an
+      all-reduce as well (``copy_to_tensor_model_parallel_region``) multiplied every gradient
+      below the head by tp (the bug pinned by ``test_megatron_fp32_head``'s SP test).
+    - otherwise: identity forward and all-reduce of d(rows) backward (what ColumnParallelLinear
+      does for its input), unless ``grad_summed_by_caller`` (the fused head all-reduces itself).
+    ``tp_group``: megatron's TP group when None."""
     from megatron.core import tensor_parallel
 
+    if sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                                      group=tp_group)
+    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[logit_index.to(hidden.device)]
+    if not sequence_parallel and not grad_summed_by_caller:
+        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows, group=tp_group)
+    return rows
+
+
+def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
+    """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
+    (``response_rows``)."""
     input_ids, position_ids, psp = model_inputs(mb, qkv_format)
     device = next(model.parameters()).device
     gpt = unwrap(model)
     with hidden_states_only(gpt):
         hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [s, b, h]
-    if gpt.config.sequence_parallel:
-        # The all-gather's backward reduce-scatters, i.e. it already SUMS the TP ranks' partial
-        # d(rows): no all-reduce on top (that would count every vocab shard tp times).
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[mb.layout.logit_index.to(device)]
-    if not gpt.config.sequence_parallel and not grad_summed_by_caller:
-        # The TP ranks hold the same rows and different vocab shards: identity forward,
-        # all-reduce of d(rows) backward (what ColumnParallelLinear does for its input).
-        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows)
+    rows = response_rows(hidden, mb.layout.logit_index, sequence_parallel=bool(gpt.config.sequence_parallel),
+                         grad_summed_by_caller=grad_summed_by_caller)
     return rows, gpt
 
 
