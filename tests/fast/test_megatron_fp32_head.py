@@ -22,6 +22,7 @@ import tempfile
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fast import reference as ref
 from tests.fast.harness import run_world
@@ -64,10 +65,12 @@ def _bf16_worker(rank, world, hf_dir):
     model.finish_grad_sync()
     ref_grad = r.double().t() @ h64
     grad = weight.main_grad.double()
+    bf16_rows = _bf16_rows_first(backend, mb)
     before = backend.export_hf_state_dict()["lm_head.weight"].clone()
     backend.train_step(batch, num_groups=groups)
     after = backend.export_hf_state_dict()["lm_head.weight"]
     return {
+        "bf16_rows": bf16_rows,
         "weight_dtype": str(weight.dtype), "logits_dtype": str(rows.dtype), "main_grad_dtype": str(weight.main_grad.dtype),
         "logits_rel": float((rows.double() - ref_logits).norm() / ref_logits.norm()),
         "grad_rel": float((grad - ref_grad).norm() / ref_grad.norm()),
@@ -75,8 +78,90 @@ def _bf16_worker(rank, world, hf_dir):
     }
 
 
-def test_fp32_head_bf16_weight_gets_fp32_gradient(dirs):
-    out = run_world(_bf16_worker, 1, dirs["untied"])[0]
+class _RecordFP32Shapes(TorchDispatchMode):
+    """How many fp32 tensors of each shape the ops return."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.dtype == torch.float32:
+                self.shapes[tuple(o.shape)] = self.shapes.get(tuple(o.shape), 0) + 1
+        return out
+
+
+def _bf16_rows_first(backend, mb):
+    """--bf16 without --fp32-lm-head (regression: the Float16Module's fp32 output held every
+    position's logits, [1, s, V/tp] fp32, before the response rows were indexed). Unfused and
+    fused paths: log-probs and the head/embedding gradients are bitwise those of the reference
+    (the fp32 output, then the rows: upcasting bf16 is exact and the same kernels run), and no
+    fp32 tensor spans every position's logits (and the fused path makes one fp32 hidden-state
+    tensor fewer: the model's norms compute in fp32 themselves)."""
+    from rl_plugin.backends.megatron.forward import model_inputs, response_log_probs, unwrap
+    from rl_plugin.loss import log_probs_and_entropy
+    from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
+
+    model, gpt, ps = backend.model, unwrap(backend.model), backend.parallel_state
+    ids, pos, psp = model_inputs(mb, "thd")
+    seq, vocab, hid = ids.numel(), gpt.output_layer.weight.shape[0], gpt.config.hidden_size
+    r = torch.randn(mb.num_local_tokens, generator=torch.Generator().manual_seed(1))
+    params = dict(gpt.named_parameters())
+    watched = ("output_layer.weight", "embedding.word_embeddings.weight")
+
+    def run(fn):
+        model.zero_grad_buffer()
+        with _RecordFP32Shapes() as rec:
+            logp, ent = fn()
+            ((logp * r).sum() + ent.sum()).backward()
+        model.finish_grad_sync()
+        return logp.detach(), {k: params[k].main_grad.clone() for k in watched}, rec.shapes
+
+    def reference(fused):
+        from rl_plugin.backends.megatron.forward import hidden_states_only
+
+        if fused:
+            with hidden_states_only(gpt):
+                hidden = model(ids, pos, None, packed_seq_params=psp)  # fp32 [s, 1, H] (Float16Module)
+            rows = hidden.transpose(0, 1).reshape(-1, hid)[mb.layout.logit_index]
+            return fused_log_probs_and_entropy(rows, gpt.output_layer.weight, mb.targets, chunk_size=1024)
+        logits = model(ids, pos, None, packed_seq_params=psp)  # fp32 [1, s, V]
+        return log_probs_and_entropy(logits.reshape(-1, vocab)[mb.layout.logit_index], mb.targets, chunk_size=1024)
+
+    out = {}
+    for fused in (False, True):
+        got = run(lambda: response_log_probs(model, mb, ps, qkv_format="thd", fp32_lm_head=False, fused=fused,
+                                             temperature=1.0, chunk_size=1024, with_entropy=True))
+        want = run(lambda: reference(fused))
+        full = {(1, seq, vocab), (seq, vocab), (seq, 1, vocab)}
+        out[fused] = {
+            "logp_equal": bool(torch.equal(got[0], want[0])),
+            "grads_equal": {k: bool(torch.equal(got[1][k], want[1][k])) for k in watched},
+            "full_fp32": sorted(full & set(got[2])), "ref_full_fp32": sorted(full & set(want[2])),
+            "hidden_fp32": (got[2].get((seq, 1, hid), 0), want[2].get((seq, 1, hid), 0)),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_run(dirs):
+    return run_world(_bf16_worker, 1, dirs["untied"])[0]
+
+
+def test_bf16_logits_indexed_before_upcast(bf16_run):
+    for fused, res in bf16_run["bf16_rows"].items():
+        assert res["logp_equal"] and all(res["grads_equal"].values()), (fused, res)
+        if not fused:
+            assert res["full_fp32"] == [], res  # no fp32 logits over every position
+            assert res["ref_full_fp32"], res  # the reference's fp32 output is one (the check sees it)
+        else:
+            assert res["hidden_fp32"][0] < res["hidden_fp32"][1], res  # the Float16Module's fp32 copy is gone
+
+
+def test_fp32_head_bf16_weight_gets_fp32_gradient(bf16_run):
+    out = bf16_run
     assert out["weight_dtype"] == "torch.bfloat16" and out["logits_dtype"] == "torch.float32"
     assert out["main_grad_dtype"] == "torch.float32"
     assert out["logits_rel"] < FP32_MODEL, out  # fp32 accumulation of exact bf16 products vs fp64

@@ -88,7 +88,7 @@ def fused_head_unsupported(model) -> Optional[str]:
 
 
 def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_parallel: bool,
-                  grad_summed_by_caller: bool, tp_group=None) -> torch.Tensor:
+                  grad_summed_by_caller: bool, tp_group=None, upcast: bool = False) -> torch.Tensor:
     """``[n, H]`` response rows of the final hidden states ``[s(/tp), b, H]``, identical on every TP
     rank, whose backward sums the TP ranks' partial d(rows) EXACTLY ONCE (each rank's head sees
     only its vocab shard, so its d(rows) is a partial sum):
@@ -99,13 +99,16 @@ def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_p
       below the head by tp (the bug pinned by ``test_megatron_fp32_head``'s SP test).
     - otherwise: identity forward and all-reduce of d(rows) backward (what ColumnParallelLinear
       does for its input), unless ``grad_summed_by_caller`` (the fused head all-reduces itself).
-    ``tp_group``: megatron's TP group when None."""
+    ``tp_group``: megatron's TP group when None. ``upcast``: the rows (only) are cast to fp32
+    right after indexing, before any TP collective, for bf16 hidden states."""
     from megatron.core import tensor_parallel
 
     if sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
                                                                       group=tp_group)
     rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[logit_index.to(hidden.device)]
+    if upcast:
+        rows = rows.float()
     if not sequence_parallel and not grad_summed_by_caller:
         rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows, group=tp_group)
     return rows
@@ -113,23 +116,50 @@ def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_p
 
 def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
     """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
-    (``response_rows``)."""
+    (``response_rows``), fp32 under ``--bf16``. Without sequence parallelism the bf16 hidden
+    states are indexed first and only the rows upcast (bitwise the same rows and gradients as
+    the ``Float16Module``'s fp32 output, without its fp32 ``[s, b, H]`` copy); with it the fp32
+    output is gathered as before (the gather's reduce-scatter stays in fp32)."""
     input_ids, position_ids, psp = model_inputs(mb, qkv_format)
     device = next(model.parameters()).device
     gpt = unwrap(model)
+    sp = bool(gpt.config.sequence_parallel)
+    early = not sp and half_precision_wrapped(model)
+    kwargs = {"fp32_output": False} if early else {}
     with hidden_states_only(gpt):
-        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [s, b, h]
-    rows = response_rows(hidden, mb.layout.logit_index, sequence_parallel=bool(gpt.config.sequence_parallel),
-                         grad_summed_by_caller=grad_summed_by_caller)
+        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [s, b, h]
+    rows = response_rows(hidden, mb.layout.logit_index, sequence_parallel=sp, grad_summed_by_caller=grad_summed_by_caller,
+                         upcast=early)
     return rows, gpt
 
 
+def half_precision_wrapped(model) -> bool:
+    """Whether a megatron ``Float16Module`` (``--bf16``) is in the wrapper chain: its forward casts
+    the output to fp32 unless called with ``fp32_output=False``."""
+    from megatron.core.transformer.module import Float16Module
+
+    while True:
+        if isinstance(model, Float16Module):
+            return True
+        if not hasattr(model, "module"):
+            return False
+        model = model.module
+
+
 def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
-    """The unfused path: ``[n, V/tp]`` logits of the response rows."""
+    """The unfused path: ``[n, V/tp]`` logits of the response rows.
+
+    Without ``--fp32-lm-head`` the rows are the model's own logits in its dtype: under ``--bf16``
+    the ``Float16Module`` is asked for its bf16 output (``fp32_output=False``), the response rows
+    are indexed out, and ``log_probs_and_entropy`` upcasts them one chunk at a time. Upcasting
+    bf16 is exact, so the log-probs and gradients are bitwise those of the fp32 output; what goes
+    is the fp32 ``[b, s, V/tp]`` copy of every position's logits (and its fp32 gradient buffer
+    in the backward), ``benchmarks/megatron_bf16_logits.py``."""
     if not fp32_lm_head:
         input_ids, position_ids, psp = model_inputs(mb, qkv_format)
         device = next(model.parameters()).device
-        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [b, s, V/tp]
+        kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
+        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     return fp32_output_projection(rows, output_weight(gpt))
