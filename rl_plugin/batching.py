@@ -116,7 +116,9 @@ def micro_batches_for_count(total_lengths: torch.Tensor, max_tokens: int, count:
     if len(plan) == count:
         return plan
     if len(plan) > count:  # the caller asked for fewer runs than the budget allows
-        raise ValueError(f"{count} micro-batches requested, but this rank needs {len(plan)} under --max-tokens-per-gpu {max_tokens}")
+        raise ValueError(
+            f"{count} micro-batches requested, but this rank needs {len(plan)} under --max-tokens-per-gpu {max_tokens}"
+        )
     return _split_into(torch.as_tensor(total_lengths).long(), count, max_tokens)
 
 

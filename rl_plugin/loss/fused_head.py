@@ -21,12 +21,13 @@ and turns the per-token upstream gradients ``a = dJ/dlogp``, ``b = dJ/dentropy``
 
 Only per-token scalars cross TP in the forward (one MAX of [chunk], one SUM of [4, chunk] per
 chunk: the fourth row counts the shards holding each target, so an id outside the vocabulary
-fails loud, ``logprobs.check_targets_in_vocab``). Precision follows the unfused path: with ``fp32_head`` (``--fp32-lm-head``) or fp32
-weights the matmul accumulates in fp32 and the logits are fp32; otherwise the matmul runs in the
-weight's dtype (bf16 logits, as the model's own head gives) and the softmax in fp32. fp64 inputs
-compute in fp64 (the exactness tests). The weight gradient (one matmul per vocab slice, fp32
-accumulation inside it) reaches the ORIGINAL weight: added to ``main_grad`` under Megatron DDP (the
-autograd grad is then zeros, so DDP's hook still fires), else returned in the weight's dtype.
+fails loud, ``logprobs.check_targets_in_vocab``). Precision follows the unfused path: with
+``fp32_head`` (``--fp32-lm-head``) or fp32 weights the matmul accumulates in fp32 and the logits
+are fp32; otherwise the matmul runs in the weight's dtype (bf16 logits, as the model's own head
+gives) and the softmax in fp32. fp64 inputs compute in fp64 (the exactness tests). The weight
+gradient (one matmul per vocab slice, fp32 accumulation inside it) reaches the ORIGINAL weight:
+added to ``main_grad`` under Megatron DDP (the autograd grad is then zeros, so DDP's hook still
+fires), else returned in the weight's dtype.
 """
 
 from __future__ import annotations

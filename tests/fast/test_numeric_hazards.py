@@ -173,4 +173,5 @@ def test_target_id_outside_vocab_fails_loud_under_tp2():
     for out in run_world(_vocab_tp_worker, 2):
         for name in ("logits", "fused"):
             assert out[(name, 4)] == "ok"
-            assert f"target token id {V} (response row 1 of this micro-batch) is outside the vocabulary [0, {V})" in out[(name, V)]
+            want = f"target token id {V} (response row 1 of this micro-batch) is outside the vocabulary [0, {V})"
+            assert want in out[(name, V)]
