@@ -5,8 +5,11 @@
 - ``micro_batches_by_count`` (``--micro-batch-size``) and ``micro_batches_by_tokens``
   (``--use-dynamic-batch-size --max-tokens-per-gpu``, order-preserving next-fit).
 - ``plan_micro_batches``: the backend's choice between the two; with a token budget the number
-  of micro-batches is equalised across DP ranks (one MAX all-reduce), since Megatron's schedule
-  runs the same count on every rank.
+  of micro-batches is equalised across DP ranks (one MAX all-reduce), since FSDP's collective
+  passes and ``plan_steps_by_docs``' rounds pair micro-batch k of every rank. A rank below the MAX
+  re-splits its samples into exactly that many runs, balanced (min-max tokens) and each within
+  ``--max-tokens-per-gpu``; only a rank with fewer samples than the count gets empty micro-batches
+  (at the end; both backends run them as zero-contribution passes).
 - ``plan_steps_by_docs`` (``--docs-per-step``): a step ends once the global document count
   reaches the target. It is planned once, before the step, from every rank's micro-batch sizes
   (one all-gather), so the step's counts are still global and computed once.
@@ -61,21 +64,62 @@ def micro_batches_by_tokens(total_lengths: torch.Tensor, max_tokens: int) -> Lis
     return [torch.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _split_into(lengths: torch.Tensor, parts: int) -> List[torch.Tensor]:
-    """Split an ordered sample list into exactly ``parts`` contiguous runs of balanced tokens."""
-    n = lengths.numel()
-    if parts > n:
+def _min_parts(lengths: List[int], cap: int) -> int:
+    """Fewest contiguous runs with at most ``cap`` tokens each (next-fit is optimal for runs)."""
+    parts, used = 1, 0
+    for n in lengths:
+        if used + n > cap and used > 0:
+            parts, used = parts + 1, 0
+        used += n
+    return parts
+
+
+def _split_into(lengths: torch.Tensor, parts: int, max_tokens: int) -> List[torch.Tensor]:
+    """Split an ordered sample list into exactly ``parts`` contiguous runs, none above
+    ``max_tokens``, with the largest run as small as possible; empty runs only past the last
+    sample (a rank with fewer samples than ``parts``).
+
+    The smallest feasible cap L (binary search over [max sample, max_tokens]: at most
+    log2(max_tokens) next-fit scans) is the min-max balanced partition; the runs are then cut
+    next-fit under L, closing a run early only when the samples left are exactly the runs left,
+    so there are exactly ``parts`` runs and each is within L <= max_tokens. Any count between
+    the rank's own next-fit count (<= ``parts``, since ``parts`` is the MAX over DP) and its sample
+    count is reachable, so the budget always holds."""
+    ln = [int(v) for v in torch.as_tensor(lengths).tolist()]
+    n = len(ln)
+    if n <= parts:  # one sample per run, then empty runs (the backends run those as no-ops)
+        return [torch.tensor([i]) for i in range(n)] + [torch.zeros(0, dtype=torch.long)] * (parts - n)
+    lo, hi = max(ln), max(int(max_tokens), max(ln))
+    while lo < hi:  # smallest cap whose fewest runs fit in ``parts``
+        mid = (lo + hi) // 2
+        if _min_parts(ln, mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    bounds, used = [0], 0
+    for i, t in enumerate(ln):
+        runs_left = parts - len(bounds)  # runs still to open after the current one
+        if i > bounds[-1] and (used + t > lo or n - i == runs_left):
+            bounds.append(i)
+            used = 0
+        used += t
+    bounds.append(n)
+    return [torch.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def micro_batches_for_count(total_lengths: torch.Tensor, max_tokens: int, count: int) -> List[torch.Tensor]:
+    """One rank's ``count`` micro-batches under the token budget (``count`` >= its own next-fit
+    count, e.g. the MAX over DP): its next-fit plan when that has ``count`` runs, else the
+    balanced split of ``_split_into``. Every micro-batch holds <= ``max_tokens`` tokens and none
+    is empty unless the rank has fewer than ``count`` samples."""
+    plan = micro_batches_by_tokens(total_lengths, max_tokens)
+    if len(plan) == count:
+        return plan
+    if len(plan) > count:  # the caller asked for fewer runs than the budget allows
         raise ValueError(
-            f"this rank has {n} samples but the data-parallel ranks run {parts} micro-batches each "
-            "(--max-tokens-per-gpu packs the other ranks into more): give every rank at least that many samples"
+            f"{count} micro-batches requested, but this rank needs {len(plan)} under --max-tokens-per-gpu {max_tokens}"
         )
-    cum = torch.cumsum(lengths.to(torch.float64), 0)
-    targets = cum[-1] * torch.arange(1, parts, dtype=torch.float64) / parts
-    cuts = torch.searchsorted(cum, targets).clamp(max=n - 1) + 1
-    cuts = torch.maximum(cuts, torch.arange(1, parts))  # at least one sample per run
-    cuts = torch.minimum(cuts, torch.arange(n - parts + 1, n))
-    edges = [0] + cuts.tolist() + [n]
-    return [torch.arange(a, b) for a, b in zip(edges[:-1], edges[1:])]
+    return _split_into(torch.as_tensor(total_lengths).long(), count, max_tokens)
 
 
 def plan_micro_batches(
@@ -85,7 +129,8 @@ def plan_micro_batches(
     max_tokens_per_gpu: Optional[int] = None,
     dp_group=None,
 ) -> List[torch.Tensor]:
-    """Micro-batches of one rank's step: by count, or by token budget (count equalised over DP)."""
+    """Micro-batches of one rank's step: by count, or by token budget (count equalised over DP,
+    each micro-batch within the budget: ``micro_batches_for_count``)."""
     if max_tokens_per_gpu is None:
         return micro_batches_by_count(batch.num_samples, micro_batch_size)
     plan = micro_batches_by_tokens(batch.total_lengths, max_tokens_per_gpu)
@@ -93,7 +138,7 @@ def plan_micro_batches(
     target = int(all_reduce(count, dp_group, dist.ReduceOp.MAX).item())
     if target == len(plan):
         return plan
-    return _split_into(batch.total_lengths.long(), target)
+    return _split_into(batch.total_lengths.long(), target, max_tokens_per_gpu)
 
 
 def plan_steps_by_docs(

@@ -8,8 +8,19 @@ G_g = sum_{i in g} M_i; all counts GLOBAL for the step (``counts.StepCounts``):
     prompt_mean  w = m / (P * G_g(i))       J = (1/P) sum_g [sum_{i in g,t} m x / G_g] (ScaleRL)
     constant     w = m / (N * L)            J = (1/N) sum_i [sum_t m x / L]            (Dr.GRPO)
 
-A denominator that is 0 (an empty sample, an all-masked group, an all-masked step) only ever
-multiplies a zero mask, so it is clamped to 1: the term contributes 0 and nothing is NaN.
+Fractional loss masks are supported exactly: m may be any finite value >= 0 (a soft token
+weight, a mask scaled by an off-policy filter), and every denominator is the TRUE masked total,
+so ``[.25, .25]`` over two tokens gives M_i = 0.5 and the sample still averages to its loss (a
+constant loss c gives J = c in sample_mean, token_mean and prompt_mean for any positive mask).
+Negative or non-finite mask values are refused (``BadBatchError`` naming the sample). Peers:
+verl's ``masked_mean`` / ``agg_loss`` divide by the float mask sum as well; slime's
+``sum_of_sample_mean`` clamps the denominator to 1, which halves a sample whose mask sums to 0.5.
+A denominator that is exactly 0 (an empty sample, an all-masked group, an all-masked step) only
+ever multiplies a zero mask, so it alone is replaced by 1: the term contributes 0, nothing is NaN.
+
+A masked token never enters J: ``weighted_sum`` selects the tokens with w != 0 before
+multiplying, so a non-finite per-token loss at a masked position (an overflowed ratio) cannot
+turn 0 * inf into NaN.
 Because the weights live on tokens, any slicing (micro-batches, CP chunks, DP shards) of x and w
 together leaves sum x * w unchanged: that is the whole layout-invariance argument.
 
@@ -23,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rl_plugin.loss.counts import StepCounts, counts_of, sample_token_counts
+from rl_plugin.loss.counts import StepCounts, check_loss_mask, counts_of, sample_token_counts
 from rl_plugin.loss.segments import repeat_per_token
 from rl_plugin.parallel import ParallelState
 from rl_plugin.registries import LOSS_AGGREGATIONS
@@ -36,15 +47,15 @@ AGGREGATION_MODES = LOSS_AGGREGATIONS.names()
 
 
 def sample_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
-    return per_token(1.0 / (float(counts.num_samples) * counts.sample_tokens.clamp_min(1.0))).mul_(m)
+    return per_token(1.0 / (float(counts.num_samples) * nonzero_or_one(counts.sample_tokens))).mul_(m)
 
 
 def token_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
-    return m / max(counts.total_tokens, 1.0)
+    return m / (counts.total_tokens or 1.0)
 
 
 def prompt_mean_weights(m, counts: StepCounts, per_token, group_ids, divisor):
-    per_group = 1.0 / (counts.num_groups * counts.group_tokens.clamp_min(1.0))
+    per_group = 1.0 / (counts.num_groups * nonzero_or_one(counts.group_tokens))
     return per_token(per_group[group_ids.long()]).mul_(m)
 
 
@@ -52,6 +63,18 @@ def constant_weights(m, counts: StepCounts, per_token, group_ids, divisor):
     if divisor is None or not math.isfinite(divisor) or divisor <= 0:
         raise ValueError(f"loss aggregation 'constant' needs a finite divisor > 0, got {divisor!r}")
     return m / (float(counts.num_samples) * float(divisor))
+
+
+def nonzero_or_one(denominator: torch.Tensor) -> torch.Tensor:
+    """The true masked totals, with exactly-0 entries (which only ever divide a zero mask) set to 1."""
+    return torch.where(denominator != 0, denominator, torch.ones_like(denominator))
+
+
+def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_t x_t w_t`` over the tokens with ``w_t != 0`` only: a zero weight never meets a
+    non-finite ``x_t`` (0 * inf = NaN), and the gradient of ``x`` there is exactly 0."""
+    w = w.to(device=x.device)
+    return (torch.where(w != 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) * w.to(x.dtype)).sum()
 
 
 def token_weights(
@@ -88,7 +111,9 @@ def aggregate(
     """J of one process's whole step: ``sum(x * w)`` with ``w = token_weights(mode, ...)``.
 
     ``x`` and ``loss_mask`` are flat over concatenated responses; ``group_ids`` (``[S]``) is
-    needed for ``prompt_mean`` only (default: every sample its own group).
+    needed for ``prompt_mean`` only (default: every sample its own group). ``loss_mask`` may be
+    fractional (any finite value >= 0; module docstring): J normalises by the true masked totals.
+    A non-finite ``x`` at a masked token (mask 0) does not reach J.
     """
     response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
     s = response_lengths.numel()
@@ -101,6 +126,7 @@ def aggregate(
             f"x has {x.shape[0]} and loss_mask {loss_mask.shape[0]} tokens; response_lengths sum to "
             f"{int(response_lengths.sum())}"
         )
+    check_loss_mask(loss_mask, response_lengths)
     if mode == "prompt_mean" or s == 0:
         counts = counts_of(loss_mask, response_lengths, group_ids, ParallelState.single())
     else:  # the other modes read only N and M_i (and their sum): no group bookkeeping
@@ -110,8 +136,9 @@ def aggregate(
     w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor,
                       dtype=torch.promote_types(x.dtype, torch.float32))
     if x.dim() == 1 and x.dtype == w.dtype:
-        return torch.dot(x, w.to(x.device))
-    return (x * w.to(x.device)).sum()
+        j = torch.dot(x, w.to(x.device))  # the fast path; exact unless x is non-finite somewhere
+        return j if bool(torch.isfinite(j)) else weighted_sum(x, w)
+    return weighted_sum(x, w)
 
 
 # --- custom reducer hook (miles-compatible) -------------------------------------------------

@@ -9,6 +9,9 @@ For a step with samples i (on all DP ranks), response mask m[i, t] and M_i = sum
 - ``num_groups`` P    = groups with at least one sample (an all-masked group still counts)
 - ``sample_tokens``   = M_i of this rank's samples, from FULL sequences (never CP chunks)
 
+The mask may be fractional (any finite m >= 0, ``aggregation.py``): the counts are its exact
+float64 sums, never rounded or clamped; consumers replace only an exactly-0 total by 1.
+
 All DP-summed quantities travel in one all-reduce over the DP group (CP and TP ranks hold the
 same samples, so they are not summed over). Group ids must be step-local, in ``[0, num_groups)``;
 if ``num_groups`` is not given, one extra MAX all-reduce finds it.
@@ -38,10 +41,28 @@ class StepCounts:
     sample_tokens: torch.Tensor
 
 
+def check_loss_mask(loss_mask: torch.Tensor, response_lengths: torch.Tensor) -> None:
+    """Refuse a loss mask with a negative or non-finite entry (one reduction), naming the sample
+    and the token; fractional values >= 0 are valid."""
+    if not loss_mask.is_floating_point() or loss_mask.numel() == 0:
+        return
+    bad = ~torch.isfinite(loss_mask) | (loss_mask < 0)
+    if bool(bad.any()):
+        tok = int(torch.nonzero(bad).flatten()[0])
+        ends = torch.cumsum(response_lengths.long().cpu(), 0)
+        i = int(torch.searchsorted(ends, torch.tensor(tok), right=True))
+        j = tok - (int(ends[i - 1]) if i else 0)
+        raise BadBatchError(
+            f"sample {i}: loss_mask[{j}] = {loss_mask[tok].item()}; a loss mask must be finite and >= 0 "
+            "(fractional values weight the token; 0 drops it)"
+        )
+
+
 def sample_token_counts(loss_mask: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
     """M_i = sum of the mask over each sample's response (``[S]``, float64): one segmented sum,
     linear in tokens (an empty response gives 0), in the mask's float dtype (fp32 for a bool or
-    integer mask: 0/1 sums are exact below 2^24 tokens per sample)."""
+    integer mask: 0/1 sums are exact below 2^24 tokens per sample). A fractional mask sums to its
+    true (fractional) total."""
     m = loss_mask.detach()
     m = m if m.dtype in (torch.float32, torch.float64) else m.float()
     return segment_sum(m, response_lengths).to(torch.float64)

@@ -19,13 +19,15 @@ and turns the per-token upstream gradients ``a = dJ/dlogp``, ``b = dJ/dentropy``
     dJ/dW   = (dJ/dz / tau)^T h          (each vocab slice complete after one matmul: written in
                                           the weight's dtype, or added to Megatron's main_grad)
 
-Only per-token scalars cross TP in the forward (one MAX of [chunk], one SUM of [3, chunk] per
-chunk). Precision follows the unfused path: with ``fp32_head`` (``--fp32-lm-head``) or fp32
-weights the matmul accumulates in fp32 and the logits are fp32; otherwise the matmul runs in the
-weight's dtype (bf16 logits, as the model's own head gives) and the softmax in fp32. fp64 inputs
-compute in fp64 (the exactness tests). The weight gradient (one matmul per vocab slice, fp32
-accumulation inside it) reaches the ORIGINAL weight: added to ``main_grad`` under Megatron DDP (the
-autograd grad is then zeros, so DDP's hook still fires), else returned in the weight's dtype.
+Only per-token scalars cross TP in the forward (one MAX of [chunk], one SUM of [4, chunk] per
+chunk: the fourth row counts the shards holding each target, so an id outside the vocabulary
+fails loud, ``logprobs.check_targets_in_vocab``). Precision follows the unfused path: with
+``fp32_head`` (``--fp32-lm-head``) or fp32 weights the matmul accumulates in fp32 and the logits
+are fp32; otherwise the matmul runs in the weight's dtype (bf16 logits, as the model's own head
+gives) and the softmax in fp32. fp64 inputs compute in fp64 (the exactness tests). The weight
+gradient (one matmul per vocab slice, fp32 accumulation inside it) reaches the ORIGINAL weight:
+added to ``main_grad`` under Megatron DDP (the autograd grad is then zeros, so DDP's hook still
+fires), else returned in the weight's dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from rl_plugin.loss.logprobs import shard_targets
+from rl_plugin.loss.logprobs import check_targets_in_vocab, shard_targets
 
 # A chunk's logits block holds at most this many elements (8 MiB in fp32): two such fp32 blocks
 # (and one in the matmul dtype) are the whole workspace of the backward.
@@ -67,6 +69,7 @@ class _FusedHeadLogProbs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
         local_t, in_shard = shard_targets(targets, vocab_start, v_local)
+        hits = torch.empty_like(logp)  # shards holding each row's target, summed over TP: must be 1
         for s in range(0, rows, chunk):  # token chunks: one [chunk, V_local] block at a time
             e = min(s + chunk, rows)
             z = torch.mm(hidden[s:e].detach().to(mm_dtype), w_mm.t()).to(acc)
@@ -81,16 +84,18 @@ class _FusedHeadLogProbs(torch.autograd.Function):
                 ez.sum(-1),
                 z_target * in_shard[s:e],
                 torch.linalg.vecdot(ez, z) if with_entropy else zmax.new_zeros(e - s),
+                in_shard[s:e].to(acc),
             ])
             del ez, z
             if tp_group is not None:
                 dist.all_reduce(packed, group=tp_group)
-            sumexp, zt, sum_ez_z = packed
+            sumexp, zt, sum_ez_z, hits[s:e] = packed
             log_sum = torch.log(sumexp)
             lse[s:e] = zmax + log_sum
             logp[s:e] = zt - log_sum
             if with_entropy:
                 entropy[s:e] = log_sum - sum_ez_z / sumexp
+        check_targets_in_vocab(hits, targets, v_local, tp_group)  # out-of-vocab targets fail loud
         ctx.save_for_backward(hidden, weight, local_t, in_shard, lse, entropy)
         ctx.cfg = (tp_group, inv_temp, chunk, with_entropy, fp32_head, reduce_hidden_grad)
         return logp, entropy

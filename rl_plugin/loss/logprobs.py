@@ -7,12 +7,17 @@ that sampled), for each token row:
     logp    = z_target - lse                     (the target logit lives on one TP shard)
     entropy = lse - sum_v p_v z_v                (p = softmax(z))
 
-Only per-token scalars cross the TP group (one MAX, one SUM of a packed [3, rows] tensor per
+Only per-token scalars cross the TP group (one MAX, one SUM of a packed [4, rows] tensor per
 chunk); the [T, V] logits are never gathered. Rows are processed ``chunk_size`` at a time and the
 backward recomputes softmax per chunk from the saved logits, so no fp32 [T, V] copy is held:
 
     d logp / d z_v    = 1[v = target] - p_v
     d entropy / d z_v = -p_v (log p_v + entropy)
+
+A target id outside the (full, all TP shards) vocabulary fails loud (``TargetOutOfVocabError``,
+naming the row, the id and the vocabulary size) instead of returning ``-lse``: each rank counts
+the targets its shard holds in an extra row of the per-chunk SUM that crosses TP anyway, so the
+check is global, needs no extra collective, and syncs the host once per call.
 
 ``fp32_output_projection`` is the ``--fp32-lm-head`` projection: fp32 accumulation and fp32
 logits from bf16 hidden states and weight; the weight gradient is computed in fp32 and reaches
@@ -26,6 +31,36 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from rl_plugin.loss.errors import BadBatchError
+
+
+class TargetOutOfVocabError(BadBatchError):
+    """A target token id that no vocab shard holds; ``row`` is its row in the call's targets."""
+
+    def __init__(self, message: str, row: int):
+        super().__init__(message)
+        self.row = row
+
+
+def check_targets_in_vocab(hits: torch.Tensor, targets: torch.Tensor, v_local: int, tp_group) -> None:
+    """Raise ``TargetOutOfVocabError`` unless every row's target is held by exactly one vocab shard.
+
+    ``hits[r]``: how many shards hold row r's target, already summed over ``tp_group`` (identical
+    on every TP rank, so all ranks raise together; the vocabulary size costs one more all-reduce
+    on that path only)."""
+    if hits.numel() == 0 or bool((hits == 1).all()):
+        return
+    row = int(torch.nonzero(hits != 1).flatten()[0])
+    vocab = torch.tensor([v_local], dtype=torch.long, device=hits.device)
+    if tp_group is not None:
+        dist.all_reduce(vocab, group=tp_group)
+    raise TargetOutOfVocabError(
+        f"target token id {int(targets[row])} (response row {row} of this micro-batch) is outside the "
+        f"vocabulary [0, {int(vocab.item())}): the rollout produced a token the trained model cannot "
+        "score; check that the tokenizer and --hf-checkpoint / the model's vocab size match",
+        row,
+    )
 
 
 def shard_targets(targets: torch.Tensor, vocab_start: int, v_local: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +81,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
         local_t, in_shard = shard_targets(targets, vocab_start, v_local)
+        hits = torch.empty_like(logp)  # shards holding each row's target, summed over TP: must be 1
         for s in range(0, rows, chunk_size):  # loop over token chunks, bounded memory
             e = min(s + chunk_size, rows)
             z = logits[s:e].to(compute) * inv_temp  # the only fp32 [chunk, V/tp] buffer
@@ -58,15 +94,17 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                     ez.sum(-1),
                     z.gather(1, local_t[s:e].unsqueeze(1)).squeeze(1) * in_shard[s:e],
                     torch.where(ez > 0, ez * z, torch.zeros_like(z)).sum(-1) if with_entropy else zmax.new_zeros(e - s),
+                    in_shard[s:e].to(compute),
                 ]
             )
             if tp_group is not None:
                 dist.all_reduce(packed, group=tp_group)
-            sumexp, z_target, sum_ez_z = packed
+            sumexp, z_target, sum_ez_z, hits[s:e] = packed
             lse[s:e] = zmax + torch.log(sumexp)
             logp[s:e] = z_target - lse[s:e]
             if with_entropy:
                 entropy[s:e] = lse[s:e] - sum_ez_z / sumexp
+        check_targets_in_vocab(hits, targets, v_local, tp_group)
         ctx.save_for_backward(logits, local_t, in_shard, lse, entropy)
         ctx.inv_temp, ctx.chunk_size, ctx.with_entropy = inv_temp, chunk_size, with_entropy
         ctx.mark_non_differentiable(lse)

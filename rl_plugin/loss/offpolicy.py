@@ -79,7 +79,7 @@ def tis_weights_and_flags(
             seq = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, d)
             if level == "geometric":
                 counts = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, m)
-                seq = seq / counts.clamp_min(1.0)
+                seq = seq / torch.where(counts != 0, counts, torch.ones_like(counts))  # true (fractional) M_i
             log_rho = seq[sid]
         rho = torch.exp(log_rho.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
         if mode == "truncate":
@@ -130,7 +130,8 @@ def tis_weights(
     m = loss_mask.detach().to(torch.float64)
     sid = segment_ids(response_lengths)
     s = max(response_lengths.numel(), 1)
-    per_sample = 1.0 / (s * torch.zeros(response_lengths.numel(), dtype=torch.float64).index_add_(0, sid, m).clamp_min(1.0))
+    m_i = torch.zeros(response_lengths.numel(), dtype=torch.float64).index_add_(0, sid, m)
+    per_sample = 1.0 / (s * torch.where(m_i != 0, m_i, torch.ones_like(m_i)))  # true (fractional) M_i
     w_sm = m * per_sample[sid]
     terms = mismatch_terms(old_log_probs, rollout_log_probs, loss_mask)
     valid = m > 0

@@ -20,8 +20,16 @@ exactly the paper's objective (1/N) sum_i l_i, with ``token_mean`` its length-we
 Departure from the paper: advantages are read per token (the paper's A_i when constant over the
 sample). Under context parallelism the numerator sum_t m (logp - logp_old) is a per-sample
 partial sum on each CP rank; only that ``[S]`` vector is all-reduced (differentiably) over the
-CP group, and M_i is the full-sequence count. Tokens whose sample id is out of range (padding)
-are dropped from every sum.
+CP group, and M_i is the full-sequence count (the true, possibly fractional, mask total; only
+M_i = 0 is replaced by 1). Tokens whose sample id is out of range (padding) are dropped from
+every sum.
+
+Overflow guard (as verl's ``compute_policy_loss``, bound 20): every log-ratio is clamped to
+[-20, 20] before ``exp`` (per token, and GSPO's sequence log-ratio too), so r <= e^20 ~ 4.9e8 is
+finite; the clamp is the identity (value and gradient) inside the bound. A masked token is
+selected out (``torch.where``), never multiplied by its zero mask, in GSPO's per-sample sum; the
+step weights do the same for every term (``aggregation.weighted_sum``). verl clamps GSPO's
+sequence log-ratio at +10 only; one symmetric bound is used here for both losses.
 """
 
 from __future__ import annotations
@@ -33,6 +41,14 @@ import torch
 from rl_plugin.cp import segment_ids
 from rl_plugin.loss.comm import all_reduce_sum
 from rl_plugin.registries import POLICY_LOSSES  # the names; entries point at the functions below
+
+LOG_RATIO_BOUND = 20.0
+
+
+def clamped_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    """``clamp(logp - logp_old, -20, 20)``: ``exp`` of it never overflows (module docstring)."""
+    return (log_probs - old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
 
 PolicyLossFn = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
 
@@ -70,7 +86,7 @@ def ppo_clip_loss(
     eps_clip_c: Optional[float] = None,
     **_unused,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    ratio = torch.exp(log_probs - old_log_probs)
+    ratio = torch.exp(clamped_log_ratio(log_probs, old_log_probs))
     return _clipped_objective(ratio, advantages.to(ratio.dtype), eps_clip, eps_clip_high, eps_clip_c)
 
 
@@ -104,14 +120,16 @@ def gspo_loss(
     m = loss_mask.to(dtype)
     # Padding tokens (id outside [0, S)) go to a dump bin S that no sample reads.
     bins = torch.where((sample_ids >= 0) & (sample_ids < num_samples), sample_ids, num_samples)
-    partial = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m * (log_probs - old_log_probs))
+    d = torch.where(m != 0, clamped_log_ratio(log_probs, old_log_probs), log_probs.new_zeros(()))
+    partial = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m * d)
     seq_log_ratio = all_reduce_sum(partial[:num_samples], cp_group)
     if sample_token_counts is None:
         counts = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m.detach())[:num_samples]
         counts = all_reduce_sum(counts, cp_group)
     else:
         counts = sample_token_counts.to(dtype)
-    seq_ratio = torch.exp(seq_log_ratio / counts.clamp_min(1.0))
+    counts = torch.where(counts != 0, counts, torch.ones_like(counts))  # true M_i; 0 only with a zero sum
+    seq_ratio = torch.exp((seq_log_ratio / counts).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     seq_ratio = torch.cat([seq_ratio, seq_ratio.new_ones(1)])[bins]
     loss, clipped = _clipped_objective(seq_ratio, advantages.to(dtype), eps_clip, eps_clip_high, eps_clip_c)
     return loss * (bins < num_samples).to(dtype), clipped

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import torch
 
 from rl_plugin.cp import ResponseLayout, all_rank_layouts, exclusive_cumsum, expand_runs
-from rl_plugin.loss.aggregation import token_weights
+from rl_plugin.loss.aggregation import token_weights, weighted_sum
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.loss.config import LossConfig
@@ -50,7 +50,7 @@ from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
-from rl_plugin.loss.policy import get_policy_loss
+from rl_plugin.loss.policy import clamped_log_ratio, get_policy_loss
 from rl_plugin.parallel import ParallelState
 
 SUM_METRICS_BASIC = ("pg_clipfrac", "ppo_kl", "ratio_mean", "old_log_prob", "advantage_mean", "ratio_sum", "ratio_sq_sum")
@@ -264,18 +264,21 @@ class StepContext:
         if cfg.custom_pg_reducer is not None:
             pg_term = self._custom_pg_term(pg_tok, mb)
         else:
-            pg_term = (pg_tok * w_pg).sum()
+            pg_term = weighted_sum(pg_tok, w_pg)
         objective = pg_term
         kl_term = entropy_term = None
         if cfg.use_kl_loss:
             if mb.ref_log_probs is None:
                 raise ValueError("--use-kl-loss needs ref_log_probs in the batch (a reference forward pass)")
-            kl_term = (kl_estimate(log_probs, mb.ref_log_probs.to(dtype), cfg.kl_loss_type) * w_sm).sum()
+            ref_lp = mb.ref_log_probs.to(dtype)
+            # a masked token's log-prob is replaced by the reference's BEFORE the nonlinear
+            # estimator, so neither its value nor its gradient (0 * inf) can be non-finite
+            kl_term = weighted_sum(kl_estimate(torch.where(mask != 0, log_probs, ref_lp), ref_lp, cfg.kl_loss_type), w_sm)
             objective = objective + cfg.kl_loss_coef * kl_term
         if cfg.entropy_coef != 0.0:
             if entropy is None:
                 raise ValueError("--entropy-coef != 0 needs the entropy from log_probs_and_entropy")
-            entropy_term = (entropy.to(dtype) * w_sm).sum()
+            entropy_term = weighted_sum(entropy.to(dtype), w_sm)
             objective = objective - cfg.entropy_coef * entropy_term
         self._record(objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm)
         if self.grad_scale != 1.0:
@@ -328,7 +331,7 @@ class StepContext:
         reducer = self.cfg.custom_pg_reducer(
             mb.batch.total_lengths.tolist(), rl.tolist(), loss_masks, self.cfg.calculate_per_token_loss
         )
-        denom = max(self.counts.total_tokens, 1.0) if self.cfg.calculate_per_token_loss else float(self.counts.num_samples)
+        denom = (self.counts.total_tokens or 1.0) if self.cfg.calculate_per_token_loss else float(self.counts.num_samples)
         return reducer(full) / (denom * self.ps.cp_size)
 
     def _record(self, objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm):
@@ -340,19 +343,19 @@ class StepContext:
         if self.cfg.pg_metrics == "none":
             return
         with torch.no_grad():
-            ratio = torch.exp(log_probs - old)
-            acc.add("pg_clipfrac", (clipped * w_sm).sum())
-            acc.add("ppo_kl", ((old - log_probs) * w_sm).sum())
-            acc.add("ratio_mean", (ratio * w_sm).sum())
-            acc.add("old_log_prob", (old * w_sm).sum())
-            acc.add("advantage_mean", (adv * w_sm).sum())
-            acc.add("ratio_sum", (ratio * mask).sum())
-            acc.add("ratio_sq_sum", (ratio * ratio * mask).sum())
+            ratio = torch.exp(clamped_log_ratio(log_probs, old))  # the ratio the loss used
+            acc.add("pg_clipfrac", weighted_sum(clipped, w_sm))
+            acc.add("ppo_kl", weighted_sum(old - log_probs, w_sm))
+            acc.add("ratio_mean", weighted_sum(ratio, w_sm))
+            acc.add("old_log_prob", weighted_sum(old, w_sm))
+            acc.add("advantage_mean", weighted_sum(adv, w_sm))
+            acc.add("ratio_sum", weighted_sum(ratio, mask))
+            acc.add("ratio_sq_sum", weighted_sum(ratio * ratio, mask))
             valid = mask > 0  # masked, not indexed: no host sync on an accelerator
             acc.add_max("advantage_max", torch.where(valid, adv, adv.new_full((), -math.inf)))
             acc.add_min("advantage_min", torch.where(valid, adv, adv.new_full((), math.inf)))
             if self.cfg.pg_metrics == "with_entropy" and entropy is not None:
-                acc.add("entropy", (entropy.to(w_sm.dtype) * w_sm).sum())
+                acc.add("entropy", weighted_sum(entropy.to(w_sm.dtype), w_sm))
 
     # -- end of step ------------------------------------------------------------------------
     def finish(self) -> Dict[str, Optional[float]]:

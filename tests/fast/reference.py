@@ -25,10 +25,10 @@ def objective(x, mask, lengths, groups, mode, divisor=None):
     xs, ms = split(x, lengths), split(mask.to(x.dtype), lengths)
     n = len(lengths)
     if mode == "sample_mean":
-        return sum((xi * mi).sum() / max(float(mi.sum()), 1.0) for xi, mi in zip(xs, ms)) / n
+        return sum((xi * mi).sum() / (float(mi.sum()) or 1.0) for xi, mi in zip(xs, ms)) / n
     if mode == "token_mean":
         total = sum(float(mi.sum()) for mi in ms)
-        return sum((xi * mi).sum() for xi, mi in zip(xs, ms)) / max(total, 1.0)
+        return sum((xi * mi).sum() for xi, mi in zip(xs, ms)) / (total or 1.0)
     if mode == "constant":
         return sum((xi * mi).sum() / divisor for xi, mi in zip(xs, ms)) / n
     if mode == "prompt_mean":
@@ -37,7 +37,7 @@ def objective(x, mask, lengths, groups, mode, divisor=None):
         for g in ids:
             members = [i for i in range(n) if int(groups[i]) == g]
             tokens = sum(float(ms[i].sum()) for i in members)
-            total = total + sum((xs[i] * ms[i]).sum() for i in members) / max(tokens, 1.0)
+            total = total + sum((xs[i] * ms[i]).sum() for i in members) / (tokens or 1.0)
         return total / len(ids)
     raise ValueError(mode)
 

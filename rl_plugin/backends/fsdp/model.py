@@ -1,5 +1,11 @@
 """The Hugging Face model of the FSDP backend: load, ``--fp32-lm-head``, FSDP2 sharding.
 
+Dropout is off, as in the Megatron backend (``setup.py``: hidden_dropout = attention_dropout =
+0): every dropout probability of the checkpoint's config (``disable_dropout``) is set to 0 before
+the model is built, and any ``nn.Dropout`` left with p > 0 is zeroed after. The train-mode forward
+is then the eval-mode forward the old log-probs come from, so the PPO ratio is exactly 1 at step 0
+(with the checkpoint's dropout, 0.1 moved a tiny model's log-probs by up to ~0.07 nats).
+
 Master weights are fp32 (the checkpoint is loaded in fp32 whatever its stored dtype); with
 ``--bf16`` FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` all-gathers bf16
 compute copies and reduce-scatters gradients in fp32 into the fp32 sharded master gradients, the
@@ -14,8 +20,9 @@ all ranks and micro-batches is J, so backpropagating it unscaled applies exactly
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -23,17 +30,51 @@ from torch import nn
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
 from rl_plugin.loss.logprobs import fp32_output_projection
 
+logger = logging.getLogger(__name__)
+
 # Config fields with which an HF model post-processes its logits after ``lm_head`` (Gemma-2 soft-
 # capping, Cohere / Granite scaling): the fused head cannot stand in for those heads.
 LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, no
-    embedding ``padding_idx`` (see below)."""
-    from transformers import AutoModelForCausalLM
+def _is_dropout_field(name: str) -> bool:
+    """HF spellings of a dropout probability: ``*dropout*`` (attention_dropout, hidden_dropout,
+    hidden_dropout_prob, attention_probs_dropout_prob, resid_dropout, activation_dropout,
+    classifier_dropout, embedding_dropout, ffn_dropout, ...), GPT-2's ``*_pdrop`` (attn_pdrop,
+    resid_pdrop, embd_pdrop) and ``layerdrop`` (stochastic depth)."""
+    return "dropout" in name or name.endswith("_pdrop") or name == "layerdrop"
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+
+def disable_dropout(config) -> List[str]:
+    """Set every non-zero dropout probability of an HF config (and of its sub-configs, e.g. a
+    multimodal model's ``text_config``) to 0; return the dotted names of the fields changed."""
+    from transformers import PretrainedConfig
+
+    changed: List[str] = []
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            changed += [f"{name}.{sub}" for sub in disable_dropout(value)]
+        elif _is_dropout_field(name) and isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
+def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
+    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, dropout
+    off (module docstring), no embedding ``padding_idx`` (see below)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    changed = disable_dropout(config)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p != 0:
+            module.p = 0.0
+            changed.append(f"module {name}")
+    if changed:
+        logger.info("dropout set to 0 (the old log-probs are taken in eval mode): %s", ", ".join(changed))
     model.config.use_cache = False  # training forward: no KV cache (a cache also disables packing detection)
     embed = model.get_input_embeddings()
     if isinstance(embed, nn.Embedding):

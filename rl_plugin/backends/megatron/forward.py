@@ -33,6 +33,7 @@ import torch
 
 from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
+from rl_plugin.loss.logprobs import TargetOutOfVocabError
 from rl_plugin.loss.step import MicroBatch
 
 
@@ -86,35 +87,79 @@ def fused_head_unsupported(model) -> Optional[str]:
     return None
 
 
-def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
-    """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows, identical
-    on every TP rank. ``grad_summed_by_caller``: the next op (the fused head) all-reduces d(rows)
-    over TP itself; otherwise d(rows) is all-reduced here, as ColumnParallelLinear does."""
+def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_parallel: bool,
+                  grad_summed_by_caller: bool, tp_group=None, upcast: bool = False) -> torch.Tensor:
+    """``[n, H]`` response rows of the final hidden states ``[s(/tp), b, H]``, identical on every TP
+    rank, whose backward sums the TP ranks' partial d(rows) EXACTLY ONCE (each rank's head sees
+    only its vocab shard, so its d(rows) is a partial sum):
+
+    - sequence parallel: ``hidden`` is this rank's sequence shard; the all-gather's backward
+      reduce-scatters, i.e. it already SUMS the partial d(rows) over TP. Nothing on top: an
+      all-reduce as well (``copy_to_tensor_model_parallel_region``) multiplied every gradient
+      below the head by tp (the bug pinned by ``test_megatron_fp32_head``'s SP test).
+    - otherwise: identity forward and all-reduce of d(rows) backward (what ColumnParallelLinear
+      does for its input), unless ``grad_summed_by_caller`` (the fused head all-reduces itself).
+    ``tp_group``: megatron's TP group when None. ``upcast``: the rows (only) are cast to fp32
+    right after indexing, before any TP collective, for bf16 hidden states."""
     from megatron.core import tensor_parallel
 
+    if sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                                      group=tp_group)
+    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[logit_index.to(hidden.device)]
+    if upcast:
+        rows = rows.float()
+    if not sequence_parallel and not grad_summed_by_caller:
+        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows, group=tp_group)
+    return rows
+
+
+def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
+    """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
+    (``response_rows``), fp32 under ``--bf16``. Without sequence parallelism the bf16 hidden
+    states are indexed first and only the rows upcast (bitwise the same rows and gradients as
+    the ``Float16Module``'s fp32 output, without its fp32 ``[s, b, H]`` copy); with it the fp32
+    output is gathered as before (the gather's reduce-scatter stays in fp32)."""
     input_ids, position_ids, psp = model_inputs(mb, qkv_format)
     device = next(model.parameters()).device
     gpt = unwrap(model)
+    sp = bool(gpt.config.sequence_parallel)
+    early = not sp and half_precision_wrapped(model)
+    kwargs = {"fp32_output": False} if early else {}
     with hidden_states_only(gpt):
-        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [s, b, h]
-    if gpt.config.sequence_parallel:
-        # The all-gather's backward reduce-scatters, i.e. it already SUMS the TP ranks' partial
-        # d(rows): no all-reduce on top (that would count every vocab shard tp times).
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-    rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[mb.layout.logit_index.to(device)]
-    if not gpt.config.sequence_parallel and not grad_summed_by_caller:
-        # The TP ranks hold the same rows and different vocab shards: identity forward,
-        # all-reduce of d(rows) backward (what ColumnParallelLinear does for its input).
-        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows)
+        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [s, b, h]
+    rows = response_rows(hidden, mb.layout.logit_index, sequence_parallel=sp, grad_summed_by_caller=grad_summed_by_caller,
+                         upcast=early)
     return rows, gpt
 
 
+def half_precision_wrapped(model) -> bool:
+    """Whether a megatron ``Float16Module`` (``--bf16``) is in the wrapper chain: its forward casts
+    the output to fp32 unless called with ``fp32_output=False``."""
+    from megatron.core.transformer.module import Float16Module
+
+    while True:
+        if isinstance(model, Float16Module):
+            return True
+        if not hasattr(model, "module"):
+            return False
+        model = model.module
+
+
 def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
-    """The unfused path: ``[n, V/tp]`` logits of the response rows."""
+    """The unfused path: ``[n, V/tp]`` logits of the response rows.
+
+    Without ``--fp32-lm-head`` the rows are the model's own logits in its dtype: under ``--bf16``
+    the ``Float16Module`` is asked for its bf16 output (``fp32_output=False``), the response rows
+    are indexed out, and ``log_probs_and_entropy`` upcasts them one chunk at a time. Upcasting
+    bf16 is exact, so the log-probs and gradients are bitwise those of the fp32 output; what goes
+    is the fp32 ``[b, s, V/tp]`` copy of every position's logits (and its fp32 gradient buffer
+    in the backward), ``benchmarks/megatron_bf16_logits.py``."""
     if not fp32_lm_head:
         input_ids, position_ids, psp = model_inputs(mb, qkv_format)
         device = next(model.parameters()).device
-        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)  # [b, s, V/tp]
+        kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
+        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     return fp32_output_projection(rows, output_weight(gpt))
@@ -122,7 +167,20 @@ def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: boo
 
 def response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
                        temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring)."""
+    """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring). A
+    target outside the vocabulary raises ``TargetOutOfVocabError`` naming its step sample."""
+    try:
+        return _response_log_probs(model, mb, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused,
+                                   temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    except TargetOutOfVocabError as e:
+        local = int(mb.layout.sample_ids[e.row])
+        index = getattr(mb, "sample_index", None)
+        sample = int(index[local]) if index is not None else local
+        raise TargetOutOfVocabError(f"sample {sample}: {e}", e.row) from None
+
+
+def _response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
+                        temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
         weight = output_weight(gpt)
