@@ -61,6 +61,7 @@ def _worker(rank, world, backend_name, hf_dir):
     ckpt = [tempfile.mkdtemp(prefix="fused_old_") if rank == 0 else None]
     torch.distributed.broadcast_object_list(ckpt, src=0)
     backend.save_checkpoint(ckpt[0], step=0)
+    torch.distributed.barrier()  # rank 0 writes the step's meta file last (the loop commits after every rank)
     out = {}
     for case in (backend_name,):
         for fused in (False, True):

@@ -171,6 +171,18 @@ class _MetaBackend(OneFileBackend):
 
         return super().schedule(model, num_micro_batches, forward, checked_loss, forward_only=forward_only)
 
+    def forward(self, model, inputs, *, temperature, chunk_size, with_entropy):
+        """Log-softmax in plain torch ops: the core kernel checks the targets against the vocab
+        with one host read per micro-batch, which meta tensors cannot answer."""
+        if inputs.layout.num_samples == 0:
+            return super().forward(model, inputs, temperature=temperature, chunk_size=chunk_size,
+                                   with_entropy=with_entropy)
+        rows = model(inputs.input_ids.to(self.loss_device))[inputs.layout.logit_index.to(self.loss_device)]
+        logp_all = torch.log_softmax(rows / temperature, -1)
+        logp = logp_all.gather(1, inputs.targets.to(self.loss_device).view(-1, 1)).squeeze(1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        return torch.stack([logp, ent], 1)
+
     def optimizer_step(self):
         raise _Stop  # the schedule ran; finish() would copy the metric vectors to the CPU (not from meta)
 
