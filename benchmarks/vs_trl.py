@@ -99,6 +99,8 @@ def char_tokenizer_as_hf(model_dir: str):
 def trl_worker(a) -> None:
     """One TRL GRPOTrainer run (in its own process); writes rewards and step times to ``a.trl_worker``."""
     import torch
+
+    torch.set_num_threads(a.trl_threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -151,7 +153,7 @@ def run_trl(a, out: Path) -> Dict:
     result = out.with_suffix(".json")
     cmd = [sys.executable, __file__, "--trl-worker", str(result), "--steps", str(a.steps), "--prompts", str(a.prompts),
            "--samples", str(a.samples), "--response-len", str(a.response_len), "--lr", str(a.lr), "--loss-type", a.loss_type,
-           "--seed", str(a.seed)]
+           "--seed", str(a.seed), "--trl-threads", str(a.trl_threads)]
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -159,7 +161,7 @@ def run_trl(a, out: Path) -> Dict:
     if rc != 0:
         raise SystemExit(f"TRL worker exited {rc}; see {out.with_suffix('.log')}")
     res = json.loads(result.read_text())
-    return dict(name=f"TRL {version('trl')} GRPOTrainer (HF generate)", rewards=res["rewards"], step_s=res["step_s"], wall_s=wall, phases={})
+    return dict(name=f"TRL {version('trl')} GRPOTrainer ({res['threads']} thr)", rewards=res["rewards"], step_s=res["step_s"], wall_s=wall, phases={})
 
 
 def version(pkg: str) -> str:
@@ -196,6 +198,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--rollout-engine", default="hf")
+    p.add_argument("--trl-threads", type=int, default=1,
+                   help="torch threads of the TRL process (rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS)")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
     p.add_argument("--window", type=int, default=10, help="steps in the trailing reward mean compared with a threshold")
     p.add_argument("--only", choices=["rl_plugin", "trl"], help="run one side only (debugging)")
