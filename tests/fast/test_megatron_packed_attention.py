@@ -1,4 +1,5 @@
-"""Packed (thd) attention of the local layer spec: the padded-batch form equals the block-mask form.
+"""Packed (thd) attention of the local layer spec: the padded-batch form equals the block-mask form,
+and the vectorised packed RoPE (``rope_thd``) is bitwise megatron-core's per-sample loop.
 
 ``VarlenDotProductAttention`` attends a packed stream either as one row under a block-diagonal
 causal mask (``t^2`` scores) or, when cheaper, as a padded batch of its samples under the plain
@@ -9,6 +10,7 @@ to fp32 rounding (``FP32_MODEL``, scaled by the largest |value| / |output|).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl_plugin.cp import padded_attention_is_cheaper, segment_grid
@@ -58,14 +60,50 @@ def _worker(rank, world):
         out = getattr(att, name)(q, k, v, cu, AttnMaskType.causal, None)
         (out * upstream).sum().backward()
         results[name] = [out.detach(), q.grad, k.grad, v.grad]
+    results["rope"] = _rope_pairs(mpu.get_context_parallel_group())
     mpu.destroy_model_parallel()
     return results
 
 
-def test_padded_attention_equals_block_mask_attention():
-    res = run_world(_worker, 1)[0]
+def _rope_pairs(cp_group):
+    """(ours, megatron-core's) packed RoPE, for both layouts of the frequency table."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from rl_plugin.backends.megatron import rope_thd
+
+    rope_thd.install()
+    original = rope_thd._ORIGINAL["fn"]
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, 8, generator=g)
+    pairs = []
+    for rows in (7, 16):  # positions 0..max_s-1, or one row per packed position
+        freqs = torch.randn(rows, 1, 1, 8, generator=g)
+        ours = rope_utils._apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=cp_group)
+        pairs.append((ours, original(x, cu, freqs, cp_group=cp_group)))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def world_results():
+    """One spawned gloo rank for both checks below (megatron-core's parallel state needs a group)."""
+    return run_world(_worker, 1)[0]
+
+
+def test_padded_attention_equals_block_mask_attention(world_results):
+    res = world_results
     dense, padded = res["_dense_forward"], res["_padded_forward"]
     assert padded[0].shape == dense[0].shape == (16, 32)
     # Outputs are convex combinations of values: error ~ u * max|v|; gradients ~ u * their terms.
     for name, got, want in zip(("out", "dq", "dk", "dv"), padded, dense):
         assert tensor_within(got, want, rtol=FP32_MODEL, scale=max_abs(want)), name
+
+
+def test_vectorized_thd_rope_is_bitwise_megatrons(world_results):
+    from rl_plugin.backends.megatron.rope_thd import packed_freq_rows
+
+    assert packed_freq_rows(torch.tensor([0, 2, 5]), 3).tolist() == [0, 1, 0, 1, 2]
+    assert packed_freq_rows(torch.tensor([0, 2, 5]), 5).tolist() == [0, 1, 2, 3, 4]
+    for ours, theirs in world_results["rope"]:
+        assert ours.shape == theirs.shape == (16, 4, 8)
+        assert torch.equal(ours, theirs)
