@@ -9,7 +9,8 @@ The train step is split by wrapping the functions it calls with ``time.perf_coun
 forward, loss, backward and grad finalisation it calls; ``other`` is the step minus its parts).
 Medians over ``--steps`` steps after ``--warmup``; the spread is the inter-quartile range.
 
-    python benchmarks/step_phases.py [--backend megatron|fsdp] [--steps 30] [--cprofile FILE]
+    python benchmarks/step_phases.py [--backend megatron|fsdp] [--steps 30] [--cprofile FILE] [--json F]
+    python benchmarks/step_phases.py --compare 'before-*.json' 'after-*.json'   # table of two sets
 
 Not a test: numbers depend on the machine and its load. Run ``before`` and ``after`` checkouts
 alternately to compare (``--label``), and read the IQR as the noise.
@@ -229,7 +230,29 @@ def summarize(steps: dict, backend: str) -> dict:
     return rows
 
 
+def compare(before_glob: str, after_glob: str) -> None:
+    """Before/after table from ``--json`` files (alternating runs): the median over all steps of a
+    side, the ratio, and each run's own median (their spread is the machine's noise)."""
+    import glob
+
+    sides = {name: [json.load(open(f))["steps"] for f in sorted(glob.glob(pattern))]
+             for name, pattern in (("before", before_glob), ("after", after_glob))}
+    keys = sorted({k for runs in sides.values() for run in runs for k in run})
+    print(f"{'phase (ms, median)':34} {'before':>8} {'after':>8} {'ratio':>6}   per-run medians: before | after")
+    for k in keys:
+        med, per_run = {}, {}
+        for name, runs in sides.items():
+            pooled = [x for run in runs for x in run.get(k, [])]
+            med[name] = 1000 * median(pooled) if pooled else float("nan")
+            per_run[name] = " ".join(f"{1000 * median(run[k]):.1f}" for run in runs if k in run)
+        ratio = med["after"] / med["before"] if med["before"] > 0 else float("nan")
+        print(f"{k:34} {med['before']:8.2f} {med['after']:8.2f} {ratio:6.2f}   {per_run['before']} | {per_run['after']}")
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--compare":
+        compare(sys.argv[2], sys.argv[3])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--steps", type=int, default=30)
