@@ -33,6 +33,7 @@ FLAG_MODULES = (
     "logging",
     "checkpointing",
     "fault_tolerance",
+    "async_training",
 )
 
 
