@@ -367,5 +367,5 @@ def test_overlapped_run_retries_in_flight_generation_and_resumes_exactly(runs_a,
     shutil.copytree(d / "ckpt", r / "ckpt")
     write_tracker(r / "ckpt", 2)
     assert _run("fsdp", r, "--max-weight-staleness", "1", "--load", str(r / "ckpt")) == 0
-    assert "rollout 1 was generated ahead before the checkpoint and is trained on as it was (staleness 0)" in capsys.readouterr().out
     assert (r / "metrics.jsonl").read_text().splitlines() == [x for x in lines if json.loads(x)["step"] > 2]
+    assert "rollout 1 was generated ahead before the checkpoint and is trained on as it was (staleness 0)" in capsys.readouterr().out
