@@ -258,3 +258,28 @@ def all_rank_layouts(
         )
         for r in range(cp_size)
     ]
+
+
+def segment_grid(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed stream's segments as rows of a padded grid: ``(gather, valid)``, both ``[S, L]``
+    with ``L`` the longest segment. Row ``s``, column ``j`` reads packed position
+    ``cu_seqlens[s] + j`` where ``valid`` (``j < len_s``), else position 0 (a placeholder: padding
+    sits after a row's real tokens, so causal attention of real tokens never reads it).
+    ``x[gather]`` pads, ``y[valid]`` unpads in packed order (segments are contiguous, in order)."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    width = int(lengths.max()) if lengths.numel() else 0
+    col = torch.arange(width, device=cu.device)
+    valid = col.unsqueeze(0) < lengths.unsqueeze(1)
+    gather = torch.where(valid, cu[:-1].unsqueeze(1) + col.unsqueeze(0), torch.zeros((), dtype=torch.long, device=cu.device))
+    return gather, valid
+
+
+def padded_attention_is_cheaper(cu_seqlens: torch.Tensor) -> bool:
+    """Attention over the padded grid (``S * L^2`` scores) rather than over the whole packed
+    stream with a block-diagonal mask (``t^2`` scores): true unless one long segment dominates."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    if lengths.numel() == 0:
+        return False
+    total, width = int(lengths.sum()), int(lengths.max())
+    return lengths.numel() * width * width <= total * total

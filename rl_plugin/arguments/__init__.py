@@ -36,6 +36,7 @@ FLAG_MODULES = (
     "logging",
     "checkpointing",
     "fault_tolerance",
+    "async_training",
 )
 
 

@@ -6,6 +6,11 @@ run with a ``LoopError`` naming what broke (e.g. which train actor died and why)
 resume from; Ctrl-C ends it with one line naming the last checkpoint and the ``--load`` command.
 The metrics file keeps every line already written and the last complete checkpoint stays the
 resume point; on resume, lines past the checkpoint's step are moved to ``*.superseded.jsonl``.
+
+``--max-weight-staleness 1`` overlaps the two halves (``_overlapped_rollout``): generation of
+rollout k+1 runs on the engine while the trainer trains on rollout k, and the weights sync once
+both are done; a checkpoint then also holds rollout k+1 (``pending_rollout``), so a resumed run
+trains on exactly what the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import ray
 
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.arguments.async_training import staleness_warning
 from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
+from rl_plugin.loop.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.plot import plot_reward_curve
@@ -114,6 +121,7 @@ class Driver:
         self.samples_seen = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
         self.rollout_restarts = 0  # dead rollout managers replaced so far (--max-rollout-retries)
         self.rollout_state = None  # the manager's dataset position before the next generate
+        self.pending = None  # (rollout_id, RolloutData, staleness): the rollout generated ahead (--max-weight-staleness 1)
         self.faults = fault_points()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -158,6 +166,13 @@ class Driver:
         if is_finished(a, self.start_rollout):
             return
         self._rollout_call("load_state_dict", extra["rollout_state"])
+        self.pending = read_pending_rollout(a.load, step)
+        if self.pending is not None:
+            if self.pending[0] != self.start_rollout:
+                raise LoopError(f"{step_dir(a.load, step)}/{PENDING_ROLLOUT} holds rollout {self.pending[0]}, but the checkpoint's "
+                                f"next rollout is {self.start_rollout}: the checkpoint is inconsistent; resume from an earlier one")
+            print(f"resuming an overlapped run: rollout {self.start_rollout} was generated ahead before the checkpoint and "
+                  f"is trained on as it was (staleness {self.pending[2]})", flush=True)
         print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
         moved = supersede_after(self.metrics_file, self.step)
         if moved:
@@ -216,15 +231,18 @@ class Driver:
         self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
         return data
 
-    def _retrying(self, method: str, k: int, submit):
-        """``ray.get(submit())``, resubmitted to a fresh rollout manager when the actor died;
-        an error raised inside the call (bad data, a reward function) ends the run at once."""
+    def _retrying(self, method: str, k: int, submit, first=None):
+        """``ray.get(submit())`` (or of ``first``, a call already in flight), resubmitted to a fresh
+        rollout manager when the actor died; an error raised inside the call (bad data, a reward
+        function) ends the run at once."""
+        ref = first
         while True:
             try:
-                return ray.get(submit())
+                return ray.get(submit() if ref is None else ref)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 if not _actor_died(exc):
                     raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
+                ref = None
                 self._restart_rollout(f"{method} (rollout {k})", exc)
 
     def _restart_rollout(self, during: str, exc: Exception) -> None:
@@ -262,12 +280,17 @@ class Driver:
 
     def save(self, rollout_id: int) -> None:
         a = self.args
-        # the dataset position after rollout_id's generate (training, sync and eval do not move it)
+        # the dataset position after rollout_id's generate (training, sync and eval do not move it);
+        # overlapped, after rollout_id + 1's, which the checkpoint then holds (pending_rollout.pt)
         extra = {"rollout_id": rollout_id + 1, "rollout_state": self.rollout_state, "samples_seen": self.samples_seen}
         staging = begin_save(a.save, self.step)  # the layout: rl_plugin.loop.checkpoint
         self.group.call("save", [(str(staging), self.step, extra)] * self.group.world_size)
-        commit_save(a.save, self.step, {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
-                                        "train_backend": a.train_backend, "num_rollout": a.num_rollout})  # once every rank wrote
+        state = {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
+                 "train_backend": a.train_backend, "num_rollout": a.num_rollout}
+        if self.pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
+            write_pending_rollout(staging, *self.pending)
+            state["pending_rollout"] = PENDING_ROLLOUT
+        commit_save(a.save, self.step, state)  # loop_state.json, rename, tracker: once every rank wrote
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -278,6 +301,9 @@ class Driver:
         if point is not None and is_finished(a, point.next_rollout):
             print(finished_message(a, point.step), flush=True)
             return
+        warning = staleness_warning(a)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         lock = RunLock(self.output_dir).acquire()
         try:
             if a.overwrite_save:
@@ -306,8 +332,9 @@ class Driver:
             self.sync_weights()
             logger = MetricsLogger(a, str(self.metrics_file))
             bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
+            one_rollout = self._overlapped_rollout if a.max_weight_staleness > 0 else self._one_rollout
             for k in range(self.start_rollout, a.num_rollout):
-                self._one_rollout(k, logger, bar)
+                one_rollout(k, logger, bar)
             bar.close()
         except KeyboardInterrupt:
             where = f"during rollout {k} (after step {self.step})" if k is not None else "during start-up"
@@ -342,41 +369,115 @@ class Driver:
                 shutdown_ray()
 
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
-        a = self.args
+        """The synchronous loop (``--max-weight-staleness 0``): generate rollout k, train on it, sync."""
         t0 = time.perf_counter()
-        data = self.generate(k)
+        data = self.generate(k) if self.pending is None else self._take_pending(k)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = self.train_rollout(data)
         t_train = time.perf_counter() - t1
         t_sync = self.sync_weights()
+        timings = {"time/rollout_call": t_gen, "time/train": t_train, "time/weight_sync": t_sync}
+        self._finish_rollout(k, data, reports, timings, t0, logger, bar)
+
+    def _overlapped_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
+        """Overlapped training (``--max-weight-staleness 1``; slime's ``train_async.py``):
+
+            submit generate(k+1)   the engine still holds the weights after rollout k-1
+            train(k)               at the same time, on the trainer
+            wait for generate(k+1) the engine is never updated mid-generation, so
+            sync weights           the sync comes only once both are done
+
+        Rollout k+1 is then trained on at the next iteration by weights one rollout newer than
+        those that sampled it (staleness 1); the trainer's old log-probs are recomputed on its
+        current weights and the engine's log-probs describe the sampler, so ``--use-tis`` corrects
+        the lag and the ``mismatch/*`` metrics measure it. The first rollout of a run (or of a
+        resume from a synchronous checkpoint) is generated in place, by the current weights."""
+        a = self.args
+        t0 = time.perf_counter()
+        staleness, wait_gen, call = 0, 0.0, None
+        if self.pending is None:
+            data = self.generate(k)
+            call = wait_gen = time.perf_counter() - t0
+        else:
+            staleness = self.pending[2]
+            data = self._take_pending(k)
+        ahead = None
+        if k + 1 < a.num_rollout:
+            restarts = self.rollout_restarts
+            ahead = generate_ref(self.rollout, k + 1, self.faults)
+        t1 = time.perf_counter()
+        reports = self.train_rollout(data)  # a failure here ends the run; the teardown kills the generating actor
+        t_train = time.perf_counter() - t1
+        timings: Dict[str, float] = {}
+        if ahead is not None:
+            t2 = time.perf_counter()
+            try:
+                nxt = self._retrying("generate", k + 1, lambda: generate_ref(self.rollout, k + 1, self.faults), first=ahead)
+                self.rollout_state = nxt.dataset_state  # came back with the rollout
+            except LoopError:
+                self._log_rows(k, data, reports, {"time/train": t_train}, t0, logger, bar, staleness)  # steps done stay logged
+                raise
+            wait_gen += time.perf_counter() - t2
+            # a manager that died meanwhile was replaced and synced with the trainer's current weights: no lag
+            self.pending = (k + 1, nxt, 0 if self.rollout_restarts > restarts else 1)
+            ahead_s = nxt.stats.get("rollout_gen_time", 0.0) + nxt.stats.get("rollout_reward_time", 0.0)
+            timings.update({
+                "time/generate_ahead": ahead_s,  # the engine's own time on rollout k+1 (generate + reward)
+                "time/engine_wait_trainer": max(0.0, t2 - t1 - ahead_s),  # engine idle until training ended (approx.)
+                "time/overlap_saved": max(0.0, ahead_s - (time.perf_counter() - t2)),  # generation hidden behind training
+            })
+        timings["time/trainer_wait_generate"] = wait_gen
+        if call is not None:
+            timings["time/rollout_call"] = call
+        timings.update({"time/train": t_train, "time/weight_sync": self.sync_weights()})
+        self._finish_rollout(k, data, reports, timings, t0, logger, bar, staleness=staleness)
+
+    def _take_pending(self, k: int):
+        rollout_id, data, _ = self.pending
+        if rollout_id != k:
+            raise LoopError(f"internal: the rollout generated ahead is rollout {rollout_id}, the loop is at rollout {k}")
+        self.pending = None
+        return data
+
+    def _finish_rollout(self, k: int, data, reports, timings: Dict[str, float], t0: float, logger: MetricsLogger, bar,
+                        staleness: Optional[int] = None) -> None:
+        """Log rollout k's steps, then checkpoint and evaluate when due."""
+        a = self.args
+        self._log_rows(k, data, reports, timings, t0, logger, bar, staleness)
+        if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
+            self.save(k)
+        if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
+            ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
+            logger.log(self.step, {"rollout_id": k, **ev})
+        stats = data.stats
+        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", gen_s=f"{stats.get('rollout_gen_time', 0.0):.2f}",
+                        reward_s=f"{stats.get('rollout_reward_time', 0.0):.2f}", train_s=f"{timings.get('time/train', 0.0):.2f}", step=self.step)
+        bar.update(1)
+
+    def _log_rows(self, k: int, data, reports, timings: Dict[str, float], t0: float, logger: MetricsLogger, bar,
+                  staleness: Optional[int]) -> None:
+        a = self.args
         stats = {key: data.stats[key] for key in ROLLOUT_STATS}
         stats.update({key: v for key, v in data.stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
-        t_engine, t_reward = data.stats.get("rollout_gen_time", t_gen), data.stats.get("rollout_reward_time", 0.0)
+        if staleness is not None:  # overlapped runs only: the synchronous loop's metrics stay as they were
+            stats["weight_staleness"] = float(staleness)
+        t_engine, t_reward = data.stats.get("rollout_gen_time", timings.get("time/rollout_call", 0.0)), data.stats.get("rollout_reward_time", 0.0)
         for j, rep in enumerate(reports):
             self.step += 1
             self.samples_seen += int(rep["samples"])
             rep["samples_seen"] = float(self.samples_seen)
             if a.docs_per_step is not None:  # DeepSpeed's names for the step's document counts
                 rep["num_documents"], rep["documents_seen"] = rep["samples"], float(self.samples_seen)
-            timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
+            step_timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:  # rollout_generate: the engine; rollout_reward: scoring; rollout_call: the whole remote call
-                timings.update({"time/rollout_generate": t_engine, "time/rollout_reward": t_reward, "time/rollout_call": t_gen,
-                                "time/train": t_train, "time/weight_sync": t_sync,
-                                "time/weight_load_engines": self.last_sync["seconds"], "time/rollout_total": time.perf_counter() - t0})
+                step_timings.update({"time/rollout_generate": t_engine, "time/rollout_reward": t_reward, **timings,
+                                     "time/weight_load_engines": self.last_sync["seconds"], "time/rollout_total": time.perf_counter() - t0})
             row = {"rollout_id": k, "step_in_rollout": j, **stats, **rep}
-            logger.log(self.step, row, timings)
+            logger.log(self.step, row, step_timings)
             if self.step % a.log_interval == 0:
-                (bar.write if not a.no_progress_bar else print)(summary_line(self.step, row, timings))
+                (bar.write if not a.no_progress_bar else print)(summary_line(self.step, row, step_timings))
                 sys.stdout.flush()
-        if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
-            self.save(k)
-        if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
-            ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
-            logger.log(self.step, {"rollout_id": k, **ev})
-        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", gen_s=f"{t_engine:.2f}", reward_s=f"{t_reward:.2f}",
-                        train_s=f"{t_train:.2f}", step=self.step)
-        bar.update(1)
 
     def _resume_hint(self) -> str:
         a = self.args

@@ -342,3 +342,52 @@ def test_load_of_another_model_size_names_the_first_tensor(runs_a, tmp_path, bac
     assert "(64,) in the checkpoint and (96,) in the model" in err or "in the checkpoint and (16, 96) in the model" in err, err
     assert "Fix: pass the --hf-checkpoint the checkpoint was trained from" in err
     assert "Traceback" not in err and err.count("size mismatch") == 0
+
+
+def _without_staleness(lines):
+    rows = [json.loads(x) for x in lines]
+    for r in rows:
+        r.pop("weight_staleness", None)
+    return rows
+
+
+def test_overlapped_run_retries_in_flight_generation_and_resumes_exactly(runs_a, tmp_path, monkeypatch, capsys):
+    """--max-weight-staleness 1 (FSDP), the rollout actor SIGKILLed as rollout 1 is submitted to
+    it, i.e. while the trainer trains on rollout 0:
+
+    - rollout 0 is generated in place by the initial weights: its steps equal sync run A's byte for
+      byte (only weight_staleness is added);
+    - the in-flight generation of rollout 1 fails after training; the fresh engine gets the
+      trainer's current weights and regenerates it, so rollout 1 is sampled by the weights after
+      rollout 0 (staleness 0) and equals A's rollout 1 (and A's eval after it) byte for byte;
+    - rollout 2 is generated while the trainer trains on rollout 1, by the weights after rollout 0
+      (staleness 1): the engine's log-probs now describe an older policy, so |old - rollout| is
+      far above the fp32 rounding the synchronous run shows (FP32_MODEL * |logp|);
+    - the step-2 checkpoint holds rollout 1 (pending_rollout.pt); a run resumed from it trains on
+      it, generates rollout 2 ahead, and logs A-async's steps 3.. byte for byte."""
+    d = tmp_path / "overlap"
+    monkeypatch.setenv(ROLLOUT_FAULT_ENV, "1")
+    assert _run("fsdp", d, "--max-weight-staleness", "1") == 0
+    out, err = capsys.readouterr()
+    assert "warning: --max-weight-staleness 1 without --use-tis" in err
+    assert "died during generate (rollout 1)" in out and "restarting it and retrying (1/3" in out, out
+    lines = (d / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    train = [r for r in rows if "loss" in r]
+    assert [(r["rollout_id"], r["weight_staleness"]) for r in train] == [(0, 0.0), (0, 0.0), (1, 0.0), (1, 0.0), (2, 1.0), (2, 1.0)]
+    sync = (runs_a["fsdp"] / "metrics.jsonl").read_text().splitlines()
+    assert _without_staleness(lines[:5]) == _without_staleness(sync[:5])  # steps 1-4 and the eval after rollout 1
+    for r in train[4:]:
+        assert r["rollout_log_prob_diff"] > 100 * FP32_MODEL * _log_scale(r), r["rollout_log_prob_diff"]
+    timings = [t for t in _lines(d / "metrics.timings.jsonl") if "time/rollout_total" in t]
+    assert [("time/generate_ahead" in t, "time/trainer_wait_generate" in t) for t in timings] == [(True, True), (True, True), (False, True)]
+    assert all(t["time/generate_ahead"] > 0 and t["time/engine_wait_trainer"] >= 0 and t["time/overlap_saved"] >= 0 for t in timings[:2])
+    assert [(d / "ckpt" / f"iter_{s:07d}" / "pending_rollout.pt").is_file() for s in (2, 4, 6)] == [True, True, False]
+
+    monkeypatch.delenv(ROLLOUT_FAULT_ENV)
+    r = tmp_path / "overlap_resumed"
+    shutil.copytree(d / "ckpt", r / "ckpt")
+    write_tracker(r / "ckpt", 2)
+    assert _run("fsdp", r, "--max-weight-staleness", "1", "--load", str(r / "ckpt")) == 0
+    assert (r / "metrics.jsonl").read_text().splitlines() == [x for x in lines if json.loads(x)["step"] > 2]
+    assert "rollout 1 was generated ahead before the checkpoint and is trained on as it was (staleness 0)" in capsys.readouterr().out

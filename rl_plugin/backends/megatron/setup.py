@@ -8,7 +8,8 @@ Each step takes the typed config it needs (``rl_plugin.configs``), never the fla
 2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
-   ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers).
+   ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Installs
+   ``rope_thd`` (packed RoPE without megatron-core's per-sample loop; bitwise the same).
 4. ``build_optimizer(optimizer_cfg, model)``: ``get_megatron_optimizer`` (Adam, ``--clip-grad``,
    ``--use-distributed-optimizer``) and ``OptimizerParamScheduler``.
 """
@@ -122,6 +123,9 @@ def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: boo
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    from rl_plugin.backends.megatron import rope_thd
+
+    rope_thd.install()  # megatron-core's unfused thd RoPE without its per-sample loop (bitwise equal)
     bf16 = cfg.bf16
     if cfg.fp16:
         raise MegatronSetupError("--fp16 is not supported by rl_plugin's Megatron backend. Fix: use --bf16.")

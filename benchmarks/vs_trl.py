@@ -1,0 +1,242 @@
+"""Benchmark: rl-plugin-train against TRL's GRPOTrainer on the embedded digit-copy task.
+
+Both learn the same task (``rl_plugin.rollout.task``: copy 3 digits, partial-credit reward) from
+the same tiny Qwen2 checkpoint and character tokenizer (``rl_plugin.loop.embedded``), with the
+same prompts per step, samples per prompt, response length, learning rate, optimizer (Adam,
+betas (0.9, 0.98), eps 1e-8, no weight decay, grad-norm clip 1.0, constant LR), clip range
+(0.2 / 0.28), no KL term (TRL beta = 0), temperature 1 / top-p 1 / no top-k, GRPO advantages
+(group mean and std) and one optimizer step per rollout (TRL steps_per_generation = 1). The loss
+aggregation maps TRL's ``loss_type`` onto ``--loss-aggregation``:
+
+    grpo    -> sample_mean   (mean over samples of each sample's token mean)
+    dapo    -> token_mean    (mean over all response tokens of the step)
+    dr_grpo -> constant      (token sum / max_completion_length, mean over samples)
+
+The reward is the same function on the same decoding (``CharTokenizer.decode`` of the completion
+ids, stopping at <eos>). Both generate with Hugging Face ``generate`` on the CPU (rl_plugin's
+``--rollout-engine hf``; TRL without vLLM). Known differences: TRL divides by (std + 1e-4),
+rl_plugin by (std + 1e-6); TRL shuffles prompts, rl_plugin reads them in order; sampling RNGs
+differ. One run each, the two in separate processes one after the other on the same machine.
+
+Printed: per threshold of the reward (mean over a trailing window of ``--window`` steps), the
+step and the loop time (sum of per-step wall times, start-up and eval excluded) at which each run
+first reaches it, and rl_plugin / TRL ratios; the median per-step time; the process wall time.
+Not a test: numbers depend on the machine and its load.
+
+    python benchmarks/vs_trl.py [--steps 300] [--loss-type grpo] [--thresholds 0.3 0.4 0.5]
+        [--backend megatron] [-- extra rl-plugin-train flags]
+
+Needs the ``bench`` extra (``pip install -e .[bench]``: TRL, a benchmark-only dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_TYPES = {"grpo": ("sample_mean", []), "dapo": ("token_mean", []), "dr_grpo": ("constant", ["--loss-aggregation-divisor"])}
+
+
+def run_rl_plugin(a, out: Path, extra: List[str]) -> Dict:
+    """``python -m rl_plugin.train`` (what ``rl-plugin-train`` runs) on the embedded task."""
+    aggregation, needs_divisor = LOSS_TYPES[a.loss_type]
+    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", a.backend, "--rollout-engine", a.rollout_engine,
+           "--num-rollout", str(a.steps), "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples),
+           "--rollout-max-response-len", str(a.response_len), "--lr", str(a.lr), "--loss-aggregation", aggregation,
+           "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--rollout-temperature", "1.0", "--rollout-top-p", "1.0",
+           "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--adam-eps", "1e-8", "--weight-decay", "0", "--clip-grad", "1.0",
+           "--lr-decay-style", "constant", "--seed", str(a.seed), "--eval-interval", str(a.steps + 1),
+           "--output-dir", str(out), "--no-progress-bar"]
+    cmd += [needs_divisor[0], str(a.response_len)] if needs_divisor else []
+    t0 = time.perf_counter()
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.run([*cmd, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"rl-plugin-train exited {rc}; see {out.with_suffix('.log')}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    reward = {r["rollout_id"]: r["reward_mean"] for r in rows if "reward_mean" in r}
+    timings = [json.loads(x) for x in (out / "metrics.timings.jsonl").read_text().splitlines()]
+    step_s = [t["time/rollout_total"] for t in timings if "time/rollout_total" in t]
+    phases = {k: median(t[k] for t in timings if k in t) for k in sorted({k for t in timings for k in t if k.startswith("time/")})}
+    return dict(name=f"rl_plugin ({a.backend}, {a.rollout_engine})", rewards=[reward[k] for k in sorted(reward)], step_s=step_s,
+                wall_s=wall, phases=phases)
+
+
+def char_tokenizer_as_hf(model_dir: str):
+    """The embedded character tokenizer as a ``PreTrainedTokenizerFast`` (what TRL needs): the same
+    ids (<pad> 0, <bos> 1, <eos> 2, '=' 3 as <sep>, then the digits) and <bos> prepended, checked
+    against ``CharTokenizer.prompt_ids``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rl_plugin.rollout.tokenizer import SPECIALS, CharTokenizer
+
+    char = CharTokenizer.load(model_dir)
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab["="] = vocab.pop("<sep>")
+    vocab.update({c: i + len(SPECIALS) for i, c in enumerate(char.alphabet)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", char.bos_token_id)])
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    for text in ("314=", "0987654321="):
+        if hf(text)["input_ids"] != char.prompt_ids(text):
+            raise RuntimeError(f"the HF copy of the char tokenizer encodes {text!r} as {hf(text)['input_ids']}, rl_plugin as {char.prompt_ids(text)}")
+    return hf, char
+
+
+def trl_worker(a) -> None:
+    """One TRL GRPOTrainer run (in its own process); writes rewards and step times to ``a.trl_worker``."""
+    import torch
+
+    torch.set_num_threads(a.trl_threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rl_plugin.loop.embedded import cache_root, ensure_task_data, ensure_tiny_model
+    from rl_plugin.rollout.task import digit_match_reward
+
+    model_dir = ensure_tiny_model(cache_root())
+    train, _ = ensure_task_data(cache_root())
+    hf_tok, char = char_tokenizer_as_hf(str(model_dir))
+    data = Dataset.from_list([json.loads(x) for x in Path(train).read_text().splitlines()])
+
+    def digit_match(prompts, completions, completion_ids, label, **_):
+        return [digit_match_reward(char.decode(ids), str(lab)) for ids, lab in zip(completion_ids, label)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.step_s, self.rewards, self.last = [], [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            self.step_s.append(now - self.last)
+            self.last = now
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.rewards.append(logs["reward"])  # its time counts in the next step's
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GRPOConfig(
+            output_dir=tmp, max_steps=a.steps, per_device_train_batch_size=a.prompts * a.samples, gradient_accumulation_steps=1,
+            steps_per_generation=1, num_generations=a.samples, max_completion_length=a.response_len, learning_rate=a.lr,
+            lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.0,
+            max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type=a.loss_type, scale_rewards="group",
+            num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+            seed=a.seed, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        )
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        clock = Clock()
+        trainer = GRPOTrainer(model=model, reward_funcs=digit_match, args=cfg, train_dataset=data, processing_class=hf_tok,
+                              callbacks=[clock])
+        trainer.train()
+    Path(a.trl_worker).write_text(json.dumps(dict(rewards=clock.rewards, step_s=clock.step_s, threads=torch.get_num_threads())))
+
+
+def run_trl(a, out: Path) -> Dict:
+    result = out.with_suffix(".json")
+    cmd = [sys.executable, __file__, "--trl-worker", str(result), "--steps", str(a.steps), "--prompts", str(a.prompts),
+           "--samples", str(a.samples), "--response-len", str(a.response_len), "--lr", str(a.lr), "--loss-type", a.loss_type,
+           "--seed", str(a.seed), "--trl-threads", str(a.trl_threads)]
+    t0 = time.perf_counter()
+    with open(out.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"TRL worker exited {rc}; see {out.with_suffix('.log')}")
+    res = json.loads(result.read_text())
+    return dict(name=f"TRL {version('trl')} GRPOTrainer ({res['threads']} thr)", rewards=res["rewards"], step_s=res["step_s"], wall_s=wall, phases={})
+
+
+def version(pkg: str) -> str:
+    from importlib.metadata import version as v
+
+    return v(pkg)
+
+
+def first_reaching(rewards: List[float], step_s: List[float], threshold: float, window: int):
+    """(step, loop seconds) at which the trailing ``window``-step mean reward first reaches ``threshold``."""
+    for i in range(window - 1, len(rewards)):
+        if sum(rewards[i - window + 1:i + 1]) / window >= threshold:
+            return i + 1, sum(step_s[:i + 1])
+    return None, None
+
+
+def fmt(x: Optional[float], spec: str) -> str:
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return format(x, spec) if x is not None else "-".rjust(width)
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (= rollouts) of each run")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (--rollout-batch-size)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (--n-samples-per-prompt / num_generations)")
+    p.add_argument("--response-len", type=int, default=4, help="--rollout-max-response-len / max_completion_length")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--loss-type", choices=sorted(LOSS_TYPES), default="grpo", help="TRL's loss_type; mapped onto --loss-aggregation")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
+    p.add_argument("--rollout-engine", default="hf")
+    p.add_argument("--trl-threads", type=int, default=1,
+                   help="torch threads of the TRL process (rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS)")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
+    p.add_argument("--window", type=int, default=10, help="steps in the trailing reward mean compared with a threshold")
+    p.add_argument("--only", choices=["rl_plugin", "trl"], help="run one side only (debugging)")
+    p.add_argument("--out", default=str(ROOT / "outputs" / "bench_vs_trl"))
+    p.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    a, extra = p.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    if a.trl_worker:
+        trl_worker(a)
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    if a.only != "trl":
+        runs.append(run_rl_plugin(a, out / "rl_plugin", extra))
+    if a.only != "rl_plugin":
+        runs.append(run_trl(a, out / "trl"))
+    print(f"{a.steps} steps x {a.prompts} prompts x {a.samples} samples, response <= {a.response_len}, lr {a.lr}, loss {a.loss_type}, "
+          f"threads {os.environ.get('RL_PLUGIN_TRAIN_THREADS', 'default')}; reward = trailing {a.window}-step mean")
+    head = f"{'run':44} " + " ".join(f"{'step@' + str(t):>8} {'s@' + str(t):>7}" for t in a.thresholds)
+    print(head + f" {'ms/step':>8} {'final':>6} {'wall s':>7}")
+    reached = []
+    for r in runs:
+        cells = [first_reaching(r["rewards"], r["step_s"], t, a.window) for t in a.thresholds]
+        reached.append(cells)
+        final = sum(r["rewards"][-a.window:]) / a.window
+        print(f"{r['name']:44} " + " ".join(f"{fmt(s, '8d')} {fmt(w, '7.1f')}" for s, w in cells)
+              + f" {1000 * median(r['step_s']):8.1f} {final:6.3f} {r['wall_s']:7.1f}")
+    if len(runs) == 2:
+        (ours, theirs), (r0, r1) = reached, runs
+        print(f"{'ratio rl_plugin / TRL':44} " + " ".join(f"{ratio(s0, s1):>8} {ratio(w0, w1):>7}" for (s0, w0), (s1, w1) in zip(ours, theirs))
+              + f" {ratio(median(r0['step_s']), median(r1['step_s'])):>8} {'':6} {ratio(r0['wall_s'], r1['wall_s']):>7}")
+    for r in runs:
+        if r["phases"]:
+            print(f"{r['name']} median per step (ms): " + ", ".join(f"{k[5:]} {1000 * v:.1f}" for k, v in r["phases"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
