@@ -88,6 +88,7 @@ def embedded_batch(seed: int = 0, prompts: int = 16, n: int = 8, digits: int = 3
 
 
 def instrument(timers: Timers, backend_name: str, backend) -> None:
+    import rl_plugin.loss.runner as runner_mod
     import rl_plugin.loss.step as loss_step
 
     timers.wrap(loss_step.StepContext, "micro_batch", "step/micro_batch")
@@ -98,9 +99,9 @@ def instrument(timers: Timers, backend_name: str, backend) -> None:
 
         import rl_plugin.backends.megatron.step as mstep
 
-        timers.wrap(mstep, "prepare_step", "step/prepare_step")
+        timers.wrap(runner_mod, "prepare_step", "step/prepare_step")
         timers.wrap(mstep, "response_log_probs", "step/forward")
-        timers.wrap(type(backend), "plan", "step/plan")
+        timers.wrap(runner_mod.StepRunner, "plan", "step/plan")
         timers.wrap(sched, "backward_step", "step/backward")
         timers.wrap(sched, "forward_backward_no_pipelining", "step/forward_backward_func")
         cfg = backend.bridge.config
@@ -118,10 +119,10 @@ def instrument(timers: Timers, backend_name: str, backend) -> None:
     else:
         import rl_plugin.backends.fsdp.backend as fb
 
-        timers.wrap(fb, "prepare_step", "step/prepare_step")
+        timers.wrap(runner_mod, "prepare_step", "step/prepare_step")
         timers.wrap(fb, "micro_batch_log_probs", "step/forward")
-        timers.wrap(type(backend), "_plan", "step/plan")
-        timers.wrap(type(backend), "_num_passes", "step/num_passes_allreduce")
+        timers.wrap(runner_mod.StepRunner, "plan", "step/plan")
+        timers.wrap(fb, "all_reduce", "step/num_passes_allreduce")  # the schedule's MAX over DP
         timers.wrap(fb, "clip_grad_norm", "step/clip_grad_norm")
         timers.wrap(backend.optimizer, "step", "step/optimizer_step")
         timers.wrap(backend.optimizer, "zero_grad", "step/zero_grad")
@@ -155,8 +156,10 @@ def run(a) -> dict:
     import torch.distributed as dist
 
     from rl_plugin.arguments.embedded import parse_train_flags
+    from rl_plugin.configs import TrainConfig
     from rl_plugin.loop.embedded import cache_root, ensure_tiny_model
     from rl_plugin.ray.train_actor import TrainActor
+    from rl_plugin.step_plan import RankPlan
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
@@ -168,7 +171,7 @@ def run(a) -> dict:
     hf_dir = str(ensure_tiny_model(cache_root()))
     args = parse_train_flags(["--train-backend", a.backend, "--hf-checkpoint", hf_dir, *a.extra])
     actor = TrainActor(0, 1)  # sets the thread count the Ray actor uses
-    actor.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args)
+    actor.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), TrainConfig.from_args(args))
     backend = actor.backend
     batch, groups = embedded_batch()
     timers = Timers()
@@ -194,7 +197,7 @@ def run(a) -> dict:
         if prof is not None and i == a.warmup:
             prof.enable()
         t0 = time.perf_counter()
-        reports = actor.train_rollout(b, [(0, b.num_samples)], [groups])
+        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups]))
         t1 = time.perf_counter()
         backend.export_hf_state_dict()
         t2 = time.perf_counter()
