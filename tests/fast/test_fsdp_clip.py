@@ -37,9 +37,10 @@ def worker(rank, world, ckpt):
         w1 = backend.export_hf_state_dict()
         w0_norm = math.sqrt(sum(float((w.double() ** 2).sum()) for w in w0.values()))
         out[clip] = dict(report=report, update={k: w1[k] - w0[k] for k in w0}, w0_norm=w0_norm)
-    # A finite but absurd old log-prob overflows the ratio: the gradient norm is NaN.
+    # A finite but absurd advantage (near fp32's max) overflows the gradient: its norm is inf.
+    # (An absurd old log-prob no longer does: the log-ratio is clamped, as in verl and slime.)
     bad = step_batch(make_step(5, with_ref=False)).select(split_samples_for_dp(9, world)[rank])
-    bad.old_log_probs = torch.full_like(bad.old_log_probs, -1e30)
+    bad.advantages = torch.full_like(bad.advantages, 3e38)
     try:
         backend.train_step(bad, num_groups=3)
         out["nonfinite"] = None
