@@ -155,8 +155,10 @@ def run(a) -> dict:
     import torch.distributed as dist
 
     from rl_plugin.arguments.embedded import parse_train_flags
+    from rl_plugin.configs import TrainConfig
     from rl_plugin.loop.embedded import cache_root, ensure_tiny_model
     from rl_plugin.ray.train_actor import TrainActor
+    from rl_plugin.step_plan import RankPlan
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
@@ -168,7 +170,7 @@ def run(a) -> dict:
     hf_dir = str(ensure_tiny_model(cache_root()))
     args = parse_train_flags(["--train-backend", a.backend, "--hf-checkpoint", hf_dir, *a.extra])
     actor = TrainActor(0, 1)  # sets the thread count the Ray actor uses
-    actor.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), args)
+    actor.init(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), TrainConfig.from_args(args))
     backend = actor.backend
     batch, groups = embedded_batch()
     timers = Timers()
@@ -194,7 +196,7 @@ def run(a) -> dict:
         if prof is not None and i == a.warmup:
             prof.enable()
         t0 = time.perf_counter()
-        reports = actor.train_rollout(b, [(0, b.num_samples)], [groups])
+        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups]))
         t1 = time.perf_counter()
         backend.export_hf_state_dict()
         t2 = time.perf_counter()
