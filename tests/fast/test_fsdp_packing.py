@@ -13,11 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_plugin.backends.fsdp.model import load_hf_model
 from rl_plugin.backends.fsdp import packing
-from rl_plugin.backends.fsdp.model import install_fused_head
-from rl_plugin.backends.fsdp.packing import (micro_batch_log_probs, micro_batch_logits, model_inputs, packed_causal_mask,
-                                             thd_as_padded_grid)
+from rl_plugin.backends.fsdp.model import install_fused_head, load_hf_model
+from rl_plugin.backends.fsdp.packing import (
+    micro_batch_log_probs,
+    micro_batch_logits,
+    model_inputs,
+    packed_causal_mask,
+    thd_as_padded_grid,
+)
 from rl_plugin.cp import build_response_layout
 from rl_plugin.loss import MicroBatchInputs, log_probs_and_entropy
 from tests.fast.fsdp_common import alone_log_probs, make_step, rel_err, step_batch, tiny_checkpoint
