@@ -1,6 +1,6 @@
 """mbridge conversion: HF -> megatron-core -> HF bit-exact (in memory and through ``--save-hf``),
-logits equal the HF model, and the two
-mbridge workarounds in ``bridge.py`` are still needed and still work.
+logits equal the HF model, and the mbridge workarounds in ``bridge.py`` are still needed and
+still work (3, the one-stage export, equals mbridge's ``export_weights`` tensor by tensor).
 
 If a workaround test fails with "no longer needed", mbridge / transformers fixed it upstream:
 delete the workaround from ``bridge.py`` and this test.
@@ -82,6 +82,7 @@ def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     ref_sd = hf.state_dict()
     exported = backend.export_hf_state_dict()
+    export_same = same_export(backend)
     same_keys = sorted(exported) == sorted(ref_sd)
     max_diff = max(float((exported[k] - ref_sd[k]).abs().max()) for k in ref_sd) if same_keys else float("inf")
     # Log-probs of a packed (thd) batch vs the HF model one sample at a time.
@@ -108,13 +109,36 @@ def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
     backend.save_hf(save_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(save_dir, dtype=torch.float32).state_dict()
     save_diff = max(float((reloaded[k] - ref_sd[k]).abs().max()) for k in ref_sd)
-    return same_keys, max_diff, logp_diff, logits_diff, save_diff
+    return same_keys, max_diff, logp_diff, logits_diff, save_diff, export_same
+
+
+def same_export(backend) -> bool:
+    """Workaround 3: ``export_hf`` (one stage) and mbridge's ``export_weights`` give the same
+    names in the same order and bitwise-equal tensors, on weights moved off the checkpoint's (so
+    no two parameters coincide by construction)."""
+    from rl_plugin.backends.megatron.bridge import export_hf
+
+    g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+    params = list(backend.model.parameters())
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype))
+    ours = [(n, t.clone()) for n, t in export_hf(backend.bridge, backend.model)]
+    theirs = [(n, t.clone()) for n, t in backend.bridge.export_weights([backend.model])]
+    same = [n for n, _ in ours] == [n for n, _ in theirs] and all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs))
+    with torch.no_grad():  # back to the checkpoint's weights for the rest of the worker
+        for p, v in zip(params, saved):
+            p.copy_(v)
+    return same
 
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 1), ("qwen2", 2)])
 def test_hf_roundtrip_bit_exact_and_logits_match(tiny_dirs, family, tp, tmp_path):
     results = run_world(_roundtrip_worker, tp, tp, tiny_dirs[family], str(tmp_path / "saved_hf"))
-    for same_keys, max_diff, logp_diff, logits_diff, save_diff in results:
+    for same_keys, max_diff, logp_diff, logits_diff, save_diff, export_same in results:
+        assert export_same, "export_hf (one stage) differs from mbridge's export_weights"
         assert save_diff == 0.0, f"--save-hf output differs: {save_diff}"
         assert same_keys
         assert max_diff == 0.0, f"round trip is not bit-exact: {max_diff}"

@@ -126,7 +126,7 @@ class FusedRequest:
     temperature: float
     chunk_size: int
     with_entropy: bool
-    row_index: Optional[torch.Tensor] = None  # rows of the flattened hidden states (bshd); None: all
+    row_index: Optional[torch.Tensor] = None  # rows of the flattened hidden states (padded forms); None: all
 
 
 class FusedLogProbHead(nn.Module):

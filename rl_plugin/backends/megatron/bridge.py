@@ -19,6 +19,13 @@ if a workaround stops being needed or stops working:
    ``pre_mlp_layernorm``; a subclass adds those two names to mbridge's maps. The local spec's
    core attention is swapped for ``VarlenDotProductAttention`` (``local_attention.py``) so packed
    ``thd`` micro-batches work without TE.
+3. Export at PP = 1: mbridge's ``export_weights`` runs three PP-group object collectives per
+   parameter (``all_gather_object`` of its name and tensor spec, ``broadcast_object_list``) to
+   find which stage holds it, even with one stage (~7 ms per export of the tiny model on CPU).
+   With one stage and no expert parallelism every parameter is local, so ``export_hf`` runs
+   mbridge's own per-parameter conversion (``_weight_name_mapping_mcore_local_to_global``, the TP
+   all-gather, ``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters``
+   directly; the output equals ``export_weights``' tensor by tensor (the test compares both).
 """
 
 from __future__ import annotations
@@ -104,5 +111,28 @@ def build_gpt_model(bridge):
 
 
 def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every weight, TP shards gathered; collective over TP (and PP)."""
-    return bridge.export_weights([model])
+    """``(hf_name, tensor)`` for every weight, TP shards gathered; collective over TP (and PP).
+    One pipeline stage and no expert parallelism: workaround 3; else mbridge's ``export_weights``."""
+    from mbridge.core.util import unwrap_model
+
+    core = unwrap_model(model)
+    if bridge.mpu.pp_size > 1 or bridge.mpu.ep_size > 1 or any("expert_bias" in k for k in core.state_dict()):
+        return bridge.export_weights([model])
+    return _export_one_stage(bridge, core)
+
+
+def _export_one_stage(bridge, core) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Workaround 3: mbridge's ``export_weights`` loop (0.15.1) minus its PP-stage collectives."""
+    global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
+    tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
+    for local_name, param in core.named_parameters():
+        name = global_name[local_name]
+        if getattr(param, "tensor_model_parallel", False):
+            shards = [param]
+            if tp_size > 1:
+                shards = [torch.empty_like(param) for _ in range(tp_size)]
+                torch.distributed.all_gather(shards, param, group=tp_group)
+            tensor = bridge._weight_merge_across_tp(name, shards, param)
+        else:
+            tensor = param
+        yield from zip(*bridge._weight_to_hf_format(name, tensor))

@@ -1,0 +1,80 @@
+"""Per-phase time of the embedded loop (``rl-plugin-train``, HF engine) for two checkouts of the
+code, run alternately in the same session: ``--before REV`` (a git revision, exported with
+``git archive`` to a temporary directory) against the working tree.
+
+Each round runs both checkouts once per backend (``--num-rollout`` rollouts, the embedded
+default's flags) and reads ``metrics.timings.jsonl``. Printed per backend: the median over all
+rollouts after ``--skip`` (warm-up) of each phase, before, after and the ratio (< 1: faster).
+``train_call_overhead`` = ``time/train`` minus the actor's own old-log-prob pass and train steps:
+the driver's batch preparation, Ray's transport of the plans and of the reports.
+
+    python benchmarks/loop_phases.py --before main [--backends fsdp megatron] [--rounds 2]
+        [--num-rollout 30] [-- extra rl-plugin-train flags]
+
+Not a test: numbers depend on the machine and its load; compare the per-round medians for the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("time/rollout_total", "time/rollout_call", "time/train", "time/log_probs", "time/train_step",
+          "train_call_overhead", "time/weight_sync")
+
+
+def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> list:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", backend, "--num-rollout", str(num_rollout),
+           "--output-dir", str(out), "--no-progress-bar", *extra]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(out / "metrics.timings.jsonl")]
+    for r in rows:
+        r["train_call_overhead"] = r["time/train"] - r["time/log_probs"] - r["time/train_step"]
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", required=True, help="git revision to compare the working tree against")
+    p.add_argument("--backends", nargs="+", default=["fsdp", "megatron"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-rollout", type=int, default=30)
+    p.add_argument("--skip", type=int, default=5, help="warm-up rollouts left out of the medians")
+    a, extra = p.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    with tempfile.TemporaryDirectory() as tmp:
+        before = Path(tmp) / "before"
+        before.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        rows = {(b, side): [] for b in a.backends for side in ("before", "after")}
+        for i in range(a.rounds):
+            for backend in a.backends:
+                for side, tree in (("before", before), ("after", ROOT)):
+                    got = run(tree, backend, Path(tmp) / f"{backend}-{side}-{i}", a.num_rollout, extra)
+                    rows[backend, side].append(got[a.skip:])
+    for backend in a.backends:
+        print(f"\n{backend}: median ms over rollouts {a.skip + 1}..{a.num_rollout} of {a.rounds} round(s); "
+              f"before = {a.before}, after = working tree")
+        print(f"{'phase':24} {'before':>8} {'after':>8} {'ratio':>6}   per-round: before | after")
+        for k in PHASES:
+            med, per = {}, {}
+            for side in ("before", "after"):
+                runs = rows[backend, side]
+                med[side] = 1000 * median(r[k] for run_rows in runs for r in run_rows)
+                per[side] = " ".join(f"{1000 * median(r[k] for r in run_rows):.1f}" for run_rows in runs)
+            print(f"{k:24} {med['before']:8.2f} {med['after']:8.2f} {med['after'] / med['before']:6.2f}   "
+                  f"{per['before']} | {per['after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
