@@ -2,9 +2,10 @@
 
 The step is the core's (``rl_plugin.loss.runner.StepRunner``); this backend supplies::
 
-    forward(model, mb)     -> [n, 2] (logp, entropy)   packing.micro_batch_log_probs: HF forward,
-                                                       block-diagonal causal mask, fused head (or
-                                                       logits + log-softmax)
+    forward(model, mb)     -> [n, 2] (logp, entropy)   packing.micro_batch_log_probs: HF forward
+                                                       (samples as a padded causal batch, or one
+                                                       row under a block-diagonal causal mask),
+                                                       fused head (or logits + log-softmax)
     schedule(model, M, forward, loss)                  for i < passes: loss(i, forward(i)).backward()
     optimizer_step()       -> (grad_norm, lr)          clip(--clip-grad); AdamW; Megatron LR schedule
 
