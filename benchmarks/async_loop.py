@@ -39,8 +39,20 @@ MODES = {
 def run(backend: str, mode: str, seed: int, out: Path, extra) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", backend, "--output-dir", str(out), "--no-progress-bar",
-           "--seed", str(seed), *MODES[mode], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_plugin.train",
+        "--train-backend",
+        backend,
+        "--output-dir",
+        str(out),
+        "--no-progress-bar",
+        "--seed",
+        str(seed),
+        *MODES[mode],
+        *extra,
+    ]
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -59,11 +71,15 @@ def run(backend: str, mode: str, seed: int, out: Path, extra) -> dict:
     third = max(1, len(curve) // 3)
     evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
     return dict(
-        backend=backend, mode=mode, seed=seed, rollouts=len(curve), wall=wall,
+        backend=backend,
+        mode=mode,
+        seed=seed,
+        rollouts=len(curve),
+        wall=wall,
         s_rollout=mean(t["time/rollout_total"] for t in per_rollout),
         wait=mean(t.get("time/trainer_wait_generate", t.get("time/rollout_call", 0.0)) for t in per_rollout),
         saved=mean(t.get("time/overlap_saved", 0.0) for t in per_rollout),
-        thirds=[mean(curve[i * third:(i + 1) * third]) for i in range(3)],
+        thirds=[mean(curve[i * third : (i + 1) * third]) for i in range(3)],
         eval_last=evals[-1] if evals else float("nan"),
         gap=mean(gap.values()),
     )
@@ -88,13 +104,17 @@ def main() -> int:
                 x["d_last"] = x["thirds"][2] - base["thirds"][2]
                 results.append(x)
                 print(f"done: {backend} {mode} seed {seed} ({x['wall']:.0f} s)", file=sys.stderr, flush=True)
-    print(f"{'backend':9} {'mode':9} {'seed':>5} {'rollouts':>8} {'s/rollout':>9} {'ratio':>6} {'wall s':>7} {'ratio':>6} "
-          f"{'wait s':>7} {'saved s':>7} {'reward 1/3':>10} {'2/3':>6} {'3/3':>6} {'d 3/3':>6} {'evalN':>6} {'|old-roll|':>10}")
+    print(
+        f"{'backend':9} {'mode':9} {'seed':>5} {'rollouts':>8} {'s/rollout':>9} {'ratio':>6} {'wall s':>7} {'ratio':>6} "
+        f"{'wait s':>7} {'saved s':>7} {'reward 1/3':>10} {'2/3':>6} {'3/3':>6} {'d 3/3':>6} {'evalN':>6} {'|old-roll|':>10}"
+    )
     for x in results:
         t = x["thirds"]
-        print(f"{x['backend']:9} {x['mode']:9} {x['seed']:5d} {x['rollouts']:8d} {x['s_rollout']:9.3f} {x['r_rollout']:6.2f} "
-              f"{x['wall']:7.1f} {x['r_wall']:6.2f} {x['wait']:7.3f} {x['saved']:7.3f} {t[0]:10.3f} {t[1]:6.3f} {t[2]:6.3f} "
-              f"{x['d_last']:+6.3f} {x['eval_last']:6.3f} {x['gap']:10.2e}")
+        print(
+            f"{x['backend']:9} {x['mode']:9} {x['seed']:5d} {x['rollouts']:8d} {x['s_rollout']:9.3f} {x['r_rollout']:6.2f} "
+            f"{x['wall']:7.1f} {x['r_wall']:6.2f} {x['wait']:7.3f} {x['saved']:7.3f} {t[0]:10.3f} {t[1]:6.3f} {t[2]:6.3f} "
+            f"{x['d_last']:+6.3f} {x['eval_last']:6.3f} {x['gap']:10.2e}"
+        )
     return 0
 
 

@@ -26,7 +26,17 @@ def run(backend: str, out: Path, extra) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", backend, "--output-dir", str(out), "--no-progress-bar", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_plugin.train",
+        "--train-backend",
+        backend,
+        "--output-dir",
+        str(out),
+        "--no-progress-bar",
+        *extra,
+    ]
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
@@ -38,12 +48,25 @@ def run(backend: str, out: Path, extra) -> dict:
         if "reward_mean" in r:
             rewards[r["rollout_id"]] = r["reward_mean"]
     evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
-    per_rollout = [t["time/rollout_total"] for t in map(json.loads, (out / "metrics.timings.jsonl").read_text().splitlines()) if "time/rollout_total" in t]
+    per_rollout = [
+        t["time/rollout_total"]
+        for t in map(json.loads, (out / "metrics.timings.jsonl").read_text().splitlines())
+        if "time/rollout_total" in t
+    ]
     r = list(rewards.values())
     first, last = mean(r[:10]), mean(r[-10:])
-    return dict(backend=backend, rollouts=len(r), first10=first, last10=last, ratio=last / max(first, 1e-9), delta=last - first,
-                eval_first=evals[0] if evals else float("nan"), eval_last=evals[-1] if evals else float("nan"),
-                s_per_rollout=mean(per_rollout), wall_s=wall)
+    return dict(
+        backend=backend,
+        rollouts=len(r),
+        first10=first,
+        last10=last,
+        ratio=last / max(first, 1e-9),
+        delta=last - first,
+        eval_first=evals[0] if evals else float("nan"),
+        eval_last=evals[-1] if evals else float("nan"),
+        s_per_rollout=mean(per_rollout),
+        wall_s=wall,
+    )
 
 
 def main() -> int:
@@ -56,8 +79,10 @@ def main() -> int:
     print(head)
     for x in results:
         ok = x["ratio"] >= 3 and x["delta"] >= 0.3
-        print(f"{x['backend']:9} {x['rollouts']:8d} {x['first10']:8.3f} {x['last10']:8.3f} {x['ratio']:6.2f} {x['delta']:+6.3f} "
-              f"{x['eval_first']:6.3f} {x['eval_last']:6.3f} {x['s_per_rollout']:9.3f} {x['wall_s']:7.1f}  {'yes' if ok else 'NO'}")
+        print(
+            f"{x['backend']:9} {x['rollouts']:8d} {x['first10']:8.3f} {x['last10']:8.3f} {x['ratio']:6.2f} {x['delta']:+6.3f} "
+            f"{x['eval_first']:6.3f} {x['eval_last']:6.3f} {x['s_per_rollout']:9.3f} {x['wall_s']:7.1f}  {'yes' if ok else 'NO'}"
+        )
     return 0 if all(x["ratio"] >= 3 and x["delta"] >= 0.3 for x in results) else 1
 
 

@@ -36,8 +36,11 @@ def make_batch(num_samples: int = 16, vocab: int = 128, seed: int = 0):
     total = prompt + resp
     r = int(resp.sum())
     return StepBatch(
-        tokens=torch.randint(1, vocab, (int(total.sum()),), generator=g), total_lengths=total, response_lengths=resp,
-        loss_mask=torch.ones(r), advantages=torch.randn(num_samples, generator=g).repeat_interleave(resp),
+        tokens=torch.randint(1, vocab, (int(total.sum()),), generator=g),
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=torch.ones(r),
+        advantages=torch.randn(num_samples, generator=g).repeat_interleave(resp),
         group_ids=torch.arange(num_samples) // 4,
     ), num_samples // 4
 
@@ -48,8 +51,18 @@ def worker(rank, world, backend_name, hf_dir, steps):
     from rl_plugin.arguments import parse_args
     from rl_plugin.batching import split_samples_for_dp
 
-    flags = ["--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--micro-batch-size", "4", "--lr", "1e-4",
-             "--actor-num-gpus-per-node", str(world)]
+    flags = [
+        "--train-backend",
+        backend_name,
+        "--hf-checkpoint",
+        hf_dir,
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "1e-4",
+        "--actor-num-gpus-per-node",
+        str(world),
+    ]
     args = parse_args(flags)
     if backend_name == "fsdp":
         from rl_plugin.backends.fsdp.backend import FSDPBackend as Backend
@@ -88,7 +101,9 @@ def main(argv=None):
             r = run_world(worker, world, name, hf_dir, opts.steps)[0]
             rows.append((name, world, r["median"], r["loss"]))
     base = rows[0][2]
-    print(f"\n## one training step, tiny Qwen2 (16 samples, ~{int(make_batch()[0].total_lengths.sum())} tokens), median of {opts.steps}\n")
+    print(
+        f"\n## one training step, tiny Qwen2 (16 samples, ~{int(make_batch()[0].total_lengths.sum())} tokens), median of {opts.steps}\n"
+    )
     print(f"| backend | DP | step (ms) | vs {rows[0][0]} DP1 | J |")
     print("|---|---|---|---|---|")
     for name, world, t, loss in rows:

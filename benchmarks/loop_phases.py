@@ -26,14 +26,32 @@ from pathlib import Path
 from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("time/rollout_total", "time/rollout_call", "time/train", "time/log_probs", "time/train_step",
-          "train_call_overhead", "time/weight_sync")
+PHASES = (
+    "time/rollout_total",
+    "time/rollout_call",
+    "time/train",
+    "time/log_probs",
+    "time/train_step",
+    "train_call_overhead",
+    "time/weight_sync",
+)
 
 
 def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> list:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", backend, "--num-rollout", str(num_rollout),
-           "--output-dir", str(out), "--no-progress-bar", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_plugin.train",
+        "--train-backend",
+        backend,
+        "--num-rollout",
+        str(num_rollout),
+        "--output-dir",
+        str(out),
+        "--no-progress-bar",
+        *extra,
+    ]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(out / "metrics.timings.jsonl")]
     for r in rows:
@@ -60,10 +78,12 @@ def main() -> int:
             for backend in a.backends:
                 for side, tree in (("before", before), ("after", ROOT)):
                     got = run(tree, backend, Path(tmp) / f"{backend}-{side}-{i}", a.num_rollout, extra)
-                    rows[backend, side].append(got[a.skip:])
+                    rows[backend, side].append(got[a.skip :])
     for backend in a.backends:
-        print(f"\n{backend}: median ms over rollouts {a.skip + 1}..{a.num_rollout} of {a.rounds} round(s); "
-              f"before = {a.before}, after = working tree")
+        print(
+            f"\n{backend}: median ms over rollouts {a.skip + 1}..{a.num_rollout} of {a.rounds} round(s); "
+            f"before = {a.before}, after = working tree"
+        )
         print(f"{'phase':24} {'before':>8} {'after':>8} {'ratio':>6}   per-round: before | after")
         for k in PHASES:
             med, per = {}, {}
@@ -71,8 +91,10 @@ def main() -> int:
                 runs = rows[backend, side]
                 med[side] = 1000 * median(r[k] for run_rows in runs for r in run_rows)
                 per[side] = " ".join(f"{1000 * median(r[k] for r in run_rows):.1f}" for run_rows in runs)
-            print(f"{k:24} {med['before']:8.2f} {med['after']:8.2f} {med['after'] / med['before']:6.2f}   "
-                  f"{per['before']} | {per['after']}")
+            print(
+                f"{k:24} {med['before']:8.2f} {med['after']:8.2f} {med['after'] / med['before']:6.2f}   "
+                f"{per['before']} | {per['after']}"
+            )
     return 0
 
 

@@ -51,8 +51,10 @@ def aggregation_table(sample_counts, repeat):
     from rl_plugin.parallel import ParallelState
 
     print("\n## sample_mean reduction, forward + backward (ms, best of %d)\n" % repeat)
-    print(f"{'samples':>8} {'tokens':>8} {'per-sample loop':>16} {'aggregate':>10} {'reduce':>8} {'dot(x,w)':>9} "
-          f"{'loop/aggregate':>15} {'loop/reduce':>12} {'aggregate/dot':>14} {'reduce/dot':>11}")
+    print(
+        f"{'samples':>8} {'tokens':>8} {'per-sample loop':>16} {'aggregate':>10} {'reduce':>8} {'dot(x,w)':>9} "
+        f"{'loop/aggregate':>15} {'loop/reduce':>12} {'aggregate/dot':>14} {'reduce/dot':>11}"
+    )
     for n in sample_counts:
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(16, 256, (n,), generator=g)
@@ -63,7 +65,9 @@ def aggregation_table(sample_counts, repeat):
         w = token_weights("sample_mean", counts, mask, lengths, torch.arange(n), dtype=x.dtype)
 
         def loop():
-            total = sum((xi * mi).sum() / mi.sum().clamp_min(1) for xi, mi in zip(x.split(split), mask.split(split))) / n
+            total = (
+                sum((xi * mi).sum() / mi.sum().clamp_min(1) for xi, mi in zip(x.split(split), mask.split(split))) / n
+            )
             total.backward()
 
         def agg():
@@ -77,8 +81,10 @@ def aggregation_table(sample_counts, repeat):
 
         a = _time(loop, max(1, repeat // 4)) * 1e3
         b, c, d = (_time(f, repeat) * 1e3 for f in (agg, reduce, dot))
-        print(f"{n:>8} {x.shape[0]:>8} {a:>16.2f} {b:>10.3f} {c:>8.3f} {d:>9.3f} {a / b:>14.1f}x {a / c:>11.1f}x "
-              f"{b / d:>13.2f}x {c / d:>10.2f}x")
+        print(
+            f"{n:>8} {x.shape[0]:>8} {a:>16.2f} {b:>10.3f} {c:>8.3f} {d:>9.3f} {a / b:>14.1f}x {a / c:>11.1f}x "
+            f"{b / d:>13.2f}x {c / d:>10.2f}x"
+        )
 
 
 # Peak memory of one pass: reset the kernel's high-water mark of the resident set after the inputs
@@ -95,7 +101,9 @@ def peak():
     return _status("VmHWM")
 """
 
-CHILD = MEMORY + r"""
+CHILD = (
+    MEMORY
+    + r"""
 import json, sys, time, torch
 from rl_plugin.loss import log_probs_and_entropy
 mode, rows, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -114,22 +122,31 @@ else:
 dt = time.perf_counter() - t0
 print(json.dumps({"seconds": dt, "extra_mib": peak() - base}))
 """
+)
 
 
 def logprob_table(shapes):
     print("\n## log-probs + entropy, forward + backward, bf16 logits (fresh process each)\n")
-    print(f"{'rows x vocab':>16} {'full fp32 s':>12} {'chunked s':>10} {'time ratio':>11} {'full MiB':>9} {'chunked MiB':>12} {'memory ratio':>13}")
+    print(
+        f"{'rows x vocab':>16} {'full fp32 s':>12} {'chunked s':>10} {'time ratio':>11} {'full MiB':>9} {'chunked MiB':>12} {'memory ratio':>13}"
+    )
     for rows, vocab in shapes:
         res = {}
         for mode in ("full", "chunked"):
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, str(rows), str(vocab)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, mode, str(rows), str(vocab)], capture_output=True, text=True, check=True
+            )
             res[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         f, c = res["full"], res["chunked"]
-        print(f"{f'{rows} x {vocab}':>16} {f['seconds']:>12.3f} {c['seconds']:>10.3f} {c['seconds'] / f['seconds']:>10.2f}x "
-              f"{f['extra_mib']:>9.0f} {c['extra_mib']:>12.0f} {c['extra_mib'] / max(f['extra_mib'], 1):>12.2f}x")
+        print(
+            f"{f'{rows} x {vocab}':>16} {f['seconds']:>12.3f} {c['seconds']:>10.3f} {c['seconds'] / f['seconds']:>10.2f}x "
+            f"{f['extra_mib']:>9.0f} {c['extra_mib']:>12.0f} {c['extra_mib'] / max(f['extra_mib'], 1):>12.2f}x"
+        )
 
 
-HEAD_CHILD = MEMORY + r"""
+HEAD_CHILD = (
+    MEMORY
+    + r"""
 import json, sys, time, torch
 from rl_plugin.loss import log_probs_and_entropy
 from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
@@ -158,21 +175,30 @@ dt = time.perf_counter() - t0
 grads = (h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size()) / 2 ** 20
 print(json.dumps({"seconds": dt, "extra_mib": peak() - base, "grads_mib": grads}))
 """
+)
 
 
 def head_table(shapes, hidden, mem_limit_gib):
-    print(f"\n## LM head + log-probs + entropy, forward + backward, bf16 hidden [T, {hidden}] and weight [V, {hidden}] "
-          "(fresh process each, one thread)\n")
-    print(f"{'T x V':>14} {'fp32 [T,V] MiB':>15} {'unfused s':>10} {'fused s':>8} {'time fused/unfused':>19} "
-          f"{'unfused work MiB':>17} {'fused work MiB':>15} {'fused work / fp32 [T,V]':>24}")
+    print(
+        f"\n## LM head + log-probs + entropy, forward + backward, bf16 hidden [T, {hidden}] and weight [V, {hidden}] "
+        "(fresh process each, one thread)\n"
+    )
+    print(
+        f"{'T x V':>14} {'fp32 [T,V] MiB':>15} {'unfused s':>10} {'fused s':>8} {'time fused/unfused':>19} "
+        f"{'unfused work MiB':>17} {'fused work MiB':>15} {'fused work / fp32 [T,V]':>24}"
+    )
     for rows, vocab in shapes:
-        tv_mib = rows * vocab * 4 / 2 ** 20
+        tv_mib = rows * vocab * 4 / 2**20
         # unfused holds the bf16 logits and their bf16 gradient ([T, V] x 2 bytes each)
-        fits = rows * vocab * 4 <= mem_limit_gib * 2 ** 30
+        fits = rows * vocab * 4 <= mem_limit_gib * 2**30
         res = {}
-        for mode in (("unfused", "fused") if fits else ("fused",)):
-            out = subprocess.run([sys.executable, "-c", HEAD_CHILD, mode, str(rows), str(vocab), str(hidden)],
-                                 capture_output=True, text=True, check=True)
+        for mode in ("unfused", "fused") if fits else ("fused",):
+            out = subprocess.run(
+                [sys.executable, "-c", HEAD_CHILD, mode, str(rows), str(vocab), str(hidden)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             r["work_mib"] = max(r["extra_mib"] - r["grads_mib"], 0.0)
             res[mode] = r
@@ -182,16 +208,22 @@ def head_table(shapes, hidden, mem_limit_gib):
             unfused_cols = f"{u['seconds']:>10.2f} {f['seconds']:>8.2f} {f['seconds'] / u['seconds']:>18.2f}x {u['work_mib']:>17.0f}"
         else:
             unfused_cols = f"{'skipped':>10} {f['seconds']:>8.2f} {'-':>19} {'skipped':>17}"
-        print(f"{f'{rows // 1024}k x {vocab // 1000}k':>14} {tv_mib:>15.0f} {unfused_cols} {f['work_mib']:>15.1f} "
-              f"{f['work_mib'] / tv_mib:>23.3f}x")
+        print(
+            f"{f'{rows // 1024}k x {vocab // 1000}k':>14} {tv_mib:>15.0f} {unfused_cols} {f['work_mib']:>15.1f} "
+            f"{f['work_mib'] / tv_mib:>23.3f}x"
+        )
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--hidden", type=int, default=256, help="H of the head table")
-    ap.add_argument("--mem-limit-gib", type=float, default=6.0,
-                    help="skip an unfused head case whose fp32 [T, V] buffer is larger than this")
+    ap.add_argument(
+        "--mem-limit-gib",
+        type=float,
+        default=6.0,
+        help="skip an unfused head case whose fp32 [T, V] buffer is larger than this",
+    )
     ap.add_argument("--tables", default="1,2,3")
     ns = ap.parse_args()
     torch.set_num_threads(1)

@@ -53,8 +53,9 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--bf16"))
     model, gpt, ps = backend.model, unwrap(backend.model), backend.parallel_state
-    batch, groups = synthetic_batch(seed=0, num_prompts=samples, n_per_prompt=1, vocab=vocab, max_prompt=prompt,
-                                    max_response=16)
+    batch, groups = synthetic_batch(
+        seed=0, num_prompts=samples, n_per_prompt=1, vocab=vocab, max_prompt=prompt, max_response=16
+    )
     mb = prepare_step(batch, backend.loss_config, ps, num_groups=groups).micro_batch(torch.arange(batch.num_samples))
     ids, pos, psp = model_inputs(mb, "thd")
     idx, hid = mb.layout.logit_index, gpt.config.hidden_size
@@ -64,14 +65,27 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
             with hidden_states_only(gpt):
                 hidden = model(ids, pos, None, packed_seq_params=psp)
             rows = hidden.transpose(0, 1).reshape(-1, hid)[idx]
-            return fused_log_probs_and_entropy(rows, gpt.output_layer.weight, mb.targets,
-                                               chunk_size=min(1024, default_chunk_rows(gpt.output_layer.weight.shape[0])))
+            return fused_log_probs_and_entropy(
+                rows,
+                gpt.output_layer.weight,
+                mb.targets,
+                chunk_size=min(1024, default_chunk_rows(gpt.output_layer.weight.shape[0])),
+            )
         logits = model(ids, pos, None, packed_seq_params=psp)
         return log_probs_and_entropy(logits.reshape(-1, logits.shape[-1])[idx], mb.targets, chunk_size=1024)
 
     def after(fused):
-        return response_log_probs(model, mb, ps, qkv_format="thd", fp32_lm_head=False, fused=fused, temperature=1.0,
-                                  chunk_size=1024, with_entropy=True)
+        return response_log_probs(
+            model,
+            mb,
+            ps,
+            qkv_format="thd",
+            fp32_lm_head=False,
+            fused=fused,
+            temperature=1.0,
+            chunk_size=1024,
+            with_entropy=True,
+        )
 
     def run(fn, fused):
         model.zero_grad_buffer()
@@ -105,18 +119,30 @@ def main() -> None:
     a = ap.parse_args()
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
 
-    hf_dir = str(make_tiny_hf_checkpoint(os.path.join(tempfile.gettempdir(), f"rl_plugin_bench_v{a.vocab}"), "qwen2",
-                                         vocab_size=a.vocab, max_position_embeddings=max(512, 2 * a.prompt)))
+    hf_dir = str(
+        make_tiny_hf_checkpoint(
+            os.path.join(tempfile.gettempdir(), f"rl_plugin_bench_v{a.vocab}"),
+            "qwen2",
+            vocab_size=a.vocab,
+            max_position_embeddings=max(512, 2 * a.prompt),
+        )
+    )
     out = run_world(_worker, 1, hf_dir, a.vocab, a.prompt, a.samples, a.repeat)[0]
     s, v = out["positions"], out["vocab"]
-    print(f"Megatron --bf16 head, one micro-batch: {s} positions, {out['response_rows']} response rows, vocab {v}, "
-          f"hidden {out['hidden']} (one fp32 [s, V] buffer = {s * v * 4 / 2**20:.1f} MiB)")
-    print(f"{'path':<18} {'before MiB':>11} {'after MiB':>10} {'saved MiB':>10} {'after/before':>13} "
-          f"{'before s':>9} {'after s':>8} {'time ratio':>11}")
+    print(
+        f"Megatron --bf16 head, one micro-batch: {s} positions, {out['response_rows']} response rows, vocab {v}, "
+        f"hidden {out['hidden']} (one fp32 [s, V] buffer = {s * v * 4 / 2**20:.1f} MiB)"
+    )
+    print(
+        f"{'path':<18} {'before MiB':>11} {'after MiB':>10} {'saved MiB':>10} {'after/before':>13} "
+        f"{'before s':>9} {'after s':>8} {'time ratio':>11}"
+    )
     for name, best in out["rows"]:
         (mb0, t0), (mb1, t1) = best["before"], best["after"]
-        print(f"{name:<18} {mb0:>11.1f} {mb1:>10.1f} {mb0 - mb1:>10.1f} {mb1 / max(mb0, 1e-9):>12.2f}x "
-              f"{t0:>9.3f} {t1:>8.3f} {t1 / t0:>10.2f}x")
+        print(
+            f"{name:<18} {mb0:>11.1f} {mb1:>10.1f} {mb0 - mb1:>10.1f} {mb1 / max(mb0, 1e-9):>12.2f}x "
+            f"{t0:>9.3f} {t1:>8.3f} {t1 / t0:>10.2f}x"
+        )
 
 
 if __name__ == "__main__":

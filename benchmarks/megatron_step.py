@@ -29,8 +29,19 @@ def _worker(rank, world, tp, hf_dir, steps, prompts, n):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
-                                                  "--micro-batch-size", "4", "--lr", "1e-4", world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args(
+            "--hf-checkpoint",
+            hf_dir,
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--micro-batch-size",
+            "4",
+            "--lr",
+            "1e-4",
+            world_size=world,
+        )
+    )
     batch, groups = synthetic_batch(seed=0, num_prompts=prompts, n_per_prompt=n, max_prompt=32, max_response=64)
     local = dp_shard(batch, backend.parallel_state.dp_size, backend.parallel_state.dp_rank)
     backend.train_step(local, num_groups=groups)  # warm-up
@@ -41,7 +52,11 @@ def _worker(rank, world, tp, hf_dir, steps, prompts, n):
         backend.train_step(local, num_groups=groups)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "tokens": int(batch.total_lengths.sum()), "threads": torch.get_num_threads()}
+    return {
+        "median_s": statistics.median(times),
+        "tokens": int(batch.total_lengths.sum()),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(argv=None):
@@ -60,8 +75,10 @@ def main(argv=None):
         res = run_world(_worker, tp * dp, tp, hf_dir, a.steps, a.prompts, a.n)[0]
         rows.append((tp, dp, res["median_s"], res["tokens"]))
     base = rows[0][2]
-    print(f"tiny Qwen2 (hidden 32, 2 layers, vocab 128), {rows[0][3]} tokens/step, {a.prompts}x{a.n} samples, "
-          f"median of {a.steps} steps, CPU gloo")
+    print(
+        f"tiny Qwen2 (hidden 32, 2 layers, vocab 128), {rows[0][3]} tokens/step, {a.prompts}x{a.n} samples, "
+        f"median of {a.steps} steps, CPU gloo"
+    )
     print(f"{'TP':>3} {'DP':>3} {'step (ms)':>10} {'vs TP1xDP1':>11}")
     for tp, dp, t, _ in rows:
         print(f"{tp:>3} {dp:>3} {t * 1e3:>10.1f} {t / base:>10.2f}x")

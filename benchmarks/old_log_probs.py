@@ -32,16 +32,32 @@ def worker(rank, world, backend_name, hf_dir, rollouts):
     from rl_plugin.ray.train_actor import TrainActor, backend_class
     from rl_plugin.step_plan import RankPlan
 
-    config = TrainConfig.from_args(parse_args([
-        "--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--micro-batch-size", "4", "--lr", "1e-4",
-        "--actor-num-gpus-per-node", str(world)]))
+    config = TrainConfig.from_args(
+        parse_args(
+            [
+                "--train-backend",
+                backend_name,
+                "--hf-checkpoint",
+                hf_dir,
+                "--micro-batch-size",
+                "4",
+                "--lr",
+                "1e-4",
+                "--actor-num-gpus-per-node",
+                str(world),
+            ]
+        )
+    )
     backend = backend_class(backend_name).from_config(config)
     actor = TrainActor(rank, world)
     actor.config, actor.backend = config, backend
     batch, groups = make_batch()
     g = torch.Generator().manual_seed(3)
-    batch = replace(batch, rollout_log_probs=backend.compute_log_probs(batch) + 0.05 * torch.randn(
-        int(batch.response_lengths.sum()), generator=g))
+    batch = replace(
+        batch,
+        rollout_log_probs=backend.compute_log_probs(batch)
+        + 0.05 * torch.randn(int(batch.response_lengths.sum()), generator=g),
+    )
     times = {False: [], True: []}
     for i in range(rollouts + 1):
         for fused in (False, True):

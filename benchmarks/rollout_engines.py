@@ -26,10 +26,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
-    "tiny (h64 l2 a2)": dict(vocab_size=16, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128,
-                             max_position_embeddings=512),
-    "qwen2 h512 l8 a8": dict(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1408,
-                             max_position_embeddings=2048),
+    "tiny (h64 l2 a2)": dict(
+        vocab_size=16,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    ),
+    "qwen2 h512 l8 a8": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1408,
+        max_position_embeddings=2048,
+    ),
 }
 BUFFERS = (1 << 20, 512 << 20)  # a small bucket and slime's default
 

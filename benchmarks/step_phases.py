@@ -74,16 +74,28 @@ def embedded_batch(seed: int = 0, prompts: int = 16, n: int = 8, digits: int = 3
 
     g = torch.Generator().manual_seed(seed)
     samples = prompts * n
-    prompt = torch.cat([torch.ones(prompts, 1, dtype=torch.long), torch.randint(4, 14, (prompts, digits), generator=g),
-                        torch.full((prompts, 1), 3, dtype=torch.long)], 1).repeat_interleave(n, 0)
+    prompt = torch.cat(
+        [
+            torch.ones(prompts, 1, dtype=torch.long),
+            torch.randint(4, 14, (prompts, digits), generator=g),
+            torch.full((prompts, 1), 3, dtype=torch.long),
+        ],
+        1,
+    ).repeat_interleave(n, 0)
     resp_len = torch.randint(max_resp - 1, max_resp + 1, (samples,), generator=g)
     resp = torch.randint(4, 14, (samples, max_resp), generator=g)
-    tokens = torch.cat([torch.cat([prompt[i], resp[i, :int(resp_len[i])]]) for i in range(samples)])
+    tokens = torch.cat([torch.cat([prompt[i], resp[i, : int(resp_len[i])]]) for i in range(samples)])
     adv = torch.repeat_interleave(torch.randn(samples, generator=g), resp_len)
     r = int(resp_len.sum())
-    batch = StepBatch(tokens=tokens, total_lengths=resp_len + prompt.shape[1], response_lengths=resp_len,
-                      loss_mask=torch.ones(r), advantages=adv, group_ids=torch.arange(prompts).repeat_interleave(n),
-                      rollout_log_probs=-2.0 + 0.1 * torch.randn(r, generator=g))
+    batch = StepBatch(
+        tokens=tokens,
+        total_lengths=resp_len + prompt.shape[1],
+        response_lengths=resp_len,
+        loss_mask=torch.ones(r),
+        advantages=adv,
+        group_ids=torch.arange(prompts).repeat_interleave(n),
+        rollout_log_probs=-2.0 + 0.1 * torch.randn(r, generator=g),
+    )
     return batch.validate(), prompts
 
 
@@ -142,11 +154,29 @@ def instrument(timers: Timers, backend_name: str, backend) -> None:
 
 
 TOP_LEVEL = {
-    "megatron": ("step/plan", "step/prepare_step", "step/zero_grad", "step/forward_backward_func", "step/optimizer_step",
-                 "step/scheduler", "step/finish_metrics"),
-    "fsdp": ("step/plan", "step/prepare_step", "step/num_passes_allreduce", "step/micro_batch", "step/forward", "step/loss",
-             "step/backward", "step/clip_grad_norm", "step/optimizer_step", "step/zero_grad", "step/scheduler",
-             "step/finish_metrics"),
+    "megatron": (
+        "step/plan",
+        "step/prepare_step",
+        "step/zero_grad",
+        "step/forward_backward_func",
+        "step/optimizer_step",
+        "step/scheduler",
+        "step/finish_metrics",
+    ),
+    "fsdp": (
+        "step/plan",
+        "step/prepare_step",
+        "step/num_passes_allreduce",
+        "step/micro_batch",
+        "step/forward",
+        "step/loss",
+        "step/backward",
+        "step/clip_grad_norm",
+        "step/optimizer_step",
+        "step/zero_grad",
+        "step/scheduler",
+        "step/finish_metrics",
+    ),
 }
 IN_SCHEDULE = ("step/micro_batch", "step/forward", "step/loss", "step/backward", "step/finalize_model_grads")
 
@@ -228,8 +258,14 @@ def summarize(steps: dict, backend: str) -> dict:
 
     get = lambda k, i: steps.get(k, [0.0] * n)[i]  # noqa: E731
     if backend == "megatron":
-        rows["step/schedule_overhead"] = (med_of(lambda i: get("step/forward_backward_func", i) - sum(get(k, i) for k in IN_SCHEDULE)), 0.0)
-    rows["step/other"] = (med_of(lambda i: get("rollout/train_step", i) - sum(get(k, i) for k in TOP_LEVEL[backend])), 0.0)
+        rows["step/schedule_overhead"] = (
+            med_of(lambda i: get("step/forward_backward_func", i) - sum(get(k, i) for k in IN_SCHEDULE)),
+            0.0,
+        )
+    rows["step/other"] = (
+        med_of(lambda i: get("rollout/train_step", i) - sum(get(k, i) for k in TOP_LEVEL[backend])),
+        0.0,
+    )
     return rows
 
 
@@ -238,8 +274,10 @@ def compare(before_glob: str, after_glob: str) -> None:
     side, the ratio, and each run's own median (their spread is the machine's noise)."""
     import glob
 
-    sides = {name: [json.load(open(f))["steps"] for f in sorted(glob.glob(pattern))]
-             for name, pattern in (("before", before_glob), ("after", after_glob))}
+    sides = {
+        name: [json.load(open(f))["steps"] for f in sorted(glob.glob(pattern))]
+        for name, pattern in (("before", before_glob), ("after", after_glob))
+    }
     keys = sorted({k for runs in sides.values() for run in runs for k in run})
     print(f"{'phase (ms, median)':34} {'before':>8} {'after':>8} {'ratio':>6}   per-run medians: before | after")
     for k in keys:
@@ -249,7 +287,9 @@ def compare(before_glob: str, after_glob: str) -> None:
             med[name] = 1000 * median(pooled) if pooled else float("nan")
             per_run[name] = " ".join(f"{1000 * median(run[k]):.1f}" for run in runs if k in run)
         ratio = med["after"] / med["before"] if med["before"] > 0 else float("nan")
-        print(f"{k:34} {med['before']:8.2f} {med['after']:8.2f} {ratio:6.2f}   {per_run['before']} | {per_run['after']}")
+        print(
+            f"{k:34} {med['before']:8.2f} {med['after']:8.2f} {ratio:6.2f}   {per_run['before']} | {per_run['after']}"
+        )
 
 
 def main() -> int:

@@ -43,19 +43,64 @@ from statistics import median
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSS_TYPES = {"grpo": ("sample_mean", []), "dapo": ("token_mean", []), "dr_grpo": ("constant", ["--loss-aggregation-divisor"])}
+LOSS_TYPES = {
+    "grpo": ("sample_mean", []),
+    "dapo": ("token_mean", []),
+    "dr_grpo": ("constant", ["--loss-aggregation-divisor"]),
+}
 
 
 def run_rl_plugin(a, out: Path, extra: List[str]) -> Dict:
     """``python -m rl_plugin.train`` (what ``rl-plugin-train`` runs) on the embedded task."""
     aggregation, needs_divisor = LOSS_TYPES[a.loss_type]
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", a.backend, "--rollout-engine", a.rollout_engine,
-           "--num-rollout", str(a.steps), "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples),
-           "--rollout-max-response-len", str(a.response_len), "--lr", str(a.lr), "--loss-aggregation", aggregation,
-           "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--rollout-temperature", "1.0", "--rollout-top-p", "1.0",
-           "--adam-beta1", "0.9", "--adam-beta2", "0.98", "--adam-eps", "1e-8", "--weight-decay", "0", "--clip-grad", "1.0",
-           "--lr-decay-style", "constant", "--seed", str(a.seed), "--eval-interval", str(a.steps + 1),
-           "--output-dir", str(out), "--no-progress-bar"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_plugin.train",
+        "--train-backend",
+        a.backend,
+        "--rollout-engine",
+        a.rollout_engine,
+        "--num-rollout",
+        str(a.steps),
+        "--rollout-batch-size",
+        str(a.prompts),
+        "--n-samples-per-prompt",
+        str(a.samples),
+        "--rollout-max-response-len",
+        str(a.response_len),
+        "--lr",
+        str(a.lr),
+        "--loss-aggregation",
+        aggregation,
+        "--eps-clip",
+        "0.2",
+        "--eps-clip-high",
+        "0.28",
+        "--rollout-temperature",
+        "1.0",
+        "--rollout-top-p",
+        "1.0",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.98",
+        "--adam-eps",
+        "1e-8",
+        "--weight-decay",
+        "0",
+        "--clip-grad",
+        "1.0",
+        "--lr-decay-style",
+        "constant",
+        "--seed",
+        str(a.seed),
+        "--eval-interval",
+        str(a.steps + 1),
+        "--output-dir",
+        str(out),
+        "--no-progress-bar",
+    ]
     cmd += [needs_divisor[0], str(a.response_len)] if needs_divisor else []
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
@@ -67,9 +112,17 @@ def run_rl_plugin(a, out: Path, extra: List[str]) -> Dict:
     reward = {r["rollout_id"]: r["reward_mean"] for r in rows if "reward_mean" in r}
     timings = [json.loads(x) for x in (out / "metrics.timings.jsonl").read_text().splitlines()]
     step_s = [t["time/rollout_total"] for t in timings if "time/rollout_total" in t]
-    phases = {k: median(t[k] for t in timings if k in t) for k in sorted({k for t in timings for k in t if k.startswith("time/")})}
-    return dict(name=f"rl_plugin ({a.backend}, {a.rollout_engine})", rewards=[reward[k] for k in sorted(reward)], step_s=step_s,
-                wall_s=wall, phases=phases)
+    phases = {
+        k: median(t[k] for t in timings if k in t)
+        for k in sorted({k for t in timings for k in t if k.startswith("time/")})
+    }
+    return dict(
+        name=f"rl_plugin ({a.backend}, {a.rollout_engine})",
+        rewards=[reward[k] for k in sorted(reward)],
+        step_s=step_s,
+        wall_s=wall,
+        phases=phases,
+    )
 
 
 def char_tokenizer_as_hf(model_dir: str):
@@ -92,7 +145,9 @@ def char_tokenizer_as_hf(model_dir: str):
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
     for text in ("314=", "0987654321="):
         if hf(text)["input_ids"] != char.prompt_ids(text):
-            raise RuntimeError(f"the HF copy of the char tokenizer encodes {text!r} as {hf(text)['input_ids']}, rl_plugin as {char.prompt_ids(text)}")
+            raise RuntimeError(
+                f"the HF copy of the char tokenizer encodes {text!r} as {hf(text)['input_ids']}, rl_plugin as {char.prompt_ids(text)}"
+            )
     return hf, char
 
 
@@ -134,26 +189,81 @@ def trl_worker(a) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = GRPOConfig(
-            output_dir=tmp, max_steps=a.steps, per_device_train_batch_size=a.prompts * a.samples, gradient_accumulation_steps=1,
-            steps_per_generation=1, num_generations=a.samples, max_completion_length=a.response_len, learning_rate=a.lr,
-            lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-8, weight_decay=0.0,
-            max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type=a.loss_type, scale_rewards="group",
-            num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
-            seed=a.seed, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+            output_dir=tmp,
+            max_steps=a.steps,
+            per_device_train_batch_size=a.prompts * a.samples,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_generations=a.samples,
+            max_completion_length=a.response_len,
+            learning_rate=a.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            adam_beta1=0.9,
+            adam_beta2=0.98,
+            adam_epsilon=1e-8,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            loss_type=a.loss_type,
+            scale_rewards="group",
+            num_iterations=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            use_vllm=False,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            seed=a.seed,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
         )
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         clock = Clock()
-        trainer = GRPOTrainer(model=model, reward_funcs=digit_match, args=cfg, train_dataset=data, processing_class=hf_tok,
-                              callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=digit_match,
+            args=cfg,
+            train_dataset=data,
+            processing_class=hf_tok,
+            callbacks=[clock],
+        )
         trainer.train()
-    Path(a.trl_worker).write_text(json.dumps(dict(rewards=clock.rewards, step_s=clock.step_s, threads=torch.get_num_threads())))
+    Path(a.trl_worker).write_text(
+        json.dumps(dict(rewards=clock.rewards, step_s=clock.step_s, threads=torch.get_num_threads()))
+    )
 
 
 def run_trl(a, out: Path) -> Dict:
     result = out.with_suffix(".json")
-    cmd = [sys.executable, __file__, "--trl-worker", str(result), "--steps", str(a.steps), "--prompts", str(a.prompts),
-           "--samples", str(a.samples), "--response-len", str(a.response_len), "--lr", str(a.lr), "--loss-type", a.loss_type,
-           "--seed", str(a.seed), "--trl-threads", str(a.trl_threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        str(result),
+        "--steps",
+        str(a.steps),
+        "--prompts",
+        str(a.prompts),
+        "--samples",
+        str(a.samples),
+        "--response-len",
+        str(a.response_len),
+        "--lr",
+        str(a.lr),
+        "--loss-type",
+        a.loss_type,
+        "--seed",
+        str(a.seed),
+        "--trl-threads",
+        str(a.trl_threads),
+    ]
     t0 = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -161,7 +271,13 @@ def run_trl(a, out: Path) -> Dict:
     if rc != 0:
         raise SystemExit(f"TRL worker exited {rc}; see {out.with_suffix('.log')}")
     res = json.loads(result.read_text())
-    return dict(name=f"TRL {version('trl')} GRPOTrainer ({res['threads']} thr)", rewards=res["rewards"], step_s=res["step_s"], wall_s=wall, phases={})
+    return dict(
+        name=f"TRL {version('trl')} GRPOTrainer ({res['threads']} thr)",
+        rewards=res["rewards"],
+        step_s=res["step_s"],
+        wall_s=wall,
+        phases={},
+    )
 
 
 def version(pkg: str) -> str:
@@ -173,8 +289,8 @@ def version(pkg: str) -> str:
 def first_reaching(rewards: List[float], step_s: List[float], threshold: float, window: int):
     """(step, loop seconds) at which the trailing ``window``-step mean reward first reaches ``threshold``."""
     for i in range(window - 1, len(rewards)):
-        if sum(rewards[i - window + 1:i + 1]) / window >= threshold:
-            return i + 1, sum(step_s[:i + 1])
+        if sum(rewards[i - window + 1 : i + 1]) / window >= threshold:
+            return i + 1, sum(step_s[: i + 1])
     return None, None
 
 
@@ -191,15 +307,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (= rollouts) of each run")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (--rollout-batch-size)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt (--n-samples-per-prompt / num_generations)")
+    p.add_argument(
+        "--samples", type=int, default=8, help="samples per prompt (--n-samples-per-prompt / num_generations)"
+    )
     p.add_argument("--response-len", type=int, default=4, help="--rollout-max-response-len / max_completion_length")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--loss-type", choices=sorted(LOSS_TYPES), default="grpo", help="TRL's loss_type; mapped onto --loss-aggregation")
+    p.add_argument(
+        "--loss-type",
+        choices=sorted(LOSS_TYPES),
+        default="grpo",
+        help="TRL's loss_type; mapped onto --loss-aggregation",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--rollout-engine", default="hf")
-    p.add_argument("--trl-threads", type=int, default=1,
-                   help="torch threads of the TRL process (rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS)")
+    p.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL process (rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS)",
+    )
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
     p.add_argument("--window", type=int, default=10, help="steps in the trailing reward mean compared with a threshold")
     p.add_argument("--only", choices=["rl_plugin", "trl"], help="run one side only (debugging)")
@@ -217,24 +344,35 @@ def main() -> int:
         runs.append(run_rl_plugin(a, out / "rl_plugin", extra))
     if a.only != "rl_plugin":
         runs.append(run_trl(a, out / "trl"))
-    print(f"{a.steps} steps x {a.prompts} prompts x {a.samples} samples, response <= {a.response_len}, lr {a.lr}, loss {a.loss_type}, "
-          f"threads {os.environ.get('RL_PLUGIN_TRAIN_THREADS', 'default')}; reward = trailing {a.window}-step mean")
+    print(
+        f"{a.steps} steps x {a.prompts} prompts x {a.samples} samples, response <= {a.response_len}, lr {a.lr}, loss {a.loss_type}, "
+        f"threads {os.environ.get('RL_PLUGIN_TRAIN_THREADS', 'default')}; reward = trailing {a.window}-step mean"
+    )
     head = f"{'run':44} " + " ".join(f"{'step@' + str(t):>8} {'s@' + str(t):>7}" for t in a.thresholds)
     print(head + f" {'ms/step':>8} {'final':>6} {'wall s':>7}")
     reached = []
     for r in runs:
         cells = [first_reaching(r["rewards"], r["step_s"], t, a.window) for t in a.thresholds]
         reached.append(cells)
-        final = sum(r["rewards"][-a.window:]) / a.window
-        print(f"{r['name']:44} " + " ".join(f"{fmt(s, '8d')} {fmt(w, '7.1f')}" for s, w in cells)
-              + f" {1000 * median(r['step_s']):8.1f} {final:6.3f} {r['wall_s']:7.1f}")
+        final = sum(r["rewards"][-a.window :]) / a.window
+        print(
+            f"{r['name']:44} "
+            + " ".join(f"{fmt(s, '8d')} {fmt(w, '7.1f')}" for s, w in cells)
+            + f" {1000 * median(r['step_s']):8.1f} {final:6.3f} {r['wall_s']:7.1f}"
+        )
     if len(runs) == 2:
         (ours, theirs), (r0, r1) = reached, runs
-        print(f"{'ratio rl_plugin / TRL':44} " + " ".join(f"{ratio(s0, s1):>8} {ratio(w0, w1):>7}" for (s0, w0), (s1, w1) in zip(ours, theirs))
-              + f" {ratio(median(r0['step_s']), median(r1['step_s'])):>8} {'':6} {ratio(r0['wall_s'], r1['wall_s']):>7}")
+        print(
+            f"{'ratio rl_plugin / TRL':44} "
+            + " ".join(f"{ratio(s0, s1):>8} {ratio(w0, w1):>7}" for (s0, w0), (s1, w1) in zip(ours, theirs))
+            + f" {ratio(median(r0['step_s']), median(r1['step_s'])):>8} {'':6} {ratio(r0['wall_s'], r1['wall_s']):>7}"
+        )
     for r in runs:
         if r["phases"]:
-            print(f"{r['name']} median per step (ms): " + ", ".join(f"{k[5:]} {1000 * v:.1f}" for k, v in r["phases"].items()))
+            print(
+                f"{r['name']} median per step (ms): "
+                + ", ".join(f"{k[5:]} {1000 * v:.1f}" for k, v in r["phases"].items())
+            )
     return 0
 
 

@@ -55,7 +55,7 @@ class Trainer:
 
         self.sd = state_dict
         names = list(state_dict)
-        self.trained = names[int(len(names) * frozen_fraction):]
+        self.trained = names[int(len(names) * frozen_fraction) :]
         self.publisher = WeightPublisher(transport)
         self.transport = transport
 
@@ -66,7 +66,9 @@ class Trainer:
     def publish(self, buffer_bytes: int, check: bool):
         from rl_plugin.rollout.weight_sync import SyncRequest
 
-        return self.publisher.publish(self.sd, SyncRequest(buffer_bytes=buffer_bytes, transport=self.transport, fingerprint=check))
+        return self.publisher.publish(
+            self.sd, SyncRequest(buffer_bytes=buffer_bytes, transport=self.transport, fingerprint=check)
+        )
 
     def close(self):
         self.publisher.close()
@@ -137,9 +139,15 @@ def main() -> int:
     n = max(1, a.synthetic_mb // a.tensor_mb)
     numel = a.tensor_mb * 2**20 // 4
     synth = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(numel // 1024, 1024) for i in range(n)}
-    models = {"tiny qwen2 (hf engine)": (tiny_sd, "hf", str(tiny), max(20, a.syncs)),
-              f"synthetic {n}x{a.tensor_mb} MiB": (synth, "tensors", {k: tuple(v.shape) for k, v in synth.items()}, a.syncs)}
-    cases = [("object_store", "object_store", 0.0), ("shared_memory", "shared_memory", 0.0), ("shm, 1/2 frozen", "shared_memory", 0.5)]
+    models = {
+        "tiny qwen2 (hf engine)": (tiny_sd, "hf", str(tiny), max(20, a.syncs)),
+        f"synthetic {n}x{a.tensor_mb} MiB": (synth, "tensors", {k: tuple(v.shape) for k, v in synth.items()}, a.syncs),
+    }
+    cases = [
+        ("object_store", "object_store", 0.0),
+        ("shared_memory", "shared_memory", 0.0),
+        ("shm, 1/2 frozen", "shared_memory", 0.5),
+    ]
     buffer_bytes = a.buffer_mb * 2**20
     print(f"{'model':28} {'MB':>8} {'transport':16} {'moved MB':>9} {'s/sync':>9} {'MB/s':>9} {'vs object store':>15}")
     for label, (sd, kind, arg, syncs) in models.items():
@@ -148,8 +156,11 @@ def main() -> int:
         for name, transport, frozen in cases:
             r = run_case(sd, kind, arg, transport, frozen, syncs, buffer_bytes)
             base = base or r["seconds"]
-            print(f"{label:28} {mb:8.2f} {name:16} {r['loaded_mb']:9.2f} {r['seconds']:9.4f} {mb / r['seconds']:9.1f} "
-                  f"{base / r['seconds']:14.2f}x", flush=True)
+            print(
+                f"{label:28} {mb:8.2f} {name:16} {r['loaded_mb']:9.2f} {r['seconds']:9.4f} {mb / r['seconds']:9.1f} "
+                f"{base / r['seconds']:14.2f}x",
+                flush=True,
+            )
     ray.shutdown()
     return 0
 

@@ -43,13 +43,18 @@ class ModelConfig:
     @classmethod
     def from_args(cls, args) -> "ModelConfig":
         return cls(
-            hf_checkpoint=args.hf_checkpoint, save_hf=args.save_hf, bf16=bool(args.bf16), fp16=bool(args.fp16),
-            fp32_lm_head=bool(args.fp32_lm_head), fused_lm_head=not args.disable_fused_lm_head,
+            hf_checkpoint=args.hf_checkpoint,
+            save_hf=args.save_hf,
+            bf16=bool(args.bf16),
+            fp16=bool(args.fp16),
+            fp32_lm_head=bool(args.fp32_lm_head),
+            fused_lm_head=not args.disable_fused_lm_head,
             attn_implementation=args.fsdp_attn_implementation,
             tensor_model_parallel_size=int(args.tensor_model_parallel_size),
             context_parallel_size=int(args.context_parallel_size),
             pipeline_model_parallel_size=int(args.pipeline_model_parallel_size),
-            sequence_parallel=bool(args.sequence_parallel), seed=int(args.seed),
+            sequence_parallel=bool(args.sequence_parallel),
+            seed=int(args.seed),
         )
 
 
@@ -72,10 +77,18 @@ class OptimizerConfig:
     @classmethod
     def from_args(cls, args) -> "OptimizerConfig":
         return cls(
-            optimizer=args.optimizer, lr=float(args.lr), min_lr=float(args.min_lr), lr_decay_style=args.lr_decay_style,
-            lr_warmup_iters=int(args.lr_warmup_iters), lr_decay_iters=args.lr_decay_iters,
-            weight_decay=float(args.weight_decay), adam_beta1=float(args.adam_beta1), adam_beta2=float(args.adam_beta2),
-            adam_eps=float(args.adam_eps), sgd_momentum=float(args.sgd_momentum), clip_grad=float(args.clip_grad),
+            optimizer=args.optimizer,
+            lr=float(args.lr),
+            min_lr=float(args.min_lr),
+            lr_decay_style=args.lr_decay_style,
+            lr_warmup_iters=int(args.lr_warmup_iters),
+            lr_decay_iters=args.lr_decay_iters,
+            weight_decay=float(args.weight_decay),
+            adam_beta1=float(args.adam_beta1),
+            adam_beta2=float(args.adam_beta2),
+            adam_eps=float(args.adam_eps),
+            sgd_momentum=float(args.sgd_momentum),
+            clip_grad=float(args.clip_grad),
             use_distributed_optimizer=bool(args.use_distributed_optimizer),
         )
 
@@ -94,8 +107,10 @@ class BatchingConfig:
         return cls(
             micro_batch_size=int(args.micro_batch_size),
             max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-            global_batch_size=args.global_batch_size, docs_per_step=args.docs_per_step,
-            n_samples_per_prompt=int(args.n_samples_per_prompt), rollout_batch_size=args.rollout_batch_size,
+            global_batch_size=args.global_batch_size,
+            docs_per_step=args.docs_per_step,
+            n_samples_per_prompt=int(args.n_samples_per_prompt),
+            rollout_batch_size=args.rollout_batch_size,
         )
 
 
@@ -113,8 +128,11 @@ class TrainConfig:
     @classmethod
     def from_args(cls, args) -> "TrainConfig":
         return cls(
-            train_backend=args.train_backend, model=ModelConfig.from_args(args), optimizer=OptimizerConfig.from_args(args),
-            batching=BatchingConfig.from_args(args), loss=LossConfig.from_args(args),
+            train_backend=args.train_backend,
+            model=ModelConfig.from_args(args),
+            optimizer=OptimizerConfig.from_args(args),
+            batching=BatchingConfig.from_args(args),
+            loss=LossConfig.from_args(args),
             use_rollout_logprobs=bool(args.use_rollout_logprobs),
         )
 
@@ -131,8 +149,11 @@ class EngineConfig:
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
         return cls(
-            engine=args.rollout_engine, temperature=float(args.rollout_temperature), top_p=float(args.rollout_top_p),
-            max_response_len=args.rollout_max_response_len, tensor_parallel_size=int(args.rollout_num_gpus_per_engine),
+            engine=args.rollout_engine,
+            temperature=float(args.rollout_temperature),
+            top_p=float(args.rollout_top_p),
+            max_response_len=args.rollout_max_response_len,
+            tensor_parallel_size=int(args.rollout_num_gpus_per_engine),
             seed=int(args.seed),
         )
 
@@ -167,15 +188,31 @@ class RolloutConfig:
     def from_args(cls, args) -> "RolloutConfig":
         factor = args.overlong_penalty_factor
         return cls(
-            engine=EngineConfig.from_args(args), input_key=args.input_key, label_key=args.label_key,
-            apply_chat_template=bool(args.apply_chat_template), rollout_shuffle=bool(args.rollout_shuffle),
-            rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=int(args.n_samples_per_prompt),
-            n_samples_per_eval=int(args.n_samples_per_eval), rm_type=args.rm_type, custom_rm_path=args.custom_rm_path,
+            engine=EngineConfig.from_args(args),
+            input_key=args.input_key,
+            label_key=args.label_key,
+            apply_chat_template=bool(args.apply_chat_template),
+            rollout_shuffle=bool(args.rollout_shuffle),
+            rollout_batch_size=args.rollout_batch_size,
+            n_samples_per_prompt=int(args.n_samples_per_prompt),
+            n_samples_per_eval=int(args.n_samples_per_eval),
+            rm_type=args.rm_type,
+            custom_rm_path=args.custom_rm_path,
             dynamic_sampling_filter_path=args.dynamic_sampling_filter_path,
-            over_sampling_batch_size=args.over_sampling_batch_size, overlong_buffer_len=args.overlong_buffer_len,
+            over_sampling_batch_size=args.over_sampling_batch_size,
+            overlong_buffer_len=args.overlong_buffer_len,
             overlong_penalty_factor=1.0 if factor is None else float(factor),
-            debug_rollout_logprob_shift=float(args.debug_rollout_logprob_shift), seed=int(args.seed),
+            debug_rollout_logprob_shift=float(args.debug_rollout_logprob_shift),
+            seed=int(args.seed),
         )
 
 
-__all__ = ["BatchingConfig", "EngineConfig", "LossConfig", "ModelConfig", "OptimizerConfig", "RolloutConfig", "TrainConfig"]
+__all__ = [
+    "BatchingConfig",
+    "EngineConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RolloutConfig",
+    "TrainConfig",
+]

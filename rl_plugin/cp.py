@@ -241,10 +241,19 @@ def build_response_layout(
     input_index = torch.where(positions < total[owner], tok_off.squeeze(1)[owner] + positions, -1)
 
     return ResponseLayout(
-        cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format,
-        total_lengths=total, response_lengths=resp, padded_lengths=padded, local_lengths=local_len,
-        resp_index=resp_index, logit_index=logit_index, target_index=target_index,
-        sample_ids=sample_ids, input_index=input_index, position_ids=positions,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        qkv_format=qkv_format,
+        total_lengths=total,
+        response_lengths=resp,
+        padded_lengths=padded,
+        local_lengths=local_len,
+        resp_index=resp_index,
+        logit_index=logit_index,
+        target_index=target_index,
+        sample_ids=sample_ids,
+        input_index=input_index,
+        position_ids=positions,
     )
 
 
@@ -271,7 +280,9 @@ def segment_grid(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     width = int(lengths.max()) if lengths.numel() else 0
     col = torch.arange(width, device=cu.device)
     valid = col.unsqueeze(0) < lengths.unsqueeze(1)
-    gather = torch.where(valid, cu[:-1].unsqueeze(1) + col.unsqueeze(0), torch.zeros((), dtype=torch.long, device=cu.device))
+    gather = torch.where(
+        valid, cu[:-1].unsqueeze(1) + col.unsqueeze(0), torch.zeros((), dtype=torch.long, device=cu.device)
+    )
     return gather, valid
 
 

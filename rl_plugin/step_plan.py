@@ -50,7 +50,9 @@ class RankPlan:
 
     def __post_init__(self) -> None:
         n = len(self.step_bounds)
-        if len(self.step_num_groups) != n or (self.step_micro_batches is not None and len(self.step_micro_batches) != n):
+        if len(self.step_num_groups) != n or (
+            self.step_micro_batches is not None and len(self.step_micro_batches) != n
+        ):
             raise ValueError(
                 f"RankPlan: {n} step bounds, {len(self.step_num_groups)} group counts and "
                 f"{'no' if self.step_micro_batches is None else len(self.step_micro_batches)} micro-batch lists; "
@@ -102,8 +104,9 @@ def split_rollout_for_dp(batch: StepBatch, dp_size: int) -> List[StepBatch]:
     return [batch.select(idx) for idx in split_samples_for_dp(batch.num_samples, dp_size)]
 
 
-def plan_docs_steps(batch: StepBatch, micro_batches: List[torch.Tensor], *, num_groups: int, docs_per_step: int,
-                    dp_group=None) -> RankPlan:
+def plan_docs_steps(
+    batch: StepBatch, micro_batches: List[torch.Tensor], *, num_groups: int, docs_per_step: int, dp_group=None
+) -> RankPlan:
     """--docs-per-step: this rank's plan of its share ``batch`` (collective over ``dp_group``).
 
     ``micro_batches``: the rank's micro-batches, planned once by the step runner

@@ -35,8 +35,10 @@ def main() -> None:
     try:
         import torch
 
-        print(f"torch: CPU kernels {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
-              f"CUDA {'available' if torch.cuda.is_available() else 'not available'}")
+        print(
+            f"torch: CPU kernels {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+            f"CUDA {'available' if torch.cuda.is_available() else 'not available'}"
+        )
     except ImportError:
         pass
     print(flush=True)

@@ -75,7 +75,9 @@ def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     from rl_plugin.arguments import megatron_compat
 
-    parser = argparse.ArgumentParser(prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False
+    )
     megatron_compat.add_arguments(parser)
     return add_rl_arguments(parser)
 
@@ -85,4 +87,12 @@ def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> ar
     return validate_rl_args(args) if validate else args
 
 
-__all__ = ["FLAG_MODULES", "RLArgumentError", "add_rl_arguments", "build_parser", "parse_args", "validate_rl_args", "validate_world"]
+__all__ = [
+    "FLAG_MODULES",
+    "RLArgumentError",
+    "add_rl_arguments",
+    "build_parser",
+    "parse_args",
+    "validate_rl_args",
+    "validate_world",
+]

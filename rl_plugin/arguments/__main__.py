@@ -19,7 +19,6 @@ from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.arguments.paths import validate_paths
 
-
 NO_FILE_CHECKS = "--no-file-checks"
 
 

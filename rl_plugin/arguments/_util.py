@@ -26,13 +26,16 @@ def add_flag(group, *names: str, **kwargs) -> None:
     """Add a flag unless a foreign parser already defines it (Megatron-LM's parser defines its
     own flags, e.g. ``--calculate-per-token-loss``; we read theirs instead of redefining them).
     A flag rl_plugin itself already defined raises ``DuplicateFlagError``: one definition per flag."""
-    existing = [group._option_string_actions[n] for n in names if has_flag(group, n)]  # a group shares its parser's table
+    existing = [
+        group._option_string_actions[n] for n in names if has_flag(group, n)
+    ]  # a group shares its parser's table
     for action in existing:
         owner = getattr(action, OWNER, None)
         if owner is not None:
             raise DuplicateFlagError(
                 f"{'/'.join(names)} is defined twice by rl_plugin: in the {owner!r} group and again in "
-                f"{group.title!r}; keep one definition and read the flag from there")
+                f"{group.title!r}; keep one definition and read the flag from there"
+            )
     if existing:
         return
     action = group.add_argument(*names, **kwargs)

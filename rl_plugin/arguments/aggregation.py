@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
 from rl_plugin.registries import LOSS_AGGREGATIONS
+
 DEFAULT_MODE = "sample_mean"
 
 
 def add_arguments(parser):
     g = parser.add_argument_group("loss aggregation", "How per-token policy losses become the step objective J.")
     add_flag(
-        g, "--loss-aggregation", choices=LOSS_AGGREGATIONS.names(), default=None,
+        g,
+        "--loss-aggregation",
+        choices=LOSS_AGGREGATIONS.names(),
+        default=None,
         help=(
             "How the policy loss is averaged over a step; every denominator is global over the step. "
             "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "
@@ -24,11 +28,17 @@ def add_arguments(parser):
         ),
     )
     add_flag(
-        g, "--loss-aggregation-divisor", type=float, default=None,
+        g,
+        "--loss-aggregation-divisor",
+        type=float,
+        default=None,
         help="The constant L of --loss-aggregation constant (Dr.GRPO uses the maximum response length, e.g. 4096). Only valid with constant.",
     )
     add_flag(
-        g, "--custom-pg-loss-reducer-function-path", type=str, default=None,
+        g,
+        "--custom-pg-loss-reducer-function-path",
+        type=str,
+        default=None,
         help=(
             "Import path 'pkg.module.fn' of a miles-compatible reducer factory "
             "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> scalar, "

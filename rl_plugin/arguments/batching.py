@@ -13,11 +13,40 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 def add_arguments(parser):
     g = parser.add_argument_group("batching", "How rollouts become optimizer steps and micro-batches.")
-    add_flag(g, "--n-samples-per-prompt", type=int, default=8, help="Responses sampled per prompt; one prompt's responses form a group for group-relative advantages and prompt_mean.")
-    add_flag(g, "--docs-per-step", type=int, default=None, help="Size a step by documents instead of --global-batch-size: a step ends once the global document count reaches this target (micro-batches are accumulated until it does). For token-budget micro-batching (--use-dynamic-batch-size), where a fixed sample count per step does not fit.")
-    add_flag(g, "--qkv-format", choices=["thd", "bshd"], default="thd", help="Sequence layout: thd packs samples back to back (no padding waste; needs varlen attention), bshd pads every sample to --seq-length.")
-    add_flag(g, "--use-dynamic-batch-size", action="store_true", help="Form micro-batches by a token budget (--max-tokens-per-gpu) instead of --micro-batch-size, as in slime.")
-    add_flag(g, "--max-tokens-per-gpu", type=int, default=None, help="Token budget of one micro-batch with --use-dynamic-batch-size.")
+    add_flag(
+        g,
+        "--n-samples-per-prompt",
+        type=int,
+        default=8,
+        help="Responses sampled per prompt; one prompt's responses form a group for group-relative advantages and prompt_mean.",
+    )
+    add_flag(
+        g,
+        "--docs-per-step",
+        type=int,
+        default=None,
+        help="Size a step by documents instead of --global-batch-size: a step ends once the global document count reaches this target (micro-batches are accumulated until it does). For token-budget micro-batching (--use-dynamic-batch-size), where a fixed sample count per step does not fit.",
+    )
+    add_flag(
+        g,
+        "--qkv-format",
+        choices=["thd", "bshd"],
+        default="thd",
+        help="Sequence layout: thd packs samples back to back (no padding waste; needs varlen attention), bshd pads every sample to --seq-length.",
+    )
+    add_flag(
+        g,
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="Form micro-batches by a token budget (--max-tokens-per-gpu) instead of --micro-batch-size, as in slime.",
+    )
+    add_flag(
+        g,
+        "--max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="Token budget of one micro-batch with --use-dynamic-batch-size.",
+    )
     return parser
 
 

@@ -15,7 +15,9 @@ from rl_plugin.arguments._util import add_flag, fail
 def add_arguments(parser):
     g = parser.add_argument_group("checkpoint safety", "Guards against overwriting a run's checkpoints by mistake.")
     add_flag(
-        g, "--overwrite-save", action="store_true",
+        g,
+        "--overwrite-save",
+        action="store_true",
         help=(
             "Start a new run (no --load) in a --save directory that already holds checkpoints. Without it "
             "rl-plugin-train refuses, so a forgotten --load cannot silently overwrite a run and move its resume "
@@ -33,7 +35,11 @@ def validate(args) -> None:
     if not args.overwrite_save:
         return
     if getattr(args, "save", None) is None:
-        fail("--overwrite-save without --save", "there is no checkpoint directory to overwrite", "add --save DIR, or drop --overwrite-save")
+        fail(
+            "--overwrite-save without --save",
+            "there is no checkpoint directory to overwrite",
+            "add --save DIR, or drop --overwrite-save",
+        )
     if same_dir(args.save, getattr(args, "load", None)):
         fail(
             "--overwrite-save with --load and --save the same directory",

@@ -13,35 +13,122 @@ from rl_plugin.arguments._util import add_flag, fail
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)")
-    add_flag(g, "--tensor-model-parallel-size", type=int, default=1, help="Tensor (vocab/hidden) parallel size (Megatron-LM).")
-    add_flag(g, "--pipeline-model-parallel-size", type=int, default=1, help="Pipeline parallel size (Megatron-LM). Only 1 is supported by rl_plugin today.")
-    add_flag(g, "--context-parallel-size", type=int, default=1, help="Context parallel size: each sequence is cut into 2*cp zigzag chunks (Megatron-LM). Needs transformer-engine attention on the Megatron backend.")
+    g = parser.add_argument_group(
+        "megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"
+    )
+    add_flag(
+        g,
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Tensor (vocab/hidden) parallel size (Megatron-LM).",
+    )
+    add_flag(
+        g,
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline parallel size (Megatron-LM). Only 1 is supported by rl_plugin today.",
+    )
+    add_flag(
+        g,
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Context parallel size: each sequence is cut into 2*cp zigzag chunks (Megatron-LM). Needs transformer-engine attention on the Megatron backend.",
+    )
     add_flag(g, "--sequence-parallel", action="store_true", help="Megatron sequence parallelism over the TP group.")
-    add_flag(g, "--micro-batch-size", type=int, default=1, help="Samples per micro-batch per data-parallel rank (Megatron-LM).")
-    add_flag(g, "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all data-parallel ranks (Megatron-LM). Mutually exclusive with --docs-per-step.")
-    add_flag(g, "--seq-length", type=int, default=None, help="Padded sequence length. With --qkv-format bshd it is the length every sample is padded to and the length CP chunks by.")
-    add_flag(g, "--bf16", action="store_true", help="Train in bfloat16 with fp32 main parameters and gradients (Megatron-LM).")
+    add_flag(
+        g,
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="Samples per micro-batch per data-parallel rank (Megatron-LM).",
+    )
+    add_flag(
+        g,
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step over all data-parallel ranks (Megatron-LM). Mutually exclusive with --docs-per-step.",
+    )
+    add_flag(
+        g,
+        "--seq-length",
+        type=int,
+        default=None,
+        help="Padded sequence length. With --qkv-format bshd it is the length every sample is padded to and the length CP chunks by.",
+    )
+    add_flag(
+        g,
+        "--bf16",
+        action="store_true",
+        help="Train in bfloat16 with fp32 main parameters and gradients (Megatron-LM).",
+    )
     add_flag(g, "--fp16", action="store_true", help="Train in float16 (Megatron-LM). Not recommended for RL.")
-    add_flag(g, "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234).")
+    add_flag(
+        g, "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234)."
+    )
     add_flag(g, "--lr", type=float, default=1e-6, help="Peak learning rate (Megatron-LM).")
     add_flag(g, "--min-lr", type=float, default=0.0, help="Minimum learning rate of the decay schedule (Megatron-LM).")
-    add_flag(g, "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="constant", help="Learning-rate decay (Megatron-LM). RL recipes mostly use constant.")
+    add_flag(
+        g,
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        default="constant",
+        help="Learning-rate decay (Megatron-LM). RL recipes mostly use constant.",
+    )
     add_flag(g, "--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps (Megatron-LM).")
-    add_flag(g, "--lr-decay-iters", type=int, default=None, help="Steps over which the learning rate decays (Megatron-LM).")
+    add_flag(
+        g, "--lr-decay-iters", type=int, default=None, help="Steps over which the learning rate decays (Megatron-LM)."
+    )
     add_flag(g, "--weight-decay", type=float, default=0.0, help="Decoupled weight decay (AdamW) (Megatron-LM).")
-    add_flag(g, "--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer (Megatron-LM). adam (AdamW with --weight-decay) for training; sgd makes the update linear in the gradient (parity tests, debugging).")
-    add_flag(g, "--sgd-momentum", type=float, default=0.9, help="SGD momentum with --optimizer sgd (Megatron-LM default 0.9).")
+    add_flag(
+        g,
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="Optimizer (Megatron-LM). adam (AdamW with --weight-decay) for training; sgd makes the update linear in the gradient (parity tests, debugging).",
+    )
+    add_flag(
+        g,
+        "--sgd-momentum",
+        type=float,
+        default=0.9,
+        help="SGD momentum with --optimizer sgd (Megatron-LM default 0.9).",
+    )
     add_flag(g, "--adam-beta1", type=float, default=0.9, help="Adam beta1 (Megatron-LM).")
     add_flag(g, "--adam-beta2", type=float, default=0.98, help="Adam beta2 (Megatron-LM; RL recipes use 0.98).")
     add_flag(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon (Megatron-LM).")
     add_flag(g, "--clip-grad", type=float, default=1.0, help="Global gradient-norm clip; 0 disables (Megatron-LM).")
-    add_flag(g, "--use-distributed-optimizer", action="store_true", help="Shard optimizer state over data-parallel ranks (Megatron-LM, ZeRO-1).")
-    add_flag(g, "--calculate-per-token-loss", action="store_true", help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.")
+    add_flag(
+        g,
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state over data-parallel ranks (Megatron-LM, ZeRO-1).",
+    )
+    add_flag(
+        g,
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
+    )
     add_flag(g, "--save", type=str, default=None, help="Checkpoint directory to save to (Megatron-LM).")
     add_flag(g, "--load", type=str, default=None, help="Checkpoint directory to resume from (Megatron-LM).")
-    add_flag(g, "--save-interval", type=int, default=None, help="Save a checkpoint every N rollouts (Megatron-LM spells it in steps; rl-plugin-train saves between rollouts, so that resume restores the dataset position too), and always after the last rollout.")
-    add_flag(g, "--log-interval", type=int, default=1, help="Print a one-line summary of the training metrics (reward, loss, grad norm, step timings) every N optimizer steps, with or without the progress bar.")
+    add_flag(
+        g,
+        "--save-interval",
+        type=int,
+        default=None,
+        help="Save a checkpoint every N rollouts (Megatron-LM spells it in steps; rl-plugin-train saves between rollouts, so that resume restores the dataset position too), and always after the last rollout.",
+    )
+    add_flag(
+        g,
+        "--log-interval",
+        type=int,
+        default=1,
+        help="Print a one-line summary of the training metrics (reward, loss, grad norm, step timings) every N optimizer steps, with or without the progress bar.",
+    )
     return parser
 
 
@@ -62,7 +149,14 @@ RANGES = (
     ("--micro-batch-size", "micro_batch_size", 1, True, None, "--micro-batch-size 1"),
     ("--seq-length", "seq_length", 1, True, None, "--seq-length 4096"),
     ("--tensor-model-parallel-size", "tensor_model_parallel_size", 1, True, None, "--tensor-model-parallel-size 1"),
-    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", 1, True, None, "--pipeline-model-parallel-size 1"),
+    (
+        "--pipeline-model-parallel-size",
+        "pipeline_model_parallel_size",
+        1,
+        True,
+        None,
+        "--pipeline-model-parallel-size 1",
+    ),
     ("--context-parallel-size", "context_parallel_size", 1, True, None, "--context-parallel-size 1"),
 )
 
@@ -82,10 +176,22 @@ def validate(args) -> None:
         if value is None:
             continue
         if not _in_range(value, low, low_ok, high):
-            interval = f"{'[' if low_ok else '('}{low}, {high})" if high is not None else (f">= {low}" if low_ok else f"> {low}")
+            interval = (
+                f"{'[' if low_ok else '('}{low}, {high})"
+                if high is not None
+                else (f">= {low}" if low_ok else f"> {low}")
+            )
             fail(flag, f"must be {'in ' if high is not None else ''}{interval} (got {value})", f"use e.g. {example}")
     lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
     if lr is not None and min_lr is not None and min_lr > lr:
-        fail(f"--min-lr {min_lr} with --lr {lr}", "the decay schedule ends at --min-lr, so it must not exceed the peak --lr", f"use --min-lr <= {lr}")
+        fail(
+            f"--min-lr {min_lr} with --lr {lr}",
+            "the decay schedule ends at --min-lr, so it must not exceed the peak --lr",
+            f"use --min-lr <= {lr}",
+        )
     if getattr(args, "save_interval", None) is not None and getattr(args, "save", "unset") is None:
-        fail("--save-interval without --save", "there is no checkpoint directory, so the interval would be silently ignored", "add --save DIR, or drop --save-interval")
+        fail(
+            "--save-interval without --save",
+            "there is no checkpoint directory, so the interval would be silently ignored",
+            "add --save DIR, or drop --save-interval",
+        )

@@ -7,7 +7,13 @@ from rl_plugin.arguments._util import add_flag
 
 def add_arguments(parser):
     g = parser.add_argument_group("metrics", "What the policy-gradient step reports.")
-    add_flag(g, "--pg-metrics", choices=["none", "basic", "with_entropy"], default="basic", help="Policy-gradient metrics per step: basic = old log-prob, ratio mean/sum/squared sum, KL(old||new), clip fraction, advantage mean/min/max, token count; with_entropy adds the token entropy (one extra reduction per token chunk). Diagnostics use the sample mean whatever --loss-aggregation is.")
+    add_flag(
+        g,
+        "--pg-metrics",
+        choices=["none", "basic", "with_entropy"],
+        default="basic",
+        help="Policy-gradient metrics per step: basic = old log-prob, ratio mean/sum/squared sum, KL(old||new), clip fraction, advantage mean/min/max, token count; with_entropy adds the token entropy (one extra reduction per token chunk). Diagnostics use the sample mean whatever --loss-aggregation is.",
+    )
     return parser
 
 

@@ -36,7 +36,9 @@ def latest_checkpoint_step(root) -> Optional[int]:
     try:
         return int(text)
     except ValueError:
-        raise RLArgumentError(f"--load {root}: {CHECKPOINT_TRACKER} holds {text!r}, not a step number. Fix: write the step of the last complete iter_* directory into it.") from None
+        raise RLArgumentError(
+            f"--load {root}: {CHECKPOINT_TRACKER} holds {text!r}, not a step number. Fix: write the step of the last complete iter_* directory into it."
+        ) from None
 
 
 def _file(flag: str, value: Optional[str]) -> None:
@@ -53,16 +55,27 @@ def _hf_checkpoint(value: Optional[str]) -> None:
     if value is None:
         return
     if not Path(value).is_dir():
-        fail(f"--hf-checkpoint {value}", "the directory does not exist", "pass a Hugging Face model directory (config.json + weights)")
+        fail(
+            f"--hf-checkpoint {value}",
+            "the directory does not exist",
+            "pass a Hugging Face model directory (config.json + weights)",
+        )
     if not (Path(value) / "config.json").is_file():
-        fail(f"--hf-checkpoint {value}", "the directory holds no config.json", "point it at a Hugging Face model directory")
+        fail(
+            f"--hf-checkpoint {value}",
+            "the directory holds no config.json",
+            "point it at a Hugging Face model directory",
+        )
     if not any(next(Path(value).glob(p), None) is not None for p in WEIGHT_PATTERNS):
         # only the config and tokenizer (an interrupted download, --include '*.json'): it would fail
         # minutes later inside an actor with a transformers/mbridge traceback
         present = sorted(p.name for p in Path(value).iterdir())[:8]
-        fail(f"--hf-checkpoint {value}", f"no weight files there ({' or '.join(WEIGHT_PATTERNS)}); it holds {present}",
-             "download the complete model (e.g. `huggingface-cli download REPO --local-dir DIR` fetches the weights too) "
-             "or point the flag at the directory that has them")
+        fail(
+            f"--hf-checkpoint {value}",
+            f"no weight files there ({' or '.join(WEIGHT_PATTERNS)}); it holds {present}",
+            "download the complete model (e.g. `huggingface-cli download REPO --local-dir DIR` fetches the weights too) "
+            "or point the flag at the directory that has them",
+        )
 
 
 def _custom_rm(spec: Optional[str]) -> None:
@@ -74,22 +87,37 @@ def _custom_rm(spec: Optional[str]) -> None:
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
-            fail(f"--custom-rm-path {spec}", f"the file {path} does not exist", "pass path/to/file.py:function or package.module:function")
+            fail(
+                f"--custom-rm-path {spec}",
+                f"the file {path} does not exist",
+                "pass path/to/file.py:function or package.module:function",
+            )
         try:
             compile(path.read_text(), str(path), "exec")
         except SyntaxError as exc:
             code = (exc.text or "").strip()
-            fail(f"--custom-rm-path {spec}", f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}" + (f" in `{code}`" if code else ""),
-                 f"correct the reward module at {exc.filename}:{exc.lineno}")
+            fail(
+                f"--custom-rm-path {spec}",
+                f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}" + (f" in `{code}`" if code else ""),
+                f"correct the reward module at {exc.filename}:{exc.lineno}",
+            )
     elif ":" not in spec and "." not in spec:
-        fail(f"--custom-rm-path {spec}", "expected package.module:function or path/to/file.py:function", "name the module and the function")
+        fail(
+            f"--custom-rm-path {spec}",
+            "expected package.module:function or path/to/file.py:function",
+            "name the module and the function",
+        )
     else:
         try:
             found = importlib.util.find_spec(target)
         except (ImportError, ValueError):
             found = None
         if found is None:
-            fail(f"--custom-rm-path {spec}", f"no module {target!r} on the Python path", f"install it, add its directory to PYTHONPATH, or pass path/to/{target.rsplit('.', 1)[-1]}.py:function")
+            fail(
+                f"--custom-rm-path {spec}",
+                f"no module {target!r} on the Python path",
+                f"install it, add its directory to PYTHONPATH, or pass path/to/{target.rsplit('.', 1)[-1]}.py:function",
+            )
 
 
 def _load(args) -> None:
@@ -98,13 +126,22 @@ def _load(args) -> None:
         return
     path = Path(load)
     if not path.exists():
-        fail(f"--load {load}", "the directory does not exist (only an existing, empty directory means 'no checkpoint yet, start fresh')",
-             f"check the path for a typo; to start a new run that will save there, create it first (mkdir -p {load})")
+        fail(
+            f"--load {load}",
+            "the directory does not exist (only an existing, empty directory means 'no checkpoint yet, start fresh')",
+            f"check the path for a typo; to start a new run that will save there, create it first (mkdir -p {load})",
+        )
     if not path.is_dir():
-        fail(f"--load {load}", "is a file, not a checkpoint directory", "pass the --save directory of the run to resume")
+        fail(
+            f"--load {load}", "is a file, not a checkpoint directory", "pass the --save directory of the run to resume"
+        )
     if STEP_DIR.match(path.name) and latest_checkpoint_step(path) is None:
-        fail(f"--load {load}", "this is one checkpoint step inside a --save directory; --load takes the --save directory "
-             f"itself (its {CHECKPOINT_TRACKER} names the step to resume)", f"pass --load {path.parent}")
+        fail(
+            f"--load {load}",
+            "this is one checkpoint step inside a --save directory; --load takes the --save directory "
+            f"itself (its {CHECKPOINT_TRACKER} names the step to resume)",
+            f"pass --load {path.parent}",
+        )
     latest_checkpoint_step(path)  # a corrupt tracker is named here
 
 

@@ -8,9 +8,27 @@ from rl_plugin.registries import TRAIN_BACKENDS
 
 def add_arguments(parser):
     g = parser.add_argument_group("training backend", "Which backend trains, and from which Hugging Face checkpoint.")
-    add_flag(g, "--train-backend", choices=TRAIN_BACKENDS.names(), default="megatron", help="megatron: megatron-core GPTModel (TP, CP with transformer-engine, distributed optimizer). fsdp: PyTorch FSDP2 on the Hugging Face model (DP only), for models without a Megatron definition.")
-    add_flag(g, "--hf-checkpoint", type=str, default=None, help="Hugging Face checkpoint directory (config.json + safetensors) to start from. Both backends load it; the Megatron backend converts it with mbridge. Default: the embedded tiny model.")
-    add_flag(g, "--save-hf", type=str, default=None, help="Write the trained weights as a Hugging Face directory (safetensors) here at every save.")
+    add_flag(
+        g,
+        "--train-backend",
+        choices=TRAIN_BACKENDS.names(),
+        default="megatron",
+        help="megatron: megatron-core GPTModel (TP, CP with transformer-engine, distributed optimizer). fsdp: PyTorch FSDP2 on the Hugging Face model (DP only), for models without a Megatron definition.",
+    )
+    add_flag(
+        g,
+        "--hf-checkpoint",
+        type=str,
+        default=None,
+        help="Hugging Face checkpoint directory (config.json + safetensors) to start from. Both backends load it; the Megatron backend converts it with mbridge. Default: the embedded tiny model.",
+    )
+    add_flag(
+        g,
+        "--save-hf",
+        type=str,
+        default=None,
+        help="Write the trained weights as a Hugging Face directory (safetensors) here at every save.",
+    )
     return parser
 
 
@@ -26,13 +44,25 @@ def validate(args) -> None:
     if args.train_backend == "megatron":
         pp = getattr(args, "pipeline_model_parallel_size", 1)  # getattr: a foreign (Megatron-LM) parser may lack it
         if pp is not None and pp > 1:
-            fail(f"--train-backend megatron with --pipeline-model-parallel-size {pp}",
-                 "rl_plugin's Megatron backend has no pipeline schedule for the RL step yet",
-                 "use --pipeline-model-parallel-size 1 and shard with TP / CP / DP instead")
+            fail(
+                f"--train-backend megatron with --pipeline-model-parallel-size {pp}",
+                "rl_plugin's Megatron backend has no pipeline schedule for the RL step yet",
+                "use --pipeline-model-parallel-size 1 and shard with TP / CP / DP instead",
+            )
         if getattr(args, "fp16", False):
-            fail("--train-backend megatron with --fp16", "rl_plugin's Megatron backend trains in bf16 or fp32 (no fp16 loss scaling path)",
-                 "use --bf16 (bf16 compute, fp32 main weights and gradients)")
+            fail(
+                "--train-backend megatron with --fp16",
+                "rl_plugin's Megatron backend trains in bf16 or fp32 (no fp16 loss scaling path)",
+                "use --bf16 (bf16 compute, fp32 main weights and gradients)",
+            )
     if args.train_backend == "fsdp":
-        for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size), ("--context-parallel-size", args.context_parallel_size)):
+        for flag, value in (
+            ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+            ("--context-parallel-size", args.context_parallel_size),
+        ):
             if value > 1:
-                fail(f"--train-backend fsdp with {flag} {value}", "the FSDP backend shards over data parallelism only", f"use --train-backend megatron for {flag} > 1, or set it to 1")
+                fail(
+                    f"--train-backend fsdp with {flag} {value}",
+                    "the FSDP backend shards over data parallelism only",
+                    f"use --train-backend megatron for {flag} > 1, or set it to 1",
+                )

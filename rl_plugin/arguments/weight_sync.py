@@ -9,18 +9,30 @@ TRANSPORTS = ("auto", "shared_memory", "object_store", "nccl")
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("weight sync", "How the trainer's weights reach the rollout engines after every rollout.")
-    add_flag(g, "--update-weight-transport", choices=TRANSPORTS, default="auto", help=(
-        "auto (default): engines on train rank 0's node copy the weights straight from a POSIX shared-memory segment "
-        "that rank 0 writes once per sync (created once, reused; no serialisation), engines on other nodes read them "
-        "from Ray's object store. shared_memory / object_store force one path (shared_memory fails when an engine runs "
-        "on another node or /dev/shm cannot hold the weights). nccl: a GPU broadcast group from rank 0 to the engines "
-        "(slime/verl style), not implemented in this build. Every path sends only the tensors that changed since the "
-        "engine's last sync (frozen ones once) and tied weights once."))
+    g = parser.add_argument_group(
+        "weight sync", "How the trainer's weights reach the rollout engines after every rollout."
+    )
+    add_flag(
+        g,
+        "--update-weight-transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help=(
+            "auto (default): engines on train rank 0's node copy the weights straight from a POSIX shared-memory segment "
+            "that rank 0 writes once per sync (created once, reused; no serialisation), engines on other nodes read them "
+            "from Ray's object store. shared_memory / object_store force one path (shared_memory fails when an engine runs "
+            "on another node or /dev/shm cannot hold the weights). nccl: a GPU broadcast group from rank 0 to the engines "
+            "(slime/verl style), not implemented in this build. Every path sends only the tensors that changed since the "
+            "engine's last sync (frozen ones once) and tied weights once."
+        ),
+    )
     return parser
 
 
 def validate(args) -> None:
     if args.update_weight_transport == "nccl":
-        fail("--update-weight-transport nccl", "the NCCL weight broadcast (GPU only) is not implemented in this build",
-             "use --update-weight-transport auto (shared memory on the trainer's node, the object store elsewhere)")
+        fail(
+            "--update-weight-transport nccl",
+            "the NCCL weight broadcast (GPU only) is not implemented in this build",
+            "use --update-weight-transport auto (shared memory on the trainer's node, the object store elsewhere)",
+        )

@@ -46,8 +46,9 @@ class TrainBackend(abc.ABC):
 
     # -- what the runner calls (rl_plugin.loss.runner.StepBackend) ------------------------------
     @abc.abstractmethod
-    def forward(self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int,
-                with_entropy: bool) -> torch.Tensor:
+    def forward(
+        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
+    ) -> torch.Tensor:
         """``[n_local, 2]`` (log-prob, entropy) of one micro-batch's local response tokens, on
         ``loss_device``; a micro-batch with no sample gives ``[0, 2]``."""
 
@@ -65,24 +66,36 @@ class TrainBackend(abc.ABC):
         """The ``actor`` model or the frozen ``ref`` model (the ``--hf-checkpoint`` weights)."""
 
     # -- what the loop calls --------------------------------------------------------------------
-    def compute_log_probs(self, batch: StepBatch, *, role: str = "actor",
-                          micro_batches: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+    def compute_log_probs(
+        self, batch: StepBatch, *, role: str = "actor", micro_batches: Optional[List[torch.Tensor]] = None
+    ) -> torch.Tensor:
         """Forward only: per-response-token log-probs ``[sum R_i]`` (fp32, CPU, full responses, at
         ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
         if role not in ("actor", "ref"):
             raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
         return self.runner.log_probs(self.model_for(role), batch, micro_batches)
 
-    def train_step(self, batch: StepBatch, *, num_groups: int, micro_batches: Optional[List[torch.Tensor]] = None,
-                   old_from_forward: bool = False) -> Dict[str, Any]:
+    def train_step(
+        self,
+        batch: StepBatch,
+        *,
+        num_groups: int,
+        micro_batches: Optional[List[torch.Tensor]] = None,
+        old_from_forward: bool = False,
+    ) -> Dict[str, Any]:
         """One optimizer step applying exactly dJ/dtheta; returns J and the metrics
         (``loss``, ``pg_loss``, ..., ``grad_norm``, ``lr`` = the rate this step used,
         ``num_micro_batches``), identical on every rank. ``micro_batches`` (sample indices) is the
         loop's plan (``--docs-per-step``); None plans with the runner's one planner.
         ``old_from_forward``: the old log-probs are this step's detached training log-probs
         (``runner.old_log_probs_rule`` says when that is exact)."""
-        return self.runner.train_step(self.model_for("actor"), batch, num_groups=num_groups,
-                                      micro_batches=micro_batches, old_from_forward=old_from_forward)
+        return self.runner.train_step(
+            self.model_for("actor"),
+            batch,
+            num_groups=num_groups,
+            micro_batches=micro_batches,
+            old_from_forward=old_from_forward,
+        )
 
     def deterministic_forward(self) -> bool:
         """Whether the training forward computes what the eval forward does (no dropout)."""

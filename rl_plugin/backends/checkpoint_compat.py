@@ -18,7 +18,9 @@ class CheckpointMismatchError(ValueError):
     pass
 
 
-def check_same_model(ckpt: str, model: Optional[str], saved: Shapes, current: Shapes, *, ignore: Sequence[str] = ()) -> None:
+def check_same_model(
+    ckpt: str, model: Optional[str], saved: Shapes, current: Shapes, *, ignore: Sequence[str] = ()
+) -> None:
     skip = set(ignore)
     missing = sorted(k for k in current if k not in saved and k not in skip)
     unexpected = sorted(k for k in saved if k not in current and k not in skip)

@@ -153,7 +153,12 @@ def written_by(root, step: int) -> Optional[str]:
     if state and state.get("train_backend"):
         return state["train_backend"]
     d = Path(step_dir(root, step))
-    if (d / "common.pt").is_file() or (d / "latest").is_file() or any(d.glob("rank_*.pt")) or any(d.glob("iter_*/rank_*.pt")):
+    if (
+        (d / "common.pt").is_file()
+        or (d / "latest").is_file()
+        or any(d.glob("rank_*.pt"))
+        or any(d.glob("iter_*/rank_*.pt"))
+    ):
         return "megatron"
     if (d / "meta.pt").is_file() or (d / ".metadata").is_file():
         return "fsdp"
@@ -164,7 +169,11 @@ def move_checkpoints_aside(root) -> Optional[Path]:
     """``--overwrite-save``: move the tracker and every ``iter_*`` directory of ``root`` into
     ``root/overwritten_<N>/`` (a rename, nothing is copied or deleted); returns that directory."""
     root = Path(root)
-    entries = [p for p in root.iterdir() if p.name == TRACKER or (p.is_dir() and STEP_DIR.match(p.name))] if root.is_dir() else []
+    entries = (
+        [p for p in root.iterdir() if p.name == TRACKER or (p.is_dir() and STEP_DIR.match(p.name))]
+        if root.is_dir()
+        else []
+    )
     if not entries:
         return None
     n = 1

@@ -32,12 +32,18 @@ from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, move
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after
 from rl_plugin.loop.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
+from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.run_lock import RunLock
-from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
-from rl_plugin.ray.rollout_actor import RolloutSetupError, create_rollout_manager, error_line, fault_points, generate_ref
+from rl_plugin.ray.rollout_actor import (
+    RolloutSetupError,
+    create_rollout_manager,
+    error_line,
+    fault_points,
+    generate_ref,
+)
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 from rl_plugin.step_plan import plan_global_batch_steps, split_rollout_for_dp
 
@@ -78,7 +84,9 @@ def compare_fingerprints(trainer: Dict[str, str], rollout: Dict[str, str]) -> No
     """Raise ``WeightSyncError`` naming the first tensor whose rollout copy differs."""
     for name in sorted(trainer):
         if name not in rollout:
-            raise WeightSyncError(f"--check-weight-sync: the rollout engine has no tensor {name!r} that the trainer exports")
+            raise WeightSyncError(
+                f"--check-weight-sync: the rollout engine has no tensor {name!r} that the trainer exports"
+            )
         if rollout[name] != trainer[name]:
             raise WeightSyncError(
                 f"--check-weight-sync: rollout weights differ from the trainer's at {name!r} "
@@ -122,7 +130,9 @@ class Driver:
         self.samples_seen = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
         self.rollout_restarts = 0  # dead rollout managers replaced so far (--max-rollout-retries)
         self.rollout_state = None  # the manager's dataset position before the next generate
-        self.pending = None  # (rollout_id, RolloutData, staleness): the rollout generated ahead (--max-weight-staleness 1)
+        self.pending = (
+            None  # (rollout_id, RolloutData, staleness): the rollout generated ahead (--max-weight-staleness 1)
+        )
         self.faults = fault_points()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -131,7 +141,11 @@ class Driver:
         if is_embedded(a):
             prepare_embedded(a)
         if a.hf_checkpoint is None:
-            fail("--prompt-data without --hf-checkpoint", "the loop needs a model to train", "pass --hf-checkpoint DIR (a Hugging Face model directory)")
+            fail(
+                "--prompt-data without --hf-checkpoint",
+                "the loop needs a model to train",
+                "pass --hf-checkpoint DIR (a Hugging Face model directory)",
+            )
         self.output_dir = Path(a.output_dir or "outputs/run")
         self.metrics_file = Path(a.metrics_file or self.output_dir / "metrics.jsonl")
 
@@ -139,7 +153,9 @@ class Driver:
         a = self.args
         self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
         self.placement = create_placement(a)
-        self.rollout, self.engines = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self.rollout, self.engines = create_rollout_manager(
+            a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data
+        )
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
 
@@ -170,15 +186,23 @@ class Driver:
         self.pending = read_pending_rollout(a.load, step)
         if self.pending is not None:
             if self.pending[0] != self.start_rollout:
-                raise LoopError(f"{step_dir(a.load, step)}/{PENDING_ROLLOUT} holds rollout {self.pending[0]}, but the checkpoint's "
-                                f"next rollout is {self.start_rollout}: the checkpoint is inconsistent; resume from an earlier one")
-            print(f"resuming an overlapped run: rollout {self.start_rollout} was generated ahead before the checkpoint and "
-                  f"is trained on as it was (staleness {self.pending[2]})", flush=True)
+                raise LoopError(
+                    f"{step_dir(a.load, step)}/{PENDING_ROLLOUT} holds rollout {self.pending[0]}, but the checkpoint's "
+                    f"next rollout is {self.start_rollout}: the checkpoint is inconsistent; resume from an earlier one"
+                )
+            print(
+                f"resuming an overlapped run: rollout {self.start_rollout} was generated ahead before the checkpoint and "
+                f"is trained on as it was (staleness {self.pending[2]})",
+                flush=True,
+            )
         print(f"resumed from {step_dir(a.load, step)}: step {self.step}, next rollout {self.start_rollout}", flush=True)
         moved = supersede_after(self.metrics_file, self.step)
         if moved:
-            print(f"{self.metrics_file}: steps {moved[0]}-{moved[-1]} were written after the checkpoint by the interrupted run and "
-                  f"are trained again now; their lines moved to {self.metrics_file.stem}.superseded.jsonl", flush=True)
+            print(
+                f"{self.metrics_file}: steps {moved[0]}-{moved[-1]} were written after the checkpoint by the interrupted run and "
+                f"are trained again now; their lines moved to {self.metrics_file.stem}.superseded.jsonl",
+                flush=True,
+            )
 
     # -- pieces of a rollout -------------------------------------------------------------------
     def _rollout_call(self, method: str, *args):
@@ -187,7 +211,9 @@ class Driver:
         try:
             return ray.get(getattr(self.rollout, method).remote(*args))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
+            raise LoopError(
+                f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}"
+            ) from None
 
     def sync_weights(self) -> float:
         """Train rank 0 publishes its export (``rl_plugin.rollout.weight_sync``: shared memory for
@@ -202,8 +228,13 @@ class Driver:
         if self.sync_target is None or self.sync_target[0] is not self.rollout:  # first sync, or a restarted manager
             self.sync_target = (self.rollout, self._rollout_call("engine_node_ids"), None)
         _, nodes, since = self.sync_target
-        request = SyncRequest(buffer_bytes=a.update_weight_buffer_size, transport=a.update_weight_transport,
-                              engine_nodes=tuple(nodes), since_version=since, fingerprint=bool(a.check_weight_sync))
+        request = SyncRequest(
+            buffer_bytes=a.update_weight_buffer_size,
+            transport=a.update_weight_transport,
+            engine_nodes=tuple(nodes),
+            since_version=since,
+            fingerprint=bool(a.check_weight_sync),
+        )
         refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
         update = self.rollout.update_weights.remote(refs[0])
         handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
@@ -211,7 +242,9 @@ class Driver:
             self.last_sync = ray.get(update)  # bytes, slowest engine's load seconds
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not _actor_died(exc):
-                raise LoopError(f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}") from None
+                raise LoopError(
+                    f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}"
+                ) from None
             self._restart_rollout("update_weights", exc)  # the fresh manager and engines are synced there
             return time.perf_counter() - t0
         finally:
@@ -242,7 +275,9 @@ class Driver:
                 return ray.get(submit() if ref is None else ref)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 if not _actor_died(exc):
-                    raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}") from None
+                    raise LoopError(
+                        f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}"
+                    ) from None
                 ref = None
                 self._restart_rollout(f"{method} (rollout {k})", exc)
 
@@ -252,19 +287,27 @@ class Driver:
         times per run; then the run stops naming the engine, the cause and --load."""
         a = self.args
         cause = error_line(exc)
-        engine = (f"the rollout engine ({a.rollout_engine}, in the rollout manager actor)" if not self.engines
-                  else f"a rollout engine ({a.rollout_engine}, one of {len(self.engines)} engine actors) or its manager")
+        engine = (
+            f"the rollout engine ({a.rollout_engine}, in the rollout manager actor)"
+            if not self.engines
+            else f"a rollout engine ({a.rollout_engine}, one of {len(self.engines)} engine actors) or its manager"
+        )
         if self.rollout_restarts >= a.max_rollout_retries:
             raise LoopError(
                 f"{engine} died during {during}: {cause}. It was restarted {self.rollout_restarts} time(s) already "
                 f"(--max-rollout-retries {a.max_rollout_retries}). {self._resume_hint()}"
             )
         self.rollout_restarts += 1
-        print(f"{engine} died during {during}: {cause}; restarting it and retrying "
-              f"({self.rollout_restarts}/{a.max_rollout_retries}, --max-rollout-retries)", flush=True)
+        print(
+            f"{engine} died during {during}: {cause}; restarting it and retrying "
+            f"({self.rollout_restarts}/{a.max_rollout_retries}, --max-rollout-retries)",
+            flush=True,
+        )
         for actor in [self.rollout, *self.engines]:
             ray.kill(actor, no_restart=True)
-        self.rollout, self.engines = create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        self.rollout, self.engines = create_rollout_manager(
+            a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data
+        )
         self._rollout_call("load_state_dict", self.rollout_state)
         self.sync_weights()
 
@@ -275,7 +318,9 @@ class Driver:
             shares = split_rollout_for_dp(batch, g.dp_size)
             plans = g.call("plan_docs_steps", [(shares[g.dp_rank(r)], data.num_groups) for r in range(g.world_size)])
         else:
-            by_dp = plan_global_batch_steps(batch, global_batch_size=a.global_batch_size or batch.num_samples, dp_size=g.dp_size)
+            by_dp = plan_global_batch_steps(
+                batch, global_batch_size=a.global_batch_size or batch.num_samples, dp_size=g.dp_size
+            )
             plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
         return g.call("train_rollout", [(plan,) for plan in plans])[0]  # one RankPlan per rank
 
@@ -286,8 +331,13 @@ class Driver:
         extra = {"rollout_id": rollout_id + 1, "rollout_state": self.rollout_state, "samples_seen": self.samples_seen}
         staging = begin_save(a.save, self.step)  # the layout: rl_plugin.loop.checkpoint
         self.group.call("save", [(str(staging), self.step, extra)] * self.group.world_size)
-        state = {"step": self.step, "next_rollout": rollout_id + 1, "samples_seen": self.samples_seen,
-                 "train_backend": a.train_backend, "num_rollout": a.num_rollout}
+        state = {
+            "step": self.step,
+            "next_rollout": rollout_id + 1,
+            "samples_seen": self.samples_seen,
+            "train_backend": a.train_backend,
+            "num_rollout": a.num_rollout,
+        }
         if self.pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
             write_pending_rollout(staging, *self.pending)
             state["pending_rollout"] = PENDING_ROLLOUT
@@ -339,7 +389,13 @@ class Driver:
             self.rollout_state = self._rollout_call("state_dict")
             self.sync_weights()
             logger = MetricsLogger(a, str(self.metrics_file))
-            bar = tqdm(total=a.num_rollout, initial=self.start_rollout, disable=a.no_progress_bar, desc="rollouts", dynamic_ncols=True)
+            bar = tqdm(
+                total=a.num_rollout,
+                initial=self.start_rollout,
+                disable=a.no_progress_bar,
+                desc="rollouts",
+                dynamic_ncols=True,
+            )
             one_rollout = self._overlapped_rollout if a.max_weight_staleness > 0 else self._one_rollout
             for k in range(self.start_rollout, a.num_rollout):
                 one_rollout(k, logger, bar)
@@ -355,7 +411,9 @@ class Driver:
             if logger is not None:
                 logger.close()
             self._teardown()
-        png = plot_reward_curve(self.metrics_file, self.output_dir / "reward_curve.png", title=f"rl_plugin ({a.train_backend})")
+        png = plot_reward_curve(
+            self.metrics_file, self.output_dir / "reward_curve.png", title=f"rl_plugin ({a.train_backend})"
+        )
         print(f"metrics: {self.metrics_file}\nreward curve: {png}", flush=True)
 
     def _teardown(self) -> None:
@@ -421,20 +479,30 @@ class Driver:
         if ahead is not None:
             t2 = time.perf_counter()
             try:
-                nxt = self._retrying("generate", k + 1, lambda: generate_ref(self.rollout, k + 1, self.faults), first=ahead)
+                nxt = self._retrying(
+                    "generate", k + 1, lambda: generate_ref(self.rollout, k + 1, self.faults), first=ahead
+                )
                 self.rollout_state = nxt.dataset_state  # came back with the rollout
             except LoopError:
-                self._log_rows(k, data, reports, {"time/train": t_train}, t0, logger, bar, staleness)  # steps done stay logged
+                self._log_rows(
+                    k, data, reports, {"time/train": t_train}, t0, logger, bar, staleness
+                )  # steps done stay logged
                 raise
             wait_gen += time.perf_counter() - t2
             # a manager that died meanwhile was replaced and synced with the trainer's current weights: no lag
             self.pending = (k + 1, nxt, 0 if self.rollout_restarts > restarts else 1)
             ahead_s = nxt.stats.get("rollout_gen_time", 0.0) + nxt.stats.get("rollout_reward_time", 0.0)
-            timings.update({
-                "time/generate_ahead": ahead_s,  # the engine's own time on rollout k+1 (generate + reward)
-                "time/engine_wait_trainer": max(0.0, t2 - t1 - ahead_s),  # engine idle until training ended (approx.)
-                "time/overlap_saved": max(0.0, ahead_s - (time.perf_counter() - t2)),  # generation hidden behind training
-            })
+            timings.update(
+                {
+                    "time/generate_ahead": ahead_s,  # the engine's own time on rollout k+1 (generate + reward)
+                    "time/engine_wait_trainer": max(
+                        0.0, t2 - t1 - ahead_s
+                    ),  # engine idle until training ended (approx.)
+                    "time/overlap_saved": max(
+                        0.0, ahead_s - (time.perf_counter() - t2)
+                    ),  # generation hidden behind training
+                }
+            )
         timings["time/trainer_wait_generate"] = wait_gen
         if call is not None:
             timings["time/rollout_call"] = call
@@ -444,12 +512,23 @@ class Driver:
     def _take_pending(self, k: int):
         rollout_id, data, _ = self.pending
         if rollout_id != k:
-            raise LoopError(f"internal: the rollout generated ahead is rollout {rollout_id}, the loop is at rollout {k}")
+            raise LoopError(
+                f"internal: the rollout generated ahead is rollout {rollout_id}, the loop is at rollout {k}"
+            )
         self.pending = None
         return data
 
-    def _finish_rollout(self, k: int, data, reports, timings: Dict[str, float], t0: float, logger: MetricsLogger, bar,
-                        staleness: Optional[int] = None) -> None:
+    def _finish_rollout(
+        self,
+        k: int,
+        data,
+        reports,
+        timings: Dict[str, float],
+        t0: float,
+        logger: MetricsLogger,
+        bar,
+        staleness: Optional[int] = None,
+    ) -> None:
         """Log rollout k's steps, then checkpoint and evaluate when due."""
         a = self.args
         self._log_rows(k, data, reports, timings, t0, logger, bar, staleness)
@@ -459,18 +538,35 @@ class Driver:
             ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
             logger.log(self.step, {"rollout_id": k, **ev})
         stats = data.stats
-        bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", gen_s=f"{stats.get('rollout_gen_time', 0.0):.2f}",
-                        reward_s=f"{stats.get('rollout_reward_time', 0.0):.2f}", train_s=f"{timings.get('time/train', 0.0):.2f}", step=self.step)
+        bar.set_postfix(
+            reward=f"{stats['reward_mean']:.3f}",
+            gen_s=f"{stats.get('rollout_gen_time', 0.0):.2f}",
+            reward_s=f"{stats.get('rollout_reward_time', 0.0):.2f}",
+            train_s=f"{timings.get('time/train', 0.0):.2f}",
+            step=self.step,
+        )
         bar.update(1)
 
-    def _log_rows(self, k: int, data, reports, timings: Dict[str, float], t0: float, logger: MetricsLogger, bar,
-                  staleness: Optional[int]) -> None:
+    def _log_rows(
+        self,
+        k: int,
+        data,
+        reports,
+        timings: Dict[str, float],
+        t0: float,
+        logger: MetricsLogger,
+        bar,
+        staleness: Optional[int],
+    ) -> None:
         a = self.args
         stats = {key: data.stats[key] for key in ROLLOUT_STATS}
         stats.update({key: v for key, v in data.stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
         if staleness is not None:  # overlapped runs only: the synchronous loop's metrics stay as they were
             stats["weight_staleness"] = float(staleness)
-        t_engine, t_reward = data.stats.get("rollout_gen_time", timings.get("time/rollout_call", 0.0)), data.stats.get("rollout_reward_time", 0.0)
+        t_engine, t_reward = (
+            data.stats.get("rollout_gen_time", timings.get("time/rollout_call", 0.0)),
+            data.stats.get("rollout_reward_time", 0.0),
+        )
         for j, rep in enumerate(reports):
             self.step += 1
             self.samples_seen += int(rep["samples"])
@@ -479,8 +575,15 @@ class Driver:
                 rep["num_documents"], rep["documents_seen"] = rep["samples"], float(self.samples_seen)
             step_timings = {key: rep.pop(key) for key in list(rep) if key.startswith("time/")}
             if j == 0:  # rollout_generate: the engine; rollout_reward: scoring; rollout_call: the whole remote call
-                step_timings.update({"time/rollout_generate": t_engine, "time/rollout_reward": t_reward, **timings,
-                                     "time/weight_load_engines": self.last_sync["seconds"], "time/rollout_total": time.perf_counter() - t0})
+                step_timings.update(
+                    {
+                        "time/rollout_generate": t_engine,
+                        "time/rollout_reward": t_reward,
+                        **timings,
+                        "time/weight_load_engines": self.last_sync["seconds"],
+                        "time/rollout_total": time.perf_counter() - t0,
+                    }
+                )
             row = {"rollout_id": k, "step_in_rollout": j, **stats, **rep}
             logger.log(self.step, row, step_timings)
             if self.step % a.log_interval == 0:
@@ -490,6 +593,8 @@ class Driver:
     def _resume_hint(self) -> str:
         a = self.args
         if a.save and latest_step(a.save) is not None:
-            return (f"Completed steps are in {self.metrics_file}; resume with --load {a.save} (last checkpoint: step {latest_step(a.save)}): "
-                    f"{resume_command(self.argv, a.save)}")
+            return (
+                f"Completed steps are in {self.metrics_file}; resume with --load {a.save} (last checkpoint: step {latest_step(a.save)}): "
+                f"{resume_command(self.argv, a.save)}"
+            )
         return f"Completed steps are in {self.metrics_file}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"

@@ -25,8 +25,16 @@ from rl_plugin.rollout.tokenizer import CharTokenizer
 NUM_DIGITS = EMBEDDED_TASK_DIGITS
 TASK = "copy"
 # head_dim = hidden / heads = 32: the smallest head size vLLM's CPU attention accepts (16 is not).
-MODEL = dict(family="qwen2", vocab_size=16, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-             intermediate_size=128, max_position_embeddings=64)
+MODEL = dict(
+    family="qwen2",
+    vocab_size=16,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
 
 
 def is_embedded(args) -> bool:

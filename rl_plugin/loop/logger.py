@@ -116,9 +116,19 @@ def supersede_after(metrics_file, step: int) -> List[int]:
     return moved
 
 
-SUMMARY_KEYS = (("reward_mean", "reward", "{:.3f}"), ("loss", "loss", "{:.4g}"), ("grad_norm", "grad_norm", "{:.3g}"),
-                ("response_len_mean", "resp_len", "{:.1f}"), ("lr", "lr", "{:.3g}"))
-SUMMARY_TIMES = (("time/rollout_generate", "gen"), ("time/rollout_reward", "reward"), ("time/train", "train"), ("time/weight_sync", "sync"))
+SUMMARY_KEYS = (
+    ("reward_mean", "reward", "{:.3f}"),
+    ("loss", "loss", "{:.4g}"),
+    ("grad_norm", "grad_norm", "{:.3g}"),
+    ("response_len_mean", "resp_len", "{:.1f}"),
+    ("lr", "lr", "{:.3g}"),
+)
+SUMMARY_TIMES = (
+    ("time/rollout_generate", "gen"),
+    ("time/rollout_reward", "reward"),
+    ("time/train", "train"),
+    ("time/weight_sync", "sync"),
+)
 
 
 def summary_line(step: int, row: Dict[str, Any], timings: Dict[str, float]) -> str:

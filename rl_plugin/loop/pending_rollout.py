@@ -31,7 +31,11 @@ def write_pending_rollout(directory, rollout_id: int, data: RolloutData, stalene
     """Into ``directory``: the checkpoint's staging directory (``loop.checkpoint.begin_save``)."""
     path = Path(directory) / PENDING_ROLLOUT
     tmp = path.with_suffix(".tmp")
-    payload = {"rollout_id": int(rollout_id), "staleness": int(staleness), "data": {f.name: getattr(data, f.name) for f in fields(data)}}
+    payload = {
+        "rollout_id": int(rollout_id),
+        "staleness": int(staleness),
+        "data": {f.name: getattr(data, f.name) for f in fields(data)},
+    }
     torch.save(payload, tmp)
     os.replace(tmp, path)
 

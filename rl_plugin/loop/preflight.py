@@ -72,9 +72,11 @@ def is_finished(args, next_rollout: Optional[int]) -> bool:
 
 
 def finished_message(args, step: int) -> str:
-    return (f"--load {args.load}: the run is complete: its checkpoint (step {step}) has done all {args.num_rollout} rollouts of "
-            f"--num-rollout {args.num_rollout}, so there is nothing to train. To train further, raise --num-rollout "
-            f"(it counts all rollouts of the run, e.g. --num-rollout {2 * args.num_rollout})")
+    return (
+        f"--load {args.load}: the run is complete: its checkpoint (step {step}) has done all {args.num_rollout} rollouts of "
+        f"--num-rollout {args.num_rollout}, so there is nothing to train. To train further, raise --num-rollout "
+        f"(it counts all rollouts of the run, e.g. --num-rollout {2 * args.num_rollout})"
+    )
 
 
 def check_reward_and_data(args) -> None:
@@ -87,16 +89,30 @@ def check_reward_and_data(args) -> None:
     except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
-        fail(f"--custom-rm-path {args.custom_rm_path}", str(exc), "pass package.module:function or path/to/file.py:function")
+        fail(
+            f"--custom-rm-path {args.custom_rm_path}",
+            str(exc),
+            "pass package.module:function or path/to/file.py:function",
+        )
     try:
         tokenizer = load_tokenizer(args.hf_checkpoint, apply_chat_template=args.apply_chat_template)
     except ValueError as exc:
-        fail(f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+        fail(
+            f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
+        )
     context = model_context_length(args.hf_checkpoint)
     for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
         if path is not None:
-            check_prompt_file(flag, path, tokenizer, input_key=args.input_key, label_key=args.label_key,
-                              max_response_len=args.rollout_max_response_len, context_len=context, hf_checkpoint=args.hf_checkpoint)
+            check_prompt_file(
+                flag,
+                path,
+                tokenizer,
+                input_key=args.input_key,
+                label_key=args.label_key,
+                max_response_len=args.rollout_max_response_len,
+                context_len=context,
+                hf_checkpoint=args.hf_checkpoint,
+            )
 
 
 def preflight(args) -> Optional[ResumePoint]:

@@ -50,8 +50,13 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "start_ticks": _start_ticks(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv,
+        }
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -62,7 +67,11 @@ class RunLock:
                 json.dump(me, f)
             self.held = True
             return self
-        fail(f"--output-dir {self.path.parent}", f"could not take the run lock {self.path}", f"remove {self.path} if no run uses the directory")
+        fail(
+            f"--output-dir {self.path.parent}",
+            f"could not take the run lock {self.path}",
+            f"remove {self.path} if no run uses the directory",
+        )
         return self
 
     def _refuse_or_clear(self) -> None:

@@ -13,9 +13,15 @@ from rl_plugin.rollout.manager import RolloutData
 def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
     """The whole rollout as one StepBatch with advantages (group ids: rollout prompt index)."""
     loss_mask = torch.ones(int(data.response_lengths.sum()), dtype=torch.float32)
-    adv = compute_advantages(estimator, data.rewards, data.group_ids, response_lengths=data.response_lengths, loss_mask=loss_mask)
+    adv = compute_advantages(
+        estimator, data.rewards, data.group_ids, response_lengths=data.response_lengths, loss_mask=loss_mask
+    )
     return StepBatch(
-        tokens=data.tokens, total_lengths=data.total_lengths, response_lengths=data.response_lengths,
-        loss_mask=loss_mask, advantages=to_tokens(adv.float(), data.response_lengths), group_ids=data.group_ids.clone(),
+        tokens=data.tokens,
+        total_lengths=data.total_lengths,
+        response_lengths=data.response_lengths,
+        loss_mask=loss_mask,
+        advantages=to_tokens(adv.float(), data.response_lengths),
+        group_ids=data.group_ids.clone(),
         rollout_log_probs=data.rollout_log_probs,
     ).validate()

@@ -131,10 +131,17 @@ def aggregate(
         counts = counts_of(loss_mask, response_lengths, group_ids, ParallelState.single())
     else:  # the other modes read only N and M_i (and their sum): no group bookkeeping
         m_i = sample_token_counts(loss_mask, response_lengths)
-        counts = StepCounts(num_samples=s, total_tokens=float(m_i.sum()), num_groups=0, group_samples=m_i[:0],
-                            group_tokens=m_i[:0], sample_tokens=m_i)
-    w = token_weights(mode, counts, loss_mask, response_lengths, group_ids, divisor,
-                      dtype=torch.promote_types(x.dtype, torch.float32))
+        counts = StepCounts(
+            num_samples=s,
+            total_tokens=float(m_i.sum()),
+            num_groups=0,
+            group_samples=m_i[:0],
+            group_tokens=m_i[:0],
+            sample_tokens=m_i,
+        )
+    w = token_weights(
+        mode, counts, loss_mask, response_lengths, group_ids, divisor, dtype=torch.promote_types(x.dtype, torch.float32)
+    )
     if x.dim() == 1 and x.dtype == w.dtype:
         j = torch.dot(x, w.to(x.device))  # the fast path; exact unless x is non-finite somewhere
         return j if bool(torch.isfinite(j)) else weighted_sum(x, w)

@@ -19,8 +19,17 @@ from rl_plugin.loss.errors import BadBatchError
 
 PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs")
 # Tensor dtypes a numpy array holds exactly (the pickling fast path, ``StepBatch.__reduce_ex__``).
-NUMPY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                torch.float32, torch.float64)
+NUMPY_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+)
 
 
 @dataclass
@@ -135,5 +144,6 @@ class StepBatch:
 def _step_batch_from_arrays(arrays: dict) -> StepBatch:
     """Inverse of ``StepBatch.__reduce_ex__``; a read-only array (Ray's zero-copy object-store
     buffer) is copied, so the tensors own writable memory."""
-    return StepBatch(**{k: None if a is None else torch.from_numpy(a if a.flags.writeable else a.copy())
-                        for k, a in arrays.items()})
+    return StepBatch(
+        **{k: None if a is None else torch.from_numpy(a if a.flags.writeable else a.copy()) for k, a in arrays.items()}
+    )

@@ -73,8 +73,13 @@ def compute_step_counts(batch: StepBatch, ps: ParallelState, num_groups: Optiona
     return counts_of(batch.loss_mask, batch.response_lengths, batch.group_ids, ps, num_groups)
 
 
-def counts_of(loss_mask: torch.Tensor, response_lengths: torch.Tensor, group_ids: torch.Tensor, ps: ParallelState,
-              num_groups: Optional[int] = None) -> StepCounts:
+def counts_of(
+    loss_mask: torch.Tensor,
+    response_lengths: torch.Tensor,
+    group_ids: torch.Tensor,
+    ps: ParallelState,
+    num_groups: Optional[int] = None,
+) -> StepCounts:
     """``compute_step_counts`` from the three tensors it reads."""
     m_i = sample_token_counts(loss_mask, response_lengths)
     gid = group_ids.long()

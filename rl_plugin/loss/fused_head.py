@@ -60,8 +60,19 @@ def _dtypes(hidden: torch.Tensor, weight: torch.Tensor, fp32_head: bool):
 
 class _FusedHeadLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, tp_group, inv_temp, chunk, with_entropy, fp32_head,
-                reduce_hidden_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        vocab_start,
+        tp_group,
+        inv_temp,
+        chunk,
+        with_entropy,
+        fp32_head,
+        reduce_hidden_grad,
+    ):
         rows, v_local = hidden.shape[0], weight.shape[0]
         mm_dtype, acc = _dtypes(hidden, weight, fp32_head)
         w_mm = weight.detach().to(mm_dtype)  # no copy unless fp32_head on a bf16 weight ([V_local, H])
@@ -80,12 +91,14 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             z_target = z.gather(1, local_t[s:e].unsqueeze(1)).squeeze(1) - zmax
             z.sub_(zmax.unsqueeze(-1))  # z - max: <= 0
             ez = torch.exp(z)
-            packed = torch.stack([
-                ez.sum(-1),
-                z_target * in_shard[s:e],
-                torch.linalg.vecdot(ez, z) if with_entropy else zmax.new_zeros(e - s),
-                in_shard[s:e].to(acc),
-            ])
+            packed = torch.stack(
+                [
+                    ez.sum(-1),
+                    z_target * in_shard[s:e],
+                    torch.linalg.vecdot(ez, z) if with_entropy else zmax.new_zeros(e - s),
+                    in_shard[s:e].to(acc),
+                ]
+            )
             del ez, z
             if tp_group is not None:
                 dist.all_reduce(packed, group=tp_group)
@@ -180,7 +193,9 @@ def fused_log_probs_and_entropy(
     sequence-parallel gather reduce-scatters). Entropy is zeros when ``with_entropy`` is False.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden [rows, H] and weight [V_local, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected hidden [rows, H] and weight [V_local, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected targets [rows] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if not temperature > 0:
@@ -189,6 +204,14 @@ def fused_log_probs_and_entropy(
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _FusedHeadLogProbs.apply(
-        hidden, weight, targets, int(vocab_start), tp_group, 1.0 / float(temperature), chunk, bool(with_entropy),
-        bool(fp32_head), bool(reduce_hidden_grad),
+        hidden,
+        weight,
+        targets,
+        int(vocab_start),
+        tp_group,
+        1.0 / float(temperature),
+        chunk,
+        bool(with_entropy),
+        bool(fp32_head),
+        bool(reduce_hidden_grad),
     )

@@ -26,11 +26,22 @@ class MicroBatchInputs:
     targets: torch.Tensor
 
     @classmethod
-    def build(cls, sub_batch: StepBatch, *, cp_rank: int = 0, cp_size: int = 1, qkv_format: str = "thd",
-              max_seq_len: Optional[int] = None) -> "MicroBatchInputs":
+    def build(
+        cls,
+        sub_batch: StepBatch,
+        *,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        qkv_format: str = "thd",
+        max_seq_len: Optional[int] = None,
+    ) -> "MicroBatchInputs":
         layout = build_response_layout(
-            sub_batch.total_lengths, sub_batch.response_lengths, cp_rank=cp_rank, cp_size=cp_size,
-            qkv_format=qkv_format, max_seq_len=max_seq_len,
+            sub_batch.total_lengths,
+            sub_batch.response_lengths,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            qkv_format=qkv_format,
+            max_seq_len=max_seq_len,
         )
         return cls(
             layout=layout,

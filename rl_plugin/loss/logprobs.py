@@ -149,7 +149,9 @@ def log_probs_and_entropy(
     may be uneven. Entropy is zeros when ``with_entropy`` is False.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits [rows, V] and targets [rows], got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"expected logits [rows, V] and targets [rows], got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (--rollout-temperature), got {temperature}")
     return _VocabParallelLogProbEntropy.apply(
@@ -189,6 +191,8 @@ class _FP32OutputProjection(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias
 
 
-def fp32_output_projection(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp32_output_projection(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``hidden @ weight.T (+ bias)`` with fp32 accumulation and fp32 output (``--fp32-lm-head``)."""
     return _FP32OutputProjection.apply(hidden, weight, bias)

@@ -64,10 +64,18 @@ class MetricAccumulator:
         names_max = sorted(set(names_max or ()) | set(self.maxes))
         names_min = sorted(set(names_min or ()) | set(self.mins))
         zero, neg_inf, pos_inf = self._const(0.0), self._const(-math.inf), self._const(math.inf)
-        sums = torch.stack([self.sums.get(k, zero) for k in names_sum]).cpu() if names_sum else torch.zeros(0, dtype=torch.float64)
-        ext = torch.stack(
-            [self.maxes.get(k, neg_inf) for k in names_max] + [-self.mins.get(k, pos_inf) for k in names_min]
-        ).cpu() if (names_max or names_min) else torch.zeros(0, dtype=torch.float64)
+        sums = (
+            torch.stack([self.sums.get(k, zero) for k in names_sum]).cpu()
+            if names_sum
+            else torch.zeros(0, dtype=torch.float64)
+        )
+        ext = (
+            torch.stack(
+                [self.maxes.get(k, neg_inf) for k in names_max] + [-self.mins.get(k, pos_inf) for k in names_min]
+            ).cpu()
+            if (names_max or names_min)
+            else torch.zeros(0, dtype=torch.float64)
+        )
         all_reduce(sums, ps.dp_cp_group)
         all_reduce(ext, ps.dp_cp_group, dist.ReduceOp.MAX)
         out: Dict[str, Optional[float]] = {k: float(v) for k, v in zip(names_sum, sums.tolist())}

@@ -93,7 +93,9 @@ def tis_weights_and_flags(
         return w, flags * m
 
 
-def mismatch_terms(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+def mismatch_terms(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor
+) -> Dict[str, torch.Tensor]:
     """Per-token |d| and K3 terms (float64, zero on masked tokens)."""
     with torch.no_grad():
         m = loss_mask.detach().to(torch.float64)
@@ -121,11 +123,22 @@ def tis_weights(
     """
     response_lengths = torch.as_tensor(response_lengths, dtype=torch.long)
     n_tok = int(response_lengths.sum())
-    for name, t in (("old_log_probs", old_log_probs), ("rollout_log_probs", rollout_log_probs), ("loss_mask", loss_mask)):
+    for name, t in (
+        ("old_log_probs", old_log_probs),
+        ("rollout_log_probs", rollout_log_probs),
+        ("loss_mask", loss_mask),
+    ):
         if t.shape[0] != n_tok:
             raise ValueError(f"tis_weights: {name} has {t.shape[0]} entries but response_lengths sum to {n_tok}")
     w, flags = tis_weights_and_flags(
-        old_log_probs, rollout_log_probs, loss_mask, response_lengths, level=level, mode=mode, clip_low=clip_low, clip_high=clip_high
+        old_log_probs,
+        rollout_log_probs,
+        loss_mask,
+        response_lengths,
+        level=level,
+        mode=mode,
+        clip_low=clip_low,
+        clip_high=clip_high,
     )
     m = loss_mask.detach().to(torch.float64)
     sid = segment_ids(response_lengths)

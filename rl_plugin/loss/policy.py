@@ -124,7 +124,9 @@ def gspo_loss(
     partial = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m * d)
     seq_log_ratio = all_reduce_sum(partial[:num_samples], cp_group)
     if sample_token_counts is None:
-        counts = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m.detach())[:num_samples]
+        counts = torch.zeros(num_samples + 1, dtype=dtype, device=log_probs.device).index_add(0, bins, m.detach())[
+            :num_samples
+        ]
         counts = all_reduce_sum(counts, cp_group)
     else:
         counts = sample_token_counts.to(dtype)

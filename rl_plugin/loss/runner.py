@@ -87,17 +87,24 @@ class StepBackend(Protocol):
     loss_device: torch.device
     loss_config: LossConfig
 
-    def forward(self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int,
-                with_entropy: bool) -> torch.Tensor: ...
+    def forward(
+        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
+    ) -> torch.Tensor: ...
 
     def schedule(self, model, num_micro_batches: int, forward: Forward, loss: Loss, *, forward_only: bool) -> int: ...
 
     def optimizer_step(self) -> Tuple[float, float]: ...
 
 
-def old_log_probs_rule(*, step_bounds: Sequence[Tuple[int, int]], num_samples: int, cfg: LossConfig,
-                       ps: ParallelState, has_rollout_log_probs: bool,
-                       deterministic_forward: bool) -> Optional[str]:
+def old_log_probs_rule(
+    *,
+    step_bounds: Sequence[Tuple[int, int]],
+    num_samples: int,
+    cfg: LossConfig,
+    ps: ParallelState,
+    has_rollout_log_probs: bool,
+    deterministic_forward: bool,
+) -> Optional[str]:
     """Why a rollout needs its separate old-log-prob pass (None: take them from the training forward).
 
     The old log-probs are the policy's at the start of the rollout. When the rollout is trained in
@@ -141,27 +148,39 @@ class StepRunner:
         planner's (``--micro-batch-size`` / ``--use-dynamic-batch-size --max-tokens-per-gpu``,
         collective over DP)."""
         if micro_batches is None:
-            micro_batches = plan_micro_batches(batch, micro_batch_size=self.micro_batch_size,
-                                               max_tokens_per_gpu=self.max_tokens_per_gpu, dp_group=self.ps.dp_group)
+            micro_batches = plan_micro_batches(
+                batch,
+                micro_batch_size=self.micro_batch_size,
+                max_tokens_per_gpu=self.max_tokens_per_gpu,
+                dp_group=self.ps.dp_group,
+            )
         plan = [torch.as_tensor(m, dtype=torch.long).reshape(-1) for m in micro_batches]
         return [m for m in plan if m.numel()]
 
     # -- one optimizer step -------------------------------------------------------------------
-    def train_step(self, model, batch: StepBatch, *, num_groups: int,
-                   micro_batches: Optional[Sequence[torch.Tensor]] = None,
-                   old_from_forward: bool = False) -> Dict[str, float]:
+    def train_step(
+        self,
+        model,
+        batch: StepBatch,
+        *,
+        num_groups: int,
+        micro_batches: Optional[Sequence[torch.Tensor]] = None,
+        old_from_forward: bool = False,
+    ) -> Dict[str, float]:
         """J and the metrics, ``grad_norm``, ``lr`` and ``num_micro_batches`` (passes per rank)."""
         backend, cfg = self.backend, self.cfg
-        ctx = prepare_step(batch, cfg, self.ps, num_groups=num_groups, device=backend.loss_device,
-                           old_from_forward=old_from_forward)
+        ctx = prepare_step(
+            batch, cfg, self.ps, num_groups=num_groups, device=backend.loss_device, old_from_forward=old_from_forward
+        )
         plan = self.plan(batch, micro_batches)
         pending = {}
         with_entropy = cfg.needs_entropy
 
         def forward(i: int) -> torch.Tensor:
             mb = pending[i] = ctx.micro_batch(plan[i] if i < len(plan) else _EMPTY)
-            return backend.forward(model, mb, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                   with_entropy=with_entropy)
+            return backend.forward(
+                model, mb, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy
+            )
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
             mb = pending.pop(i)
@@ -178,7 +197,9 @@ class StepRunner:
         return report
 
     # -- forward only -------------------------------------------------------------------------
-    def log_probs(self, model, batch: StepBatch, micro_batches: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+    def log_probs(
+        self, model, batch: StepBatch, micro_batches: Optional[Sequence[torch.Tensor]] = None
+    ) -> torch.Tensor:
         """Per-response-token log-probs ``[sum R_i]`` (fp32, full responses, batch order, CPU) of
         ``model`` at the sampler's temperature: the train step's forward without backward."""
         backend, cfg, ps = self.backend, self.cfg, self.ps
@@ -193,18 +214,28 @@ class StepRunner:
         def forward(i: int) -> torch.Tensor:
             idx = plan[i] if i < len(plan) else _EMPTY
             sub = batch.select(idx)
-            inputs = MicroBatchInputs.build(sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=cfg.qkv_format,
-                                            max_seq_len=cfg.max_seq_len)
+            inputs = MicroBatchInputs.build(
+                sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len
+            )
             pending[i] = (idx, sub, inputs)
-            return backend.forward(model, inputs, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                                   with_entropy=False)
+            return backend.forward(
+                model, inputs, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=False
+            )
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
             idx, sub, inputs = pending.pop(i)
             if inputs.layout.num_samples:
-                layouts = [inputs.layout] if ps.cp_size == 1 else all_rank_layouts(
-                    sub.total_lengths, sub.response_lengths, cp_size=ps.cp_size, qkv_format=cfg.qkv_format,
-                    max_seq_len=cfg.max_seq_len)
+                layouts = (
+                    [inputs.layout]
+                    if ps.cp_size == 1
+                    else all_rank_layouts(
+                        sub.total_lengths,
+                        sub.response_lengths,
+                        cp_size=ps.cp_size,
+                        qkv_format=cfg.qkv_format,
+                        max_seq_len=cfg.max_seq_len,
+                    )
+                )
                 full = gather_responses(out[:, 0].float(), layouts, ps.cp_rank, ps.cp_group)
                 result[expand_runs(offsets[idx], rl[idx]).to(device, non_blocking=True)] = full
             return out.new_zeros(())

@@ -53,16 +53,31 @@ from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
 from rl_plugin.loss.policy import clamped_log_ratio, get_policy_loss
 from rl_plugin.parallel import ParallelState
 
-SUM_METRICS_BASIC = ("pg_clipfrac", "ppo_kl", "ratio_mean", "old_log_prob", "advantage_mean", "ratio_sum", "ratio_sq_sum")
+SUM_METRICS_BASIC = (
+    "pg_clipfrac",
+    "ppo_kl",
+    "ratio_mean",
+    "old_log_prob",
+    "advantage_mean",
+    "ratio_sum",
+    "ratio_sq_sum",
+)
 LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
 MISMATCH_SUMS = ("mismatch/abs_diff_mean", "mismatch/k3_kl")
 TIS_SUMS = ("tis/weight_mean", "tis/clipped_frac")
 # DeepSpeed's names for the same quantities (--deepspeed-metric-names), logged besides ours.
 DEEPSPEED_NAMES = {
-    "ratio_new_old": "ratio_mean", "ratio_new_old_sum": "ratio_sum", "ratio_new_old_squared_sum": "ratio_sq_sum",
-    "kl_new_old": "ppo_kl", "clipped_ratio_fraction": "pg_clipfrac", "advantage": "advantage_mean",
-    "max_advantage": "advantage_max", "min_advantage": "advantage_min", "num_tokens": "tokens",
-    "entropy": "entropy", "old_logprobs": "old_log_prob",
+    "ratio_new_old": "ratio_mean",
+    "ratio_new_old_sum": "ratio_sum",
+    "ratio_new_old_squared_sum": "ratio_sq_sum",
+    "kl_new_old": "ppo_kl",
+    "clipped_ratio_fraction": "pg_clipfrac",
+    "advantage": "advantage_mean",
+    "max_advantage": "advantage_max",
+    "min_advantage": "advantage_min",
+    "num_tokens": "tokens",
+    "entropy": "entropy",
+    "old_logprobs": "old_log_prob",
 }
 
 
@@ -118,8 +133,15 @@ class StepContext:
     batch (their collective carries CPU scalars), then moved; the off-policy terms are built on
     ``device`` so both ways of getting old log-probs compute them on the same hardware."""
 
-    def __init__(self, batch: StepBatch, cfg: LossConfig, ps: ParallelState, counts: StepCounts,
-                 device: Optional[torch.device] = None, old_from_forward: bool = False):
+    def __init__(
+        self,
+        batch: StepBatch,
+        cfg: LossConfig,
+        ps: ParallelState,
+        counts: StepCounts,
+        device: Optional[torch.device] = None,
+        old_from_forward: bool = False,
+    ):
         self.batch, self.cfg, self.ps, self.counts = batch, cfg, ps, counts
         self.device = device = torch.device("cpu") if device is None else torch.device(device)
         mode = "token_mean" if cfg.calculate_per_token_loss else cfg.loss_aggregation
@@ -141,8 +163,11 @@ class StepContext:
         if old_from_forward:
             self._check_old_from_forward()
             # The detached training log-probs of every response token, for the mismatch metrics.
-            self.forward_old = (torch.zeros(batch.loss_mask.shape[0], dtype=torch.float32, device=device)
-                                if self.measure_mismatch else None)
+            self.forward_old = (
+                torch.zeros(batch.loss_mask.shape[0], dtype=torch.float32, device=device)
+                if self.measure_mismatch
+                else None
+            )
             self.tis_weights = None  # built per micro-batch (loss)
         else:
             self.tis_weights = self._off_policy_weights(self.old_log_probs)
@@ -165,7 +190,9 @@ class StepContext:
         b, cfg = self.batch, self.cfg
         has_both = old is not None and b.rollout_log_probs is not None
         if cfg.use_tis and not has_both:
-            missing = "rollout_log_probs (the engine's)" if b.rollout_log_probs is None else "old_log_probs (the trainer's)"
+            missing = (
+                "rollout_log_probs (the engine's)" if b.rollout_log_probs is None else "old_log_probs (the trainer's)"
+            )
             raise BadBatchError(f"--use-tis needs both old and rollout log-probs; the step batch has no {missing}")
         self.measure_mismatch = has_both
         if not has_both:
@@ -175,8 +202,14 @@ class StepContext:
         w = flags = None
         if cfg.use_tis and cfg.custom_tis_function is None:
             w, flags = tis_weights_and_flags(
-                old, rollout, mask, b.response_lengths,
-                level=cfg.tis_level, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+                old,
+                rollout,
+                mask,
+                b.response_lengths,
+                level=cfg.tis_level,
+                mode=cfg.tis_mode,
+                clip_low=cfg.tis_clip_low,
+                clip_high=cfg.tis_clip,
             )
         acc, w_sm = self.metrics, self.sample_mean_weights
         if self.ps.cp_rank == 0:
@@ -195,8 +228,14 @@ class StepContext:
         sequence weights are the per-sample functions the whole-step pass computes."""
         cfg = self.cfg
         w, _ = tis_weights_and_flags(
-            old, self.rollout_log_probs[mb.local_index], mb.loss_mask, mb.batch.response_lengths,
-            level=cfg.tis_level, mode=cfg.tis_mode, clip_low=cfg.tis_clip_low, clip_high=cfg.tis_clip,
+            old,
+            self.rollout_log_probs[mb.local_index],
+            mb.loss_mask,
+            mb.batch.response_lengths,
+            level=cfg.tis_level,
+            mode=cfg.tis_mode,
+            clip_low=cfg.tis_clip_low,
+            clip_high=cfg.tis_clip,
         )
         return w
 
@@ -205,7 +244,10 @@ class StepContext:
         sample_index = torch.as_tensor(sample_index, dtype=torch.long).reshape(-1)
         sub = self.batch.select(sample_index)
         inputs = MicroBatchInputs.build(
-            sub, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp_size, qkv_format=self.cfg.qkv_format,
+            sub,
+            cp_rank=self.ps.cp_rank,
+            cp_size=self.ps.cp_size,
+            qkv_format=self.cfg.qkv_format,
             max_seq_len=self.cfg.max_seq_len,
         )
         layout = inputs.layout
@@ -238,7 +280,9 @@ class StepContext:
         """This micro-batch's share of J from its CP-local log-probs (and entropy)."""
         cfg = self.cfg
         if log_probs.shape[0] != mb.num_local_tokens:
-            raise ValueError(f"log_probs has {log_probs.shape[0]} rows, the micro-batch has {mb.num_local_tokens} local response tokens")
+            raise ValueError(
+                f"log_probs has {log_probs.shape[0]} rows, the micro-batch has {mb.num_local_tokens} local response tokens"
+            )
         dtype = log_probs.dtype
         mask = mb.loss_mask.to(dtype)
         w_pg = mb.pg_weights.to(dtype)
@@ -248,10 +292,17 @@ class StepContext:
         old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs.to(dtype)
         adv = mb.advantages.to(dtype)
         pg_tok, clipped = self.policy_loss(
-            log_probs, old, adv, loss_mask=mb.loss_mask,
-            eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-            sample_ids=mb.sample_ids, num_samples=mb.layout.num_samples,
-            sample_token_counts=mb.sample_token_counts, cp_group=self.ps.cp_group,
+            log_probs,
+            old,
+            adv,
+            loss_mask=mb.loss_mask,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            eps_clip_c=cfg.eps_clip_c,
+            sample_ids=mb.sample_ids,
+            num_samples=mb.layout.num_samples,
+            sample_token_counts=mb.sample_token_counts,
+            cp_group=self.ps.cp_group,
         )
         if self.old_from_forward and self.measure_mismatch:
             self.forward_old[mb.local_index] = old.float()  # what the separate pass would store
@@ -273,7 +324,9 @@ class StepContext:
             ref_lp = mb.ref_log_probs.to(dtype)
             # a masked token's log-prob is replaced by the reference's BEFORE the nonlinear
             # estimator, so neither its value nor its gradient (0 * inf) can be non-finite
-            kl_term = weighted_sum(kl_estimate(torch.where(mask != 0, log_probs, ref_lp), ref_lp, cfg.kl_loss_type), w_sm)
+            kl_term = weighted_sum(
+                kl_estimate(torch.where(mask != 0, log_probs, ref_lp), ref_lp, cfg.kl_loss_type), w_sm
+            )
             objective = objective + cfg.kl_loss_coef * kl_term
         if cfg.entropy_coef != 0.0:
             if entropy is None:
@@ -286,9 +339,16 @@ class StepContext:
         return MicroBatchLoss(objective=objective)
 
     def _cp_layouts(self, mb: MicroBatch):
-        return [mb.layout] if self.ps.cp_size == 1 else all_rank_layouts(
-            mb.batch.total_lengths, mb.batch.response_lengths, cp_size=self.ps.cp_size,
-            qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len,
+        return (
+            [mb.layout]
+            if self.ps.cp_size == 1
+            else all_rank_layouts(
+                mb.batch.total_lengths,
+                mb.batch.response_lengths,
+                cp_size=self.ps.cp_size,
+                qkv_format=self.cfg.qkv_format,
+                max_seq_len=self.cfg.max_seq_len,
+            )
         )
 
     def _custom_tis(self, pg_tok: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -300,16 +360,21 @@ class StepContext:
         split = b.response_lengths.long().tolist()
         idx = mb.step_token_index.to(self.device, non_blocking=True)
         out, masks, metrics = self.cfg.custom_tis_function(
-            self.cfg, pg_loss=full,
+            self.cfg,
+            pg_loss=full,
             train_log_probs=list(self.old_log_probs[idx].to(dtype).split(split)),
             rollout_log_probs=list(self.rollout_log_probs[idx].to(dtype).split(split)),
             loss_masks=list(self.loss_mask[idx].split(split)),
-            total_lengths=b.total_lengths.tolist(), response_lengths=split,
+            total_lengths=b.total_lengths.tolist(),
+            response_lengths=split,
         )
         if out.shape != full.shape:
-            raise ValueError(f"--custom-tis-function-path returned pg_loss of shape {tuple(out.shape)}, expected {tuple(full.shape)}")
-        new_mask = (torch.cat([torch.as_tensor(x) for x in masks]).to(full.device, dtype) if len(masks)
-                    else full.new_zeros(0))
+            raise ValueError(
+                f"--custom-tis-function-path returned pg_loss of shape {tuple(out.shape)}, expected {tuple(full.shape)}"
+            )
+        new_mask = (
+            torch.cat([torch.as_tensor(x) for x in masks]).to(full.device, dtype) if len(masks) else full.new_zeros(0)
+        )
         if self.ps.cp_rank == 0:
             w_sm = self.sample_mean_weights[idx]
             for name, value in (metrics or {}).items():
@@ -331,7 +396,9 @@ class StepContext:
         reducer = self.cfg.custom_pg_reducer(
             mb.batch.total_lengths.tolist(), rl.tolist(), loss_masks, self.cfg.calculate_per_token_loss
         )
-        denom = (self.counts.total_tokens or 1.0) if self.cfg.calculate_per_token_loss else float(self.counts.num_samples)
+        denom = (
+            (self.counts.total_tokens or 1.0) if self.cfg.calculate_per_token_loss else float(self.counts.num_samples)
+        )
         return reducer(full) / (denom * self.ps.cp_size)
 
     def _record(self, objective, pg_term, kl_term, entropy_term, log_probs, old, adv, mask, clipped, entropy, w_sm):
@@ -408,13 +475,22 @@ def old_from_forward_unsupported(cfg: LossConfig, cp_size: int, has_rollout_log_
     if cfg.use_tis and cfg.custom_tis_function is not None:
         return "--custom-tis-function-path reads the full old log-probs before the loss"
     if cp_size > 1 and has_rollout_log_probs:
-        return ("context parallelism: the mismatch metrics and sequence-level TIS weights need every CP chunk's "
-                "old log-probs of a response")
+        return (
+            "context parallelism: the mismatch metrics and sequence-level TIS weights need every CP chunk's "
+            "old log-probs of a response"
+        )
     return None
 
 
-def prepare_step(batch: StepBatch, cfg: LossConfig, ps: ParallelState, *, num_groups: Optional[int] = None,
-                 device: Optional[torch.device] = None, old_from_forward: bool = False) -> StepContext:
+def prepare_step(
+    batch: StepBatch,
+    cfg: LossConfig,
+    ps: ParallelState,
+    *,
+    num_groups: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    old_from_forward: bool = False,
+) -> StepContext:
     """Validate this rank's step data, compute the global counts once, build the weights and
     move the step's per-token tensors to the loss ``device`` (default CPU) once."""
     batch.validate()

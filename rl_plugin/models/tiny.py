@@ -14,16 +14,34 @@ import torch
 FAMILIES = ("qwen2", "llama")
 
 
-def tiny_config(family: str = "qwen2", *, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2,
-                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 64,
-                max_position_embeddings: int = 512, tie_word_embeddings: bool = False):
+def tiny_config(
+    family: str = "qwen2",
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 64,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        rms_norm_eps=1e-6, torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if family == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0)

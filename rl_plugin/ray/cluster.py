@@ -51,7 +51,9 @@ def init_ray(num_cpus: int) -> bool:
         _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
         if _REAPER is not None:
-            _REAPER.set_heads(sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid}))  # the cluster's head processes
+            _REAPER.set_heads(
+                sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid})
+            )  # the cluster's head processes
     return True
 
 
@@ -98,7 +100,10 @@ class Placement:
     def train_options(self, rank: int) -> Dict[str, Any]:
         share = COLOCATED_TRAIN_SHARE if self.colocate else 1.0
         opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
-        return {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)}
+        return {
+            **opts,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+        }
 
     def rollout_options(self, rollout_num_gpus: int) -> Dict[str, Any]:
         if self.colocate:  # halved when engine actors share the bundle too (see engine_options)
@@ -106,7 +111,12 @@ class Placement:
             opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
         else:
             opts = dict(num_cpus=1, num_gpus=rollout_num_gpus if self.gpus and not self.engine_bundles else 0)
-        return {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.rollout_bundle)}
+        return {
+            **opts,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self.rollout_bundle
+            ),
+        }
 
     def engine_options(self, i: int) -> Dict[str, Any]:
         if self.colocate:
@@ -114,7 +124,12 @@ class Placement:
             opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
         else:
             opts = dict(num_cpus=1, num_gpus=self.gpus_per_engine if self.gpus else 0)
-        return {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.engine_bundles[i])}
+        return {
+            **opts,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self.engine_bundles[i]
+            ),
+        }
 
     def remove(self) -> None:
         remove_placement_group(self.pg)
@@ -145,7 +160,12 @@ def create_placement(args) -> Placement:
         raise RuntimeError(
             f"Ray could not place {len(bundles)} bundles {bundles} in 300 s: the cluster lacks the resources for "
             f"--actor-num-nodes x --actor-num-gpus-per-node = {world} training ranks"
-            + ("" if args.colocate else f" plus the rollout manager and {engines} engine(s) (--rollout-num-gpus, "
-                                         "--rollout-num-gpus-per-engine)") + ". Check `ray status`."
+            + (
+                ""
+                if args.colocate
+                else f" plus the rollout manager and {engines} engine(s) (--rollout-num-gpus, "
+                "--rollout-num-gpus-per-engine)"
+            )
+            + ". Check `ray status`."
         ) from None
     return Placement(pg, world, gpus, bool(args.colocate), rollout_bundle, engine_bundles, per_engine)

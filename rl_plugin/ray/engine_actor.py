@@ -25,13 +25,17 @@ class EngineActor:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine = make_engine(name, checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        self.engine = make_engine(
+            name, checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed
+        )
         self.receiver = WeightReceiver()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int) -> List[Generation]:
+    def generate(
+        self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int
+    ) -> List[Generation]:
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample)
 
     def node_id(self) -> str:
@@ -54,7 +58,8 @@ def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List
     remote = ray.remote(EngineActor)
     actors = [
         remote.options(**placement.engine_options(i), max_restarts=0).remote(
-            config.engine, checkpoint_dir, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed)
+            config.engine, checkpoint_dir, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed
+        )
         for i in range(placement.num_engines)
     ]
     ray.get([a.pid.remote() for a in actors])

@@ -95,7 +95,9 @@ def watch(driver: int, exclude: List[int]) -> None:
                 line, pending = pending.split(b"\n", 1)
                 if line.startswith(b"heads"):
                     heads = [int(x) for x in line.split()[1:]]
-                    tracked = descendants(heads + [p for p in tracked if p not in skip and _is_below(p, heads, table)], table)
+                    tracked = descendants(
+                        heads + [p for p in tracked if p not in skip and _is_below(p, heads, table)], table
+                    )
     time.sleep(GRACE_S)
     for pid, ticks in tracked.items():
         st = _stat(pid)
@@ -149,9 +151,14 @@ def start_reaper() -> Optional[Reaper]:
     existing = children(os.getpid())
     # run as a script (stdlib only), so it needs nothing on the path; no stdout/stderr of the
     # driver held open (a pipe reader of the driver's output must see EOF when the driver ends)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(os.getpid()), *map(str, existing)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), str(os.getpid()), *map(str, existing)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
     return Reaper(proc)
 
 

@@ -21,7 +21,11 @@ def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str
     try:
         engines = create_engines(config.engine, placement, checkpoint_dir)
         opts = placement.rollout_options(args.rollout_num_gpus or args.rollout_num_gpus_per_engine)
-        actor = ray.remote(RolloutManager).options(**opts, max_restarts=0).remote(config, checkpoint_dir, train_data, eval_data, engines or None)
+        actor = (
+            ray.remote(RolloutManager)
+            .options(**opts, max_restarts=0)
+            .remote(config, checkpoint_dir, train_data, eval_data, engines or None)
+        )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
         for e in engines:

@@ -55,8 +55,13 @@ class TrainActor:
     def init(self, master_addr: str, master_port: int, config: TrainConfig) -> Dict[str, int]:
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
@@ -64,7 +69,13 @@ class TrainActor:
         self.config = config
         self.backend = backend_class(config.train_backend).from_config(config)
         ps = self.backend.parallel_state
-        return {"dp_rank": ps.dp_rank, "dp_size": ps.dp_size, "tp_rank": ps.tp_rank, "cp_rank": ps.cp_rank, "pid": os.getpid()}
+        return {
+            "dp_rank": ps.dp_rank,
+            "dp_size": ps.dp_size,
+            "tp_rank": ps.tp_rank,
+            "cp_rank": ps.cp_rank,
+            "pid": os.getpid(),
+        }
 
     # -- training -----------------------------------------------------------------------------
     def _maybe_fault(self, step: int) -> None:
@@ -115,17 +126,24 @@ class TrainActor:
         if not self.fuse_old_log_probs:
             return "disabled (fuse_old_log_probs = False)"
         return old_log_probs_rule(
-            step_bounds=plan.step_bounds, num_samples=plan.batch.num_samples, cfg=self.backend.runner.cfg,
-            ps=self.backend.parallel_state, has_rollout_log_probs=plan.batch.rollout_log_probs is not None,
+            step_bounds=plan.step_bounds,
+            num_samples=plan.batch.num_samples,
+            cfg=self.backend.runner.cfg,
+            ps=self.backend.parallel_state,
+            has_rollout_log_probs=plan.batch.rollout_log_probs is not None,
             deterministic_forward=self.backend.deterministic_forward(),
         )
 
     def plan_docs_steps(self, batch: StepBatch, num_groups: int) -> RankPlan:
         """--docs-per-step: this rank's plan of its share ``batch`` (collective over DP), from the
         runner's micro-batches (the one planner)."""
-        return plan_docs_steps(batch, self.backend.runner.plan(batch), num_groups=num_groups,
-                               docs_per_step=self.config.batching.docs_per_step,
-                               dp_group=self.backend.parallel_state.dp_group)
+        return plan_docs_steps(
+            batch,
+            self.backend.runner.plan(batch),
+            num_groups=num_groups,
+            docs_per_step=self.config.batching.docs_per_step,
+            dp_group=self.backend.parallel_state.dp_group,
+        )
 
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:

@@ -26,8 +26,16 @@ DEATH_GRACE_S = 30.0
 
 
 class TrainActorError(RuntimeError):
-    def __init__(self, rank: int, method: str, cause: str, *, died: bool, info: Optional[Dict[str, Any]] = None,
-                 error_line: Optional[str] = None):
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        cause: str,
+        *,
+        died: bool,
+        info: Optional[Dict[str, Any]] = None,
+        error_line: Optional[str] = None,
+    ):
         self.rank, self.method, self.died = rank, method, died
         self.error_line = error_line  # the remote ``SomeError: message`` line of a raised error
         where = f" (pid {info['pid']}, node {info['ip']})" if info else ""
@@ -95,7 +103,13 @@ class TrainGroup:
                 ray.get(other)
             except ray.exceptions.RayActorError as dead:
                 r = rank_of[other]
-                return TrainActorError(r, method, f"{_cause(dead)} [rank {rank} then failed: {_first_line(exc)}]", died=True, info=self._info(r))
+                return TrainActorError(
+                    r,
+                    method,
+                    f"{_cause(dead)} [rank {rank} then failed: {_first_line(exc)}]",
+                    died=True,
+                    info=self._info(r),
+                )
             except ray.exceptions.RayTaskError:
                 continue
         return raised
@@ -126,7 +140,9 @@ def _cause(exc: Exception) -> str:
     """Ray's death cause: its first line plus the "dead because" / worker-exit lines (exit type
     and detail: killed, OOM, segfault, connection lost), without Ray's generic advice."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    keep = lines[:1] + [ln for ln in lines[1:] if "dead because" in ln or "exit type" in ln.lower() or "exit detail" in ln.lower()]
+    keep = lines[:1] + [
+        ln for ln in lines[1:] if "dead because" in ln or "exit type" in ln.lower() or "exit detail" in ln.lower()
+    ]
     text = " ".join(keep)
     cut = text.find(" Some common causes")
     return text[:cut] if cut > 0 else text[:600]

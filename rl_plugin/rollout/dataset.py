@@ -48,7 +48,9 @@ def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRec
             if not isinstance(prompt, str):
                 raise ValueError(f"{path}:{lineno}: {input_key!r} must be a string, got {type(prompt).__name__}")
             if not prompt.strip():
-                raise ValueError(f"{path}:{lineno}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt")
+                raise ValueError(
+                    f"{path}:{lineno}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt"
+                )
             records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records), lineno))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")

@@ -42,13 +42,22 @@ class SamplingParams:
 class RolloutEngine(abc.ABC):
     @classmethod
     @abc.abstractmethod
-    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
-               max_model_len: Optional[int] = None) -> "RolloutEngine":
+    def create(
+        cls,
+        checkpoint_dir: str,
+        *,
+        device: str,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_model_len: Optional[int] = None,
+    ) -> "RolloutEngine":
         """The engine on ``device`` (``--rollout-num-gpus-per-engine`` = ``tensor_parallel_size``),
         every engine built the same way by ``make_engine``; an engine ignores what it cannot use."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
+    def generate(
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+    ) -> List[Generation]:
         """Sample one response per entry of ``prompts`` (repeat a prompt for several samples);
         deterministic for a given ``seed`` and weights. ``prompts[i]`` is sample
         ``first_sample + i`` of the rollout: engines that seed per sample (vllm) use it so a
@@ -76,19 +85,31 @@ def eos_token_ids(checkpoint_dir: str) -> List[int]:
     if eos is None:
         eos = AutoConfig.from_pretrained(str(checkpoint_dir)).eos_token_id
     if eos is None:
-        raise ValueError(f"{checkpoint_dir}: neither generation_config.json nor config.json names an eos_token_id; set one so responses can end")
+        raise ValueError(
+            f"{checkpoint_dir}: neither generation_config.json nor config.json names an eos_token_id; set one so responses can end"
+        )
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 def require_package(engine: str) -> None:
     """Fail at start-up, naming the flag and the install step, when ``engine``'s package is missing."""
     if importlib.util.find_spec(engine) is None:
-        raise RuntimeError(f"--rollout-engine {engine}: the Python package '{engine}' is not installed; {INSTALL_HINTS[engine]}, or use --rollout-engine hf")
+        raise RuntimeError(
+            f"--rollout-engine {engine}: the Python package '{engine}' is not installed; {INSTALL_HINTS[engine]}, or use --rollout-engine hf"
+        )
 
 
-def make_engine(name: str, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1, seed: int = 0,
-                max_model_len: Optional[int] = None) -> RolloutEngine:
+def make_engine(
+    name: str,
+    checkpoint_dir: str,
+    *,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    max_model_len: Optional[int] = None,
+) -> RolloutEngine:
     """The engine ``--rollout-engine name`` asks for (``rl_plugin.registries.ROLLOUT_ENGINES``)."""
     engine_class = ROLLOUT_ENGINES.get(name)  # an unknown name lists the registered engines
-    return engine_class.create(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed,
-                               max_model_len=max_model_len)
+    return engine_class.create(
+        checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len
+    )

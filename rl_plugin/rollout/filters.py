@@ -29,7 +29,6 @@ from rl_plugin.registries import BUILTIN_FILTER  # noqa: F401 - re-exported: the
 from rl_plugin.user_code import load_function
 
 
-
 @dataclass(frozen=True)
 class FilterSample:
     """What a filter sees of one response (the fields slime's ``Sample`` has under these names)."""

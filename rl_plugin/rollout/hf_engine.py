@@ -29,13 +29,22 @@ class HFEngine(RolloutEngine):
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
 
     @classmethod
-    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
-               max_model_len: Optional[int] = None) -> "HFEngine":
+    def create(
+        cls,
+        checkpoint_dir: str,
+        *,
+        device: str,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_model_len: Optional[int] = None,
+    ) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
         return cls(checkpoint_dir, device=device)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
+    def generate(
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+    ) -> List[Generation]:
         # Seeded per call, not per sample: a rollout split over several hf engines samples
         # differently from one engine (``first_sample`` is unused).
         buckets = defaultdict(list)  # prompt length -> indices, so no bucket needs padding
@@ -50,20 +59,31 @@ class HFEngine(RolloutEngine):
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # generate samples from the global RNG
             input_ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=self.device)
             res = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-                max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                output_logits=True, return_dict_in_generate=True,
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
             new = res.sequences[:, length:]  # [B, steps]
             logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, steps, V]
             logp = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
             is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
             # response length: through the first <eos>, else all generated steps
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+            first_eos = torch.where(
+                is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1])
+            )
             for row, i in enumerate(idx):
                 n = int(first_eos[row])
-                out[i] = Generation(list(prompts[i]), new[row, :n].tolist(), logp[row, :n].tolist(), bool(is_eos[row, :n].any()))
+                out[i] = Generation(
+                    list(prompts[i]), new[row, :n].tolist(), logp[row, :n].tolist(), bool(is_eos[row, :n].any())
+                )
         return out
 
     @torch.no_grad()
@@ -72,10 +92,14 @@ class HFEngine(RolloutEngine):
         own = self.model.state_dict()
         unexpected = sorted(set(state_dict) - set(own))
         if unexpected:
-            raise ValueError(f"weight sync: the trainer's export does not match the rollout model: unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"weight sync: the trainer's export does not match the rollout model: unexpected {unexpected[:5]}"
+            )
         for name, value in state_dict.items():
             if own[name].shape != value.shape:
-                raise ValueError(f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(own[name].shape)} in the rollout model")
+                raise ValueError(
+                    f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(own[name].shape)} in the rollout model"
+                )
             own[name].copy_(value.to(own[name].dtype))
 
     def weights(self) -> Dict[str, torch.Tensor]:

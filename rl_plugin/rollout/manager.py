@@ -34,9 +34,9 @@ from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
-from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
+from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
@@ -67,7 +67,8 @@ class RolloutData:
         tl, rl = self.total_lengths, self.response_lengths
         return RolloutData(
             tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
-            total_lengths=tl[idx], response_lengths=rl[idx],
+            total_lengths=tl[idx],
+            response_lengths=rl[idx],
             rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
             rewards=self.rewards[idx],
             group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
@@ -91,8 +92,14 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
 
 
 class RolloutManager:
-    def __init__(self, config: RolloutConfig, checkpoint_dir: str, train_data: str, eval_data: Optional[str],
-                 engines: Optional[Sequence[Any]] = None):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        checkpoint_dir: str,
+        train_data: str,
+        eval_data: Optional[str],
+        engines: Optional[Sequence[Any]] = None,
+    ):
         torch.set_num_threads(1)
         self.config = cfg = config
         self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
@@ -101,7 +108,9 @@ class RolloutManager:
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
-        self.train = PromptDataset.from_jsonl(train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.train = PromptDataset.from_jsonl(
+            train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed
+        )
         self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
         self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
         path = cfg.dynamic_sampling_filter_path
@@ -119,7 +128,9 @@ class RolloutManager:
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths, max_len=cfg.engine.max_response_len, buffer_len=cfg.overlong_buffer_len,
+                data.response_lengths,
+                max_len=cfg.engine.max_response_len,
+                buffer_len=cfg.overlong_buffer_len,
                 factor=cfg.overlong_penalty_factor,
             )
             data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
@@ -139,12 +150,16 @@ class RolloutManager:
         gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
         for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
             recs = self.train.next_batch(per_round)
-            data, samples = self._rollout(recs, n, seed=cfg.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True)
+            data, samples = self._rollout(
+                recs, n, seed=cfg.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True
+            )
             gen_time += data.stats["rollout_gen_time"]
             reward_time += data.stats["rollout_reward_time"]
             truncated += data.stats["truncated_frac"] * data.num_groups
             raw_rewards.append(data.rewards)
-            keep = [g for g in range(data.num_groups) if keep_decision(self.group_filter(cfg, samples[g * n : (g + 1) * n]))]
+            keep = [
+                g for g in range(data.num_groups) if keep_decision(self.group_filter(cfg, samples[g * n : (g + 1) * n]))
+            ]
             generated += data.num_groups
             passed += len(keep)
             have = sum(k.num_groups for k in kept)
@@ -160,16 +175,22 @@ class RolloutManager:
             )
         out = _concat(kept, n)
         out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time, reward_time)
-        out.stats.update({
-            "dynamic_sampling/groups_generated": float(generated), "dynamic_sampling/groups_passed": float(passed),
-            "dynamic_sampling/groups_kept": float(out.num_groups), "dynamic_sampling/rounds": float(r + 1),
-            "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
-        })
+        out.stats.update(
+            {
+                "dynamic_sampling/groups_generated": float(generated),
+                "dynamic_sampling/groups_passed": float(passed),
+                "dynamic_sampling/groups_kept": float(out.num_groups),
+                "dynamic_sampling/rounds": float(r + 1),
+                "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
+            }
+        )
         out.examples = data.examples
         return out
 
     @staticmethod
-    def _stats(rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float, reward_time: float) -> Dict[str, float]:
+    def _stats(
+        rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float, reward_time: float
+    ) -> Dict[str, float]:
         return {
             "reward_mean": float(rewards.mean()),
             "reward_max": float(rewards.max()),
@@ -181,9 +202,16 @@ class RolloutManager:
 
     def evaluate(self, rollout_id: int) -> Dict[str, float]:
         if self.eval is None:
-            raise ValueError("--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)")
-        data = self._rollout(self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id)
-        return {"eval/reward_mean": data.stats["reward_mean"], "eval/response_len_mean": data.stats["response_len_mean"]}
+            raise ValueError(
+                "--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)"
+            )
+        data = self._rollout(
+            self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id
+        )
+        return {
+            "eval/reward_mean": data.stats["reward_mean"],
+            "eval/response_len_mean": data.stats["response_len_mean"],
+        }
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
         t0 = time.perf_counter()
@@ -198,7 +226,9 @@ class RolloutManager:
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         empty = [i for i, g in enumerate(gens) if not g.response_ids]
         if empty:
-            raise RuntimeError(f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1")
+            raise RuntimeError(
+                f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1"
+            )
         rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)
         tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens], dtype=torch.long)
         stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time, reward_time)
@@ -211,11 +241,17 @@ class RolloutManager:
             group_ids=torch.arange(len(recs)).repeat_interleave(n),
             num_groups=len(recs),
             stats=stats,
-            examples=[{"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])} for i in range(min(2, len(gens)))],
+            examples=[
+                {"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])}
+                for i in range(min(2, len(gens)))
+            ],
         )
         if not with_samples:
             return data
-        samples = [FilterSample(prompts[i], responses[i], labels[i], float(rewards[i]), int(rl[i]), not gens[i].finished) for i in range(len(gens))]
+        samples = [
+            FilterSample(prompts[i], responses[i], labels[i], float(rewards[i]), int(rl[i]), not gens[i].finished)
+            for i in range(len(gens))
+        ]
         return data, samples
 
     def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:

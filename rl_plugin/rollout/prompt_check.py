@@ -33,8 +33,17 @@ def model_context_length(hf_checkpoint) -> Optional[int]:
     return None
 
 
-def check_prompt_file(flag: str, path, tokenizer, *, input_key: str, label_key: Optional[str], max_response_len: int,
-                      context_len: Optional[int], hf_checkpoint: str) -> int:
+def check_prompt_file(
+    flag: str,
+    path,
+    tokenizer,
+    *,
+    input_key: str,
+    label_key: Optional[str],
+    max_response_len: int,
+    context_len: Optional[int],
+    hf_checkpoint: str,
+) -> int:
     """Raise ``RLArgumentError`` naming file:line of the first prompts that fail; returns the
     longest prompt in tokens."""
     try:
@@ -47,8 +56,12 @@ def check_prompt_file(flag: str, path, tokenizer, *, input_key: str, label_key: 
         try:
             n = len(tokenizer.prompt_ids(rec.prompt))
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this line's problem
-            fail(f"{flag} {path}:{rec.lineno}", f"the tokenizer of --hf-checkpoint {hf_checkpoint} cannot encode this prompt "
-                 f"({type(exc).__name__}: {exc})", "remove or replace the characters it cannot encode, or use a tokenizer that covers them")
+            fail(
+                f"{flag} {path}:{rec.lineno}",
+                f"the tokenizer of --hf-checkpoint {hf_checkpoint} cannot encode this prompt "
+                f"({type(exc).__name__}: {exc})",
+                "remove or replace the characters it cannot encode, or use a tokenizer that covers them",
+            )
         longest = max(longest, n)
         if context_len is not None and n + max_response_len > context_len:
             too_long.append((rec.lineno, n))

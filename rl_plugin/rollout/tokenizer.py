@@ -38,7 +38,9 @@ class CharTokenizer:
             elif c == "=":
                 out.append(self.sep_token_id)
             else:
-                raise ValueError(f"character {c!r} at position {pos} of {text!r} is not in the tokenizer alphabet {self.alphabet!r}")
+                raise ValueError(
+                    f"character {c!r} at position {pos} of {text!r} is not in the tokenizer alphabet {self.alphabet!r}"
+                )
         return out
 
     def prompt_ids(self, text: str) -> List[int]:
@@ -80,7 +82,11 @@ class HFTokenizerAdapter:
 
     def prompt_ids(self, text: str) -> List[int]:
         if self.apply_chat_template:
-            return list(self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+            return list(
+                self.tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                )
+            )
         return list(self.tok(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -91,12 +97,16 @@ def load_tokenizer(checkpoint_dir, *, apply_chat_template: bool = False):
     """The char tokenizer when the checkpoint carries one, else its Hugging Face tokenizer."""
     if (Path(checkpoint_dir) / FILENAME).exists():
         if apply_chat_template:
-            raise ValueError(f"--apply-chat-template: the checkpoint {checkpoint_dir} has a character tokenizer with no chat template; drop the flag")
+            raise ValueError(
+                f"--apply-chat-template: the checkpoint {checkpoint_dir} has a character tokenizer with no chat template; drop the flag"
+            )
         return CharTokenizer.load(checkpoint_dir)
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(checkpoint_dir))
     except Exception as exc:  # noqa: BLE001 - re-raised with the path named
-        raise ValueError(f"--hf-checkpoint {checkpoint_dir}: no tokenizer found ({FILENAME} or Hugging Face tokenizer files): {exc}") from exc
+        raise ValueError(
+            f"--hf-checkpoint {checkpoint_dir}: no tokenizer found ({FILENAME} or Hugging Face tokenizer files): {exc}"
+        ) from exc
     return HFTokenizerAdapter(tok, apply_chat_template)

@@ -53,13 +53,33 @@ def _engine_environment() -> None:
 
 class VLLMEngine(RolloutEngine):
     @classmethod
-    def create(cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0,
-               max_model_len: Optional[int] = None) -> "VLLMEngine":
+    def create(
+        cls,
+        checkpoint_dir: str,
+        *,
+        device: str,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_model_len: Optional[int] = None,
+    ) -> "VLLMEngine":
         require_package("vllm")
-        return cls(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len)
+        return cls(
+            checkpoint_dir,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            max_model_len=max_model_len,
+        )
 
-    def __init__(self, checkpoint_dir: str, *, device: str = "cpu", tensor_parallel_size: int = 1,
-                 max_model_len: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        device: str = "cpu",
+        tensor_parallel_size: int = 1,
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+    ):
         _engine_environment()
         from transformers import AutoConfig
         from vllm import LLM
@@ -71,13 +91,21 @@ class VLLMEngine(RolloutEngine):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.eos = eos_token_ids(checkpoint_dir)
         self.llm = LLM(
-            model=str(checkpoint_dir), skip_tokenizer_init=True, dtype="float32" if device == "cpu" else "auto",
-            tensor_parallel_size=int(tensor_parallel_size), seed=int(seed), max_model_len=None if max_len is None else int(max_len),
-            block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=True,
+            model=str(checkpoint_dir),
+            skip_tokenizer_init=True,
+            dtype="float32" if device == "cpu" else "auto",
+            tensor_parallel_size=int(tensor_parallel_size),
+            seed=int(seed),
+            max_model_len=None if max_len is None else int(max_len),
+            block_size=BLOCK_SIZE,
+            enforce_eager=True,
+            enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
         )
 
-    def generate(self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0) -> List[Generation]:
+    def generate(
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+    ) -> List[Generation]:
         from vllm import SamplingParams as VSamplingParams
 
         for i, p in enumerate(prompts):
@@ -85,8 +113,16 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"prompt {first_sample + i} is empty: a prompt needs at least one token")
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         sampling = [
-            VSamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=0, max_tokens=params.max_new_tokens,
-                            stop_token_ids=self.eos, logprobs=0, seed=sample_seed(seed, first_sample + i), detokenize=False)
+            VSamplingParams(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=self.eos,
+                logprobs=0,
+                seed=sample_seed(seed, first_sample + i),
+                detokenize=False,
+            )
             for i in range(len(prompts))
         ]
         outs = self.llm.generate(requests, sampling, use_tqdm=False)
@@ -141,7 +177,9 @@ def _probe_linear(module) -> torch.Tensor:
     return module.cpu_linear(eye, module.weight, None).t().contiguous()
 
 
-def _split_fused(module_name: str, pname: str, value: torch.Tensor, module, packed: Dict[str, Sequence[str]]) -> Iterable:
+def _split_fused(
+    module_name: str, pname: str, value: torch.Tensor, module, packed: Dict[str, Sequence[str]]
+) -> Iterable:
     """``(hf_name, tensor)`` pairs: a fused qkv/gate_up parameter split along its output dim."""
     parent, _, leaf = module_name.rpartition(".")
     if leaf in packed and hasattr(module, "output_partition_sizes"):

@@ -66,8 +66,10 @@ class WeightLayout:
         """Same names, order, dtypes and shapes: the export can be written into this layout."""
         if len(tensors) != len(self.slots):
             return False
-        return all(s.name == n and s.shape == tuple(t.shape) and s.dtype == str(t.dtype).removeprefix("torch.")
-                   for s, (n, t) in zip(self.slots, tensors.items()))
+        return all(
+            s.name == n and s.shape == tuple(t.shape) and s.dtype == str(t.dtype).removeprefix("torch.")
+            for s, (n, t) in zip(self.slots, tensors.items())
+        )
 
     @property
     def names(self) -> List[str]:
@@ -89,7 +91,8 @@ class SharedWeightSegment:
         self.header = self.bytes[:HEADER_BYTES].view(torch.int64)
         self.nbytes = {s.name: s.nbytes for s in layout.slots}
         self.views: Dict[str, torch.Tensor] = {
-            s.name: self.bytes[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape) for s in layout.slots
+            s.name: self.bytes[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in layout.slots
         }
         self._finalizer = weakref.finalize(self, _unlink, str(self.path)) if owner else None
 
@@ -134,16 +137,21 @@ class SharedWeightSegment:
             raise FileNotFoundError(
                 f"weight sync: the trainer's shared-memory segment {path} is missing (the train rank 0 process died, or "
                 "something removed it from /dev/shm); restart the run from its last checkpoint (--load), or pass "
-                "--update-weight-transport object_store to sync through Ray's object store")
+                "--update-weight-transport object_store to sync through Ray's object store"
+            )
         size = path.stat().st_size
         if size != layout.total_bytes:
-            raise RuntimeError(f"weight sync: the shared-memory segment {path} holds {size} bytes, the layout needs "
-                               f"{layout.total_bytes}: the segment belongs to another layout")
+            raise RuntimeError(
+                f"weight sync: the shared-memory segment {path} holds {size} bytes, the layout needs "
+                f"{layout.total_bytes}: the segment belongs to another layout"
+            )
         seg = cls(path, layout, owner=False)
         magic, _, digest = (int(x) for x in seg.header[:3])
         if magic != MAGIC or digest != layout.digest():
-            raise RuntimeError(f"weight sync: {path} is not the trainer's weight segment for this layout "
-                               f"(magic {magic:#x}, layout digest {digest:#x} vs {layout.digest():#x})")
+            raise RuntimeError(
+                f"weight sync: {path} is not the trainer's weight segment for this layout "
+                f"(magic {magic:#x}, layout digest {digest:#x} vs {layout.digest():#x})"
+            )
         return seg
 
     def check_version(self, version: int) -> None:
@@ -152,7 +160,8 @@ class SharedWeightSegment:
         if have != version:
             raise RuntimeError(
                 f"weight sync: the shared-memory segment {self.path} holds the weights of sync {have} (0: being written), "
-                f"this load needs sync {version}: the trainer wrote a new sync while an engine was still loading")
+                f"this load needs sync {version}: the trainer wrote a new sync while an engine was still loading"
+            )
 
 
 def _unlink(path: str) -> None:

@@ -49,7 +49,13 @@ from rl_plugin.arguments.weight_sync import TRANSPORTS
 from rl_plugin.rollout.weight_segment import SharedWeightSegment, WeightLayout
 
 # Hugging Face leaf modules that inference engines fuse with their siblings of the same parent.
-FUSED_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+FUSED_GROUPS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def fused_group(name: str) -> str:
@@ -177,9 +183,11 @@ class WeightPublisher:
         use_shm = self.transport == "shared_memory" or (self.transport == "auto" and self.shm_failed is None)
         if self.transport == "shared_memory" and remote:
             far = sorted({n for n in request.engine_nodes if n != here})
-            raise RuntimeError(f"--update-weight-transport shared_memory: rollout engines run on node(s) {far}, not on train "
-                               f"rank 0's node {here}; shared memory reaches one machine only. Use --update-weight-transport auto "
-                               "(the object store for the other nodes)")
+            raise RuntimeError(
+                f"--update-weight-transport shared_memory: rollout engines run on node(s) {far}, not on train "
+                f"rank 0's node {here}; shared memory reaches one machine only. Use --update-weight-transport auto "
+                "(the object store for the other nodes)"
+            )
         handle = SyncHandle(version=self.version, node_id=here, buffer_bytes=request.buffer_bytes)
         if use_shm:
             self._write_segment(sd, handle)
@@ -210,8 +218,10 @@ class WeightPublisher:
             except OSError as exc:
                 why = f"cannot create a {layout.total_bytes / 2**20:.1f} MiB shared-memory segment in /dev/shm ({exc})"
                 if self.transport == "shared_memory":
-                    raise RuntimeError(f"--update-weight-transport shared_memory: {why}; enlarge /dev/shm (docker --shm-size) "
-                                       "or use --update-weight-transport object_store") from None
+                    raise RuntimeError(
+                        f"--update-weight-transport shared_memory: {why}; enlarge /dev/shm (docker --shm-size) "
+                        "or use --update-weight-transport object_store"
+                    ) from None
                 self.shm_failed = why
                 print(f"weight sync: {why}; the object store carries the weights instead", flush=True)
                 return
@@ -251,16 +261,20 @@ class WeightReceiver:
             yield from self._from_segment(handle)
         elif handle.object_refs is not None:
             if handle.object_since is not None and handle.object_since != self.version:
-                raise RuntimeError(f"weight sync: this engine holds sync {self.version} but the object store carries the changes "
-                                   f"since sync {handle.object_since}; the driver must request a full sync (since_version None)")
+                raise RuntimeError(
+                    f"weight sync: this engine holds sync {self.version} but the object store carries the changes "
+                    f"since sync {handle.object_since}; the driver must request a full sync (since_version None)"
+                )
             import ray
 
             for ref in handle.object_refs:
                 yield ray.get(ref)
         else:
-            raise RuntimeError(f"weight sync: this engine (node {self.node}) cannot read train rank 0's shared-memory segment "
-                               f"{handle.segment} (node {handle.node_id}) and no object-store copy was published; "
-                               "use --update-weight-transport auto")
+            raise RuntimeError(
+                f"weight sync: this engine (node {self.node}) cannot read train rank 0's shared-memory segment "
+                f"{handle.segment} (node {handle.node_id}) and no object-store copy was published; "
+                "use --update-weight-transport auto"
+            )
         self.version = handle.version
 
     def _from_segment(self, handle: SyncHandle) -> Iterator[Dict[str, torch.Tensor]]:
@@ -316,7 +330,11 @@ class NcclBroadcastTransport:
 
     def __init__(self):
         if not torch.cuda.is_available():
-            raise RuntimeError("--update-weight-transport nccl: the NCCL weight broadcast needs CUDA GPUs on the trainer and the "
-                               "rollout engines; on CPU use --update-weight-transport auto (shared memory / object store)")
-        raise NotImplementedError("--update-weight-transport nccl: the NCCL weight broadcast between train rank 0 and the rollout "
-                                  "engines is not implemented yet; use --update-weight-transport auto")
+            raise RuntimeError(
+                "--update-weight-transport nccl: the NCCL weight broadcast needs CUDA GPUs on the trainer and the "
+                "rollout engines; on CPU use --update-weight-transport auto (shared memory / object store)"
+            )
+        raise NotImplementedError(
+            "--update-weight-transport nccl: the NCCL weight broadcast between train rank 0 and the rollout "
+            "engines is not implemented yet; use --update-weight-transport auto"
+        )

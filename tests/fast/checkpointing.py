@@ -24,7 +24,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(backend, root, step: int, extra: Optional[Dict[str, Any]] = None, loop_state: Optional[Dict[str, Any]] = None) -> Path:
+def save(
+    backend, root, step: int, extra: Optional[Dict[str, Any]] = None, loop_state: Optional[Dict[str, Any]] = None
+) -> Path:
     """Collective: ``root/iter_{step:07d}`` written as the loop writes it; returns that directory."""
     if _rank() == 0:
         checkpoint.begin_save(root, step)

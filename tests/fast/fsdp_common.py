@@ -36,8 +36,16 @@ def make_step(seed: int = 0, *, with_ref: bool = True) -> dict:
     old = -torch.rand(r, generator=g) * 4 - 3.0  # around the tiny model's log-probs (~ -4.8)
     refp = old + 0.1 * torch.randn(r, generator=g)
     tokens = torch.randint(3, VOCAB, (int(total.sum()),), generator=g)
-    return dict(tokens=tokens, total_lengths=total, response_lengths=resp, loss_mask=mask, advantages=adv,
-                group_ids=groups, old_log_probs=old, ref_log_probs=refp if with_ref else None)
+    return dict(
+        tokens=tokens,
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=mask,
+        advantages=adv,
+        group_ids=groups,
+        old_log_probs=old,
+        ref_log_probs=refp if with_ref else None,
+    )
 
 
 def step_batch(step: dict) -> StepBatch:
@@ -63,11 +71,11 @@ def alone_log_probs(model, batch) -> torch.Tensor:
     """Each sample alone, plain HF forward (no mask, no packing), log-probs of its response."""
     out, start = [], 0
     for t, r in zip(batch.total_lengths.tolist(), batch.response_lengths.tolist()):
-        ids = batch.tokens[start:start + t]
+        ids = batch.tokens[start : start + t]
         start += t
         if r == 0:
             continue
         logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0]
-        rows = logits[t - r - 1:t - 1]
-        out.append(torch.log_softmax(rows.double(), -1).gather(1, ids[t - r:].view(-1, 1)).squeeze(1))
+        rows = logits[t - r - 1 : t - 1]
+        out.append(torch.log_softmax(rows.double(), -1).gather(1, ids[t - r :].view(-1, 1)).squeeze(1))
     return torch.cat(out)

@@ -46,7 +46,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 600.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -55,11 +57,15 @@ def run_world(fn, world_size: int, *args, timeout: float = 600.0):
         try:
             rank, ok, payload = queue.get(timeout=1.0)
         except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in results]
+            dead = [
+                i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in results
+            ]
             if dead:
                 errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting")
             elif time.monotonic() > deadline:
-                errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                errors.append(
+                    f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
+                )
             continue
         if ok:
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -24,8 +24,16 @@ def make_args(*flags: str, world_size: int = 1):
     return parse_args(["--actor-num-gpus-per-node", str(world_size), *flags])
 
 
-def synthetic_batch(*, seed: int = 0, num_prompts: int = 3, n_per_prompt: int = 2, vocab: int = 128,
-                    max_prompt: int = 6, max_response: int = 7, old_noise: float = 0.0) -> Tuple[StepBatch, int]:
+def synthetic_batch(
+    *,
+    seed: int = 0,
+    num_prompts: int = 3,
+    n_per_prompt: int = 2,
+    vocab: int = 128,
+    max_prompt: int = 6,
+    max_response: int = 7,
+    old_noise: float = 0.0,
+) -> Tuple[StepBatch, int]:
     """``(batch, num_groups)``: ``num_prompts * n_per_prompt`` samples, group-major.
     ``old_noise > 0``: ``old_log_probs`` holds seeded noise of that scale (see ``with_old_log_probs``)."""
     g = torch.Generator().manual_seed(seed)
@@ -40,10 +48,14 @@ def synthetic_batch(*, seed: int = 0, num_prompts: int = 3, n_per_prompt: int = 
     mask = (torch.rand(r, generator=g) > 0.15).float()
     ends = torch.cumsum(resp, 0)
     if n > 2:  # sample 2 is fully masked (empty): counts in N, contributes 0
-        mask[int(ends[2] - resp[2]): int(ends[2])] = 0.0
+        mask[int(ends[2] - resp[2]) : int(ends[2])] = 0.0
     adv = torch.repeat_interleave(torch.randn(n, generator=g), resp)
     batch = StepBatch(
-        tokens=tokens, total_lengths=total, response_lengths=resp, loss_mask=mask, advantages=adv,
+        tokens=tokens,
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=mask,
+        advantages=adv,
         group_ids=torch.arange(num_prompts).repeat_interleave(n_per_prompt),
         old_log_probs=old_noise * torch.randn(r, generator=g) if old_noise > 0 else None,
     )
@@ -62,4 +74,3 @@ def with_old_log_probs(batch: StepBatch, old: torch.Tensor) -> StepBatch:
 
     offset = batch.old_log_probs if batch.old_log_probs is not None else torch.zeros_like(old)
     return replace(batch, old_log_probs=old + offset)
-

@@ -57,7 +57,9 @@ def ppo_tokens(logp, old, adv, eps, eps_high, c):
 
 def gspo_tokens(logp, old, adv, mask, lengths, eps, eps_high):
     pieces = []
-    for lp, o, a, m in zip(split(logp, lengths), split(old, lengths), split(adv, lengths), split(mask.to(logp.dtype), lengths)):
+    for lp, o, a, m in zip(
+        split(logp, lengths), split(old, lengths), split(adv, lengths), split(mask.to(logp.dtype), lengths)
+    ):
         if lp.numel() == 0:
             continue
         s = torch.exp((m * (lp - o)).sum() / max(float(m.sum()), 1.0))

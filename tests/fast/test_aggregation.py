@@ -3,7 +3,6 @@ samples/groups, and bad data raising with the sample named."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -32,7 +31,11 @@ def test_constant_loss_gives_c_for_sample_token_prompt_mean(lengths, c, seed):
     groups = torch.randint(0, 3, (len(lengths),), generator=g)
     x = torch.full((r,), c, dtype=torch.float64)
     sid = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    per_sample = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, sid, mask) if r else torch.zeros(len(lengths), dtype=torch.float64)
+    per_sample = (
+        torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, sid, mask)
+        if r
+        else torch.zeros(len(lengths), dtype=torch.float64)
+    )
     for mode in ("sample_mean", "token_mean", "prompt_mean"):
         j = float(aggregate(x, mask, lengths, mode, group_ids=groups))
         if mode == "token_mean":
@@ -41,7 +44,10 @@ def test_constant_loss_gives_c_for_sample_token_prompt_mean(lengths, c, seed):
             want = c * float((per_sample > 0).double().mean())
         else:
             gsum = torch.zeros(3, dtype=torch.float64).index_add_(0, groups, per_sample)
-            present = torch.zeros(3, dtype=torch.float64).index_add_(0, groups, torch.ones(len(lengths), dtype=torch.float64)) > 0
+            present = (
+                torch.zeros(3, dtype=torch.float64).index_add_(0, groups, torch.ones(len(lengths), dtype=torch.float64))
+                > 0
+            )
             want = c * float((gsum[present] > 0).double().mean())
         assert within(j, want, rtol=FP64, scale=abs(c)), (mode, j, want)  # fp64 sums of terms of magnitude |c|
         if float(per_sample.min()) > 0:  # no empty sample: c in every mode, up to fp64 rounding
@@ -89,8 +95,12 @@ def test_aggregate_rejects_bad_divisor_and_shapes():
 
 def _batch(**over):
     base = dict(
-        tokens=torch.arange(12), total_lengths=torch.tensor([5, 4, 3]), response_lengths=torch.tensor([2, 3, 1]),
-        loss_mask=torch.ones(6), advantages=torch.zeros(6), group_ids=torch.tensor([0, 0, 1]),
+        tokens=torch.arange(12),
+        total_lengths=torch.tensor([5, 4, 3]),
+        response_lengths=torch.tensor([2, 3, 1]),
+        loss_mask=torch.ones(6),
+        advantages=torch.zeros(6),
+        group_ids=torch.tensor([0, 0, 1]),
     )
     base.update(over)
     return StepBatch(**base)
@@ -102,7 +112,9 @@ def test_bad_data_names_the_sample():
     adv[4] = float("nan")
     with pytest.raises(BadBatchError, match=r"sample 1: advantages\[2\] = nan"):
         prepare_step(_batch(advantages=adv), cfg, ps)
-    with pytest.raises(BadBatchError, match="loss_mask has 5 entries but response_lengths sum to 6: the tensor ends inside sample 2"):
+    with pytest.raises(
+        BadBatchError, match="loss_mask has 5 entries but response_lengths sum to 6: the tensor ends inside sample 2"
+    ):
         prepare_step(_batch(loss_mask=torch.ones(5)), cfg, ps)
     with pytest.raises(BadBatchError, match="tokens has 11 entries but total_lengths sum to 12"):
         prepare_step(_batch(tokens=torch.arange(11)), cfg, ps)
@@ -115,8 +127,11 @@ def test_bad_data_names_the_sample():
     with pytest.raises(BadBatchError, match="sample 2: group_id 5 >= num_groups 2"):
         prepare_step(_batch(group_ids=torch.tensor([0, 1, 5])), cfg, ps, num_groups=2)
     empty = StepBatch(
-        tokens=torch.zeros(0, dtype=torch.long), total_lengths=torch.zeros(0, dtype=torch.long),
-        response_lengths=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0), advantages=torch.zeros(0),
+        tokens=torch.zeros(0, dtype=torch.long),
+        total_lengths=torch.zeros(0, dtype=torch.long),
+        response_lengths=torch.zeros(0, dtype=torch.long),
+        loss_mask=torch.zeros(0),
+        advantages=torch.zeros(0),
         group_ids=torch.zeros(0, dtype=torch.long),
     )
     with pytest.raises(BadBatchError, match="empty step"):
@@ -132,4 +147,6 @@ def test_bad_data_leaves_inputs_untouched():
     with pytest.raises(BadBatchError):
         prepare_step(batch, LossConfig(), ParallelState.single())
     for k, v in snapshot.items():
-        assert torch.equal(getattr(batch, k), v) or (k == "advantages" and torch.equal(v.isnan(), getattr(batch, k).isnan()))
+        assert torch.equal(getattr(batch, k), v) or (
+            k == "advantages" and torch.equal(v.isnan(), getattr(batch, k).isnan())
+        )

@@ -10,7 +10,14 @@ import sys
 
 import pytest
 
-from rl_plugin.arguments import RLArgumentError, add_rl_arguments, build_parser, parse_args, validate_rl_args, validate_world
+from rl_plugin.arguments import (
+    RLArgumentError,
+    add_rl_arguments,
+    build_parser,
+    parse_args,
+    validate_rl_args,
+    validate_world,
+)
 from rl_plugin.arguments.docs import DOC_PATH, render
 from rl_plugin.loss import LossConfig
 from tests.fast.flag_rules import assert_refused
@@ -21,29 +28,77 @@ RULES = [
     ("--loss-aggregation constant --loss-aggregation-divisor 0", ["finite number > 0 (got 0.0)"]),
     ("--loss-aggregation constant --loss-aggregation-divisor inf", ["finite number > 0 (got inf)"]),
     ("--loss-aggregation constant --loss-aggregation-divisor nan", ["finite number > 0 (got nan)"]),
-    ("--loss-aggregation-divisor 4096", ["--loss-aggregation-divisor with --loss-aggregation sample_mean", "silently ignored", "add --loss-aggregation constant"]),
-    ("--loss-aggregation token_mean --loss-aggregation-divisor 4096", ["--loss-aggregation-divisor with --loss-aggregation token_mean"]),
-    ("--loss-aggregation constant --loss-aggregation-divisor 8 --calculate-per-token-loss", ["--loss-aggregation constant with --calculate-per-token-loss", "drop --calculate-per-token-loss"]),
-    ("--loss-aggregation prompt_mean --calculate-per-token-loss", ["--loss-aggregation prompt_mean with --calculate-per-token-loss"]),
-    ("--loss-aggregation sample_mean --calculate-per-token-loss", ["--calculate-per-token-loss with --loss-aggregation sample_mean", "legacy spelling of token_mean"]),
-    ("--custom-pg-loss-reducer-function-path a.b.c --loss-aggregation token_mean", ["--custom-pg-loss-reducer-function-path with --loss-aggregation token_mean", "replaces the aggregation mode"]),
-    ("--custom-pg-loss-reducer-function-path a.b.c --loss-aggregation prompt_mean --global-batch-size 16", ["--custom-pg-loss-reducer-function-path with --loss-aggregation prompt_mean"]),
-    ("--loss-aggregation prompt_mean --global-batch-size 10 --n-samples-per-prompt 4", ["--global-batch-size 10 and --n-samples-per-prompt 4", "never split a prompt group", "--global-batch-size 8 or 12"]),
-    ("--loss-aggregation prompt_mean --docs-per-step 16", ["--loss-aggregation prompt_mean with --docs-per-step", "split a prompt group"]),
+    (
+        "--loss-aggregation-divisor 4096",
+        [
+            "--loss-aggregation-divisor with --loss-aggregation sample_mean",
+            "silently ignored",
+            "add --loss-aggregation constant",
+        ],
+    ),
+    (
+        "--loss-aggregation token_mean --loss-aggregation-divisor 4096",
+        ["--loss-aggregation-divisor with --loss-aggregation token_mean"],
+    ),
+    (
+        "--loss-aggregation constant --loss-aggregation-divisor 8 --calculate-per-token-loss",
+        ["--loss-aggregation constant with --calculate-per-token-loss", "drop --calculate-per-token-loss"],
+    ),
+    (
+        "--loss-aggregation prompt_mean --calculate-per-token-loss",
+        ["--loss-aggregation prompt_mean with --calculate-per-token-loss"],
+    ),
+    (
+        "--loss-aggregation sample_mean --calculate-per-token-loss",
+        ["--calculate-per-token-loss with --loss-aggregation sample_mean", "legacy spelling of token_mean"],
+    ),
+    (
+        "--custom-pg-loss-reducer-function-path a.b.c --loss-aggregation token_mean",
+        ["--custom-pg-loss-reducer-function-path with --loss-aggregation token_mean", "replaces the aggregation mode"],
+    ),
+    (
+        "--custom-pg-loss-reducer-function-path a.b.c --loss-aggregation prompt_mean --global-batch-size 16",
+        ["--custom-pg-loss-reducer-function-path with --loss-aggregation prompt_mean"],
+    ),
+    (
+        "--loss-aggregation prompt_mean --global-batch-size 10 --n-samples-per-prompt 4",
+        [
+            "--global-batch-size 10 and --n-samples-per-prompt 4",
+            "never split a prompt group",
+            "--global-batch-size 8 or 12",
+        ],
+    ),
+    (
+        "--loss-aggregation prompt_mean --docs-per-step 16",
+        ["--loss-aggregation prompt_mean with --docs-per-step", "split a prompt group"],
+    ),
     ("--eps-clip 0", ["--eps-clip: the clip range must be > 0 (got 0.0)"]),
     ("--eps-clip -0.1", ["--eps-clip: the clip range must be > 0"]),
     ("--eps-clip-high 0", ["--eps-clip-high: the clip range must be > 0"]),
     ("--eps-clip-c 1", ["--eps-clip-c: the dual-clip constant must be > 1 (got 1.0)"]),
     ("--eps-clip-c 0.5", ["--eps-clip-c"]),
-    ("--context-parallel-size 2 --qkv-format bshd", ["--context-parallel-size 2 with --qkv-format bshd", "--seq-length"]),
+    (
+        "--context-parallel-size 2 --qkv-format bshd",
+        ["--context-parallel-size 2 with --qkv-format bshd", "--seq-length"],
+    ),
     ("--docs-per-step 32 --global-batch-size 64", ["--docs-per-step with --global-batch-size", "one or the other"]),
     ("--docs-per-step 0", ["--docs-per-step: must be >= 1"]),
     ("--kl-loss-coef 0.01", ["--kl-loss-coef without --use-kl-loss", "add --use-kl-loss"]),
     ("--advantage-estimator rloo --n-samples-per-prompt 1", ["--advantage-estimator rloo", ">= 2 samples per prompt"]),
     # issue 16: one sample per prompt makes every group-relative advantage 0
-    ("--n-samples-per-prompt 1", ["--n-samples-per-prompt 1 with --advantage-estimator grpo", "every optimizer step is a no-op", "--n-samples-per-prompt >= 2"]),
+    (
+        "--n-samples-per-prompt 1",
+        [
+            "--n-samples-per-prompt 1 with --advantage-estimator grpo",
+            "every optimizer step is a no-op",
+            "--n-samples-per-prompt >= 2",
+        ],
+    ),
     ("--advantage-estimator dr_grpo --n-samples-per-prompt 1", ["with --advantage-estimator dr_grpo", "group mean"]),
-    ("--advantage-estimator reinforce_plus_plus_baseline --n-samples-per-prompt 1", ["with --advantage-estimator reinforce_plus_plus_baseline"]),
+    (
+        "--advantage-estimator reinforce_plus_plus_baseline --n-samples-per-prompt 1",
+        ["with --advantage-estimator reinforce_plus_plus_baseline"],
+    ),
     # issue 16: ranges of the Megatron-LM flags, checked at parse time
     ("--lr -1", ["--lr: must be >= 0.0 (got -1.0)", "--lr 1e-6"]),
     ("--lr nan", ["--lr: must be >= 0.0 (got nan)"]),
@@ -64,11 +119,24 @@ RULES = [
     ("--rollout-temperature 0", ["--rollout-temperature: must be a finite number > 0"]),
     ("--use-dynamic-batch-size", ["--use-dynamic-batch-size", "--max-tokens-per-gpu"]),
     ("--log-probs-chunk-size 0", ["--log-probs-chunk-size"]),
-    ("--train-backend fsdp --context-parallel-size 2", ["--train-backend fsdp with --context-parallel-size 2", "use --train-backend megatron"]),
-    ("--train-backend fsdp --tensor-model-parallel-size 2", ["--train-backend fsdp with --tensor-model-parallel-size 2"]),
+    (
+        "--train-backend fsdp --context-parallel-size 2",
+        ["--train-backend fsdp with --context-parallel-size 2", "use --train-backend megatron"],
+    ),
+    (
+        "--train-backend fsdp --tensor-model-parallel-size 2",
+        ["--train-backend fsdp with --tensor-model-parallel-size 2"],
+    ),
     ("--lr-decay-style cosine", ["--lr-decay-style cosine", "needs its length", "pass --lr-decay-iters N"]),
     ("--train-backend fsdp --lr-decay-style linear", ["--lr-decay-style linear", "needs its length"]),
-    ("--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", ["--train-backend megatron with --pipeline-model-parallel-size 2", "no pipeline schedule", "--pipeline-model-parallel-size 1"]),
+    (
+        "--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2",
+        [
+            "--train-backend megatron with --pipeline-model-parallel-size 2",
+            "no pipeline schedule",
+            "--pipeline-model-parallel-size 1",
+        ],
+    ),
     ("--fp16", ["--train-backend megatron with --fp16", "use --bf16"]),
 ]
 
@@ -115,9 +183,12 @@ def test_works_as_megatron_extra_args_provider():
     provider must add only the RL flags and read Megatron's."""
     parser = argparse.ArgumentParser()
     for flag, kw in {
-        "--calculate-per-token-loss": dict(action="store_true"), "--global-batch-size": dict(type=int),
-        "--micro-batch-size": dict(type=int), "--context-parallel-size": dict(type=int, default=1),
-        "--tensor-model-parallel-size": dict(type=int, default=1), "--seq-length": dict(type=int),
+        "--calculate-per-token-loss": dict(action="store_true"),
+        "--global-batch-size": dict(type=int),
+        "--micro-batch-size": dict(type=int),
+        "--context-parallel-size": dict(type=int, default=1),
+        "--tensor-model-parallel-size": dict(type=int, default=1),
+        "--seq-length": dict(type=int),
         "--pipeline-model-parallel-size": dict(type=int, default=1),
     }.items():
         parser.add_argument(flag, **kw)
@@ -129,17 +200,27 @@ def test_works_as_megatron_extra_args_provider():
 
 
 def test_loss_config_from_args():
-    cfg = LossConfig.from_args(parse_args("--advantage-estimator gspo --loss-aggregation constant --loss-aggregation-divisor 64 --qkv-format bshd --seq-length 128".split()))
+    cfg = LossConfig.from_args(
+        parse_args(
+            "--advantage-estimator gspo --loss-aggregation constant --loss-aggregation-divisor 64 --qkv-format bshd --seq-length 128".split()
+        )
+    )
     assert cfg.policy_loss == "gspo" and cfg.loss_aggregation == "constant" and cfg.loss_aggregation_divisor == 64.0
     assert cfg.max_seq_len == 128
     with pytest.raises(ValueError, match="cannot import"):
         LossConfig.from_args(parse_args(["--custom-pg-loss-reducer-function-path", "no_such_pkg.mod.fn"]))
-    cfg = LossConfig.from_args(parse_args(["--custom-pg-loss-reducer-function-path", "tests.fast.test_loss_parity_distributed.custom_sample_mean"]))
+    cfg = LossConfig.from_args(
+        parse_args(
+            ["--custom-pg-loss-reducer-function-path", "tests.fast.test_loss_parity_distributed.custom_sample_mean"]
+        )
+    )
     assert callable(cfg.custom_pg_reducer)
 
 
 def _cli(*flags):
-    return subprocess.run([sys.executable, "-m", "rl_plugin.arguments", *flags], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rl_plugin.arguments", *flags], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_prints_resolved_json_and_exits_0():
@@ -159,6 +240,11 @@ def test_cli_invalid_combination_exits_2_with_message_on_stderr():
 def test_arguments_md_documents_every_flag_and_is_current():
     parser = build_parser()
     text = DOC_PATH.read_text()
-    missing = [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help" and f"`{s}`" not in text]
+    missing = [
+        s
+        for a in parser._actions
+        for s in a.option_strings
+        if s.startswith("--") and s != "--help" and f"`{s}`" not in text
+    ]
     assert not missing, f"flags missing from arguments.md: {missing}"
     assert text == render(parser), "arguments.md is stale: run python -m rl_plugin.arguments.docs"

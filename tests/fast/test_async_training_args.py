@@ -10,8 +10,14 @@ from tests.fast.flag_rules import assert_refused
 
 RULES = [
     ("--max-weight-staleness -1", ["--max-weight-staleness: must be >= 0 (got -1)", "use 0 (synchronous) or 1"]),
-    ("--max-weight-staleness 2", ["--max-weight-staleness 2: only a lag of at most 1 rollout is implemented", "use --max-weight-staleness 1"]),
-    ("--max-weight-staleness 1 --colocate", ["--max-weight-staleness 1 with --colocate", "cannot overlap training", "drop --colocate"]),
+    (
+        "--max-weight-staleness 2",
+        ["--max-weight-staleness 2: only a lag of at most 1 rollout is implemented", "use --max-weight-staleness 1"],
+    ),
+    (
+        "--max-weight-staleness 1 --colocate",
+        ["--max-weight-staleness 1 with --colocate", "cannot overlap training", "drop --colocate"],
+    ),
 ]
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_plugin.batching import (micro_batches_by_count, micro_batches_by_tokens, micro_batches_for_count, plan_micro_batches,
-                                plan_steps_by_docs, split_samples_for_dp)
+from rl_plugin.batching import (
+    micro_batches_by_count,
+    micro_batches_by_tokens,
+    micro_batches_for_count,
+    plan_micro_batches,
+    plan_steps_by_docs,
+    split_samples_for_dp,
+)
 from rl_plugin.loss import StepBatch
 from rl_plugin.parallel import ParallelState
 from tests.fast.harness import run_world
@@ -39,8 +44,14 @@ def test_micro_batches_by_count_and_tokens():
 def _batch(lengths):
     total = torch.tensor(lengths)
     resp = torch.ones_like(total)
-    return StepBatch(tokens=torch.zeros(int(total.sum()), dtype=torch.long), total_lengths=total, response_lengths=resp,
-                     loss_mask=torch.ones(len(lengths)), advantages=torch.zeros(len(lengths)), group_ids=torch.zeros(len(lengths), dtype=torch.long))
+    return StepBatch(
+        tokens=torch.zeros(int(total.sum()), dtype=torch.long),
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=torch.ones(len(lengths)),
+        advantages=torch.zeros(len(lengths)),
+        group_ids=torch.zeros(len(lengths), dtype=torch.long),
+    )
 
 
 def _plan_worker(rank, world):

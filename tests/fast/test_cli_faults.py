@@ -39,10 +39,20 @@ class Proc:
 
     def __init__(self, argv, cwd, env):
         cmd = [str(TRAIN)] if TRAIN.exists() else [sys.executable, "-m", "rl_plugin.train"]
-        self.p = subprocess.Popen(cmd + argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True)
+        self.p = subprocess.Popen(
+            cmd + argv,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.out, self.err = [], []
-        self._threads = [threading.Thread(target=self._drain, args=(s, buf), daemon=True) for s, buf in ((self.p.stdout, self.out), (self.p.stderr, self.err))]
+        self._threads = [
+            threading.Thread(target=self._drain, args=(s, buf), daemon=True)
+            for s, buf in ((self.p.stdout, self.out), (self.p.stderr, self.err))
+        ]
         for t in self._threads:
             t.start()
 
@@ -59,7 +69,9 @@ class Proc:
             if self.p.poll() is not None:
                 break
             time.sleep(0.2)
-        raise AssertionError(f"{what} did not happen (rc {self.p.poll()}):\n{''.join(self.out)[-3000:]}\n{''.join(self.err)[-3000:]}")
+        raise AssertionError(
+            f"{what} did not happen (rc {self.p.poll()}):\n{''.join(self.out)[-3000:]}\n{''.join(self.err)[-3000:]}"
+        )
 
     def finish(self, timeout=120):
         rc = self.p.wait(timeout=timeout)
@@ -116,9 +128,27 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, env):
     d = tmp_path_factory.mktemp("a")
-    argv = ["--train-backend", "fsdp", "--actor-num-gpus-per-node", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-            "--num-rollout", "1000", "--save", str(d / "ckpt"), "--save-interval", "1", "--output-dir", str(d / "out"),
-            "--no-progress-bar", "--log-interval", "2"]
+    argv = [
+        "--train-backend",
+        "fsdp",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "1000",
+        "--save",
+        str(d / "ckpt"),
+        "--save-interval",
+        "1",
+        "--output-dir",
+        str(d / "out"),
+        "--no-progress-bar",
+        "--log-interval",
+        "2",
+    ]
     a = Proc(argv, d, env)
     try:
         a.wait_for(lambda: (latest_step(d / "ckpt") or 0) >= 4, "run A's checkpoint of step 4")
@@ -133,15 +163,24 @@ def run_a(tmp_path_factory, env):
 def test_metrics_line_every_log_interval_without_progress_bar(run_a):
     a, _ = run_a
     lines = lambda: [ln for ln in a.out if ln.startswith("step ")]  # noqa: E731
-    a.wait_for(lambda: len(lines()) >= 2, "two metrics lines on stdout", timeout=20)  # printed before the save of their step
+    a.wait_for(
+        lambda: len(lines()) >= 2, "two metrics lines on stdout", timeout=20
+    )  # printed before the save of their step
     lines = lines()
-    assert re.match(r"step 2 \| rollout 1 \| reward [0-9.]+ \| loss \S+ \| grad_norm \S+ \| .*gen [0-9.]+s reward [0-9.]+s train [0-9.]+s", lines[0]), lines
+    assert re.match(
+        r"step 2 \| rollout 1 \| reward [0-9.]+ \| loss \S+ \| grad_norm \S+ \| .*gen [0-9.]+s reward [0-9.]+s train [0-9.]+s",
+        lines[0],
+    ), lines
     assert [int(ln.split()[1]) for ln in lines[:2]] == [2, 4]  # --log-interval 2: every other step
 
 
 def test_second_live_run_in_the_same_output_dir_is_refused(run_a, env, tmp_path):
     a, d = run_a
-    b = Proc(["--train-backend", "fsdp", "--num-rollout", "1", "--output-dir", str(d / "out"), "--no-progress-bar"], tmp_path, env)
+    b = Proc(
+        ["--train-backend", "fsdp", "--num-rollout", "1", "--output-dir", str(d / "out"), "--no-progress-bar"],
+        tmp_path,
+        env,
+    )
     assert b.finish(timeout=300) == 2
     err = "".join(b.err)
     assert f"another run is writing there: pid {a.p.pid} on {socket.gethostname()}" in err and "Fix:" in err, err
@@ -168,6 +207,7 @@ def test_ctrl_c_ends_with_one_line_then_sigkill_takes_the_cluster_down(run_a, en
     c = Proc(cmd[1:], d, env)
     tree = {}
     try:
+
         def agents_up():
             names = _names(c.tree())
             return any("RuntimeEnvAgent" in n for n in names) and any("DashboardAgent" in n for n in names)

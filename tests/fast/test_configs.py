@@ -28,20 +28,62 @@ def test_dataclass_defaults_are_the_parsers(cls):
 
 
 def test_from_args_reads_every_group():
-    args = parse_args([
-        "--train-backend", "fsdp", "--hf-checkpoint", "/ckpt", "--bf16", "--fp32-lm-head", "--disable-fused-lm-head",
-        "--fsdp-attn-implementation", "eager", "--seed", "7",
-        "--optimizer", "sgd", "--lr", "0.5", "--min-lr", "0.1", "--lr-decay-style", "linear", "--lr-decay-iters", "9",
-        "--lr-warmup-iters", "2", "--clip-grad", "0", "--sgd-momentum", "0.5",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--micro-batch-size", "3",
-        "--calculate-per-token-loss", "--use-kl-loss", "--kl-loss-coef", "0.1", "--use-rollout-logprobs",
-    ])
+    args = parse_args(
+        [
+            "--train-backend",
+            "fsdp",
+            "--hf-checkpoint",
+            "/ckpt",
+            "--bf16",
+            "--fp32-lm-head",
+            "--disable-fused-lm-head",
+            "--fsdp-attn-implementation",
+            "eager",
+            "--seed",
+            "7",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.5",
+            "--min-lr",
+            "0.1",
+            "--lr-decay-style",
+            "linear",
+            "--lr-decay-iters",
+            "9",
+            "--lr-warmup-iters",
+            "2",
+            "--clip-grad",
+            "0",
+            "--sgd-momentum",
+            "0.5",
+            "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu",
+            "64",
+            "--micro-batch-size",
+            "3",
+            "--calculate-per-token-loss",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.1",
+            "--use-rollout-logprobs",
+        ]
+    )
     cfg = TrainConfig.from_args(args)
     assert cfg.train_backend == "fsdp" and cfg.use_rollout_logprobs
-    assert cfg.model == ModelConfig(hf_checkpoint="/ckpt", bf16=True, fp32_lm_head=True, fused_lm_head=False,
-                                    attn_implementation="eager", seed=7)
-    assert cfg.optimizer == OptimizerConfig(optimizer="sgd", lr=0.5, min_lr=0.1, lr_decay_style="linear", lr_decay_iters=9,
-                                            lr_warmup_iters=2, clip_grad=0.0, sgd_momentum=0.5)
+    assert cfg.model == ModelConfig(
+        hf_checkpoint="/ckpt", bf16=True, fp32_lm_head=True, fused_lm_head=False, attn_implementation="eager", seed=7
+    )
+    assert cfg.optimizer == OptimizerConfig(
+        optimizer="sgd",
+        lr=0.5,
+        min_lr=0.1,
+        lr_decay_style="linear",
+        lr_decay_iters=9,
+        lr_warmup_iters=2,
+        clip_grad=0.0,
+        sgd_momentum=0.5,
+    )
     assert cfg.batching.max_tokens_per_gpu == 64 and cfg.batching.micro_batch_size == 3
     assert cfg.loss.loss_aggregation == "token_mean" and cfg.loss.use_kl_loss and cfg.loss.kl_loss_coef == 0.1
     # the token budget is the micro-batching rule only under --use-dynamic-batch-size
@@ -49,8 +91,20 @@ def test_from_args_reads_every_group():
 
 
 def test_rollout_config_reads_slime_names_and_resolves_defaults():
-    args = parse_args(["--n-samples-per-eval-prompt", "3", "--rollout-max-response-len", "5", "--rollout-num-gpus-per-engine", "1",
-                       "--overlong-buffer-len", "2", "--rollout-temperature", "0.7"])
+    args = parse_args(
+        [
+            "--n-samples-per-eval-prompt",
+            "3",
+            "--rollout-max-response-len",
+            "5",
+            "--rollout-num-gpus-per-engine",
+            "1",
+            "--overlong-buffer-len",
+            "2",
+            "--rollout-temperature",
+            "0.7",
+        ]
+    )
     cfg = RolloutConfig.from_args(args)
     assert cfg.n_samples_per_eval == 3 and cfg.rollout_max_response_len == cfg.engine.max_response_len == 5
     assert cfg.overlong_penalty_factor == 1.0  # DAPO's default, resolved once here

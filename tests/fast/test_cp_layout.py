@@ -22,7 +22,9 @@ def brute_force(total, resp, cp_rank, cp_size, fmt, max_seq_len):
             padded = -(-max_seq_len // (2 * cp_size)) * 2 * cp_size if cp_size > 1 else max_seq_len
         if cp_size > 1:
             ch = padded // (2 * cp_size)
-            owned = list(range(cp_rank * ch, (cp_rank + 1) * ch)) + list(range((2 * cp_size - 1 - cp_rank) * ch, (2 * cp_size - cp_rank) * ch))
+            owned = list(range(cp_rank * ch, (cp_rank + 1) * ch)) + list(
+                range((2 * cp_size - 1 - cp_rank) * ch, (2 * cp_size - cp_rank) * ch)
+            )
         else:
             owned = list(range(padded))
         p0 = t - r - 1

@@ -25,21 +25,78 @@ from tests.fast.harness import run_world
 from tests.fast.tolerance import FP32_MODEL, max_abs, within
 
 MEGATRON_READY = importlib.util.find_spec("rl_plugin.backends.megatron.backend") is not None
-pytestmark = pytest.mark.skipif(not MEGATRON_READY, reason="rl_plugin.backends.megatron.backend (MegatronBackend) is not importable")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_READY, reason="rl_plugin.backends.megatron.backend (MegatronBackend) is not importable"
+)
 
-BASE = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--clip-grad", "0", "--rollout-temperature", "0.9",
-        "--eps-clip", "0.2", "--n-samples-per-prompt", "4"]
-MODES = {"sample_mean": [], "token_mean": ["--loss-aggregation", "token_mean"],
-         "prompt_mean": ["--loss-aggregation", "prompt_mean"],
-         "constant": ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8"]}
+BASE = [
+    "--optimizer",
+    "sgd",
+    "--sgd-momentum",
+    "0",
+    "--lr",
+    "1.0",
+    "--clip-grad",
+    "0",
+    "--rollout-temperature",
+    "0.9",
+    "--eps-clip",
+    "0.2",
+    "--n-samples-per-prompt",
+    "4",
+]
+MODES = {
+    "sample_mean": [],
+    "token_mean": ["--loss-aggregation", "token_mean"],
+    "prompt_mean": ["--loss-aggregation", "prompt_mean"],
+    "constant": ["--loss-aggregation", "constant", "--loss-aggregation-divisor", "8"],
+}
 CASES = {f"{m}/{p}": [*flags, "--advantage-estimator", p] for m, flags in MODES.items() for p in ("grpo", "gspo")}
-CASES["sample_mean/dual_clip+kl+entropy"] = ["--eps-clip-high", "0.28", "--eps-clip-c", "3", "--use-kl-loss",
-                                             "--kl-loss-coef", "0.1", "--entropy-coef", "0.01"]
+CASES["sample_mean/dual_clip+kl+entropy"] = [
+    "--eps-clip-high",
+    "0.28",
+    "--eps-clip-c",
+    "3",
+    "--use-kl-loss",
+    "--kl-loss-coef",
+    "0.1",
+    "--entropy-coef",
+    "0.01",
+]
 # Off-policy correction: the engine's log-probs differ from the old ones by seeded noise (0.25).
-CASES["token_mean/tis_token_truncate"] = ["--loss-aggregation", "token_mean", "--use-tis", "--tis-clip", "1.3", "--tis-clip-low", "0.8"]
-CASES["sample_mean/tis_sequence_mask"] = ["--use-tis", "--tis-level", "sequence", "--tis-mode", "mask", "--tis-clip-low", "0.5", "--tis-clip", "2"]
-CASES["prompt_mean/gspo+tis_geometric"] = ["--loss-aggregation", "prompt_mean", "--advantage-estimator", "gspo", "--use-tis",
-                                           "--tis-level", "geometric", "--tis-clip-low", "0.9", "--tis-clip", "1.05"]
+CASES["token_mean/tis_token_truncate"] = [
+    "--loss-aggregation",
+    "token_mean",
+    "--use-tis",
+    "--tis-clip",
+    "1.3",
+    "--tis-clip-low",
+    "0.8",
+]
+CASES["sample_mean/tis_sequence_mask"] = [
+    "--use-tis",
+    "--tis-level",
+    "sequence",
+    "--tis-mode",
+    "mask",
+    "--tis-clip-low",
+    "0.5",
+    "--tis-clip",
+    "2",
+]
+CASES["prompt_mean/gspo+tis_geometric"] = [
+    "--loss-aggregation",
+    "prompt_mean",
+    "--advantage-estimator",
+    "gspo",
+    "--use-tis",
+    "--tis-level",
+    "geometric",
+    "--tis-clip-low",
+    "0.9",
+    "--tis-clip",
+    "1.05",
+]
 CASES["sample_mean/deepspeed_grad_scale"] = ["--advantage-estimator", "grpo", "--deepspeed-grad-scale"]
 TOL = FP32_MODEL  # relative errors of tensors and of quantities that do not cancel (grad norm)
 PAD_ID = 0  # the tiny models' pad_token_id
@@ -48,13 +105,15 @@ PAD_ID = 0  # the tiny models' pad_token_id
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
     from rl_plugin.batching import plan_micro_batches
     from rl_plugin.loss import LossConfig
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
     base = ["--hf-checkpoint", hf_dir, *BASE]
-    backends = {"megatron": MegatronBackend.from_args(make_args(*base, world_size=world)),
-                "fsdp": FSDPBackend.from_args(make_args("--train-backend", "fsdp", *base, world_size=world))}
+    backends = {
+        "megatron": MegatronBackend.from_args(make_args(*base, world_size=world)),
+        "fsdp": FSDPBackend.from_args(make_args("--train-backend", "fsdp", *base, world_size=world)),
+    }
     ps = backends["fsdp"].parallel_state
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
     batch.tokens[::5] = PAD_ID  # the pad id as a real token: both backends must train its embedding row
@@ -81,15 +140,21 @@ def _worker(rank, world, hf_dir):
             if cfg.use_kl_loss:
                 from dataclasses import replace
 
-                step_batch = replace(local, ref_log_probs=backend.compute_log_probs(local, role="ref", micro_batches=plan))
+                step_batch = replace(
+                    local, ref_log_probs=backend.compute_log_probs(local, role="ref", micro_batches=plan)
+                )
             logp = backend.compute_log_probs(step_batch, micro_batches=plan)
             report = backend.train_step(step_batch, num_groups=num_groups, micro_batches=plan)
             w1 = backend.export_hf_state_dict()
             res[name] = dict(report=report, logp=logp, update={k: w1[k] - w0[name][k] for k in w0[name]})
         out[case] = res
     scale = max_abs(local.old_log_probs, local.advantages, *(r["logp"] for c in out.values() for r in c.values()))
-    return dict(out=out, scale=scale, keys={n: sorted(w) for n, w in w0.items()},
-                w0_diff=max(float((w0["fsdp"][k] - w0["megatron"][k]).abs().max()) for k in w0["fsdp"]))
+    return dict(
+        out=out,
+        scale=scale,
+        keys={n: sorted(w) for n, w in w0.items()},
+        w0_diff=max(float((w0["fsdp"][k] - w0["megatron"][k]).abs().max()) for k in w0["fsdp"]),
+    )
 
 
 def _rel(a, b):
@@ -127,10 +192,21 @@ def test_backends_agree(results, case):
         m, f = r["out"][case]["megatron"], r["out"][case]["fsdp"]
         # J and the loss terms are sums of per-token terms of magnitude <= scale (log-probs, advantages)
         assert within(f["report"]["loss"], m["report"]["loss"], rtol=FP32_MODEL, scale=r["scale"]), case
-        e = dict(logp=_tensor_rel(f["logp"], m["logp"]), loss=_rel(f["report"]["loss"], m["report"]["loss"]),
-                 grad_norm=_rel(f["report"]["grad_norm"], m["report"]["grad_norm"]),
-                 update=_update_rel(f["update"], m["update"]))
-        for key in ("pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ratio_mean", "tis/weight_mean", "mismatch/k3_kl"):
+        e = dict(
+            logp=_tensor_rel(f["logp"], m["logp"]),
+            loss=_rel(f["report"]["loss"], m["report"]["loss"]),
+            grad_norm=_rel(f["report"]["grad_norm"], m["report"]["grad_norm"]),
+            update=_update_rel(f["update"], m["update"]),
+        )
+        for key in (
+            "pg_loss",
+            "kl_loss",
+            "entropy_loss",
+            "pg_clipfrac",
+            "ratio_mean",
+            "tis/weight_mean",
+            "mismatch/k3_kl",
+        ):
             if key in m["report"]:
                 assert within(f["report"][key], m["report"][key], rtol=FP32_MODEL, scale=r["scale"]), (case, key)
         errs = {k: max(v, errs.get(k, 0.0)) for k, v in e.items()}

@@ -15,7 +15,13 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.sh"
 
 def test_there_are_examples():
     names = {p.name for p in EXAMPLES}
-    assert {"cpu_tiny.sh", "gspo_qwen2.5_7b.sh", "dr_grpo_qwen2.5_7b.sh", "dapo_token_mean_qwen2.5_7b.sh", "prompt_mean_qwen2.5_7b.sh"} <= names
+    assert {
+        "cpu_tiny.sh",
+        "gspo_qwen2.5_7b.sh",
+        "dr_grpo_qwen2.5_7b.sh",
+        "dapo_token_mean_qwen2.5_7b.sh",
+        "prompt_mean_qwen2.5_7b.sh",
+    } <= names
 
 
 def _flags(script: Path, tmp_path: Path):
@@ -23,7 +29,9 @@ def _flags(script: Path, tmp_path: Path):
     stub = tmp_path / "stub.sh"
     stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "{out}"\n')
     stub.chmod(0o755)
-    subprocess.run(["bash", str(script)], check=True, env={"PATH": "/usr/bin:/bin", "RL_PLUGIN_TRAIN": str(stub)}, cwd=tmp_path)
+    subprocess.run(
+        ["bash", str(script)], check=True, env={"PATH": "/usr/bin:/bin", "RL_PLUGIN_TRAIN": str(stub)}, cwd=tmp_path
+    )
     return [a for a in out.read_text().split("\0") if a]
 
 
@@ -31,7 +39,9 @@ def _flags(script: Path, tmp_path: Path):
 def test_example_flags_validate(script, tmp_path):
     argv = _flags(script, tmp_path)
     assert "--train-backend" in argv and len(argv) > 10
-    res = subprocess.run([sys.executable, "-m", "rl_plugin.arguments", "--no-file-checks", *argv], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "rl_plugin.arguments", "--no-file-checks", *argv], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -40,5 +50,7 @@ def test_checker_rejects_a_broken_example(tmp_path):
     argv = _flags(next(p for p in EXAMPLES if p.name.startswith("dr_grpo")), tmp_path)
     i = argv.index("--loss-aggregation-divisor")
     del argv[i : i + 2]
-    res = subprocess.run([sys.executable, "-m", "rl_plugin.arguments", "--no-file-checks", *argv], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "rl_plugin.arguments", "--no-file-checks", *argv], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "--loss-aggregation-divisor" in res.stderr

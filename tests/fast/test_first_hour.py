@@ -72,8 +72,14 @@ def test_save_over_another_runs_checkpoints_is_refused(no_ray, capsys):
     """#1: --save DIR with checkpoints and no --load would overwrite them and move the resume point back."""
     save = no_ray / "ckpt"
     _fake_ckpt(save, 30, backend="fsdp")
-    _refused(capsys, [*BASE, "--save", str(save), "--output-dir", str(no_ray / "o")],
-             f"--save {save}", "up to step 30", f"--load {save}", "--overwrite-save")
+    _refused(
+        capsys,
+        [*BASE, "--save", str(save), "--output-dir", str(no_ray / "o")],
+        f"--save {save}",
+        "up to step 30",
+        f"--load {save}",
+        "--overwrite-save",
+    )
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
 
 
@@ -93,23 +99,41 @@ def test_load_of_a_missing_directory_is_an_error(no_ray, capsys):
     """#2: a typo in --load used to train from scratch and exit 0."""
     missing = no_ray / "ckpt_typo"
     _refused(capsys, [*BASE, "--load", str(missing)], f"--load {missing}: the directory does not exist", "mkdir -p")
-    _refused(capsys, [*BASE, "--load", str(_fake_ckpt(no_ray / "c", 4, backend="fsdp"))], "--load takes the --save directory", f"--load {no_ray / 'c'}")
+    _refused(
+        capsys,
+        [*BASE, "--load", str(_fake_ckpt(no_ray / "c", 4, backend="fsdp"))],
+        "--load takes the --save directory",
+        f"--load {no_ray / 'c'}",
+    )
 
 
 def test_checkpoint_of_the_other_backend_names_it(no_ray, capsys):
     """#9: an FSDP checkpoint given to the Megatron backend said "no 'latest' file there"."""
     _fake_ckpt(no_ray / "f", 6, backend="fsdp")
-    _refused(capsys, [*BASE, "--train-backend", "megatron", "--load", str(no_ray / "f")],
-             "written by the fsdp backend", "resume with --train-backend fsdp")
+    _refused(
+        capsys,
+        [*BASE, "--train-backend", "megatron", "--load", str(no_ray / "f")],
+        "written by the fsdp backend",
+        "resume with --train-backend fsdp",
+    )
     _fake_ckpt(no_ray / "m", 6, backend="megatron")
-    _refused(capsys, [*BASE, "--load", str(no_ray / "m")], "written by the megatron backend", "resume with --train-backend megatron")
+    _refused(
+        capsys,
+        [*BASE, "--load", str(no_ray / "m")],
+        "written by the megatron backend",
+        "resume with --train-backend megatron",
+    )
 
 
 def test_finished_run_says_so(no_ray, capsys):
     """#10: --load of a finished run with --num-rollout at or below its progress trained nothing silently."""
     _fake_ckpt(no_ray / "c", 6, backend="fsdp", next_rollout=3)
-    _refused(capsys, [*BASE, "--num-rollout", "2", "--load", str(no_ray / "c")],
-             "has already done 3 rollouts, more than --num-rollout", "pass --num-rollout 5 to train 2 more")
+    _refused(
+        capsys,
+        [*BASE, "--num-rollout", "2", "--load", str(no_ray / "c")],
+        "has already done 3 rollouts, more than --num-rollout",
+        "pass --num-rollout 5 to train 2 more",
+    )
     assert main([*BASE, "--load", str(no_ray / "c")]) == 0
     assert "the run is complete" in capsys.readouterr().out
 
@@ -125,11 +149,30 @@ def test_prompt_too_long_or_unencodable_is_named_by_file_line(no_ray, capsys):
     from rl_plugin.loop.embedded import ensure_tiny_model
 
     model = str(ensure_tiny_model(no_ray / "cache"))
-    common = [*BASE, "--hf-checkpoint", model, "--rollout-batch-size", "1", "--rollout-max-response-len", "4", "--rm-type", "digit_match"]
+    common = [
+        *BASE,
+        "--hf-checkpoint",
+        model,
+        "--rollout-batch-size",
+        "1",
+        "--rollout-max-response-len",
+        "4",
+        "--rm-type",
+        "digit_match",
+    ]
     data = _data(no_ray, ["12=", "1" * 58 + "=", "3=", "2" * 70 + "="])
     # 58 digits + = + <bos> = 60 tokens, + 4 = 64: fits exactly; line 4 (72 tokens) does not
-    _refused(capsys, [*common, "--prompt-data", str(data)], f"--prompt-data {data}:4", "76 tokens", "64 positions", "max_position_embeddings")
-    _refused(capsys, [*common, "--prompt-data", str(data), "--rollout-max-response-len", "5"], f"{data}:2", "lines 2, 4")
+    _refused(
+        capsys,
+        [*common, "--prompt-data", str(data)],
+        f"--prompt-data {data}:4",
+        "76 tokens",
+        "64 positions",
+        "max_position_embeddings",
+    )
+    _refused(
+        capsys, [*common, "--prompt-data", str(data), "--rollout-max-response-len", "5"], f"{data}:2", "lines 2, 4"
+    )
     data = _data(no_ray, ["12=", "1a="])
     _refused(capsys, [*common, "--prompt-data", str(data)], f"--prompt-data {data}:2", "cannot encode", "'a'")
 
@@ -138,7 +181,14 @@ def test_reward_module_errors_name_file_and_line(no_ray, capsys):
     """#7: a syntax error printed only "SyntaxError: expected ':'"; an import-time error its type."""
     bad = no_ray / "bad_rm.py"
     bad.write_text("import math\n\ndef reward(prompt, response, label)\n    return 1.0\n")
-    _refused(capsys, [*BASE, "--custom-rm-path", f"{bad}:reward"], f"--custom-rm-path {bad}:reward", f"{bad}:3", "SyntaxError", "def reward(prompt, response, label)")
+    _refused(
+        capsys,
+        [*BASE, "--custom-rm-path", f"{bad}:reward"],
+        f"--custom-rm-path {bad}:reward",
+        f"{bad}:3",
+        "SyntaxError",
+        "def reward(prompt, response, label)",
+    )
     bad.write_text("TABLE = {}\nSCALE = TABLE['scale']\n\ndef reward(prompt, response, label):\n    return 1.0\n")
     _refused(capsys, [*BASE, "--custom-rm-path", f"{bad}:reward"], "failed to import", "KeyError: 'scale'", f"{bad}:2")
 
@@ -146,13 +196,21 @@ def test_reward_module_errors_name_file_and_line(no_ray, capsys):
 def test_reward_that_raises_names_file_line_sample_and_prompt(tmp_path):
     """#7: a raising reward printed only "KeyError: 'no_such_field'"."""
     rm = tmp_path / "rm.py"
-    rm.write_text("def reward(prompt, response, label):\n    if prompt.startswith('9'):\n        return label['no_such_field']\n    return 0.5\n")
+    rm.write_text(
+        "def reward(prompt, response, label):\n    if prompt.startswith('9'):\n        return label['no_such_field']\n    return 0.5\n"
+    )
     fn = load_reward_fn(None, f"{rm}:reward")
     assert score_responses(fn, ["12="], ["12"], ["12"]) == [0.5]
     with pytest.raises(RewardFunctionError) as err:
         score_responses(fn, ["12=", "12=", "93="], ["1", "2", "3"], [{}, {}, {}])
     msg = str(err.value)
-    for fragment in (f"--custom-rm-path {rm}:reward raised KeyError: 'no_such_field'", f"at {rm}:3", "sample 2", "prompt '93='", "Fix:"):
+    for fragment in (
+        f"--custom-rm-path {rm}:reward raised KeyError: 'no_such_field'",
+        f"at {rm}:3",
+        "sample 2",
+        "prompt '93='",
+        "Fix:",
+    ):
         assert fragment in msg, msg
     assert "\n" not in msg  # one line: the driver shows the remote error line
 
@@ -163,8 +221,23 @@ def test_static_flag_checks_in_the_checker_and_the_first_second(no_ray, capsys):
 
     cases = [
         (["--global-batch-size", "24"], "= 16 x 8 = 128 samples must split into whole optimizer steps"),
-        (["--prompt-data", str(no_ray / "none.jsonl"), "--rollout-batch-size", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
-          "--rm-type", "math_exact", "--hf-checkpoint", str(no_ray)], "--prompt-data"),
+        (
+            [
+                "--prompt-data",
+                str(no_ray / "none.jsonl"),
+                "--rollout-batch-size",
+                "2",
+                "--rollout-max-response-len",
+                "4",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "math_exact",
+                "--hf-checkpoint",
+                str(no_ray),
+            ],
+            "--prompt-data",
+        ),
         (["--custom-rm-path", f"{no_ray / 'none.py'}:f"], "none.py does not exist"),
         (["--load", str(no_ray / "none")], "the directory does not exist"),
         (["--lr", "-1"], "--lr: must be >= 0.0 (got -1.0)"),
@@ -172,7 +245,10 @@ def test_static_flag_checks_in_the_checker_and_the_first_second(no_ray, capsys):
         (["--clip-grad", "-1"], "--clip-grad: must be >= 0.0 (got -1.0)"),
         (["--save-interval", "-3"], "--save-interval: must be >= 1 (got -3)"),
         (["--eps-clip-high", "0.1"], "--eps-clip-high 0.1 with --eps-clip 0.2"),
-        (["--actor-num-gpus-per-node", "2", "--micro-batch-size", "4", "--global-batch-size", "4"], "multiple of micro-batch-size x DP = 8"),
+        (
+            ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "4", "--global-batch-size", "4"],
+            "multiple of micro-batch-size x DP = 8",
+        ),
     ]
     for flags, fragment in cases:
         assert check(flags) == 2, flags
@@ -181,7 +257,12 @@ def test_static_flag_checks_in_the_checker_and_the_first_second(no_ray, capsys):
 
 
 def test_checker_cli_runs_the_path_checks(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rl_plugin.arguments", "--load", str(tmp_path / "typo")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_plugin.arguments", "--load", str(tmp_path / "typo")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and f"--load {tmp_path / 'typo'}: the directory does not exist" in proc.stderr
 
 
@@ -190,7 +271,9 @@ def test_resume_supersedes_rows_past_the_checkpoint(tmp_path):
     m = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "loss": s / 10} for s in range(1, 7)] + [{"step": 4, "eval/reward_mean": 0.5}]
     m.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-    (tmp_path / "metrics.timings.jsonl").write_text("".join(json.dumps({"step": s, "time/train": 1.0}) + "\n" for s in range(1, 7)))
+    (tmp_path / "metrics.timings.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time/train": 1.0}) + "\n" for s in range(1, 7))
+    )
     before = m.read_text().splitlines()
     assert supersede_after(m, 4) == [5, 6]
     assert m.read_text().splitlines() == [ln for ln in before if json.loads(ln)["step"] <= 4]
@@ -201,9 +284,15 @@ def test_resume_supersedes_rows_past_the_checkpoint(tmp_path):
 
 
 def test_summary_line():
-    line = summary_line(12, {"rollout_id": 5, "reward_mean": 0.41234, "loss": -0.0123, "grad_norm": 0.53, "lr": 1e-3},
-                        {"time/rollout_generate": 0.81, "time/rollout_reward": 2.5, "time/train": 1.2})
-    assert line == "step 12 | rollout 5 | reward 0.412 | loss -0.0123 | grad_norm 0.53 | lr 0.001 | gen 0.81s reward 2.50s train 1.20s"
+    line = summary_line(
+        12,
+        {"rollout_id": 5, "reward_mean": 0.41234, "loss": -0.0123, "grad_norm": 0.53, "lr": 1e-3},
+        {"time/rollout_generate": 0.81, "time/rollout_reward": 2.5, "time/train": 1.2},
+    )
+    assert (
+        line
+        == "step 12 | rollout 5 | reward 0.412 | loss -0.0123 | grad_norm 0.53 | lr 0.001 | gen 0.81s reward 2.50s train 1.20s"
+    )
 
 
 def test_run_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):

@@ -19,14 +19,19 @@ def test_every_option_string_and_dest_is_defined_once():
             assert option not in seen_options, f"{option} defined twice"
             seen_options[option] = action
         if action.dest != "help":
-            assert action.dest not in seen_dests, f"{action.option_strings} and {seen_dests[action.dest].option_strings} share dest {action.dest}"
+            assert action.dest not in seen_dests, (
+                f"{action.option_strings} and {seen_dests[action.dest].option_strings} share dest {action.dest}"
+            )
             seen_dests[action.dest] = action
 
 
 def test_a_second_rl_plugin_definition_raises():
     parser = argparse.ArgumentParser()
     add_flag(parser.add_argument_group("megatron"), "--calculate-per-token-loss", action="store_true")
-    with pytest.raises(DuplicateFlagError, match=r"--calculate-per-token-loss is defined twice by rl_plugin: in the 'megatron' group and again in 'loss aggregation'"):
+    with pytest.raises(
+        DuplicateFlagError,
+        match=r"--calculate-per-token-loss is defined twice by rl_plugin: in the 'megatron' group and again in 'loss aggregation'",
+    ):
         add_flag(parser.add_argument_group("loss aggregation"), "--calculate-per-token-loss", action="store_true")
 
 
@@ -46,7 +51,9 @@ SLIME_ALIASES = [
 ]
 
 
-@pytest.mark.parametrize("slime, ours, dest, value", SLIME_ALIASES, ids=[s[0][0] + "-" + s[0][-1] for s in SLIME_ALIASES])
+@pytest.mark.parametrize(
+    "slime, ours, dest, value", SLIME_ALIASES, ids=[s[0][0] + "-" + s[0][-1] for s in SLIME_ALIASES]
+)
 def test_slime_spelling_sets_the_same_setting(slime, ours, dest, value):
     a, b = parse_args(slime), parse_args(ours)
     assert getattr(a, dest) == getattr(b, dest) == value
@@ -71,13 +78,17 @@ def test_unknown_rm_type_is_left_to_choices(capsys):
 
 # Command lines that pass and that fail, across the modules' rules.
 ORDER_CASES = [
-    [], ["--calculate-per-token-loss"], ["--loss-aggregation", "token_mean"],
+    [],
+    ["--calculate-per-token-loss"],
+    ["--loss-aggregation", "token_mean"],
     ["--calculate-per-token-loss", "--loss-aggregation", "prompt_mean"],
     ["--calculate-per-token-loss", "--deepspeed-grad-scale"],
     ["--loss-aggregation", "prompt_mean", "--docs-per-step", "8"],
     ["--calculate-per-token-loss", "--docs-per-step", "8", "--n-samples-per-prompt", "4"],
     ["--loss-aggregation", "prompt_mean", "--global-batch-size", "6", "--n-samples-per-prompt", "4"],
-    ["--loss-aggregation", "constant"], ["--eps-clip-high", "0.1"], ["--use-tis", "--use-rollout-logprobs"],
+    ["--loss-aggregation", "constant"],
+    ["--eps-clip-high", "0.1"],
+    ["--use-tis", "--use-rollout-logprobs"],
 ]
 
 

@@ -66,7 +66,9 @@ def test_clip_grad_on_dtensors(results):
     assert within(update_norm, norm, rtol=FP32_MODEL, scale=free["w0_norm"]), (update_norm, norm)
     assert clipped["report"]["grad_norm"] == norm  # the same code on the same gradient: the reported norm is pre-clip
     coeff = CLIP / (norm + 1e-6)
-    diff = math.sqrt(sum(float(((clipped["update"][k] - u * coeff).double() ** 2).sum()) for k, u in free["update"].items()))
+    diff = math.sqrt(
+        sum(float(((clipped["update"][k] - u * coeff).double() ** 2).sum()) for k, u in free["update"].items())
+    )
     assert within(diff, 0.0, rtol=FP32_MODEL, scale=update_norm * coeff + free["w0_norm"]), diff / (update_norm * coeff)
 
 

@@ -20,8 +20,18 @@ def _checkpoint(tmp_path, family: str) -> str:
     from rl_plugin.models.tiny import tiny_config
 
     if family == "gpt2":  # three dropout fields (attention, residual, embedding)
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.1,
-                         embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=1, eos_token_id=2)
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     else:
         cfg = tiny_config("qwen2")
         cfg.attention_dropout = 0.1
@@ -35,7 +45,9 @@ def _checkpoint(tmp_path, family: str) -> str:
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_fsdp_dropout_forced_off_so_step0_ratio_is_one(tmp_path, family):
     model = load_hf_model(_checkpoint(tmp_path, family), attn_implementation="eager")
-    assert all(getattr(model.config, f, 0.0) == 0.0 for f in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"))
+    assert all(
+        getattr(model.config, f, 0.0) == 0.0 for f in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+    )
     batch = step_batch(make_step(0))
     with torch.no_grad():
         model.eval()

@@ -14,7 +14,6 @@ the (bf16) weight, tied embeddings included.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -78,8 +77,13 @@ def step_bf16(rank, world, ckpt, bf16):
     report = backend.train_step(batch, num_groups=3)
     for k, v in before.items():  # the export is a copy, not the live parameter
         assert torch.equal(v, kept[k]), k
-    return dict(report=report, before=before, after=backend.export_hf_state_dict(), dtypes=dtypes,
-                input_ids=batch.tokens.unique())
+    return dict(
+        report=report,
+        before=before,
+        after=backend.export_hf_state_dict(),
+        dtypes=dtypes,
+        input_ids=batch.tokens.unique(),
+    )
 
 
 def test_fsdp_bf16_fp32_head_gradient_reaches_tied_weight(tmp_path_factory):
@@ -100,4 +104,3 @@ def test_fsdp_bf16_fp32_head_gradient_reaches_tied_weight(tmp_path_factory):
     assert within(bf16["report"]["grad_norm"], fp32["report"]["grad_norm"], rtol=BF16_MODEL)
     assert within(fp32_dp2["report"]["loss"], fp32["report"]["loss"], rtol=FP32_MODEL, scale=scale)
     assert within(fp32_dp2["report"]["grad_norm"], fp32["report"]["grad_norm"], rtol=FP32_MODEL)
-

@@ -80,13 +80,16 @@ def test_pack_without_block_mask_leaks_across_samples(tmp_path_factory, torch_th
 def test_packed_causal_mask_structure():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     m = packed_causal_mask(cu, "sdpa")[0, 0]
-    want = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(m, want)
     e = packed_causal_mask(cu, "eager")[0, 0]
     assert e.dtype == torch.float32

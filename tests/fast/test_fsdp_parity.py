@@ -31,15 +31,37 @@ CONFIGS = {
     "prompt_mean": ["--loss-aggregation", "prompt_mean"],
     "constant": ["--loss-aggregation", "constant", "--loss-aggregation-divisor", str(DIVISOR)],
     "gspo_token_mean": ["--advantage-estimator", "gspo", "--loss-aggregation", "token_mean"],
-    "dual_clip_kl_entropy": ["--eps-clip-high", str(EPS_HIGH), "--eps-clip-c", str(DUAL_C), "--use-kl-loss",
-                             "--kl-loss-coef", str(KL_COEF), "--entropy-coef", str(ENT_COEF), "--pg-metrics", "with_entropy"],
+    "dual_clip_kl_entropy": [
+        "--eps-clip-high",
+        str(EPS_HIGH),
+        "--eps-clip-c",
+        str(DUAL_C),
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        str(KL_COEF),
+        "--entropy-coef",
+        str(ENT_COEF),
+        "--pg-metrics",
+        "with_entropy",
+    ],
     # token-level masked IS (IcePop) against engine log-probs = old + noise(0.15): ~1 token in 7 leaves the band
-    "tis_token_mask": ["--use-tis", "--tis-mode", "mask", "--tis-clip-low", str(TIS_BAND[0]), "--tis-clip", str(TIS_BAND[1])],
+    "tis_token_mask": [
+        "--use-tis",
+        "--tis-mode",
+        "mask",
+        "--tis-clip-low",
+        str(TIS_BAND[0]),
+        "--tis-clip",
+        str(TIS_BAND[1]),
+    ],
 }
 LAYOUTS = {
     1: {"dp1_mb9": ["--micro-batch-size", "9"], "dp1_mb2": ["--micro-batch-size", "2"]},
-    2: {"dp2_mb1": ["--micro-batch-size", "1"], "dp2_tok24": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"],
-        "dp2_mb3_bshd": ["--micro-batch-size", "3", "--qkv-format", "bshd"]},
+    2: {
+        "dp2_mb1": ["--micro-batch-size", "1"],
+        "dp2_tok24": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"],
+        "dp2_mb3_bshd": ["--micro-batch-size", "3", "--qkv-format", "bshd"],
+    },
 }
 # Adam's first update is lr * g / (|g| + eps): with eps = 1e-2 it is ~linear in g (so it compares
 # the gradients element-wise) and, at lr 0.1, far above the fp32 rounding of the weights.
@@ -87,8 +109,12 @@ def reference_step(ckpt: str, step: dict, cname: str):
     ent = entropies(model, batch)
     lengths, groups, mask = batch.response_lengths.tolist(), batch.group_ids, batch.loss_mask.double()
     old, adv = batch.old_log_probs.double(), batch.advantages.double()
-    mode = {"token_mean": "token_mean", "prompt_mean": "prompt_mean", "constant": "constant",
-            "gspo_token_mean": "token_mean"}.get(cname, "sample_mean")
+    mode = {
+        "token_mean": "token_mean",
+        "prompt_mean": "prompt_mean",
+        "constant": "constant",
+        "gspo_token_mean": "token_mean",
+    }.get(cname, "sample_mean")
     if cname.startswith("gspo"):
         tok = ref.gspo_tokens(logp, old, adv, mask, lengths, EPS, EPS)
     else:
@@ -100,7 +126,9 @@ def reference_step(ckpt: str, step: dict, cname: str):
         tok = tok * w
     j = ref.objective(tok, mask, lengths, groups, mode, DIVISOR)
     if cname == "dual_clip_kl_entropy":
-        j = j + KL_COEF * ref.objective(ref.low_var_kl(logp, batch.ref_log_probs.double()), mask, lengths, groups, "sample_mean")
+        j = j + KL_COEF * ref.objective(
+            ref.low_var_kl(logp, batch.ref_log_probs.double()), mask, lengths, groups, "sample_mean"
+        )
         j = j - ENT_COEF * ref.objective(ent, mask, lengths, groups, "sample_mean")
     j.backward()
     norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
@@ -110,10 +138,10 @@ def reference_step(ckpt: str, step: dict, cname: str):
 def entropies(model, batch) -> torch.Tensor:
     out, start = [], 0
     for t, r in zip(batch.total_lengths.tolist(), batch.response_lengths.tolist()):
-        ids = batch.tokens[start:start + t]
+        ids = batch.tokens[start : start + t]
         start += t
         if r:
-            logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0, t - r - 1:t - 1]
+            logits = model(input_ids=ids.view(1, -1), use_cache=False).logits[0, t - r - 1 : t - 1]
             lp = torch.log_softmax(logits.double(), -1)
             out.append(-(lp.exp() * lp).sum(-1))
     return torch.cat(out)
@@ -141,8 +169,9 @@ def runs(tmp_path_factory):
             r0 = per_rank[0][key]
             for other in per_rank[1:]:  # every rank reports the same step
                 assert other[key]["report"] == r0["report"], key
-            merged[key] = dict(report=r0["report"], weights=r0["weights"],
-                               logp=torch.cat([r[key]["logp"] for r in per_rank]))
+            merged[key] = dict(
+                report=r0["report"], weights=r0["weights"], logp=torch.cat([r[key]["logp"] for r in per_rank])
+            )
     from safetensors.torch import load_file
 
     initial = load_file(f"{ckpt}/model.safetensors")
@@ -159,13 +188,17 @@ def test_layouts_agree_and_match_reference(runs, cname):
     assert within(base["report"]["grad_norm"], norm_ref, rtol=FP32_MODEL), (base["report"]["grad_norm"], norm_ref)
     assert tensor_within(base["logp"], logp_ref, rtol=FP32_MODEL)
     assert base["report"]["grad_norm"] > 1e-3  # the step does move the weights
-    print(f"\n{cname}: vs reference: loss {rel(base['report']['loss'], j_ref):.1e} grad_norm "
-          f"{rel(base['report']['grad_norm'], norm_ref):.1e} logp {rel_err(base['logp'], logp_ref):.1e}")
+    print(
+        f"\n{cname}: vs reference: loss {rel(base['report']['loss'], j_ref):.1e} grad_norm "
+        f"{rel(base['report']['grad_norm'], norm_ref):.1e} logp {rel_err(base['logp'], logp_ref):.1e}"
+    )
     layouts = [name for names in LAYOUTS.values() for name in names if name != "dp1_mb9"]
     for lname in layouts:
         got = merged[(cname, lname)]
-        print(f"  {lname} vs dp1_mb9: loss {rel(got['report']['loss'], base['report']['loss']):.1e} grad_norm "
-              f"{rel(got['report']['grad_norm'], base['report']['grad_norm']):.1e} logp {rel_err(got['logp'], base['logp']):.1e}")
+        print(
+            f"  {lname} vs dp1_mb9: loss {rel(got['report']['loss'], base['report']['loss']):.1e} grad_norm "
+            f"{rel(got['report']['grad_norm'], base['report']['grad_norm']):.1e} logp {rel_err(got['logp'], base['logp']):.1e}"
+        )
         for k, v in base["report"].items():
             if k != "num_micro_batches":  # the layout itself
                 assert close(got["report"][k], v, scale), (lname, k, got["report"][k], v)

@@ -25,7 +25,7 @@ from tests.fast.tolerance import FP32_MODEL
 
 VOCAB, HID, ROWS = 37, 12, 23  # odd vocabulary: TP shards 18 + 19
 TEMP = 0.7
-EPS32 = 2.0 ** -24  # unit roundoff of fp32
+EPS32 = 2.0**-24  # unit roundoff of fp32
 
 
 def _data(dtype=torch.float64, seed=3):
@@ -51,16 +51,32 @@ def _run(fn, hidden, weight, targets, w_lp, w_ent, with_entropy):
 def _unfused(targets, with_entropy, temperature=TEMP, tp_group=None, vocab_start=0, fp32=False):
     def fn(h, w):
         logits = fp32_output_projection(h, w) if fp32 else h @ w.t()
-        return log_probs_and_entropy(logits, targets, temperature=temperature, tp_group=tp_group,
-                                     vocab_start=vocab_start, with_entropy=with_entropy)
+        return log_probs_and_entropy(
+            logits,
+            targets,
+            temperature=temperature,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            with_entropy=with_entropy,
+        )
+
     return fn
 
 
 def _fused(targets, with_entropy, temperature=TEMP, tp_group=None, vocab_start=0, fp32=False, chunk=None):
     def fn(h, w):
-        return fused_log_probs_and_entropy(h, w, targets, temperature=temperature, tp_group=tp_group,
-                                           vocab_start=vocab_start, fp32_head=fp32, chunk_size=chunk,
-                                           with_entropy=with_entropy)
+        return fused_log_probs_and_entropy(
+            h,
+            w,
+            targets,
+            temperature=temperature,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            fp32_head=fp32,
+            chunk_size=chunk,
+            with_entropy=with_entropy,
+        )
+
     return fn
 
 
@@ -130,7 +146,7 @@ def test_fp32_head_on_bf16_weight(with_entropy):
     # so they agree within one bf16 ulp (2^-8 relative) of the largest entry plus the bound.
     for a, b in zip(got[2:], ref[2:]):
         scale = float(b.double().abs().max())
-        assert float((a.double() - b.double()).abs().max()) <= 2 ** -8 * scale + bound * scale
+        assert float((a.double() - b.double()).abs().max()) <= 2**-8 * scale + bound * scale
 
 
 def test_bf16_head_rounds_logits_like_the_model():
@@ -142,7 +158,7 @@ def test_bf16_head_rounds_logits_like_the_model():
     ref = _run(_unfused(t, True), h, w, t, w_lp, w_ent, True)
     got = _run(_fused(t, True, chunk=4), h, w, t, w_lp, w_ent, True)
     zmax = float((h.double() @ w.double().t()).abs().max()) / TEMP
-    assert _max_err(got[:2], ref[:2]) < 4 * 2 ** -8 * zmax
+    assert _max_err(got[:2], ref[:2]) < 4 * 2**-8 * zmax
 
 
 def test_weight_gradient_goes_to_main_grad_in_fp32():
@@ -155,7 +171,7 @@ def test_weight_gradient_goes_to_main_grad_in_fp32():
     assert w.grad_added_to_main_grad is True and float(w.grad.abs().max()) == 0.0
     err = float((w.main_grad.double() - gw64).abs().max()) / float(gw64.abs().max())
     assert err < 64 * _fp32_bound(h, w), err  # fp32 accumulation: far below bf16's 2^-8
-    assert err < 2 ** -12
+    assert err < 2**-12
 
 
 def test_tied_embedding_gets_both_gradients():
@@ -208,7 +224,7 @@ def test_no_tensor_of_size_tokens_by_vocab():
 
 def test_default_chunk_bounds_the_block():
     assert default_chunk_rows(32000) == 65 and default_chunk_rows(152064) == 13
-    assert default_chunk_rows(10 ** 9) == 1
+    assert default_chunk_rows(10**9) == 1
 
 
 def test_bad_inputs_raise():
@@ -238,7 +254,10 @@ def test_hf_model_fused_head_equals_its_logits(tmp_path_factory, tied):
     ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), tie_word_embeddings=tied)
     batch = step_batch(make_step(4))
     g = torch.Generator().manual_seed(1)
-    w_lp, w_ent = torch.randn(int(batch.response_lengths.sum()), generator=g), torch.randn(int(batch.response_lengths.sum()), generator=g)
+    w_lp, w_ent = (
+        torch.randn(int(batch.response_lengths.sum()), generator=g),
+        torch.randn(int(batch.response_lengths.sum()), generator=g),
+    )
     for qkv in ("thd", "bshd"):
         mb = MicroBatchInputs.build(batch, qkv_format=qkv, max_seq_len=32 if qkv == "bshd" else None)
         out = []
@@ -248,8 +267,9 @@ def test_hf_model_fused_head_equals_its_logits(tmp_path_factory, tied):
                 install_fused_head(model, fp32=False)
                 assert isinstance(model.lm_head, FusedLogProbHead)
             assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-            lp, ent = micro_batch_log_probs(model, mb, "eager", torch.device("cpu"), temperature=TEMP,
-                                            chunk_size=5, with_entropy=True)
+            lp, ent = micro_batch_log_probs(
+                model, mb, "eager", torch.device("cpu"), temperature=TEMP, chunk_size=5, with_entropy=True
+            )
             idx = mb.layout.resp_index
             ((lp * w_lp[idx]).sum() + (ent * w_ent[idx]).sum()).backward()
             out.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

@@ -47,7 +47,9 @@ def _tp_worker(rank, world, temperature, chunk):
     bounds = torch.linspace(0, VOCAB, world + 1).round().long().tolist()
     lo, hi = bounds[rank], bounds[rank + 1]
     shard = logits[:, lo:hi].clone().requires_grad_(True)
-    lp, ent = log_probs_and_entropy(shard, targets, temperature=temperature, tp_group=ps.tp_group, vocab_start=lo, chunk_size=chunk)
+    lp, ent = log_probs_and_entropy(
+        shard, targets, temperature=temperature, tp_group=ps.tp_group, vocab_start=lo, chunk_size=chunk
+    )
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     return lp.detach(), ent.detach(), shard.grad, (lo, hi)
 
@@ -117,7 +119,7 @@ def test_fp32_lm_head_grad_matches_fp64_and_reaches_bf16_weight():
     assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
     # fp32 accumulation: only the final rounding to bf16 remains (<= 2^-8 relative)
     rel = float(((weight.grad.double() - w64.grad).abs() / w64.grad.abs().clamp_min(1e-3)).max())
-    assert rel < 2 ** -7, rel
+    assert rel < 2**-7, rel
     assert tensor_within(logits, torch.matmul(h64, w64.t()).detach(), rtol=FP32_MODEL)  # one length-16 fp32 contraction
     before = weight.detach().clone()
     torch.optim.SGD([weight], lr=0.5).step()

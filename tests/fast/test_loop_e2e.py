@@ -32,9 +32,26 @@ from tests.fast.local_ray import local_ray_cluster  # noqa: E402
 from tests.fast.tolerance import FP32_MODEL, FP64, within  # noqa: E402
 
 FLAGS = [
-    "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "2",
-    "--num-rollout", "3", "--actor-num-gpus-per-node", "2", "--eval-interval", "2", "--check-weight-sync",
-    "--save-interval", "1", "--no-progress-bar", "--lr", "1e-3",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--num-rollout",
+    "3",
+    "--actor-num-gpus-per-node",
+    "2",
+    "--eval-interval",
+    "2",
+    "--check-weight-sync",
+    "--save-interval",
+    "1",
+    "--no-progress-bar",
+    "--lr",
+    "1e-3",
 ]
 
 
@@ -65,7 +82,11 @@ def _same_first_step(a, b) -> None:
     for key in ("loss", "pg_loss"):
         assert within(a[key], b[key], rtol=FP32_MODEL, scale=scale), (key, a[key], b[key])
     assert within(a["grad_norm"], b["grad_norm"], rtol=FP32_MODEL), ("grad_norm", a["grad_norm"], b["grad_norm"])
-    assert within(a["old_log_prob"], b["old_log_prob"], rtol=FP32_MODEL), ("old_log_prob", a["old_log_prob"], b["old_log_prob"])
+    assert within(a["old_log_prob"], b["old_log_prob"], rtol=FP32_MODEL), (
+        "old_log_prob",
+        a["old_log_prob"],
+        b["old_log_prob"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +132,16 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
 # left behind). DCP names one shard file per rank (__<rank>_0.distcp); both runs have 2 ranks.
 CHECKPOINT_FILES = {
     "fsdp": [".metadata", "__0_0.distcp", "__1_0.distcp", "loop_state.json", "meta.pt", "rng_rank0.pt", "rng_rank1.pt"],
-    "megatron": [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "loop_state.json", "metadata.json",
-                 "rng_rank0.pt", "rng_rank1.pt"],
+    "megatron": [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "common.pt",
+        "loop_state.json",
+        "metadata.json",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ],
 }
 
 
@@ -120,7 +149,9 @@ CHECKPOINT_FILES = {
 def test_checkpoint_layout_on_disk(runs_a, backend):
     root = runs_a[backend] / "ckpt"
     saved = (2, 4, 6)  # --save-interval 1: after every rollout, 2 steps each
-    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in saved] + ["latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in root.iterdir()) == [f"iter_{s:07d}" for s in saved] + [
+        "latest_checkpointed_iteration.txt"
+    ]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "6\n"
     for s in saved:
         assert sorted(p.name for p in (root / f"iter_{s:07d}").iterdir()) == CHECKPOINT_FILES[backend], s
@@ -167,7 +198,9 @@ def test_megatron_resume_on_another_layout(runs_a, tmp_path):
     d = tmp_path / "relayout"
     shutil.copytree(runs_a["megatron"] / "ckpt", d / "ckpt")
     write_tracker(d / "ckpt", 2)
-    assert _run("megatron", d, "--load", str(d / "ckpt"), "--tensor-model-parallel-size", "2", "--num-rollout", "2") == 0
+    assert (
+        _run("megatron", d, "--load", str(d / "ckpt"), "--tensor-model-parallel-size", "2", "--num-rollout", "2") == 0
+    )
     resumed = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
     full = [r for r in _lines(runs_a["megatron"] / "metrics.jsonl") if "loss" in r and r["step"] > 2]
     assert [r["step"] for r in resumed] == [3, 4]
@@ -184,9 +217,29 @@ def test_docs_per_step_kl_colocate_tensorboard(ray_cluster, tmp_path):
     (reference log-probs), --colocate placement and TensorBoard, on the Megatron backend; with
     --use-rollout-logprobs the engine's log-probs are the old ones (no recompute pass), so the
     mismatch is exactly 0 and the step-1 ratio is 1 up to the engine/trainer fp32 difference."""
-    flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "2", "--docs-per-step", "6",
-             "--num-rollout", "1", "--actor-num-gpus-per-node", "2", "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.1",
-             "--tensorboard-dir", str(tmp_path / "tb"), "--no-progress-bar", "--check-weight-sync", "--use-rollout-logprobs"]
+    flags = [
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--docs-per-step",
+        "6",
+        "--num-rollout",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--colocate",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.1",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+        "--no-progress-bar",
+        "--check-weight-sync",
+        "--use-rollout-logprobs",
+    ]
     assert main(["--train-backend", "megatron", "--output-dir", str(tmp_path), *flags]) == 0
     rows = [r for r in _lines(tmp_path / "metrics.jsonl") if "loss" in r]
     # 16 samples, 8 per DP rank in micro-batches of 2: rounds of 4 documents, a step closes at >= 6
@@ -218,8 +271,23 @@ def test_megatron_tp2_same_rollout_and_first_step_as_dp2(runs_a, tmp_path):
 def test_bad_prompt_file_is_named(ray_cluster, tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "12=", "label": "12"}\n{oops\n')
-    argv = ["--train-backend", "fsdp", "--prompt-data", str(data), "--rollout-batch-size", "1", "--rollout-max-response-len", "4",
-            "--num-rollout", "1", "--rm-type", "digit_match", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"]
+    argv = [
+        "--train-backend",
+        "fsdp",
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "1",
+        "--rollout-max-response-len",
+        "4",
+        "--num-rollout",
+        "1",
+        "--rm-type",
+        "digit_match",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--no-progress-bar",
+    ]
     assert main(argv) == 2  # no --hf-checkpoint: caught before Ray starts
     model = str(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])))
     assert main(argv + ["--hf-checkpoint", model]) == 2  # issue 16: the whole file is read before Ray starts
@@ -234,12 +302,33 @@ def test_bad_reward_names_the_sample(ray_cluster, tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "12=", "label": "12"}\n{"prompt": "93=", "label": "93"}\n')
     model = str(ensure_tiny_model(Path(os.environ["RL_PLUGIN_CACHE"])))
-    argv = ["--train-backend", "fsdp", "--hf-checkpoint", model, "--prompt-data", str(data), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "3", "--num-rollout", "1",
-            "--custom-rm-path", f"{rm}:reward", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"]
+    argv = [
+        "--train-backend",
+        "fsdp",
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--rollout-max-response-len",
+        "3",
+        "--num-rollout",
+        "1",
+        "--custom-rm-path",
+        f"{rm}:reward",
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--no-progress-bar",
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response" in err, err
+    assert (
+        "rollout manager failed during generate: ValueError: reward function returned nan for sample 2 (prompt '93=', response"
+        in err
+    ), err
 
 
 def test_killed_rollout_engine_is_restarted_and_the_run_continues_identically(runs_a, tmp_path, monkeypatch, capsys):
@@ -258,7 +347,9 @@ def test_killed_rollout_engine_is_restarted_and_the_run_continues_identically(ru
     assert len(lines) == 5 and lines == (runs_a["megatron"] / "metrics.jsonl").read_text().splitlines(keepends=True)[:5]
 
 
-def test_rollout_engine_dying_past_the_retry_limit_names_engine_cause_and_load(ray_cluster, tmp_path, monkeypatch, capsys):
+def test_rollout_engine_dying_past_the_retry_limit_names_engine_cause_and_load(
+    ray_cluster, tmp_path, monkeypatch, capsys
+):
     d = tmp_path / "engine_limit"
     monkeypatch.setenv(ROLLOUT_FAULT_ENV, "1,1")  # rollout 1 and its retry
     assert _run("fsdp", d, "--max-rollout-retries", "1", "--num-rollout", "2") == 1
@@ -280,11 +371,31 @@ def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
     import math
 
     d = tmp_path / "tis"
-    flags = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "4", "--num-rollout", "2",
-             "--actor-num-gpus-per-node", "2", "--no-progress-bar", "--use-tis", "--tis-clip", "1.5",
-             "--debug-rollout-logprob-shift", "0.5", "--over-sampling-batch-size", "8",
-             "--dynamic-sampling-filter-path", "rl_plugin.rollout.filters.check_reward_nonzero_std",
-             "--overlong-buffer-len", "2", "--deepspeed-metric-names"]
+    flags = [
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--num-rollout",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--no-progress-bar",
+        "--use-tis",
+        "--tis-clip",
+        "1.5",
+        "--debug-rollout-logprob-shift",
+        "0.5",
+        "--over-sampling-batch-size",
+        "8",
+        "--dynamic-sampling-filter-path",
+        "rl_plugin.rollout.filters.check_reward_nonzero_std",
+        "--overlong-buffer-len",
+        "2",
+        "--deepspeed-metric-names",
+    ]
     assert main(["--train-backend", "fsdp", "--output-dir", str(d), *flags]) == 0
     rows = [r for r in _lines(d / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 2
@@ -292,7 +403,9 @@ def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
         gap = FP32_MODEL * _log_scale(r)
         assert abs(r["mismatch/abs_diff_mean"] - 0.5) <= gap and abs(r["mismatch/abs_diff_max"] - 0.5) <= gap
         assert abs(r["mismatch/k3_kl"] - (math.exp(0.5) - 1.5)) <= gap
-        assert within(r["tis/weight_mean"], 1.5, rtol=FP64) and r["tis/clipped_frac"] == 1.0  # every weight clipped to 1.5
+        assert (
+            within(r["tis/weight_mean"], 1.5, rtol=FP64) and r["tis/clipped_frac"] == 1.0
+        )  # every weight clipped to 1.5
         assert r["dynamic_sampling/groups_kept"] == 4.0 and r["groups"] == 4.0 and r["samples"] == 16.0
         assert r["dynamic_sampling/groups_generated"] >= r["dynamic_sampling/groups_passed"] >= 4.0
         assert r["dynamic_sampling/groups_generated"] == 8.0 * r["dynamic_sampling/rounds"]
@@ -339,7 +452,9 @@ def test_load_of_another_model_size_names_the_first_tensor(runs_a, tmp_path, bac
     assert _run(backend, tmp_path / "o", "--load", str(ckpt), "--hf-checkpoint", str(wide), "--num-rollout", "4") == 2
     err = capsys.readouterr().err
     assert f"--load {ckpt}/iter_0000006" in err and f"holds another model than --hf-checkpoint {wide}" in err, err
-    assert "(64,) in the checkpoint and (96,) in the model" in err or "in the checkpoint and (16, 96) in the model" in err, err
+    assert (
+        "(64,) in the checkpoint and (96,) in the model" in err or "in the checkpoint and (16, 96) in the model" in err
+    ), err
     assert "Fix: pass the --hf-checkpoint the checkpoint was trained from" in err
     assert "Traceback" not in err and err.count("size mismatch") == 0
 
@@ -374,14 +489,28 @@ def test_overlapped_run_retries_in_flight_generation_and_resumes_exactly(runs_a,
     lines = (d / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines]
     train = [r for r in rows if "loss" in r]
-    assert [(r["rollout_id"], r["weight_staleness"]) for r in train] == [(0, 0.0), (0, 0.0), (1, 0.0), (1, 0.0), (2, 1.0), (2, 1.0)]
+    assert [(r["rollout_id"], r["weight_staleness"]) for r in train] == [
+        (0, 0.0),
+        (0, 0.0),
+        (1, 0.0),
+        (1, 0.0),
+        (2, 1.0),
+        (2, 1.0),
+    ]
     sync = (runs_a["fsdp"] / "metrics.jsonl").read_text().splitlines()
     assert _without_staleness(lines[:5]) == _without_staleness(sync[:5])  # steps 1-4 and the eval after rollout 1
     for r in train[4:]:
         assert r["rollout_log_prob_diff"] > 100 * FP32_MODEL * _log_scale(r), r["rollout_log_prob_diff"]
     timings = [t for t in _lines(d / "metrics.timings.jsonl") if "time/rollout_total" in t]
-    assert [("time/generate_ahead" in t, "time/trainer_wait_generate" in t) for t in timings] == [(True, True), (True, True), (False, True)]
-    assert all(t["time/generate_ahead"] > 0 and t["time/engine_wait_trainer"] >= 0 and t["time/overlap_saved"] >= 0 for t in timings[:2])
+    assert [("time/generate_ahead" in t, "time/trainer_wait_generate" in t) for t in timings] == [
+        (True, True),
+        (True, True),
+        (False, True),
+    ]
+    assert all(
+        t["time/generate_ahead"] > 0 and t["time/engine_wait_trainer"] >= 0 and t["time/overlap_saved"] >= 0
+        for t in timings[:2]
+    )
     assert [(d / "ckpt" / f"iter_{s:07d}" / "pending_rollout.pt").is_file() for s in (2, 4, 6)] == [True, True, False]
 
     monkeypatch.delenv(ROLLOUT_FAULT_ENV)
@@ -390,4 +519,7 @@ def test_overlapped_run_retries_in_flight_generation_and_resumes_exactly(runs_a,
     write_tracker(r / "ckpt", 2)
     assert _run("fsdp", r, "--max-weight-staleness", "1", "--load", str(r / "ckpt")) == 0
     assert (r / "metrics.jsonl").read_text().splitlines() == [x for x in lines if json.loads(x)["step"] > 2]
-    assert "rollout 1 was generated ahead before the checkpoint and is trained on as it was (staleness 0)" in capsys.readouterr().out
+    assert (
+        "rollout 1 was generated ahead before the checkpoint and is trained on as it was (staleness 0)"
+        in capsys.readouterr().out
+    )

@@ -34,9 +34,13 @@ def _rollout(num_groups=3, n=4):
     rl = torch.randint(1, 5, (s,), generator=g)
     tl = rl + 3
     return RolloutData(
-        tokens=torch.randint(0, 16, (int(tl.sum()),), generator=g), total_lengths=tl, response_lengths=rl,
-        rollout_log_probs=-torch.rand(int(rl.sum()), generator=g), rewards=torch.rand(s, generator=g),
-        group_ids=torch.arange(num_groups).repeat_interleave(n), num_groups=num_groups,
+        tokens=torch.randint(0, 16, (int(tl.sum()),), generator=g),
+        total_lengths=tl,
+        response_lengths=rl,
+        rollout_log_probs=-torch.rand(int(rl.sum()), generator=g),
+        rewards=torch.rand(s, generator=g),
+        group_ids=torch.arange(num_groups).repeat_interleave(n),
+        num_groups=num_groups,
     )
 
 
@@ -58,14 +62,24 @@ def test_global_batch_steps_split_over_dp_with_step_local_groups():
     assert [p.step_bounds for p in plans] == [[(0, 3), (3, 6)], [(0, 3), (3, 6)]]
     assert plans[0].step_num_groups == [2, 2]  # step 0: groups 0,1; step 1: groups 1,2
     # rank 0 holds samples 0-2 and 6-8, rank 1 3-5 and 9-11; group ids renumbered per step
-    assert plans[0].batch.group_ids.tolist() == [0, 0, 0, 0, 0, 1] and plans[1].batch.group_ids.tolist() == [0, 1, 1, 1, 1, 1]
+    assert plans[0].batch.group_ids.tolist() == [0, 0, 0, 0, 0, 1] and plans[1].batch.group_ids.tolist() == [
+        0,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]
     assert torch.equal(plans[1].batch.tokens, b.select(torch.tensor([3, 4, 5, 9, 10, 11])).tokens)
     assert sum(p.batch.num_samples for p in plans) == 12
 
 
 def test_global_batch_must_divide_the_rollout():
     b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")
-    with pytest.raises(RLArgumentError, match=r"--global-batch-size 5: a rollout of --rollout-batch-size x --n-samples-per-prompt = 12 samples"):
+    with pytest.raises(
+        RLArgumentError,
+        match=r"--global-batch-size 5: a rollout of --rollout-batch-size x --n-samples-per-prompt = 12 samples",
+    ):
         plan_global_batch_steps(b, global_batch_size=5, dp_size=1)
 
 
@@ -90,7 +104,10 @@ def test_docs_per_step_plan_on_one_rank():
     assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1], [2, 3], [4, 5]]] * 2
     plan = plan_docs_steps(b, micro_batches_by_count(12, 3), num_groups=3, docs_per_step=8)
     assert plan.step_bounds == [(0, 9), (9, 12)]
-    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[0, 1, 2]]]
+    assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8]],
+        [[0, 1, 2]],
+    ]
 
 
 def test_docs_per_step_split_is_contiguous():
@@ -167,8 +184,20 @@ def test_embedded_defaults_apply_only_without_prompt_data():
     a = parse_train_args(["--train-backend", "fsdp"])
     assert (a.num_rollout, a.rollout_batch_size, a.lr, a.rm_type) == (300, 16, 3e-3, "digit_match")
     assert parse_train_args(["--lr", "1e-4"]).lr == 1e-4  # an explicit flag wins
-    b = parse_train_args(["--prompt-data", "p.jsonl", "--rollout-batch-size", "2", "--rollout-max-response-len", "8",
-                          "--num-rollout", "1", "--rm-type", "math_exact"])
+    b = parse_train_args(
+        [
+            "--prompt-data",
+            "p.jsonl",
+            "--rollout-batch-size",
+            "2",
+            "--rollout-max-response-len",
+            "8",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "math_exact",
+        ]
+    )
     assert b.lr == 1e-6 and b.eval_interval is None  # Megatron-LM's defaults, not the embedded ones
 
 
@@ -189,5 +218,7 @@ def test_fresh_run_keeps_an_earlier_metrics_file(tmp_path):
         (tmp_path / "metrics.timings.jsonl").write_text(text)
         _keep_previous(m)
     assert not m.exists()
-    assert (tmp_path / "metrics.jsonl.prev1").read_text() == "old 1\n" and (tmp_path / "metrics.jsonl.prev2").read_text() == "old 2\n"
+    assert (tmp_path / "metrics.jsonl.prev1").read_text() == "old 1\n" and (
+        tmp_path / "metrics.jsonl.prev2"
+    ).read_text() == "old 2\n"
     assert (tmp_path / "metrics.timings.jsonl.prev2").read_text() == "old 2\n"

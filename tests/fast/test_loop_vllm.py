@@ -22,8 +22,18 @@ from rl_plugin.train import main  # noqa: E402
 from tests.fast.local_ray import local_ray_cluster  # noqa: E402
 from tests.fast.test_rollout_engines import MEAN_BOUND  # noqa: E402
 
-FLAGS = ["--rollout-engine", "vllm", "--check-weight-sync", "--num-rollout", "6", "--update-weight-buffer-size", "65536",
-         "--no-progress-bar", "--eval-interval", "100"]
+FLAGS = [
+    "--rollout-engine",
+    "vllm",
+    "--check-weight-sync",
+    "--num-rollout",
+    "6",
+    "--update-weight-buffer-size",
+    "65536",
+    "--no-progress-bar",
+    "--eval-interval",
+    "100",
+]
 RUNS = {"fsdp": [], "megatron": ["--rollout-num-gpus", "2", "--update-weight-transport", "object_store"]}
 
 
@@ -34,7 +44,9 @@ def runs(tmp_path_factory):
         for backend, extra in RUNS.items():
             d = tmp_path_factory.mktemp(f"vllm_{backend}")
             assert main(["--train-backend", backend, "--output-dir", str(d), *FLAGS, *extra]) == 0
-            out[backend] = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
+            out[backend] = [
+                json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x
+            ]
         return out
 
 

@@ -67,13 +67,32 @@ def make_step(seed: int = 0):
     ent = torch.rand(r, generator=g, dtype=torch.float64) * 2
     tokens = torch.randint(3, 50, (int(total.sum()),), generator=g)
     rollout = old + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)  # the engine's log-probs
-    return dict(groups=groups, total=total, resp=resp, mask=mask, adv=adv, logp=logp, old=old, ref=refp, x=x, ent=ent,
-                tokens=tokens, rollout=rollout)
+    return dict(
+        groups=groups,
+        total=total,
+        resp=resp,
+        mask=mask,
+        adv=adv,
+        logp=logp,
+        old=old,
+        ref=refp,
+        x=x,
+        ent=ent,
+        tokens=tokens,
+        rollout=rollout,
+    )
 
 
 # TIS bands: truncate clips on both sides of the data's ratios; mask keeps a band around 1.
 TIS_BANDS = {"truncate": (0.8, 1.5), "mask": (0.5, 2.0)}
-TIS_KINDS = ("tis-token-truncate", "tis-token-mask", "tis-sequence-truncate", "tis-sequence-mask", "tis-geometric-truncate", "tis-geometric-mask")
+TIS_KINDS = (
+    "tis-token-truncate",
+    "tis-token-mask",
+    "tis-sequence-truncate",
+    "tis-sequence-mask",
+    "tis-geometric-truncate",
+    "tis-geometric-mask",
+)
 
 
 def tis_setting(kind):
@@ -84,7 +103,9 @@ def tis_setting(kind):
     return (level, mode) + TIS_BANDS[mode]
 
 
-def sequence_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw):
+def sequence_tis(
+    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw
+):
     """A slime-signature custom TIS function (user code): sequence-level truncated IS, which is
     only right if it sees whole sequences."""
     weights = [
@@ -140,11 +161,21 @@ def _worker(rank, world, dp, cp, step, combos):
         leaf = (step["x"] if kind == "raw" else step["logp"]).to(dtype).clone().requires_grad_(True)
         my_resp = expand_runs(resp_off[mine], resp[mine])
         batch = StepBatch(
-            tokens=torch.cat([step["tokens"][int(a) : int(a) + int(b)] for a, b in zip(exclusive_cumsum(step["total"])[mine], step["total"][mine])]) if mine.numel() else torch.zeros(0, dtype=torch.long),
-            total_lengths=step["total"][mine], response_lengths=resp[mine],
-            loss_mask=step["mask"][my_resp], advantages=step["adv"][my_resp],
+            tokens=torch.cat(
+                [
+                    step["tokens"][int(a) : int(a) + int(b)]
+                    for a, b in zip(exclusive_cumsum(step["total"])[mine], step["total"][mine])
+                ]
+            )
+            if mine.numel()
+            else torch.zeros(0, dtype=torch.long),
+            total_lengths=step["total"][mine],
+            response_lengths=resp[mine],
+            loss_mask=step["mask"][my_resp],
+            advantages=step["adv"][my_resp],
             group_ids=step["groups"][mine],
-            old_log_probs=step["old"][my_resp], ref_log_probs=step["ref"][my_resp],
+            old_log_probs=step["old"][my_resp],
+            ref_log_probs=step["ref"][my_resp],
             rollout_log_probs=step["rollout"][my_resp],
         )
         custom = kind == "custom"
@@ -153,12 +184,21 @@ def _worker(rank, world, dp, cp, step, combos):
             loss_aggregation="sample_mean" if custom else mode,
             loss_aggregation_divisor=DIVISOR if mode == "constant" else None,
             policy_loss="gspo" if kind == "gspo" else "ppo_clip",
-            eps_clip=EPS, eps_clip_high=EPS_HIGH, eps_clip_c=DUAL_C if kind in ("ppo", "custom", "ds-scale") or kind.startswith("tis") else None,
-            use_kl_loss=kind != "raw", kl_loss_coef=KL_COEF if kind != "raw" else 0.0,
+            eps_clip=EPS,
+            eps_clip_high=EPS_HIGH,
+            eps_clip_c=DUAL_C if kind in ("ppo", "custom", "ds-scale") or kind.startswith("tis") else None,
+            use_kl_loss=kind != "raw",
+            kl_loss_coef=KL_COEF if kind != "raw" else 0.0,
             entropy_coef=ENT_COEF if kind != "raw" else 0.0,
             custom_pg_reducer=custom_sample_mean if custom else None,
-            qkv_format=fmt, max_seq_len=SEQ_LEN if fmt == "bshd" else None, pg_metrics="with_entropy",
-            use_tis=kind.startswith("tis"), tis_level=tis[0], tis_mode=tis[1], tis_clip_low=tis[2], tis_clip=tis[3],
+            qkv_format=fmt,
+            max_seq_len=SEQ_LEN if fmt == "bshd" else None,
+            pg_metrics="with_entropy",
+            use_tis=kind.startswith("tis"),
+            tis_level=tis[0],
+            tis_mode=tis[1],
+            tis_clip_low=tis[2],
+            tis_clip=tis[3],
             custom_tis_function=sequence_tis if kind == "tis-custom" else None,
             deepspeed_grad_scale=kind == "ds-scale",
         )
@@ -180,7 +220,12 @@ def _worker(rank, world, dp, cp, step, combos):
         dist.all_reduce(j)
         grad = leaf.grad.to(torch.float64) if leaf.grad is not None else torch.zeros_like(leaf, dtype=torch.float64)
         dist.all_reduce(grad)
-        results[(fmt, mbs, str(dtype), mode, kind)] = (float(j), grad, report["loss"] if kind != "raw" else float(j), report)
+        results[(fmt, mbs, str(dtype), mode, kind)] = (
+            float(j),
+            grad,
+            report["loss"] if kind != "raw" else float(j),
+            report,
+        )
     return results if rank == 0 else None
 
 
@@ -214,7 +259,9 @@ def tis_combos():
         combos += [(fmt, 1, torch.float64, mode, "tis-token-truncate") for mode in ("sample_mean", "prompt_mean")]
         combos += [(fmt, 3, torch.float64, mode, "tis-token-truncate") for mode in MODES]
         combos += [(fmt, 3, torch.float32, "sample_mean", "tis-token-truncate")]
-        combos += [(fmt, 3, torch.float64, ("sample_mean", "token_mean")[(i + j) % 2], k) for j, k in enumerate(TIS_KINDS[1:])]
+        combos += [
+            (fmt, 3, torch.float64, ("sample_mean", "token_mean")[(i + j) % 2], k) for j, k in enumerate(TIS_KINDS[1:])
+        ]
         combos += [(fmt, 3, torch.float64, ("prompt_mean", "sample_mean")[i], "tis-custom")]
         combos += [(fmt, 3, torch.float64, "sample_mean", "ds-scale")]
     return combos
@@ -237,19 +284,27 @@ def test_objective_and_gradient_match_reference(dp, cp, step, references):
             j, grad = j * n, grad * n
         if kind.startswith("tis"):
             level, tis_mode, low, high = tis_setting(kind)
-            w = ref.tis_weights(step["old"], step["rollout"], step["mask"], step["resp"].tolist(), level, tis_mode, low, high)
+            w = ref.tis_weights(
+                step["old"], step["rollout"], step["mask"], step["resp"].tolist(), level, tis_mode, low, high
+            )
             if kind != "tis-custom":
                 w_mean = float(ref.objective(w, step["mask"], step["resp"].tolist(), step["groups"], "sample_mean"))
-                assert abs(report["tis/weight_mean"] - w_mean) <= FP64 * log_scale, f"{kind}: tis/weight_mean {report['tis/weight_mean']} != {w_mean}"
+                assert abs(report["tis/weight_mean"] - w_mean) <= FP64 * log_scale, (
+                    f"{kind}: tis/weight_mean {report['tis/weight_mean']} != {w_mean}"
+                )
             else:
                 w_mean = float(ref.objective(w, step["mask"], step["resp"].tolist(), step["groups"], "sample_mean"))
-                assert abs(report["tis/custom_weight"] - w_mean) <= FP64 * log_scale, f"custom metric {report['tis/custom_weight']} != {w_mean}"
+                assert abs(report["tis/custom_weight"] - w_mean) <= FP64 * log_scale, (
+                    f"custom metric {report['tis/custom_weight']} != {w_mean}"
+                )
             # mismatch metrics, reduced over every DP x CP rank (fp64 inputs: summation order only)
             d = (step["old"] - step["rollout"]) * step["mask"]
             lengths = step["resp"].tolist()
             for key, per_token in (("mismatch/abs_diff_mean", d.abs()), ("mismatch/k3_kl", torch.expm1(d) - d)):
                 want = float(ref.objective(per_token, step["mask"], lengths, step["groups"], "sample_mean"))
-                assert abs(report[key] - want) <= FP64 * log_scale, f"dp={dp} cp={cp} {kind}: {key} {report[key]} != {want}"
+                assert abs(report[key] - want) <= FP64 * log_scale, (
+                    f"dp={dp} cp={cp} {kind}: {key} {report[key]} != {want}"
+                )
             assert report["mismatch/abs_diff_max"] == float(d.abs()[step["mask"] > 0].max())
         rtol = FP64 if dtype == "torch.float64" else FP32_LOSS_CORE
         tol = rtol * log_scale

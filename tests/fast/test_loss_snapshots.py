@@ -23,19 +23,37 @@ SNAPSHOT = Path(__file__).with_name("loss_snapshots.json")
 
 def compute():
     step = make_step(seed=11)
-    batch = StepBatch(tokens=step["tokens"], total_lengths=step["total"], response_lengths=step["resp"], loss_mask=step["mask"],
-                      advantages=step["adv"], group_ids=step["groups"], old_log_probs=step["old"], ref_log_probs=step["ref"])
+    batch = StepBatch(
+        tokens=step["tokens"],
+        total_lengths=step["total"],
+        response_lengths=step["resp"],
+        loss_mask=step["mask"],
+        advantages=step["adv"],
+        group_ids=step["groups"],
+        old_log_probs=step["old"],
+        ref_log_probs=step["ref"],
+    )
     out = {}
     for policy in ("ppo_clip", "gspo"):
         for mode in ("sample_mean", "token_mean", "prompt_mean", "constant"):
-            cfg = LossConfig(loss_aggregation=mode, loss_aggregation_divisor=DIVISOR if mode == "constant" else None, policy_loss=policy,
-                             eps_clip=0.2, eps_clip_high=0.28, use_kl_loss=True, kl_loss_coef=0.05, entropy_coef=0.01)
+            cfg = LossConfig(
+                loss_aggregation=mode,
+                loss_aggregation_divisor=DIVISOR if mode == "constant" else None,
+                policy_loss=policy,
+                eps_clip=0.2,
+                eps_clip_high=0.28,
+                use_kl_loss=True,
+                kl_loss_coef=0.05,
+                entropy_coef=0.01,
+            )
             ctx = prepare_step(batch, cfg, ParallelState.single())
             mb = ctx.micro_batch(torch.arange(batch.num_samples))
             lp = step["logp"][mb.layout.resp_index]
             ctx.loss(lp, step["ent"][mb.layout.resp_index], mb)
             report = ctx.finish()
-            out[f"{policy}/{mode}"] = {k: float(report[k]).hex() for k in ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac")}
+            out[f"{policy}/{mode}"] = {
+                k: float(report[k]).hex() for k in ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac")
+            }
     return out
 
 

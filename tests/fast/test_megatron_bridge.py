@@ -53,11 +53,10 @@ LOCAL_NAMES = {
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_local_spec_names_workaround_still_needed_and_works(family):
+    import mbridge  # noqa: F401
     from mbridge.core.bridge import _MODEL_REGISTRY
 
     from rl_plugin.backends.megatron.bridge import local_spec_bridge_class
-
-    import mbridge  # noqa: F401
 
     plain = _MODEL_REGISTRY[family]
     fixed = local_spec_bridge_class(plain)
@@ -77,8 +76,9 @@ def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
     from rl_plugin.backends.megatron.forward import unwrap
     from tests.fast.megatron_common import make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
-                                                  world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp), world_size=world)
+    )
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     ref_sd = hf.state_dict()
     exported = backend.export_hf_state_dict()
@@ -91,9 +91,9 @@ def _roundtrip_worker(rank, world, tp, hf_dir, save_dir):
     ref, off = [], 0
     with torch.no_grad():
         for t, r in zip(batch.total_lengths.tolist(), batch.response_lengths.tolist()):
-            ids = batch.tokens[off: off + t]
+            ids = batch.tokens[off : off + t]
             z = hf(ids[None]).logits[0]
-            ref.append(torch.log_softmax(z[t - r - 1: t - 1], -1).gather(1, ids[t - r:, None]).squeeze(1))
+            ref.append(torch.log_softmax(z[t - r - 1 : t - 1], -1).gather(1, ids[t - r :, None]).squeeze(1))
             off += t
     # relative to the largest |log-prob| / |logit|: the magnitude their fp32 rounding scales with
     logp_diff = float((ours - torch.cat(ref)).abs().max()) / max(1.0, float(torch.cat(ref).abs().max()))
@@ -127,7 +127,8 @@ def same_export(backend) -> bool:
     ours = [(n, t.clone()) for n, t in export_hf(backend.bridge, backend.model)]
     theirs = [(n, t.clone()) for n, t in backend.bridge.export_weights([backend.model])]
     same = [n for n, _ in ours] == [n for n, _ in theirs] and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs))
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in zip(ours, theirs)
+    )
     with torch.no_grad():  # back to the checkpoint's weights for the rest of the worker
         for p, v in zip(params, saved):
             p.copy_(v)

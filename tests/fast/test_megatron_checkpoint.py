@@ -17,8 +17,19 @@ def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-dis
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
 
-    flags = ["--hf-checkpoint", hf_dir, *precision_flags, "--lr", "0.01",
-             "--lr-decay-style", "linear", "--lr-decay-iters", "10", "--micro-batch-size", "2"]
+    flags = [
+        "--hf-checkpoint",
+        hf_dir,
+        *precision_flags,
+        "--lr",
+        "0.01",
+        "--lr-decay-style",
+        "linear",
+        "--lr-decay-iters",
+        "10",
+        "--micro-batch-size",
+        "2",
+    ]
     batches = [synthetic_batch(seed=s, num_prompts=2, n_per_prompt=4) for s in (1, 2, 3)]
 
     def step(backend, k):
@@ -39,13 +50,18 @@ def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-dis
     resumed = [step(b, 1), step(b, 2)]
     final_b = b.export_hf_state_dict()
     return {
-        "meta": meta, "fresh_differs": fresh_differs, "loaded_equal": loaded_equal,
-        "uninterrupted": uninterrupted, "resumed": resumed,
+        "meta": meta,
+        "fresh_differs": fresh_differs,
+        "loaded_equal": loaded_equal,
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
         "final_equal": all(torch.equal(final_a[k], final_b[k]) for k in final_a),
     }
 
 
-@pytest.mark.parametrize("precision_flags", [("--bf16", "--use-distributed-optimizer"), ("--use-distributed-optimizer",)])
+@pytest.mark.parametrize(
+    "precision_flags", [("--bf16", "--use-distributed-optimizer"), ("--use-distributed-optimizer",)]
+)
 def test_resume_continues_identical_trajectory(tmp_path, precision_flags):
     """Regression for the distributed optimizer: its load shares one Adam ``step`` tensor across
     parameters (see ``checkpoint._unalias_step_tensors``); fp32 + distopt needs no_grad copies."""

@@ -55,8 +55,11 @@ def _shim_worker(rank, world):
         b = torch.rand(3)
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     return {
-        "before": before, "after": after, "applied": list(cpu_shim.APPLIED),
-        "rng_restored": restored, "rng_advances": not torch.equal(a, b),
+        "before": before,
+        "after": after,
+        "applied": list(cpu_shim.APPLIED),
+        "rng_restored": restored,
+        "rng_advances": not torch.equal(a, b),
         "global_torch_untouched": torch.zeros is original_zeros,
         "module_proxy": schedules.torch is not torch and schedules.torch.zeros(1, device="cuda").device.type == "cpu",
         "conversion_still_converts": torch.zeros(1).type(torch.float64).dtype == torch.float64,

@@ -43,14 +43,18 @@ def dirs(tmp_path_factory):
 def _bf16_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import hidden_states_only, model_inputs, response_logits, unwrap
-    from tests.fast.megatron_common import make_args, synthetic_batch
     from rl_plugin.loss import prepare_step
+    from tests.fast.megatron_common import make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--bf16", "--fp32-lm-head", "--lr", "0.01"))
+    backend = MegatronBackend.from_args(
+        make_args("--hf-checkpoint", hf_dir, "--bf16", "--fp32-lm-head", "--lr", "0.01")
+    )
     model, gpt = backend.model, unwrap(backend.model)
     weight = gpt.output_layer.weight
     batch, groups = synthetic_batch(seed=7)
-    mb = prepare_step(batch, backend.loss_config, backend.parallel_state, num_groups=groups).micro_batch(torch.arange(batch.num_samples))
+    mb = prepare_step(batch, backend.loss_config, backend.parallel_state, num_groups=groups).micro_batch(
+        torch.arange(batch.num_samples)
+    )
 
     model.zero_grad_buffer()
     rows = response_logits(model, mb, qkv_format="thd", fp32_lm_head=True)
@@ -71,10 +75,13 @@ def _bf16_worker(rank, world, hf_dir):
     after = backend.export_hf_state_dict()["lm_head.weight"]
     return {
         "bf16_rows": bf16_rows,
-        "weight_dtype": str(weight.dtype), "logits_dtype": str(rows.dtype), "main_grad_dtype": str(weight.main_grad.dtype),
+        "weight_dtype": str(weight.dtype),
+        "logits_dtype": str(rows.dtype),
+        "main_grad_dtype": str(weight.main_grad.dtype),
         "logits_rel": float((rows.double() - ref_logits).norm() / ref_logits.norm()),
         "grad_rel": float((grad - ref_grad).norm() / ref_grad.norm()),
-        "weight_changed": int((after != before).sum()), "weight_numel": after.numel(),
+        "weight_changed": int((after != before).sum()),
+        "weight_numel": after.numel(),
     }
 
 
@@ -132,14 +139,26 @@ def _bf16_rows_first(backend, mb):
 
     out = {}
     for fused in (False, True):
-        got = run(lambda: response_log_probs(model, mb, ps, qkv_format="thd", fp32_lm_head=False, fused=fused,
-                                             temperature=1.0, chunk_size=1024, with_entropy=True))
-        want = run(lambda: reference(fused))
+        got = run(
+            lambda fused=fused: response_log_probs(
+                model,
+                mb,
+                ps,
+                qkv_format="thd",
+                fp32_lm_head=False,
+                fused=fused,
+                temperature=1.0,
+                chunk_size=1024,
+                with_entropy=True,
+            )
+        )
+        want = run(lambda fused=fused: reference(fused))
         full = {(1, seq, vocab), (seq, vocab), (seq, 1, vocab)}
         out[fused] = {
             "logp_equal": bool(torch.equal(got[0], want[0])),
             "grads_equal": {k: bool(torch.equal(got[1][k], want[1][k])) for k in watched},
-            "full_fp32": sorted(full & set(got[2])), "ref_full_fp32": sorted(full & set(want[2])),
+            "full_fp32": sorted(full & set(got[2])),
+            "ref_full_fp32": sorted(full & set(want[2])),
             "hidden_fp32": (got[2].get((seq, 1, hid), 0), want[2].get((seq, 1, hid), 0)),
         }
     return out
@@ -173,8 +192,11 @@ def _tied_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
-                                                  "--lr", "1.0", "--clip-grad", "0"))
+    backend = MegatronBackend.from_args(
+        make_args(
+            "--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--clip-grad", "0"
+        )
+    )
     ckpt = tempfile.mkdtemp(prefix="mgt_tied_")
     backend.save_checkpoint(ckpt, step=0)
     w0 = backend.export_hf_state_dict()["model.embed_tokens.weight"].clone()
@@ -237,12 +259,13 @@ def _sp_worker(rank, world):
             dtype = torch.float64 if fused else torch.float32  # the fp32 projection computes in fp32
             hidden, weight, targets, a, b = _sp_data(dtype)
             if sp:
-                hidden = hidden[rank * SP_SEQ // world:(rank + 1) * SP_SEQ // world]  # this rank's sequence shard
+                hidden = hidden[rank * SP_SEQ // world : (rank + 1) * SP_SEQ // world]  # this rank's sequence shard
             leaf = hidden.clone().requires_grad_(True)
             rows = response_rows(leaf, SP_INDEX, sequence_parallel=sp, grad_summed_by_caller=fused, tp_group=tp)
             if fused:
-                logp, ent = fused_log_probs_and_entropy(rows, weight[lo:hi], targets, tp_group=tp, vocab_start=lo,
-                                                        chunk_size=4, reduce_hidden_grad=not sp)
+                logp, ent = fused_log_probs_and_entropy(
+                    rows, weight[lo:hi], targets, tp_group=tp, vocab_start=lo, chunk_size=4, reduce_hidden_grad=not sp
+                )
             else:
                 logits = fp32_output_projection(rows, weight[lo:hi])
                 logp, ent = log_probs_and_entropy(logits, targets, tp_group=tp, vocab_start=lo, chunk_size=4)
@@ -255,8 +278,14 @@ def test_sequence_parallel_fp32_head_sums_hidden_grad_over_tp_once():
     want = _sp_reference(torch.float64)
     for rank, out in enumerate(run_world(_sp_worker, 2)):
         for (sp, fused), got in out.items():
-            w = want[rank * SP_SEQ // 2:(rank + 1) * SP_SEQ // 2] if sp else want
+            w = want[rank * SP_SEQ // 2 : (rank + 1) * SP_SEQ // 2] if sp else want
             # fused: fp64 throughout. Unfused: the fp32 projection and log-softmax of O(5) logits
             # (|h| |w| over H = 6 terms), so fp32 rounding scaled by those logits.
             tol = FP64 if fused else FP32_LOSS_CORE
-            assert tensor_within(got, w, rtol=tol, scale=10.0), (rank, sp, fused, float((got - w).abs().max()), float((got / w).nanmean()))
+            assert tensor_within(got, w, rtol=tol, scale=10.0), (
+                rank,
+                sp,
+                fused,
+                float((got - w).abs().max()),
+                float((got / w).nanmean()),
+            )

@@ -26,9 +26,27 @@ def _worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import make_args, synthetic_batch, with_old_log_probs
 
-    backend = MegatronBackend.from_args(make_args(
-        "--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", "2", "--optimizer", "sgd", "--sgd-momentum", "0",
-        "--lr", "1.0", "--clip-grad", "0", "--entropy-coef", "0.3", "--rollout-temperature", "0.8", world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args(
+            "--hf-checkpoint",
+            hf_dir,
+            "--tensor-model-parallel-size",
+            "2",
+            "--optimizer",
+            "sgd",
+            "--sgd-momentum",
+            "0",
+            "--lr",
+            "1.0",
+            "--clip-grad",
+            "0",
+            "--entropy-coef",
+            "0.3",
+            "--rollout-temperature",
+            "0.8",
+            world_size=world,
+        )
+    )
     assert backend.fused_lm_head  # the default, where the model allows it
     obj = [tempfile.mkdtemp(prefix="mgt_fused_") if rank == 0 else None]
     torch.distributed.broadcast_object_list(obj, src=0)

@@ -20,8 +20,22 @@ def _worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
-                                                  "--lr", "0.5", "--clip-grad", "0", "--micro-batch-size", "3"))
+    backend = MegatronBackend.from_args(
+        make_args(
+            "--hf-checkpoint",
+            hf_dir,
+            "--optimizer",
+            "sgd",
+            "--sgd-momentum",
+            "0",
+            "--lr",
+            "0.5",
+            "--clip-grad",
+            "0",
+            "--micro-batch-size",
+            "3",
+        )
+    )
     thd = backend.loss_config
     bshd = replace(thd, qkv_format="bshd")
     batch, groups = synthetic_batch(seed=13)

@@ -46,8 +46,15 @@ def _worker(rank, world):
     mpu.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)  # the RNG state dropout forks (dropout is 0)
     heads, groups, dim = 4, 2, 8
-    cfg = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups,
-                            attention_dropout=0.0, masked_softmax_fusion=False, use_cpu_initialization=True)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        use_cpu_initialization=True,
+    )
     att = VarlenDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)  # lengths 5, 1, 7, 3
     t = int(cu[-1])

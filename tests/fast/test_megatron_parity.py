@@ -31,7 +31,17 @@ POLICIES = ["grpo", "gspo"]
 # TIS: engine log-probs = old + seeded noise; sequence-level masked IS on token_mean (policy "+tis").
 CASES = [(m, p) for m in MODES for p in POLICIES] + [(("token_mean",), "grpo+tis")]
 TIS_BAND = (0.8, 1.25)
-TIS_FLAGS = ["--use-tis", "--tis-level", "sequence", "--tis-mode", "mask", "--tis-clip-low", str(TIS_BAND[0]), "--tis-clip", str(TIS_BAND[1])]
+TIS_FLAGS = [
+    "--use-tis",
+    "--tis-level",
+    "sequence",
+    "--tis-mode",
+    "mask",
+    "--tis-clip-low",
+    str(TIS_BAND[0]),
+    "--tis-clip",
+    str(TIS_BAND[1]),
+]
 ROLLOUT_NOISE = 0.25
 SPLITS = ["whole", "tokens"]
 TEMPERATURE = 0.9
@@ -39,8 +49,19 @@ TEMPERATURE = 0.9
 
 def _case_flags(mode, policy):
     estimator, _, tis = policy.partition("+")
-    return ["--loss-aggregation", *mode, "--advantage-estimator", estimator, "--eps-clip", "0.2",
-            "--n-samples-per-prompt", "4", "--rollout-temperature", str(TEMPERATURE), *(TIS_FLAGS if tis else [])]
+    return [
+        "--loss-aggregation",
+        *mode,
+        "--advantage-estimator",
+        estimator,
+        "--eps-clip",
+        "0.2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-temperature",
+        str(TEMPERATURE),
+        *(TIS_FLAGS if tis else []),
+    ]
 
 
 def _with_rollout_noise(batch):
@@ -70,20 +91,28 @@ def _hf_reference(hf_dir, batch, num_groups, mode, policy):
     tl, rl = batch.total_lengths.tolist(), batch.response_lengths.tolist()
     logps, off = [], 0
     for t, r in zip(tl, rl):  # one sample at a time: no packing, no masks to get wrong
-        ids = batch.tokens[off: off + t]
+        ids = batch.tokens[off : off + t]
         z = model(ids[None]).logits[0].float() / TEMPERATURE
-        logps.append(torch.log_softmax(z[t - r - 1: t - 1], -1).gather(1, ids[t - r:, None]).squeeze(1))
+        logps.append(torch.log_softmax(z[t - r - 1 : t - 1], -1).gather(1, ids[t - r :, None]).squeeze(1))
         off += t
     logp = torch.cat(logps)
     old = logp.detach() + batch.old_log_probs
     loss_fn = get_policy_loss("gspo" if policy == "gspo" else "ppo_clip")
-    pg, _ = loss_fn(logp, old, batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
-                    eps_clip=0.2)
+    pg, _ = loss_fn(
+        logp, old, batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths, eps_clip=0.2
+    )
     if policy.endswith("+tis"):
         from tests.fast import reference as ref
 
-        w = ref.tis_weights(old.detach(), old.detach() + batch.rollout_log_probs, batch.loss_mask, batch.response_lengths.tolist(),
-                            "sequence", "mask", *TIS_BAND)
+        w = ref.tis_weights(
+            old.detach(),
+            old.detach() + batch.rollout_log_probs,
+            batch.loss_mask,
+            batch.response_lengths.tolist(),
+            "sequence",
+            "mask",
+            *TIS_BAND,
+        )
         assert 0 < int((w == 0).sum()) < w.numel(), "the band must mask some samples and keep others"
         pg = pg * w.to(pg.dtype)
     divisor = float(mode[2]) if len(mode) > 1 else None
@@ -96,11 +125,23 @@ def _layout_worker(rank, world, tp, hf_dir):
     from dataclasses import replace
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
     from rl_plugin.loss import LossConfig
+    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
-    base = ["--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp), "--optimizer", "sgd",
-            "--sgd-momentum", "0", "--lr", "1.0", "--clip-grad", "0"]
+    base = [
+        "--hf-checkpoint",
+        hf_dir,
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--optimizer",
+        "sgd",
+        "--sgd-momentum",
+        "0",
+        "--lr",
+        "1.0",
+        "--clip-grad",
+        "0",
+    ]
     backend = MegatronBackend.from_args(make_args(*base, world_size=world))
     ps = backend.parallel_state
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
@@ -129,8 +170,12 @@ def _layout_worker(rank, world, tp, hf_dir):
 
     from rl_plugin.backends.megatron.setup import _gloo_twin
 
-    for group in (mpu.get_data_parallel_group(), mpu.get_context_parallel_group(), mpu.get_tensor_model_parallel_group(),
-                  mpu.get_data_parallel_group(with_context_parallel=True)):
+    for group in (
+        mpu.get_data_parallel_group(),
+        mpu.get_context_parallel_group(),
+        mpu.get_tensor_model_parallel_group(),
+        mpu.get_data_parallel_group(with_context_parallel=True),
+    ):
         twin = _gloo_twin(group)
         if torch.distributed.get_process_group_ranks(twin) != torch.distributed.get_process_group_ranks(group):
             raise AssertionError(f"gloo twin of {torch.distributed.get_process_group_ranks(group)} differs")
@@ -169,13 +214,24 @@ def test_layouts_and_splits_agree(layout_results):
     for lay, (out, _, _) in layout_results.items():
         for (mode, policy, split), (report, upd) in out.items():
             base_report, base_upd = ref_out[(mode, policy, "whole")]
-            errs = (_rel(report["loss"], base_report["loss"]), _rel(report["grad_norm"], base_report["grad_norm"]),
-                    _update_rel(upd, base_upd))
+            errs = (
+                _rel(report["loss"], base_report["loss"]),
+                _rel(report["grad_norm"], base_report["grad_norm"]),
+                _update_rel(upd, base_upd),
+            )
             worst[(lay, mode, policy, split)] = max(errs)
-            assert within(report["loss"], base_report["loss"], rtol=FP32_MODEL, scale=scale), (lay, mode, policy, split, errs)
+            assert within(report["loss"], base_report["loss"], rtol=FP32_MODEL, scale=scale), (
+                lay,
+                mode,
+                policy,
+                split,
+                errs,
+            )
             assert errs[1] < FP32_MODEL and errs[2] < FP32_MODEL, (lay, mode, policy, split, errs)
-    print("\nlargest rel error vs TP1xDP1 whole-batch, per layout:",
-          {lay: f"{max(v for k, v in worst.items() if k[0] == lay):.2e}" for lay in LAYOUTS})
+    print(
+        "\nlargest rel error vs TP1xDP1 whole-batch, per layout:",
+        {lay: f"{max(v for k, v in worst.items() if k[0] == lay):.2e}" for lay in LAYOUTS},
+    )
 
 
 def test_matches_independent_hf_reference(layout_results):
@@ -184,7 +240,7 @@ def test_matches_independent_hf_reference(layout_results):
         report, upd = out[(mode, policy, "whole")]
         assert within(report["loss"], j_ref, rtol=FP32_MODEL, scale=scale), (mode, policy, report["loss"], j_ref)
         assert _update_rel(upd, upd_ref) < FP32_MODEL, (mode, policy, _update_rel(upd, upd_ref))
-        norm = math.sqrt(sum(float((u ** 2).sum()) for u in upd_ref.values()))
+        norm = math.sqrt(sum(float((u**2).sum()) for u in upd_ref.values()))
         assert within(report["grad_norm"], norm, rtol=FP32_MODEL), (mode, policy, report["grad_norm"], norm)
 
 

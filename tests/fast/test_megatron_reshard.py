@@ -30,8 +30,17 @@ from tests.fast import checkpointing
 from tests.fast.harness import run_world
 from tests.fast.tolerance import FP32_MODEL, within
 
-FLAGS = ["--use-distributed-optimizer", "--lr", "0.01", "--lr-decay-style", "linear", "--lr-decay-iters", "10",
-         "--micro-batch-size", "2"]
+FLAGS = [
+    "--use-distributed-optimizer",
+    "--lr",
+    "0.01",
+    "--lr-decay-style",
+    "linear",
+    "--lr-decay-iters",
+    "10",
+    "--micro-batch-size",
+    "2",
+]
 
 
 def _batches():
@@ -48,8 +57,9 @@ def _worker(rank, world, tp, hf_dir, load_from, save_to, refuse_dir, other_hf_di
         other = MegatronBackend.from_args(make_args("--hf-checkpoint", other_hf_dir, *FLAGS, world_size=world))
         checkpointing.save(other, Path(refuse_dir) / "other_model", 1)
         del other
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp),
-                                                  *FLAGS, world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", str(tp), *FLAGS, world_size=world)
+    )
     ps = backend.parallel_state
     batches = _batches()
 
@@ -138,7 +148,9 @@ def test_checkpoint_is_atomic_layout(runs):
 def test_old_formats_are_refused_untouched(runs):
     _, _, dp1, _ = runs
     assert dp1["untouched"]
-    assert "per-rank .pt format" in dp1["refused"]["old_format"] and "nothing was loaded" in dp1["refused"]["old_format"]
+    assert (
+        "per-rank .pt format" in dp1["refused"]["old_format"] and "nothing was loaded" in dp1["refused"]["old_format"]
+    )
     assert "FSDP backend" in dp1["refused"]["fsdp"] and "--train-backend fsdp" in dp1["refused"]["fsdp"]
     other = dp1["refused"]["other_model"]
     assert "holds another model than --hf-checkpoint" in other and "Fix: pass the --hf-checkpoint" in other

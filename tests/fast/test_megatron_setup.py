@@ -18,7 +18,9 @@ def model_config(*flags, world_size=1):
 @pytest.mark.skipif(transformer_engine_available(), reason="transformer-engine is installed: CP is allowed")
 def test_context_parallel_without_transformer_engine_fails_loud():
     args = model_config("--context-parallel-size", "2", world_size=2)
-    with pytest.raises(MegatronSetupError, match=r"--context-parallel-size 2.*transformer-engine.*--context-parallel-size 1"):
+    with pytest.raises(
+        MegatronSetupError, match=r"--context-parallel-size 2.*transformer-engine.*--context-parallel-size 1"
+    ):
         setup.check_supported(args)
 
 

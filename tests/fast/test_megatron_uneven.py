@@ -21,9 +21,25 @@ def _worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0",
-                                                  "--lr", "1.0", "--clip-grad", "0", "--micro-batch-size", "1",
-                                                  "--advantage-estimator", "gspo", world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args(
+            "--hf-checkpoint",
+            hf_dir,
+            "--optimizer",
+            "sgd",
+            "--sgd-momentum",
+            "0",
+            "--lr",
+            "1.0",
+            "--clip-grad",
+            "0",
+            "--micro-batch-size",
+            "1",
+            "--advantage-estimator",
+            "gspo",
+            world_size=world,
+        )
+    )
     obj = [tempfile.mkdtemp(prefix="mgt_uneven_") if rank == 0 else None]
     torch.distributed.broadcast_object_list(obj, src=0)
     backend.save_checkpoint(obj[0], step=0)

@@ -21,8 +21,12 @@ def _batch(sample_range):
     sid = torch.repeat_interleave(torch.arange(4), resp)
     adv = torch.tensor(ADV, dtype=torch.float64)[sid]
     full = StepBatch(
-        tokens=torch.arange(int(total.sum())), total_lengths=total, response_lengths=resp,
-        loss_mask=torch.ones(int(resp.sum()), dtype=torch.float64), advantages=adv, group_ids=torch.tensor([0, 0, 1, 1]),
+        tokens=torch.arange(int(total.sum())),
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=torch.ones(int(resp.sum()), dtype=torch.float64),
+        advantages=adv,
+        group_ids=torch.tensor([0, 0, 1, 1]),
         old_log_probs=torch.full((int(resp.sum()),), -1.0, dtype=torch.float64),
     )
     return full.select(torch.tensor(sample_range, dtype=torch.long))
@@ -47,8 +51,14 @@ def test_empty_rank_does_not_spoil_max_min_and_means():
         # fp64 sums over ranks in another order, of terms of magnitude <= max|advantage|
         for key in ("loss", "pg_loss", "ratio_mean", "entropy", "advantage_mean", "samples", "tokens", "ratio_sum"):
             assert within(report[key], single[key], rtol=FP64, scale=max(map(abs, ADV))), key
-    assert within(single["ratio_mean"], 1.0, rtol=FP64) and within(single["entropy"], 0.5, rtol=FP64) and single["samples"] == 4.0
-    assert within(single["advantage_mean"], sum(ADV) / 4, rtol=FP64, scale=max(map(abs, ADV)))  # sample mean, not token mean
+    assert (
+        within(single["ratio_mean"], 1.0, rtol=FP64)
+        and within(single["entropy"], 0.5, rtol=FP64)
+        and single["samples"] == 4.0
+    )
+    assert within(
+        single["advantage_mean"], sum(ADV) / 4, rtol=FP64, scale=max(map(abs, ADV))
+    )  # sample mean, not token mean
     assert single["tokens"] == 10.0 and single["ratio_sum"] == 10.0 and single["ratio_sq_sum"] == 10.0
 
 

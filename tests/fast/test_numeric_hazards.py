@@ -11,15 +11,24 @@ import math
 import pytest
 import torch
 
-from rl_plugin.loss import BadBatchError, LossConfig, StepBatch, aggregate, gspo_loss, log_probs_and_entropy, ppo_clip_loss, prepare_step
+from rl_plugin.loss import (
+    BadBatchError,
+    LossConfig,
+    StepBatch,
+    aggregate,
+    gspo_loss,
+    log_probs_and_entropy,
+    ppo_clip_loss,
+    prepare_step,
+)
 from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
 from rl_plugin.loss.logprobs import TargetOutOfVocabError
 from rl_plugin.parallel import ParallelState
 from tests.fast.harness import run_world
 from tests.fast.tolerance import FP64, within
 
-
 # -- fractional loss masks --------------------------------------------------------------------
+
 
 def test_fractional_loss_mask_normalises_by_true_masked_total():
     """mask [.25, .25 | 0]: sample 0's mask sums to 0.5, sample 1 is all-masked. A constant loss c
@@ -37,8 +46,14 @@ def test_fractional_loss_mask_normalises_by_true_masked_total():
     y = torch.tensor([1.0, 3.0], dtype=torch.float64)
     assert float(aggregate(y, torch.tensor([0.25, 0.75], dtype=torch.float64), [2], "sample_mean")) == 2.5
     # the step weights (prepare_step: global counts, per-token weights) agree with aggregate
-    batch = StepBatch(tokens=torch.arange(7) % 5, total_lengths=torch.tensor([4, 3]), response_lengths=torch.tensor([2, 1]),
-                      loss_mask=mask, advantages=torch.zeros(3), group_ids=torch.tensor([0, 1]))
+    batch = StepBatch(
+        tokens=torch.arange(7) % 5,
+        total_lengths=torch.tensor([4, 3]),
+        response_lengths=torch.tensor([2, 1]),
+        loss_mask=mask,
+        advantages=torch.zeros(3),
+        group_ids=torch.tensor([0, 1]),
+    )
     for mode in ("sample_mean", "token_mean"):
         ctx = prepare_step(batch, LossConfig(loss_aggregation=mode), ParallelState.single())
         assert float((ctx.pg_weights * x).sum()) == float(aggregate(x, mask, lengths, mode)), mode
@@ -64,6 +79,7 @@ def test_negative_or_nan_loss_mask_is_refused_naming_the_sample():
 
 
 # -- an overflowing log-ratio on a masked token -----------------------------------------------
+
 
 def _overflow_case():
     """Three samples; token 1 (masked) has logp - old = 800: exp overflows to inf in fp64 unless
@@ -92,8 +108,14 @@ def test_overflowing_log_ratio_on_masked_token_keeps_J_finite(loss_name):
     # the unmasked tokens' J is what the same data without the masked outliers gives
     ok = logp.detach().clone()
     ok[1], ok[6] = old[1], old[6]
-    ref_tok = ppo_clip_loss(ok, old, adv, eps_clip=0.2)[0] if loss_name == "ppo_clip" else gspo_loss(ok, old, adv, mask, lengths, eps_clip=0.2)[0]
-    assert float(aggregate(tok, mask, lengths, "sample_mean").detach()) == float(aggregate(ref_tok, mask, lengths, "sample_mean"))
+    ref_tok = (
+        ppo_clip_loss(ok, old, adv, eps_clip=0.2)[0]
+        if loss_name == "ppo_clip"
+        else gspo_loss(ok, old, adv, mask, lengths, eps_clip=0.2)[0]
+    )
+    assert float(aggregate(tok, mask, lengths, "sample_mean").detach()) == float(
+        aggregate(ref_tok, mask, lengths, "sample_mean")
+    )
 
 
 def test_aggregate_never_multiplies_a_non_finite_masked_term_by_zero():
@@ -111,10 +133,19 @@ def test_overflowing_log_ratio_on_masked_token_keeps_step_and_metrics_finite(los
     ratio metrics stay finite with the masked outlier."""
     logp, old, mask, adv, lengths = _overflow_case()
     rl = torch.tensor(lengths)
-    batch = StepBatch(tokens=torch.arange(int(rl.sum()) + 3) % 7, total_lengths=rl + 1, response_lengths=rl,
-                      loss_mask=mask, advantages=adv, group_ids=torch.tensor([0, 0, 1]), old_log_probs=old,
-                      ref_log_probs=old.clone())
-    cfg = LossConfig(policy_loss=loss_name, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", pg_metrics="with_entropy")
+    batch = StepBatch(
+        tokens=torch.arange(int(rl.sum()) + 3) % 7,
+        total_lengths=rl + 1,
+        response_lengths=rl,
+        loss_mask=mask,
+        advantages=adv,
+        group_ids=torch.tensor([0, 0, 1]),
+        old_log_probs=old,
+        ref_log_probs=old.clone(),
+    )
+    cfg = LossConfig(
+        policy_loss=loss_name, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", pg_metrics="with_entropy"
+    )
     ctx = prepare_step(batch, cfg, ParallelState.single())
     mb = ctx.micro_batch(torch.arange(3))
     out = ctx.loss(logp, torch.zeros(7, dtype=torch.float64), mb)
@@ -132,8 +163,11 @@ V = 11
 
 def _logits():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(4, V, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64), \
-        torch.randn(V, 6, generator=g, dtype=torch.float64)
+    return (
+        torch.randn(4, V, generator=g, dtype=torch.float64),
+        torch.randn(4, 6, generator=g, dtype=torch.float64),
+        torch.randn(V, 6, generator=g, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("bad", [V, -1])
@@ -157,8 +191,20 @@ def _vocab_tp_worker(rank, world):
     out = {}
     for bad in (V, 4):  # V: outside every shard; 4: inside rank 0's shard only (valid)
         targets = torch.tensor([0, bad, 7, V - 1])
-        for name, fn in (("logits", lambda: log_probs_and_entropy(logits[:, lo:hi], targets, tp_group=ps.tp_group, vocab_start=lo, chunk_size=2)),
-                         ("fused", lambda: fused_log_probs_and_entropy(hidden, weight[lo:hi], targets, tp_group=ps.tp_group, vocab_start=lo, chunk_size=2))):
+        for name, fn in (
+            (
+                "logits",
+                lambda targets=targets: log_probs_and_entropy(
+                    logits[:, lo:hi], targets, tp_group=ps.tp_group, vocab_start=lo, chunk_size=2
+                ),
+            ),
+            (
+                "fused",
+                lambda targets=targets: fused_log_probs_and_entropy(
+                    hidden, weight[lo:hi], targets, tp_group=ps.tp_group, vocab_start=lo, chunk_size=2
+                ),
+            ),
+        ):
             try:
                 fn()
                 out[(name, bad)] = "ok"

@@ -15,9 +15,15 @@ import torch
 from rl_plugin.arguments import parse_args
 from rl_plugin.loss import BadBatchError, LossConfig, StepBatch, prepare_step, tis_weights
 from rl_plugin.parallel import ParallelState
-from rl_plugin.rollout.filters import BUILTIN_FILTER, FilterSample, check_reward_nonzero_std, keep_decision, overlong_penalty
-from tests.fast.tolerance import FP64, FP64_ELEMENTWISE  # weights <= 2: elementwise exp/clamp, 2 x the bound of 1
+from rl_plugin.rollout.filters import (
+    BUILTIN_FILTER,
+    FilterSample,
+    check_reward_nonzero_std,
+    keep_decision,
+    overlong_penalty,
+)
 from tests.fast.flag_rules import assert_refused
+from tests.fast.tolerance import FP64, FP64_ELEMENTWISE  # weights <= 2: elementwise exp/clamp, 2 x the bound of 1
 
 # two samples: [d = 0.5, -1.0, 0.2] and [d = 0.1, 0.3] with the last token of sample 0 masked
 OLD = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.7], dtype=torch.float64)
@@ -33,12 +39,16 @@ def _w(level, mode, low, high):
 def test_tis_weights_token_level_truncate_and_mask():
     w, m = _w("token", "truncate", 0.5, 1.5)
     e = math.exp
-    assert w.tolist() == pytest.approx([1.5, 0.5, 1.0, e(0.1), e(0.3)], abs=2 * FP64_ELEMENTWISE)  # e^0.5 > 1.5, e^-1 < 0.5
+    assert w.tolist() == pytest.approx(
+        [1.5, 0.5, 1.0, e(0.1), e(0.3)], abs=2 * FP64_ELEMENTWISE
+    )  # e^0.5 > 1.5, e^-1 < 0.5
     # masked token: weight exp(0) = 1 (it is weighted 0 by every aggregation), never counted as clipped
     assert m["tis/clipped_frac"] == pytest.approx(0.5 * (2 / 2) + 0.5 * 0.0)  # sample mean of per-token flags
     assert m["tis/weight_mean"] == pytest.approx(0.5 * (1.5 + 0.5) / 2 + 0.5 * (e(0.1) + e(0.3)) / 2)
     w, m = _w("token", "mask", 0.5, 1.5)
-    assert w.tolist() == pytest.approx([0.0, 0.0, 1.0, e(0.1), e(0.3)], abs=2 * FP64_ELEMENTWISE)  # outside the band: dropped
+    assert w.tolist() == pytest.approx(
+        [0.0, 0.0, 1.0, e(0.1), e(0.3)], abs=2 * FP64_ELEMENTWISE
+    )  # outside the band: dropped
     assert m["tis/weight_mean"] == pytest.approx(0.5 * 0.0 + 0.5 * (e(0.1) + e(0.3)) / 2)
     assert m["mismatch/abs_diff_mean"] == pytest.approx(0.5 * 1.5 / 2 + 0.5 * 0.4 / 2)
     assert m["mismatch/abs_diff_max"] == pytest.approx(1.0)
@@ -66,9 +76,14 @@ def _batch(rollout):
     r = int(rl.sum())
     old = -torch.rand(r, generator=g, dtype=torch.float64) * 2
     return StepBatch(
-        tokens=torch.randint(0, 9, (int(tl.sum()),), generator=g), total_lengths=tl, response_lengths=rl,
-        loss_mask=torch.ones(r, dtype=torch.float64), advantages=torch.randn(r, generator=g, dtype=torch.float64),
-        group_ids=torch.tensor([0, 0, 1, 1]), old_log_probs=old, rollout_log_probs=rollout(old),
+        tokens=torch.randint(0, 9, (int(tl.sum()),), generator=g),
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_mask=torch.ones(r, dtype=torch.float64),
+        advantages=torch.randn(r, generator=g, dtype=torch.float64),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        old_log_probs=old,
+        rollout_log_probs=rollout(old),
     )
 
 
@@ -95,19 +110,31 @@ def test_tis_changes_the_loss_when_policies_differ_and_needs_rollout_log_probs()
     batch = _batch(lambda old: old - 0.3)
     j0, _, _ = _run_step(batch)
     j1, _, r1 = _run_step(batch, use_tis=True, tis_clip=1.2)
-    assert r1["tis/weight_mean"] == pytest.approx(1.2, abs=2 * FP64_ELEMENTWISE) and r1["tis/clipped_frac"] == 1.0  # e^0.3 > 1.2
+    assert (
+        r1["tis/weight_mean"] == pytest.approx(1.2, abs=2 * FP64_ELEMENTWISE) and r1["tis/clipped_frac"] == 1.0
+    )  # e^0.3 > 1.2
     assert float(j1) == pytest.approx(1.2 * float(j0), rel=FP64)
     batch.rollout_log_probs = None
-    with pytest.raises(BadBatchError, match=r"--use-tis needs both old and rollout log-probs; the step batch has no rollout_log_probs"):
+    with pytest.raises(
+        BadBatchError, match=r"--use-tis needs both old and rollout log-probs; the step batch has no rollout_log_probs"
+    ):
         _run_step(batch, use_tis=True)
 
 
 def test_deepspeed_metric_names_alias_ours():
     _, _, r = _run_step(_batch(lambda old: old - 0.1), deepspeed_metric_names=True, pg_metrics="with_entropy")
-    for ds, ours in (("ratio_new_old", "ratio_mean"), ("kl_new_old", "ppo_kl"), ("clipped_ratio_fraction", "pg_clipfrac"),
-                     ("max_advantage", "advantage_max"), ("min_advantage", "advantage_min"), ("num_tokens", "tokens"),
-                     ("old_logprobs", "old_log_prob"), ("ratio_new_old_sum", "ratio_sum"),
-                     ("ratio_new_old_squared_sum", "ratio_sq_sum"), ("advantage", "advantage_mean")):
+    for ds, ours in (
+        ("ratio_new_old", "ratio_mean"),
+        ("kl_new_old", "ppo_kl"),
+        ("clipped_ratio_fraction", "pg_clipfrac"),
+        ("max_advantage", "advantage_max"),
+        ("min_advantage", "advantage_min"),
+        ("num_tokens", "tokens"),
+        ("old_logprobs", "old_log_prob"),
+        ("ratio_new_old_sum", "ratio_sum"),
+        ("ratio_new_old_squared_sum", "ratio_sq_sum"),
+        ("advantage", "advantage_mean"),
+    ):
         assert r[ds] == r[ours], ds
     assert r["num_tokens"] == 10.0
 
@@ -116,27 +143,62 @@ RULES = [
     ("--tis-clip 3", ["--tis-clip without --use-tis", "silently ignored", "add --use-tis"]),
     ("--tis-mode mask --tis-level sequence", ["--tis-level, --tis-mode without --use-tis"]),
     ("--custom-tis-function-path a.b.c", ["--custom-tis-function-path without --use-tis"]),
-    ("--use-tis --use-rollout-logprobs", ["--use-tis with --use-rollout-logprobs", "exactly 1", "drop --use-rollout-logprobs"]),
+    (
+        "--use-tis --use-rollout-logprobs",
+        ["--use-tis with --use-rollout-logprobs", "exactly 1", "drop --use-rollout-logprobs"],
+    ),
     ("--use-tis --tis-clip 0", ["--tis-clip: the upper bound must be a finite number > 0 (got 0.0)"]),
     ("--use-tis --tis-clip inf", ["--tis-clip: the upper bound must be a finite number > 0 (got inf)"]),
     ("--use-tis --tis-clip-low -0.1", ["--tis-clip-low: the lower bound must be a finite number >= 0"]),
-    ("--use-tis --tis-clip-low 2 --tis-clip 1.5", ["--tis-clip-low 2.0 with --tis-clip 1.5", "inverted", "--tis-clip-low < --tis-clip"]),
-    ("--use-tis --tis-mode mask --tis-clip-low 1.1 --tis-clip 2", ["--tis-mode mask with the band [1.1, 2.0]", "excludes rho = 1"]),
-    ("--use-tis --rollout-top-p 0.9", ["--use-tis with --rollout-top-p 0.9", "untruncated distribution", "--rollout-top-p 1.0"]),
-    ("--use-tis --custom-tis-function-path no_such_mod.fn", ["--custom-tis-function-path: cannot load the function", "cannot import 'no_such_mod'"]),
-    ("--over-sampling-batch-size 64", ["--over-sampling-batch-size without --dynamic-sampling-filter-path", BUILTIN_FILTER]),
-    (f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 32 --over-sampling-batch-size 16",
-     ["--over-sampling-batch-size 16 with --rollout-batch-size 32", "cannot fill the batch", ">= 32"]),
+    (
+        "--use-tis --tis-clip-low 2 --tis-clip 1.5",
+        ["--tis-clip-low 2.0 with --tis-clip 1.5", "inverted", "--tis-clip-low < --tis-clip"],
+    ),
+    (
+        "--use-tis --tis-mode mask --tis-clip-low 1.1 --tis-clip 2",
+        ["--tis-mode mask with the band [1.1, 2.0]", "excludes rho = 1"],
+    ),
+    (
+        "--use-tis --rollout-top-p 0.9",
+        ["--use-tis with --rollout-top-p 0.9", "untruncated distribution", "--rollout-top-p 1.0"],
+    ),
+    (
+        "--use-tis --custom-tis-function-path no_such_mod.fn",
+        ["--custom-tis-function-path: cannot load the function", "cannot import 'no_such_mod'"],
+    ),
+    (
+        "--over-sampling-batch-size 64",
+        ["--over-sampling-batch-size without --dynamic-sampling-filter-path", BUILTIN_FILTER],
+    ),
+    (
+        f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 32 --over-sampling-batch-size 16",
+        ["--over-sampling-batch-size 16 with --rollout-batch-size 32", "cannot fill the batch", ">= 32"],
+    ),
     # a group of one sample (no reward variance, no group passes) is refused for every estimator by
     # the --n-samples-per-prompt rule of arguments/policy.py, tested in test_arguments.py
-    ("--dynamic-sampling-filter-path rl_plugin.rollout.filters.nope", ["--dynamic-sampling-filter-path: cannot load the function", "no callable 'nope'"]),
+    (
+        "--dynamic-sampling-filter-path rl_plugin.rollout.filters.nope",
+        ["--dynamic-sampling-filter-path: cannot load the function", "no callable 'nope'"],
+    ),
     ("--overlong-penalty-factor 1.0", ["--overlong-penalty-factor without --overlong-buffer-len"]),
     ("--overlong-buffer-len 0", ["--overlong-buffer-len: must be >= 1"]),
-    ("--overlong-buffer-len 8 --overlong-penalty-factor -1", ["--overlong-penalty-factor: must be a finite number >= 0"]),
-    ("--overlong-buffer-len 64 --rollout-max-response-len 64", ["--overlong-buffer-len 64 with --rollout-max-response-len 64", "L_max - buffer > 0"]),
-    ("--deepspeed-grad-scale --loss-aggregation token_mean", ["--deepspeed-grad-scale", "normalising by documents", "--loss-aggregation sample_mean"]),
+    (
+        "--overlong-buffer-len 8 --overlong-penalty-factor -1",
+        ["--overlong-penalty-factor: must be a finite number >= 0"],
+    ),
+    (
+        "--overlong-buffer-len 64 --rollout-max-response-len 64",
+        ["--overlong-buffer-len 64 with --rollout-max-response-len 64", "L_max - buffer > 0"],
+    ),
+    (
+        "--deepspeed-grad-scale --loss-aggregation token_mean",
+        ["--deepspeed-grad-scale", "normalising by documents", "--loss-aggregation sample_mean"],
+    ),
     ("--debug-rollout-logprob-shift nan", ["--debug-rollout-logprob-shift: must be a finite number"]),
-    ("--debug-rollout-logprob-shift 0.5 --use-rollout-logprobs", ["--debug-rollout-logprob-shift with --use-rollout-logprobs"]),
+    (
+        "--debug-rollout-logprob-shift 0.5 --use-rollout-logprobs",
+        ["--debug-rollout-logprob-shift with --use-rollout-logprobs"],
+    ),
     ("--deepspeed-metric-names --pg-metrics none", ["--deepspeed-metric-names with --pg-metrics none"]),
 ]
 
@@ -146,14 +208,17 @@ def test_rule_fails_loud_with_flags_rule_and_fix(flags, fragments):
     assert_refused(flags, fragments)
 
 
-@pytest.mark.parametrize("flags", [
-    "--use-tis",
-    "--use-tis --tis-level sequence --tis-mode mask --tis-clip-low 0.5 --tis-clip 2",
-    "--use-rollout-logprobs",
-    f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 8 --over-sampling-batch-size 16",
-    "--overlong-buffer-len 16 --overlong-penalty-factor 0.5 --rollout-max-response-len 64",
-    "--deepspeed-grad-scale --deepspeed-metric-names",
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--use-tis",
+        "--use-tis --tis-level sequence --tis-mode mask --tis-clip-low 0.5 --tis-clip 2",
+        "--use-rollout-logprobs",
+        f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 8 --over-sampling-batch-size 16",
+        "--overlong-buffer-len 16 --overlong-penalty-factor 0.5 --rollout-max-response-len 64",
+        "--deepspeed-grad-scale --deepspeed-metric-names",
+    ],
+)
 def test_valid_combinations_pass(flags):
     parse_args(flags.split())
 
@@ -178,13 +243,26 @@ def test_dynamic_sampling_trains_only_groups_with_reward_variance(tmp_path, monk
 
     monkeypatch.setenv("RL_PLUGIN_CACHE", str(tmp_path))
     common = ["--n-samples-per-prompt", "4", "--output-dir", str(tmp_path / "out")]
-    args = parse_train_args(common + ["--rollout-batch-size", "4", "--over-sampling-batch-size", "12",
-                                      "--dynamic-sampling-filter-path", BUILTIN_FILTER, "--overlong-buffer-len", "2"])
+    args = parse_train_args(
+        common
+        + [
+            "--rollout-batch-size",
+            "4",
+            "--over-sampling-batch-size",
+            "12",
+            "--dynamic-sampling-filter-path",
+            BUILTIN_FILTER,
+            "--overlong-buffer-len",
+            "2",
+        ]
+    )
     prepare_embedded(args)
     dyn = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None).generate(0)
     plain_args = parse_train_args(common + ["--rollout-batch-size", "12"])
     prepare_embedded(plain_args)
-    plain = RolloutManager(RolloutConfig.from_args(plain_args), plain_args.hf_checkpoint, plain_args.prompt_data, None).generate(0)  # = round 0
+    plain = RolloutManager(
+        RolloutConfig.from_args(plain_args), plain_args.hf_checkpoint, plain_args.prompt_data, None
+    ).generate(0)  # = round 0
 
     raw = plain.rewards.view(12, 4)
     passing = torch.nonzero(raw.std(1) > 0).flatten()

@@ -23,8 +23,21 @@ from tests.fast.harness import run_world
 
 CASES = {  # one per backend (each costs a backend build, a checkpoint and two rollouts)
     "fsdp": ["--use-tis", "--tis-clip", "1.05", "--pg-metrics", "with_entropy"],
-    "megatron": ["--advantage-estimator", "gspo", "--use-tis", "--tis-level", "sequence", "--tis-mode", "mask",
-                 "--tis-clip-low", "0.9", "--tis-clip", "1.1", "--pg-metrics", "with_entropy"],
+    "megatron": [
+        "--advantage-estimator",
+        "gspo",
+        "--use-tis",
+        "--tis-level",
+        "sequence",
+        "--tis-mode",
+        "mask",
+        "--tis-clip-low",
+        "0.9",
+        "--tis-clip",
+        "1.1",
+        "--pg-metrics",
+        "with_entropy",
+    ],
 }
 TIME_KEYS = ("time/train_step", "time/log_probs")
 
@@ -39,8 +52,23 @@ def _worker(rank, world, backend_name, hf_dir):
     from tests.fast.megatron_common import dp_shard, synthetic_batch
 
     def flags(*extra):
-        return parse_args(["--train-backend", backend_name, "--hf-checkpoint", hf_dir, "--actor-num-gpus-per-node",
-                           str(world), "--micro-batch-size", "2", "--lr", "0.1", "--adam-eps", "1e-2", *extra])
+        return parse_args(
+            [
+                "--train-backend",
+                backend_name,
+                "--hf-checkpoint",
+                hf_dir,
+                "--actor-num-gpus-per-node",
+                str(world),
+                "--micro-batch-size",
+                "2",
+                "--lr",
+                "0.1",
+                "--adam-eps",
+                "1e-2",
+                *extra,
+            ]
+        )
 
     config = TrainConfig.from_args(flags(*CASES[backend_name]))
     backend = backend_class(backend_name).from_config(config)
@@ -101,8 +129,14 @@ def test_rule_keeps_the_separate_pass_where_numbers_would_change():
     from rl_plugin.loss.runner import old_log_probs_rule
     from rl_plugin.parallel import ParallelState
 
-    one = dict(step_bounds=[(0, 8)], num_samples=8, cfg=LossConfig(), ps=ParallelState.single(),
-               has_rollout_log_probs=True, deterministic_forward=True)
+    one = dict(
+        step_bounds=[(0, 8)],
+        num_samples=8,
+        cfg=LossConfig(),
+        ps=ParallelState.single(),
+        has_rollout_log_probs=True,
+        deterministic_forward=True,
+    )
     assert old_log_probs_rule(**one) is None
     assert "2 optimizer steps" in old_log_probs_rule(**{**one, "step_bounds": [(0, 4), (4, 8)]})
     assert "optimizer steps" in old_log_probs_rule(**{**one, "step_bounds": [(0, 4)]})  # not the whole rollout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -84,7 +83,9 @@ def test_advantage_estimators():
     assert float(loo[5]) == 0.0  # a group of one has no leave-one-out baseline
     rpp = compute_advantages("reinforce_plus_plus_baseline", r, g, response_lengths=torch.tensor([2, 1, 1, 3, 1, 2]))
     w = torch.tensor([2, 1, 1, 3, 1, 2], dtype=torch.float64)
-    assert within(float((rpp * w).sum() / w.sum()), 0.0, rtol=FP64, scale=float(rpp.abs().max()))  # whitened over tokens
+    assert within(
+        float((rpp * w).sum() / w.sum()), 0.0, rtol=FP64, scale=float(rpp.abs().max())
+    )  # whitened over tokens
     with pytest.raises(ValueError, match="sample 2: reward nan"):
         compute_advantages("grpo", torch.tensor([1.0, 0.0, float("nan")]), torch.tensor([0, 0, 0]))
     with pytest.raises(ValueError, match="--advantage-estimator"):

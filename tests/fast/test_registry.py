@@ -100,7 +100,9 @@ def test_the_loss_core_dispatches_through_the_registries():
     assert get_policy_loss("ppo_clip") is ppo_clip_loss and get_policy_loss("gspo") is gspo_loss
     assert registries.ADVANTAGE_ESTIMATORS.get("gspo") is grpo_advantages  # GSPO changes the ratio, not A
     assert registries.KL_ESTIMATORS.get("low_var_kl") is low_var_kl
-    with pytest.raises(RegistryError, match="--kl-loss-type 'k4': unknown KL estimator; choose from k1, k2, k3, low_var_kl"):
+    with pytest.raises(
+        RegistryError, match="--kl-loss-type 'k4': unknown KL estimator; choose from k1, k2, k3, low_var_kl"
+    ):
         kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
 
 
@@ -113,11 +115,15 @@ def _fresh(code: str) -> str:
 def test_flag_layer_lists_names_without_importing_torch():
     """``python -m rl_plugin.arguments`` stays cheap: building and validating the parser imports
     no torch (the registries hold 'module:attr' strings)."""
-    code = ("import sys; from rl_plugin.arguments import parse_args; parse_args([]); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('rl_plugin.loss') or m.startswith('rl_plugin.rollout')))")
+    code = (
+        "import sys; from rl_plugin.arguments import parse_args; parse_args([]); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('rl_plugin.loss') or m.startswith('rl_plugin.rollout')))"
+    )
     assert _fresh(code) == "[]"
 
 
 def test_engine_interface_does_not_import_an_engine():
     """No import cycle: ``rollout/engine.py`` (the interface) never imports ``hf_engine``."""
-    assert _fresh("import sys, rl_plugin.rollout.engine; print('rl_plugin.rollout.hf_engine' in sys.modules)") == "False"
+    assert (
+        _fresh("import sys, rl_plugin.rollout.engine; print('rl_plugin.rollout.hf_engine' in sys.modules)") == "False"
+    )

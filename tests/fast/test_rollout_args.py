@@ -6,7 +6,18 @@ import pytest
 
 from rl_plugin.arguments import RLArgumentError, parse_args
 
-CUSTOM = ["--prompt-data", "p.jsonl", "--rollout-batch-size", "4", "--rollout-max-response-len", "8", "--num-rollout", "2", "--rm-type", "math_exact"]
+CUSTOM = [
+    "--prompt-data",
+    "p.jsonl",
+    "--rollout-batch-size",
+    "4",
+    "--rollout-max-response-len",
+    "8",
+    "--num-rollout",
+    "2",
+    "--rm-type",
+    "math_exact",
+]
 
 
 def _err(argv):
@@ -15,9 +26,21 @@ def _err(argv):
     return str(info.value)
 
 
-@pytest.mark.parametrize("flag", ["--rollout-batch-size", "--rollout-max-response-len", "--num-rollout", "--eval-interval",
-                                  "--n-samples-per-eval", "--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus",
-                                  "--rollout-num-gpus-per-engine", "--ray-num-cpus"])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--rollout-batch-size",
+        "--rollout-max-response-len",
+        "--num-rollout",
+        "--eval-interval",
+        "--n-samples-per-eval",
+        "--actor-num-nodes",
+        "--actor-num-gpus-per-node",
+        "--rollout-num-gpus",
+        "--rollout-num-gpus-per-engine",
+        "--ray-num-cpus",
+    ],
+)
 def test_counts_must_be_positive(flag):
     msg = _err([flag, "0"])
     assert msg.startswith(f"{flag}: must be >= 1 (got 0)") and "Fix:" in msg
@@ -78,21 +101,31 @@ def test_missing_engine_package_fails_at_start_up(engine, monkeypatch, capsys):
     assert main(["--train-backend", "fsdp", "--rollout-engine", engine]) == 2
     msg = capsys.readouterr().err
     assert f"--rollout-engine {engine}: the Python package '{engine}' is not installed" in msg
-    assert ("scripts/setup_env.sh" if engine == "vllm" else "pip install") in msg and "or use --rollout-engine hf" in msg
+    assert (
+        "scripts/setup_env.sh" if engine == "vllm" else "pip install"
+    ) in msg and "or use --rollout-engine hf" in msg
 
 
 def test_rollout_gpus_split_into_whole_engines():
     msg = _err(["--rollout-engine", "vllm", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"])
-    assert "--rollout-num-gpus 3 with --rollout-num-gpus-per-engine 2: the rollout GPUs must split into whole engines" in msg
+    assert (
+        "--rollout-num-gpus 3 with --rollout-num-gpus-per-engine 2: the rollout GPUs must split into whole engines"
+        in msg
+    )
 
 
 def test_hf_engine_has_no_tensor_parallelism():
     msg = _err(["--rollout-num-gpus-per-engine", "2"])
-    assert msg.startswith("--rollout-engine hf with --rollout-num-gpus-per-engine 2") and "use --rollout-engine vllm" in msg
+    assert (
+        msg.startswith("--rollout-engine hf with --rollout-num-gpus-per-engine 2")
+        and "use --rollout-engine vllm" in msg
+    )
 
 
 def test_weight_buffer_must_be_positive():
-    assert _err(["--update-weight-buffer-size", "0"]).startswith("--update-weight-buffer-size: must be >= 1 byte (got 0)")
+    assert _err(["--update-weight-buffer-size", "0"]).startswith(
+        "--update-weight-buffer-size: must be >= 1 byte (got 0)"
+    )
 
 
 def test_max_rollout_retries_not_negative():

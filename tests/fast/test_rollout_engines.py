@@ -89,7 +89,9 @@ def _vllm_worker(ckpt: str) -> dict:
     with torch.no_grad():
         for ids, n, _ in out["after_update"]:
             logits = model(input_ids=torch.tensor([ids])).logits[0]
-            out["after_update_ref"].append(torch.log_softmax(logits[n - 1 : -1], -1).gather(-1, torch.tensor(ids[n:])[:, None]).squeeze(-1))
+            out["after_update_ref"].append(
+                torch.log_softmax(logits[n - 1 : -1], -1).gather(-1, torch.tensor(ids[n:])[:, None]).squeeze(-1)
+            )
 
     return out
 
@@ -140,16 +142,27 @@ def _hf_reference(ckpt, gens, temperature):
             ids = torch.tensor([g.prompt_ids + g.response_ids])
             n = len(g.prompt_ids)
             logits = model(input_ids=ids).logits[0]
-            refs.append(torch.log_softmax(logits[n - 1 : -1] / temperature, -1).gather(-1, ids[0, n:, None]).squeeze(-1))
+            refs.append(
+                torch.log_softmax(logits[n - 1 : -1] / temperature, -1).gather(-1, ids[0, n:, None]).squeeze(-1)
+            )
     return torch.cat(refs)
 
 
 # -- bucketing (pure) -------------------------------------------------------------------------
 
+
 def test_buckets_respect_the_budget_and_keep_fused_groups_whole():
-    sizes = {"embed.weight": 100, "l0.attn.q_proj.weight": 40, "l0.attn.k_proj.weight": 20, "l0.attn.v_proj.weight": 20,
-             "l0.attn.q_proj.bias": 4, "l0.mlp.gate_proj.weight": 60, "l0.mlp.up_proj.weight": 60, "l0.mlp.down_proj.weight": 60,
-             "norm.weight": 8}
+    sizes = {
+        "embed.weight": 100,
+        "l0.attn.q_proj.weight": 40,
+        "l0.attn.k_proj.weight": 20,
+        "l0.attn.v_proj.weight": 20,
+        "l0.attn.q_proj.bias": 4,
+        "l0.mlp.gate_proj.weight": 60,
+        "l0.mlp.up_proj.weight": 60,
+        "l0.mlp.down_proj.weight": 60,
+        "norm.weight": 8,
+    }
     buckets = plan_buckets(sizes, 90)
     assert [n for b in buckets for n in b] == list(sizes)  # every tensor once, in export order
     where = {n: i for i, b in enumerate(buckets) for n in b}
@@ -158,13 +171,18 @@ def test_buckets_respect_the_budget_and_keep_fused_groups_whole():
     for b in buckets:  # over budget only when one fused group alone exceeds it
         if sum(sizes[n] for n in b) > 90:
             assert len({fused_group(n) for n in b}) == 1
-    assert buckets == [["embed.weight"], ["l0.attn.q_proj.weight", "l0.attn.k_proj.weight", "l0.attn.v_proj.weight", "l0.attn.q_proj.bias"],
-                       ["l0.mlp.gate_proj.weight", "l0.mlp.up_proj.weight"], ["l0.mlp.down_proj.weight", "norm.weight"]]
+    assert buckets == [
+        ["embed.weight"],
+        ["l0.attn.q_proj.weight", "l0.attn.k_proj.weight", "l0.attn.v_proj.weight", "l0.attn.q_proj.bias"],
+        ["l0.mlp.gate_proj.weight", "l0.mlp.up_proj.weight"],
+        ["l0.mlp.down_proj.weight", "norm.weight"],
+    ]
     with pytest.raises(ValueError, match="--update-weight-buffer-size"):
         plan_buckets(sizes, 0)
 
 
 # -- vLLM engine ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_vllm_log_probs_match_a_transformers_forward(vllm_run, ckpt, temperature):
@@ -180,7 +198,10 @@ def test_vllm_reads_back_its_weights_bitwise(vllm_run, ckpt):
     from safetensors.torch import load_file
 
     initial = load_file(str(Path(ckpt) / "model.safetensors"))
-    for label, sent, got in (("initial", initial, vllm_run["read_back_initial"]), ("after buckets", vllm_run["sent"], vllm_run["read_back"])):
+    for label, sent, got in (
+        ("initial", initial, vllm_run["read_back_initial"]),
+        ("after buckets", vllm_run["sent"], vllm_run["read_back"]),
+    ):
         assert sorted(got) == sorted(sent), label
         assert [k for k in sent if not torch.equal(got[k], sent[k])] == [], label
     assert len(vllm_run["buckets"]) > 3  # the update really went in several buckets
@@ -227,24 +248,34 @@ def test_vllm_split_over_engines_samples_the_same(vllm_run):
 
 # -- train-inference agreement at step 0 ------------------------------------------------------
 
+
 def _agreement_worker(rank, world, ckpt, samples):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import make_args
     from rl_plugin.loss import LossConfig, StepBatch
+    from tests.fast.megatron_common import make_args
 
-    backends = {"megatron": MegatronBackend.from_args(make_args("--hf-checkpoint", ckpt, world_size=world)),
-                "fsdp": FSDPBackend.from_args(make_args("--train-backend", "fsdp", "--hf-checkpoint", ckpt, world_size=world))}
+    backends = {
+        "megatron": MegatronBackend.from_args(make_args("--hf-checkpoint", ckpt, world_size=world)),
+        "fsdp": FSDPBackend.from_args(make_args("--train-backend", "fsdp", "--hf-checkpoint", ckpt, world_size=world)),
+    }
     out = {}
     for (engine, t), gens in samples.items():
         rl = torch.tensor([len(g.response_ids) for g in gens])
         tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens])
-        batch = StepBatch(tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]), total_lengths=tl,
-                          response_lengths=rl, loss_mask=torch.ones(int(rl.sum())), advantages=torch.zeros(int(rl.sum())),
-                          group_ids=torch.arange(len(gens)) // 4)
+        batch = StepBatch(
+            tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]),
+            total_lengths=tl,
+            response_lengths=rl,
+            loss_mask=torch.ones(int(rl.sum())),
+            advantages=torch.zeros(int(rl.sum())),
+            group_ids=torch.arange(len(gens)) // 4,
+        )
         engine_logp = torch.tensor([x for g in gens for x in g.log_probs])
         for name, backend in backends.items():
-            backend.loss_config = LossConfig.from_args(make_args("--hf-checkpoint", ckpt, "--rollout-temperature", str(t), world_size=world))
+            backend.loss_config = LossConfig.from_args(
+                make_args("--hf-checkpoint", ckpt, "--rollout-temperature", str(t), world_size=world)
+            )
             diff = (backend.compute_log_probs(batch).float() - engine_logp).abs()
             out[(engine, name, t)] = (float(diff.mean()), float(diff.max()))
     return out

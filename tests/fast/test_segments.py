@@ -24,7 +24,7 @@ def test_segment_sum_and_repeat_match_definitions(lengths):
     assert got.dtype == torch.float64 and got.shape == want.shape and float((got - want).abs().sum()) < 1e-14
     got32 = segment_sum(v.float(), lens)  # fp32: a sum of <= 5 terms of size ~1, within 8 ulp
     assert got32.dtype == torch.float32
-    assert float((got32.double() - want).abs().sum()) <= len(lengths) * 8 * 2 ** -23 * 5
+    assert float((got32.double() - want).abs().sum()) <= len(lengths) * 8 * 2**-23 * 5
     per_sample = torch.randn(len(lengths), generator=g, dtype=torch.float64)
     assert torch.equal(repeat_per_token(per_sample, lens, int(lens.sum())), per_sample[sid])
 

@@ -37,7 +37,7 @@ class TokenLM(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.embed = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=dtype).to(device))
-        self.head = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=dtype).to(device) / HIDDEN ** 0.5)
+        self.head = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g, dtype=dtype).to(device) / HIDDEN**0.5)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.embed[ids]) @ self.head.t()
@@ -56,10 +56,17 @@ class OneFileBackend:
 
     def forward(self, model, inputs, *, temperature, chunk_size, with_entropy):
         if inputs.layout.num_samples == 0:
-            return torch.zeros((0, 2), dtype=torch.float64, device=self.loss_device, requires_grad=torch.is_grad_enabled())
+            return torch.zeros(
+                (0, 2), dtype=torch.float64, device=self.loss_device, requires_grad=torch.is_grad_enabled()
+            )
         rows = model(inputs.input_ids.to(self.loss_device))[inputs.layout.logit_index.to(self.loss_device)]
-        logp, ent = log_probs_and_entropy(rows, inputs.targets.to(self.loss_device), temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, ent = log_probs_and_entropy(
+            rows,
+            inputs.targets.to(self.loss_device),
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
         return torch.stack([logp, ent], 1)
 
     def schedule(self, model, num_micro_batches, forward, loss, *, forward_only):
@@ -91,9 +98,13 @@ def _batch(seed: int = 0) -> StepBatch:
     sid = torch.repeat_interleave(torch.arange(7), resp)
     lp = -3.5 + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)
     return StepBatch(
-        tokens=torch.randint(0, VOCAB, (int(total.sum()),), generator=g), total_lengths=total, response_lengths=resp,
-        loss_mask=mask, advantages=torch.randn(7, generator=g, dtype=torch.float64)[sid],
-        group_ids=torch.tensor([0, 0, 1, 1, 1, 2, 2]), old_log_probs=lp,
+        tokens=torch.randint(0, VOCAB, (int(total.sum()),), generator=g),
+        total_lengths=total,
+        response_lengths=resp,
+        loss_mask=mask,
+        advantages=torch.randn(7, generator=g, dtype=torch.float64)[sid],
+        group_ids=torch.tensor([0, 0, 1, 1, 1, 2, 2]),
+        old_log_probs=lp,
         rollout_log_probs=lp + 0.05 * torch.randn(r, generator=g, dtype=torch.float64),
     ).validate()
 
@@ -106,9 +117,16 @@ def _reference(model: TokenLM, batch: StepBatch, cfg: LossConfig):
     rows = model(inputs.input_ids)[inputs.layout.logit_index]
     logp, _ = log_probs_and_entropy(rows, inputs.targets, with_entropy=False)
     policy = get_policy_loss(cfg.policy_loss)
-    pg, _ = policy(logp, batch.old_log_probs, batch.advantages, loss_mask=batch.loss_mask,
-                   response_lengths=batch.response_lengths, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                   eps_clip_c=cfg.eps_clip_c)
+    pg, _ = policy(
+        logp,
+        batch.old_log_probs,
+        batch.advantages,
+        loss_mask=batch.loss_mask,
+        response_lengths=batch.response_lengths,
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high,
+        eps_clip_c=cfg.eps_clip_c,
+    )
     j = aggregate(pg, batch.loss_mask, batch.response_lengths, cfg.loss_aggregation, group_ids=batch.group_ids)
     grads = torch.autograd.grad(j, list(model.parameters()))
     return logp.detach(), float(j), grads
@@ -123,7 +141,7 @@ def test_runner_step_equals_the_single_pass_reference(policy, mode):
     ref_logp, ref_j, ref_grads = _reference(ref_model, batch, cfg)
     logp = backend.runner.log_probs(backend.model, batch)
     assert logp.dtype == torch.float32 and logp.device.type == "cpu"
-    assert torch.allclose(logp.double(), ref_logp, rtol=0, atol=2 ** -20 * 8)  # fp32 rounding of values ~ -3.5
+    assert torch.allclose(logp.double(), ref_logp, rtol=0, atol=2**-20 * 8)  # fp32 rounding of values ~ -3.5
     w0 = [p.detach().clone() for p in backend.model.parameters()]
     report = backend.runner.train_step(backend.model, batch, num_groups=3)
     assert report["num_micro_batches"] == 3.0 and report["lr"] == backend.lr
@@ -175,8 +193,9 @@ class _MetaBackend(OneFileBackend):
         """Log-softmax in plain torch ops: the core kernel checks the targets against the vocab
         with one host read per micro-batch, which meta tensors cannot answer."""
         if inputs.layout.num_samples == 0:
-            return super().forward(model, inputs, temperature=temperature, chunk_size=chunk_size,
-                                   with_entropy=with_entropy)
+            return super().forward(
+                model, inputs, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+            )
         rows = model(inputs.input_ids.to(self.loss_device))[inputs.layout.logit_index.to(self.loss_device)]
         logp_all = torch.log_softmax(rows / temperature, -1)
         logp = logp_all.gather(1, inputs.targets.to(self.loss_device).view(-1, 1)).squeeze(1)

@@ -16,12 +16,14 @@ PATHS = ["rl_plugin", "tests", "benchmarks", "scripts"]
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("command", [("check", "--no-cache"), ("format", "--check", "--no-cache")],
-                         ids=["check", "format"])
+@pytest.mark.parametrize(
+    "command", [("check", "--no-cache"), ("format", "--check", "--no-cache")], ids=["check", "format"]
+)
 def test_ruff(command):
     out = _ruff(*command)
     assert out.returncode == 0, f"ruff {' '.join(command)}:\n{out.stdout}{out.stderr}"

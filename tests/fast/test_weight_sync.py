@@ -27,13 +27,18 @@ QKV = ("q_proj", "k_proj", "v_proj")
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     torch.set_num_threads(1)
-    ck = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("ws") / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64)
+    ck = make_tiny_hf_checkpoint(
+        tmp_path_factory.mktemp("ws") / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64
+    )
     return HFEngine(str(ck))
 
 
 def _perturbed(sd, seed, names=None):
     g = torch.Generator().manual_seed(seed)
-    return {k: (v + 0.01 * torch.randn(v.shape, generator=g)) if names is None or k in names else v.clone() for k, v in sd.items()}
+    return {
+        k: (v + 0.01 * torch.randn(v.shape, generator=g)) if names is None or k in names else v.clone()
+        for k, v in sd.items()
+    }
 
 
 def _dead_pid() -> int:
@@ -91,7 +96,9 @@ def test_shared_memory_sync_is_bitwise_and_moves_only_what_changed(engine):
 
 
 def test_tied_weights_are_sent_once(tmp_path):
-    ck = make_tiny_hf_checkpoint(tmp_path / "tied", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64, tie_word_embeddings=True)
+    ck = make_tiny_hf_checkpoint(
+        tmp_path / "tied", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64, tie_word_embeddings=True
+    )
     eng = HFEngine(str(ck))
     sd = _perturbed(eng.weights(), 3)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # what the trainer exports for a tied model
@@ -173,18 +180,23 @@ def test_object_store_carries_the_changes_for_an_engine_on_another_node(engine, 
             assert h1.segment is not None and h1.object_refs and h1.object_since is None  # both paths
             assert load_sync(engine, far, h1)["fingerprint"] == weights_fingerprint(new)
             new2 = _perturbed(new, 6, {"model.norm.weight"})
-            h2 = pub.publish(new2, SyncRequest(buffer_bytes=8192, engine_nodes=("another-node",), since_version=1, fingerprint=True))
+            h2 = pub.publish(
+                new2, SyncRequest(buffer_bytes=8192, engine_nodes=("another-node",), since_version=1, fingerprint=True)
+            )
             stats = load_sync(engine, far, h2)
             assert stats["bytes"] == new2["model.norm.weight"].numel() * 4
             assert stats["fingerprint"] == weights_fingerprint(new2)
             lagging = WeightReceiver()
             lagging.node = "another-node"
-            with pytest.raises(RuntimeError, match="holds sync 0 but the object store carries the changes since sync 1"):
+            with pytest.raises(
+                RuntimeError, match="holds sync 0 but the object store carries the changes since sync 1"
+            ):
                 list(lagging.buckets(h2))
             # forced shared memory cannot reach another node
             with pytest.raises(RuntimeError, match="shared_memory: rollout engines run on node"):
-                WeightPublisher("shared_memory").publish(new2, SyncRequest(buffer_bytes=8192, transport="shared_memory",
-                                                                           engine_nodes=("another-node",)))
+                WeightPublisher("shared_memory").publish(
+                    new2, SyncRequest(buffer_bytes=8192, transport="shared_memory", engine_nodes=("another-node",))
+                )
         finally:
             pub.close()
         engine.update_weights(start)

@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import torch
 
-U32 = 2.0 ** -24  # fp32 unit roundoff (half an ulp of 1.0)
-U64 = 2.0 ** -53  # fp64 unit roundoff
-U_BF16 = 2.0 ** -9  # bf16 unit roundoff (8 bits of mantissa)
+U32 = 2.0**-24  # fp32 unit roundoff (half an ulp of 1.0)
+U64 = 2.0**-53  # fp64 unit roundoff
+U_BF16 = 2.0**-9  # bf16 unit roundoff (8 bits of mantissa)
 
 FP32_MODEL = 256 * U32
 FP32_LOSS_CORE = 32 * U32

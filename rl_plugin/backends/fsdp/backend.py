@@ -51,8 +51,15 @@ from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 logger = logging.getLogger(__name__)
 
 # HF config fields with which a model applies dropout functionally in its training forward.
-DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "activation_dropout", "attn_pdrop",
-                         "resid_pdrop", "embd_pdrop")
+DROPOUT_CONFIG_FIELDS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "activation_dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+)
 
 
 def _device() -> torch.device:
@@ -95,8 +102,11 @@ class FSDPBackend(TrainBackend):
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
         self._ref_model = None
-        self.runner = StepRunner(self, micro_batch_size=config.batching.micro_batch_size,
-                                 max_tokens_per_gpu=config.batching.max_tokens_per_gpu)
+        self.runner = StepRunner(
+            self,
+            micro_batch_size=config.batching.micro_batch_size,
+            max_tokens_per_gpu=config.batching.max_tokens_per_gpu,
+        )
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> "FSDPBackend":
@@ -153,8 +163,15 @@ class FSDPBackend(TrainBackend):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             logits = model(input_ids=ids, use_cache=False).logits
             return (logits.float().sum() * 0.0).expand(0, 2)
-        logp, ent = micro_batch_log_probs(model, inputs, self.attn_implementation, self.device, temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, ent = micro_batch_log_probs(
+            model,
+            inputs,
+            self.attn_implementation,
+            self.device,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
         return torch.stack([logp, ent], 1)
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
@@ -173,8 +190,10 @@ class FSDPBackend(TrainBackend):
         if not math.isfinite(norm):
             # Same rank-consistent outcome as Megatron's skipped step: nothing is applied.
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm ({norm}) at optimizer step {self.optimizer_steps + 1}: "
-                                     "the step was not applied (check old_log_probs / advantages of this batch)")
+            raise FloatingPointError(
+                f"non-finite gradient norm ({norm}) at optimizer step {self.optimizer_steps + 1}: "
+                "the step was not applied (check old_log_probs / advantages of this batch)"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -196,13 +215,20 @@ class FSDPBackend(TrainBackend):
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
         state = self.export_hf_state_dict()
-        ckpt.write_hf_dir(out_dir, state, self.model.config, source_dir=self.hf_dir,
-                          tied_keys=self.tied_names, dtype=self.hf_dtype)
+        ckpt.write_hf_dir(
+            out_dir, state, self.model.config, source_dir=self.hf_dir, tied_keys=self.tied_names, dtype=self.hf_dtype
+        )
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
         extra = dict(extra or {})
-        ckpt.save(path, self.model, self.optimizer, step=step, extra=extra,
-                  backend_state={"optimizer_steps": self.optimizer_steps})
+        ckpt.save(
+            path,
+            self.model,
+            self.optimizer,
+            step=step,
+            extra=extra,
+            backend_state={"optimizer_steps": self.optimizer_steps},
+        )
         if self.config.model.save_hf:
             self.save_hf(self.config.model.save_hf)
 

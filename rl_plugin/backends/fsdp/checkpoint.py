@@ -38,8 +38,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(directory: str, model, optimizer, *, step: int, extra: Optional[Dict[str, Any]] = None,
-         backend_state: Optional[Dict[str, Any]] = None) -> None:
+def save(
+    directory: str,
+    model,
+    optimizer,
+    *,
+    step: int,
+    extra: Optional[Dict[str, Any]] = None,
+    backend_state: Optional[Dict[str, Any]] = None,
+) -> None:
     """Collective: every rank writes its shards and RNG state of ``step`` into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``."""
     import torch.distributed.checkpoint as dcp
@@ -61,14 +68,21 @@ def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> D
 
     src = Path(directory)
     if (src / "common.pt").is_file():
-        raise ValueError(f"--load {src}: it was written by the Megatron backend (dist_checkpointing common.pt). "
-                         "Fix: resume it with --train-backend megatron")
+        raise ValueError(
+            f"--load {src}: it was written by the Megatron backend (dist_checkpointing common.pt). "
+            "Fix: resume it with --train-backend megatron"
+        )
     if not (src / META).is_file():
-        raise FileNotFoundError(f"--load {src}: no complete FSDP checkpoint there (no {META}). Fix: pass the --save "
-                                "directory of a run (its latest_checkpointed_iteration.txt names the step)")
+        raise FileNotFoundError(
+            f"--load {src}: no complete FSDP checkpoint there (no {META}). Fix: pass the --save "
+            "directory of a run (its latest_checkpointed_iteration.txt names the step)"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    saved = {k[len("model."):]: tuple(m.size) for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()
-             if k.startswith("model.") and hasattr(m, "size")}  # DCP flattens {"model": sd} to "model.<name>"
+    saved = {
+        k[len("model.") :]: tuple(m.size)
+        for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(m, "size")
+    }  # DCP flattens {"model": sd} to "model.<name>"
     check_same_model(str(src), hf_dir, saved, {k: tuple(v.shape) for k, v in model_sd.items() if torch.is_tensor(v)})
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(src))
@@ -79,8 +93,15 @@ def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> D
     return torch.load(src / META, weights_only=False)
 
 
-def write_hf_dir(out_dir: str, state_dict: Dict[str, torch.Tensor], config, *, source_dir: Optional[str] = None,
-                 tied_keys=(), dtype: torch.dtype = torch.float32) -> Path:
+def write_hf_dir(
+    out_dir: str,
+    state_dict: Dict[str, torch.Tensor],
+    config,
+    *,
+    source_dir: Optional[str] = None,
+    tied_keys=(),
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Rank 0 writes ``config.json`` + ``model.safetensors`` and copies the other files of
     ``source_dir`` (tokenizer, generation config); collective (ends with a barrier)."""
     from safetensors.torch import save_file

@@ -67,8 +67,9 @@ def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
 
     config = AutoConfig.from_pretrained(path)
     changed = disable_dropout(config)
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p != 0:
             module.p = 0.0
@@ -166,14 +167,21 @@ class FusedLogProbHead(nn.Module):
         from torch.distributed.tensor import DTensor
 
         if isinstance(self.weight, DTensor):
-            raise RuntimeError("FusedLogProbHead: the weight is a sharded DTensor; call the head inside the FSDP "
-                               "model's forward (model(**inputs)), where FSDP2 has unsharded it")
+            raise RuntimeError(
+                "FusedLogProbHead: the weight is a sharded DTensor; call the head inside the FSDP "
+                "model's forward (model(**inputs)), where FSDP2 has unsharded it"
+            )
         rows = hidden.reshape(-1, hidden.shape[-1])
         if req.row_index is not None:
             rows = rows[req.row_index]
         logp, ent = fused_log_probs_and_entropy(
-            rows, self.weight, req.targets, temperature=req.temperature, fp32_head=self.fp32,
-            chunk_size=min(req.chunk_size, default_chunk_rows(self.weight.shape[0])), with_entropy=req.with_entropy,
+            rows,
+            self.weight,
+            req.targets,
+            temperature=req.temperature,
+            fp32_head=self.fp32,
+            chunk_size=min(req.chunk_size, default_chunk_rows(self.weight.shape[0])),
+            with_entropy=req.with_entropy,
         )
         return torch.stack([logp, ent], -1).unsqueeze(0)
 

@@ -37,11 +37,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 def build_optimizer(model: nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW, or SGD with ``--optimizer sgd`` (Megatron-LM's flag: momentum ``--sgd-momentum``)."""
     if opt.optimizer == "sgd":
-        return torch.optim.SGD(param_groups(model, opt.weight_decay), lr=megatron_lr(opt, 0),
-                               momentum=opt.sgd_momentum, foreach=True)
+        return torch.optim.SGD(
+            param_groups(model, opt.weight_decay), lr=megatron_lr(opt, 0), momentum=opt.sgd_momentum, foreach=True
+        )
     return torch.optim.AdamW(
-        param_groups(model, opt.weight_decay), lr=megatron_lr(opt, 0),
-        betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+        param_groups(model, opt.weight_decay),
+        lr=megatron_lr(opt, 0),
+        betas=(opt.adam_beta1, opt.adam_beta2),
+        eps=opt.adam_eps,
         foreach=True,  # one multi-tensor op per state update over all (same-mesh, Shard(0)) DTensor shards
     )
 

@@ -53,7 +53,9 @@ from rl_plugin.loss import log_probs_and_entropy
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
 
-def packed_causal_mask(cu_seqlens: torch.Tensor, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def packed_causal_mask(
+    cu_seqlens: torch.Tensor, attn_implementation: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Block-diagonal causal mask ``[1, 1, T, T]`` of samples with boundaries ``cu_seqlens``
     (``rl_plugin.backends.attention_mask``), in the format ``attn_implementation`` takes."""
     total = int(cu_seqlens[-1])
@@ -66,12 +68,16 @@ def packed_causal_mask(cu_seqlens: torch.Tensor, attn_implementation: str, dtype
 
 def thd_as_padded_grid(layout, attn_implementation: str) -> bool:
     """Whether a thd micro-batch runs as the padded grid (module docstring) rather than one row."""
-    return (layout.qkv_format == "thd" and attn_implementation not in FLASH_IMPLEMENTATIONS
-            and padded_attention_is_cheaper(layout.local_cu_seqlens))
+    return (
+        layout.qkv_format == "thd"
+        and attn_implementation not in FLASH_IMPLEMENTATIONS
+        and padded_attention_is_cheaper(layout.local_cu_seqlens)
+    )
 
 
-def model_inputs(mb, attn_implementation: str, device: torch.device,
-                 padded_grid: Optional[bool] = None) -> Tuple[dict, Optional[torch.Tensor]]:
+def model_inputs(
+    mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None
+) -> Tuple[dict, Optional[torch.Tensor]]:
     """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatch``
     (module docstring). ``padded_grid``: force thd's padded-grid (True) or single-row (False)
     form; default ``thd_as_padded_grid``."""
@@ -82,8 +88,9 @@ def model_inputs(mb, attn_implementation: str, device: torch.device,
             padded_grid = thd_as_padded_grid(layout, attn_implementation)
         if padded_grid:
             gather, valid = segment_grid(layout.local_cu_seqlens)
-            kwargs = dict(input_ids=mb.input_ids[gather], position_ids=mb.position_ids[gather],
-                          attention_mask=valid.long())
+            kwargs = dict(
+                input_ids=mb.input_ids[gather], position_ids=mb.position_ids[gather], attention_mask=valid.long()
+            )
             # Real cells in row-major order are the packed stream in order (segments contiguous).
             row_index = valid.flatten().nonzero().squeeze(1)[layout.logit_index]
         else:
@@ -93,7 +100,8 @@ def model_inputs(mb, attn_implementation: str, device: torch.device,
             kwargs["logits_to_keep"] = layout.logit_index
     else:
         kwargs = dict(
-            input_ids=mb.input_ids, position_ids=mb.position_ids,
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
             attention_mask=(layout.input_index >= 0).view(layout.num_samples, -1).long(),
         )
         row_index = layout.logit_index
@@ -129,8 +137,16 @@ def micro_batch_logits(model, mb, attn_implementation: str, device: torch.device
     return logits.view(-1, logits.shape[-1])  # only the kept rows, in index order
 
 
-def micro_batch_log_probs(model, mb, attn_implementation: str, device: torch.device, *, temperature: float,
-                          chunk_size: int, with_entropy: bool):
+def micro_batch_log_probs(
+    model,
+    mb,
+    attn_implementation: str,
+    device: torch.device,
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+):
     """``(logp, entropy)`` ``[n_local]`` aligned with ``mb.targets`` (see module docstring)."""
     from rl_plugin.backends.fsdp.model import FusedLogProbHead, FusedRequest
 
@@ -138,11 +154,13 @@ def micro_batch_log_probs(model, mb, attn_implementation: str, device: torch.dev
     head = model.get_output_embeddings()
     if not isinstance(head, FusedLogProbHead):
         rows = micro_batch_logits(model, mb, attn_implementation, device)
-        return log_probs_and_entropy(rows, targets, temperature=temperature, chunk_size=chunk_size,
-                                     with_entropy=with_entropy)
+        return log_probs_and_entropy(
+            rows, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
     kwargs, row_index = model_inputs(mb, attn_implementation, device)
-    request = FusedRequest(targets=targets, temperature=temperature, chunk_size=chunk_size,
-                           with_entropy=with_entropy, row_index=row_index)
+    request = FusedRequest(
+        targets=targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy, row_index=row_index
+    )
     with head.fused(request):
         out = model(**kwargs).logits  # [1, n, 2]
     logp, ent = out.view(-1, 2).unbind(1)

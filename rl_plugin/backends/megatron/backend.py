@@ -55,8 +55,11 @@ class MegatronBackend(TrainBackend):
         self.fused_lm_head = use_fused_head(config.model, model)
         self._ref_model = None
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
-        self.runner = StepRunner(self, micro_batch_size=config.batching.micro_batch_size,
-                                 max_tokens_per_gpu=config.batching.max_tokens_per_gpu)
+        self.runner = StepRunner(
+            self,
+            micro_batch_size=config.batching.micro_batch_size,
+            max_tokens_per_gpu=config.batching.max_tokens_per_gpu,
+        )
         config = bridge.config
         # What Megatron-LM's training loop sets: the schedule calls these.
         from megatron.core.distributed import finalize_model_grads
@@ -68,7 +71,9 @@ class MegatronBackend(TrainBackend):
     @classmethod
     def from_config(cls, config: TrainConfig) -> "MegatronBackend":
         if not dist.is_initialized():
-            raise RuntimeError("MegatronBackend.from_config: initialise torch.distributed first (gloo on CPU, nccl on GPU)")
+            raise RuntimeError(
+                "MegatronBackend.from_config: initialise torch.distributed first (gloo on CPU, nccl on GPU)"
+            )
         apply_cpu_shim()  # no-op where CUDA is present
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
@@ -81,14 +86,22 @@ class MegatronBackend(TrainBackend):
     # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
     def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
         return step.micro_batch_forward(
-            model, inputs, self.parallel_state, self.loss_device, qkv_format=self.loss_config.qkv_format,
-            fp32_lm_head=self.fp32_lm_head, fused=self.fused_lm_head, temperature=temperature,
-            chunk_size=chunk_size, with_entropy=with_entropy,
+            model,
+            inputs,
+            self.parallel_state,
+            self.loss_device,
+            qkv_format=self.loss_config.qkv_format,
+            fp32_lm_head=self.fp32_lm_head,
+            fused=self.fused_lm_head,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
         )
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
-        return step.run_schedule(model, self.optimizer, self.parallel_state, num_micro_batches, forward, loss,
-                                 forward_only=forward_only)
+        return step.run_schedule(
+            model, self.optimizer, self.parallel_state, num_micro_batches, forward, loss, forward_only=forward_only
+        )
 
     def optimizer_step(self) -> Tuple[float, float]:
         return step.optimizer_step(self.optimizer, self.scheduler)
@@ -100,8 +113,15 @@ class MegatronBackend(TrainBackend):
         return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
-        checkpoint.save(path, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                        ps=self.parallel_state, extra=extra)
+        checkpoint.save(
+            path,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            ps=self.parallel_state,
+            extra=extra,
+        )
         save_hf = self.config.model.save_hf
         if save_hf:
             self.save_hf(save_hf)
@@ -113,8 +133,14 @@ class MegatronBackend(TrainBackend):
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
-        return checkpoint.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               ps=self.parallel_state, hf_dir=self.hf_dir)
+        return checkpoint.load(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            ps=self.parallel_state,
+            hf_dir=self.hf_dir,
+        )
 
     # -- reference model (--use-kl-loss) -----------------------------------------------------
     def _reference_model(self):

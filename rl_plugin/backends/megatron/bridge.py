@@ -78,13 +78,17 @@ def local_spec_bridge_class(base):
     return LocalSpecBridge
 
 
-def make_bridge(hf_dir: str, *, dtype: torch.dtype = torch.float32, extra_config: Optional[Dict] = None,
-                use_te: Optional[bool] = None):
+def make_bridge(
+    hf_dir: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    extra_config: Optional[Dict] = None,
+    use_te: Optional[bool] = None,
+):
     """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
+    import mbridge  # noqa: F401  (registers the model families)
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
-
-    import mbridge  # noqa: F401  (registers the model families)
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     fix_rope_theta(hf_config)

@@ -139,7 +139,10 @@ def _load_optimizer(optimizer, state) -> None:
 
 def _sharded_state_dict(model, optimizer, *, is_loading: bool) -> Dict[str, Any]:
     model_sd = _unwrap(model).sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)}
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING),
+    }
 
 
 def _sync_torch_dist_strategy():
@@ -162,9 +165,13 @@ def _sync_torch_dist_strategy():
     class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            dcp.save(mcore_to_pyt_state_dict(sd, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False))
+            dcp.save(
+                mcore_to_pyt_state_dict(sd, False),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=MCoreSavePlanner(
+                    dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+                ),
+            )
 
     return SyncTorchDistSave("torch_dist", 1)
 
@@ -179,7 +186,9 @@ def _without_param_state(common: Dict[str, Any]) -> Dict[str, Any]:
     return common
 
 
-def save(directory: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None) -> None:
+def save(
+    directory: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None
+) -> None:
     """Collective: every rank writes its part of ``step``'s checkpoint into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``)."""
     from megatron.core import dist_checkpointing
@@ -190,8 +199,12 @@ def save(directory: str, *, step: int, model, optimizer, scheduler, ps: Parallel
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
-    dist_checkpointing.save(state, str(directory), sharded_strategy=_sync_torch_dist_strategy(),
-                            preprocess_common_before_consistancy_check=_without_param_state)
+    dist_checkpointing.save(
+        state,
+        str(directory),
+        sharded_strategy=_sync_torch_dist_strategy(),
+        preprocess_common_before_consistancy_check=_without_param_state,
+    )
     torch.save({"layout": _layout(ps), "rng": _rng_state()}, Path(directory) / f"rng_rank{dist.get_rank()}.pt")
 
 
@@ -232,7 +245,9 @@ def _model_shapes(src: Path, model) -> tuple:
     return saved, current
 
 
-def load(directory: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None) -> Dict[str, Any]:
+def load(
+    directory: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None
+) -> Dict[str, Any]:
     """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from one
     complete step directory (``iter_*``); returns ``{"step", "extra"}``."""
     from megatron.core import dist_checkpointing

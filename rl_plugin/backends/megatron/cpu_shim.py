@@ -151,7 +151,7 @@ def _patch_tensor_type_names() -> None:
         if dtype is None and not kwargs:
             name = orig(self)
             if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
-                return "torch.cuda." + name[len("torch."):]
+                return "torch.cuda." + name[len("torch.") :]
             return name
         return orig(self, dtype, non_blocking, **kwargs)
 

@@ -53,8 +53,13 @@ def model_inputs(mb: MicroBatch, qkv_format: str):
     cu = mb.layout.cu_seqlens_padded
     max_len = int(mb.layout.padded_lengths.max()) if mb.layout.num_samples else 0
     psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-        max_seqlen_q=max_len, max_seqlen_kv=max_len,
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
     )
     return mb.input_ids.view(1, -1), mb.position_ids.view(1, -1), psp
 
@@ -74,7 +79,9 @@ def hidden_states_only(gpt):
 
 def output_weight(gpt) -> torch.Tensor:
     """This TP rank's ``[V/tp, H]`` output weight (the input embedding when tied)."""
-    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+    return (
+        gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+    )
 
 
 def fused_head_unsupported(model) -> Optional[str]:
@@ -87,8 +94,15 @@ def fused_head_unsupported(model) -> Optional[str]:
     return None
 
 
-def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_parallel: bool,
-                  grad_summed_by_caller: bool, tp_group=None, upcast: bool = False) -> torch.Tensor:
+def response_rows(
+    hidden: torch.Tensor,
+    logit_index: torch.Tensor,
+    *,
+    sequence_parallel: bool,
+    grad_summed_by_caller: bool,
+    tp_group=None,
+    upcast: bool = False,
+) -> torch.Tensor:
     """``[n, H]`` response rows of the final hidden states ``[s(/tp), b, H]``, identical on every TP
     rank, whose backward sums the TP ranks' partial d(rows) EXACTLY ONCE (each rank's head sees
     only its vocab shard, so its d(rows) is a partial sum):
@@ -104,8 +118,9 @@ def response_rows(hidden: torch.Tensor, logit_index: torch.Tensor, *, sequence_p
     from megatron.core import tensor_parallel
 
     if sequence_parallel:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
-                                                                      group=tp_group)
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=True, group=tp_group
+        )
     rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[logit_index.to(hidden.device)]
     if upcast:
         rows = rows.float()
@@ -127,9 +142,12 @@ def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_c
     early = not sp and half_precision_wrapped(model)
     kwargs = {"fp32_output": False} if early else {}
     with hidden_states_only(gpt):
-        hidden = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [s, b, h]
-    rows = response_rows(hidden, mb.layout.logit_index, sequence_parallel=sp, grad_summed_by_caller=grad_summed_by_caller,
-                         upcast=early)
+        hidden = model(
+            input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
+        )  # [s, b, h]
+    rows = response_rows(
+        hidden, mb.layout.logit_index, sequence_parallel=sp, grad_summed_by_caller=grad_summed_by_caller, upcast=early
+    )
     return rows, gpt
 
 
@@ -159,19 +177,40 @@ def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: boo
         input_ids, position_ids, psp = model_inputs(mb, qkv_format)
         device = next(model.parameters()).device
         kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
-        logits = model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
+        logits = model(
+            input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
+        )  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     return fp32_output_projection(rows, output_weight(gpt))
 
 
-def response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
-                       temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def response_log_probs(
+    model,
+    mb: MicroBatch,
+    ps,
+    *,
+    qkv_format: str,
+    fp32_lm_head: bool,
+    fused: bool,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring). A
     target outside the vocabulary raises ``TargetOutOfVocabError`` naming its step sample."""
     try:
-        return _response_log_probs(model, mb, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused,
-                                   temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+        return _response_log_probs(
+            model,
+            mb,
+            ps,
+            qkv_format=qkv_format,
+            fp32_lm_head=fp32_lm_head,
+            fused=fused,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
     except TargetOutOfVocabError as e:
         local = int(mb.layout.sample_ids[e.row])
         index = getattr(mb, "sample_index", None)
@@ -179,19 +218,40 @@ def response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_he
         raise TargetOutOfVocabError(f"sample {sample}: {e}", e.row) from None
 
 
-def _response_log_probs(model, mb: MicroBatch, ps, *, qkv_format: str, fp32_lm_head: bool, fused: bool,
-                        temperature: float, chunk_size: int, with_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _response_log_probs(
+    model,
+    mb: MicroBatch,
+    ps,
+    *,
+    qkv_format: str,
+    fp32_lm_head: bool,
+    fused: bool,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
         weight = output_weight(gpt)
         return fused_log_probs_and_entropy(
-            rows, weight, mb.targets.to(rows.device), temperature=temperature, tp_group=ps.tp_group,
-            vocab_start=ps.tp_rank * weight.shape[0], fp32_head=fp32_lm_head, with_entropy=with_entropy,
+            rows,
+            weight,
+            mb.targets.to(rows.device),
+            temperature=temperature,
+            tp_group=ps.tp_group,
+            vocab_start=ps.tp_rank * weight.shape[0],
+            fp32_head=fp32_lm_head,
+            with_entropy=with_entropy,
             chunk_size=min(chunk_size, default_chunk_rows(weight.shape[0])),
             reduce_hidden_grad=not gpt.config.sequence_parallel,
         )
     rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
     return log_probs_and_entropy(
-        rows, mb.targets.to(rows.device), temperature=temperature, tp_group=ps.tp_group,
-        vocab_start=ps.tp_rank * rows.shape[-1], chunk_size=chunk_size, with_entropy=with_entropy,
+        rows,
+        mb.targets.to(rows.device),
+        temperature=temperature,
+        tp_group=ps.tp_group,
+        vocab_start=ps.tp_rank * rows.shape[-1],
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
     )

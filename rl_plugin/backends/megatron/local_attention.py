@@ -27,11 +27,19 @@ from rl_plugin.cp import padded_attention_is_cheaper, segment_grid
 
 
 class VarlenDotProductAttention(DotProductAttention):
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
@@ -43,8 +51,15 @@ class VarlenDotProductAttention(DotProductAttention):
         t = query.shape[0]
         mask = (~block_causal_mask(cu, t)).view(1, 1, t, t)  # megatron's convention: True = masked out
         # [t, n, d] -> [t, b=1, n, d]; the parent returns [t, 1, n*d], the caller wants [t, n*d].
-        out = super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
-                              attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+        out = super().forward(
+            query.unsqueeze(1),
+            key.unsqueeze(1),
+            value.unsqueeze(1),
+            mask,
+            attn_mask_type=attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=None,
+        )
         return out.reshape(t, -1)
 
     def _padded_forward(self, query, key, value, cu, attn_mask_type, attention_bias):
@@ -53,6 +68,7 @@ class VarlenDotProductAttention(DotProductAttention):
         width = gather.shape[1]
         causal = torch.ones(width, width, dtype=torch.bool, device=query.device).triu(1).view(1, 1, width, width)
         q, k, v = (x[gather].transpose(0, 1).contiguous() for x in (query, key, value))  # [t, n, d] -> [L, S, n, d]
-        out = super().forward(q, k, v, causal, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
-                              packed_seq_params=None)  # [L, S, n*d]
+        out = super().forward(
+            q, k, v, causal, attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None
+        )  # [L, S, n*d]
         return out.transpose(0, 1)[valid]

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 
 _ORIGINAL = {}
-MODULES = ("megatron.core.models.common.embeddings.rope_utils",
-           "megatron.core.models.common.embeddings.rotary_pos_embedding")
+MODULES = (
+    "megatron.core.models.common.embeddings.rope_utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+)
 
 
 def packed_freq_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -35,18 +37,29 @@ def packed_freq_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return pos - torch.repeat_interleave(cu[:-1], lengths, output_size=total)
 
 
-def vectorized_thd_rope(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
-                        cp_group=None):
+def vectorized_thd_rope(
+    t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+):
     """Drop-in for megatron-core's ``_apply_rotary_pos_emb_thd`` (same signature and result)."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if cp_group is None or cp_group.size() != 1:
-        return _ORIGINAL["fn"](t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
-                               multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        return _ORIGINAL["fn"](
+            t,
+            cu_seqlens,
+            freqs,
+            rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention,
+            mscale=mscale,
+            cp_group=cp_group,
+        )
     rows = packed_freq_rows(cu_seqlens, freqs.size(0))
     return rope_utils._apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1), freqs[rows.to(freqs.device)], rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention, mscale=mscale,
+        t.unsqueeze(1),
+        freqs[rows.to(freqs.device)],
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+        mscale=mscale,
     ).squeeze(1)
 
 

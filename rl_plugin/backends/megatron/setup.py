@@ -30,9 +30,14 @@ from rl_plugin.parallel import ParallelState, cpu_group
 # inside _initialize_affine_weight_{cpu,gpu} (tensor_parallel/layers.py l. 244, 855, 877), and
 # without them the grad norm counts TP shards once and mbridge's export does not gather them.
 _CONFIG_OVERRIDES = dict(
-    masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-    apply_rope_fusion=False, gradient_accumulation_fusion=False, perform_initialization=True,
-    hidden_dropout=0.0, attention_dropout=0.0,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    perform_initialization=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
 )
 
 
@@ -101,7 +106,9 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     check_world(dist.get_world_size(), tp, cp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     cpu_groups = dist.get_backend() == "gloo"
     twin = (lambda g: g) if cpu_groups else cpu_group
@@ -109,10 +116,14 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     cp_g = mpu.get_context_parallel_group()
     dp_cp_g = twin(mpu.get_data_parallel_group(with_context_parallel=True))
     return ParallelState(
-        dp_size=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank(),
-        cp_size=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
-        tp_size=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
-        dp_group=_group_or_none(dp_g), cp_group=_group_or_none(cp_g),
+        dp_size=mpu.get_data_parallel_world_size(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        cp_size=mpu.get_context_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        dp_group=_group_or_none(dp_g),
+        cp_group=_group_or_none(cp_g),
         tp_group=_group_or_none(mpu.get_tensor_model_parallel_group()),
         dp_cp_group=_group_or_none(dp_cp_g),
     )
@@ -161,18 +172,33 @@ def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, 
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     cfg = OptimizerConfig(
-        optimizer=opt.optimizer, sgd_momentum=opt.sgd_momentum, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
-        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
-        clip_grad=opt.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        optimizer=opt.optimizer,
+        sgd_momentum=opt.sgd_momentum,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=opt.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(cfg, [model])
     decay = opt.lr_decay_iters or total_steps
     warmup = opt.lr_warmup_iters
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
-        lr_warmup_steps=warmup, lr_decay_steps=max(int(decay), warmup + 1), lr_decay_style=opt.lr_decay_style,
-        start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=max(int(decay), 1),
+        optimizer,
+        init_lr=0.0 if warmup else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(int(decay), warmup + 1),
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=max(int(decay), 1),
         wd_incr_style="constant",
     )
     return optimizer, scheduler

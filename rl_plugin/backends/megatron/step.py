@@ -39,22 +39,48 @@ def cancel_factor(num_microbatches: int, ps: ParallelState) -> float:
     return float(num_microbatches * ps.dp_size)
 
 
-def micro_batch_forward(model, inputs, ps: ParallelState, device: torch.device, *, qkv_format: str,
-                        fp32_lm_head: bool, fused: bool, temperature: float, chunk_size: int,
-                        with_entropy: bool) -> torch.Tensor:
+def micro_batch_forward(
+    model,
+    inputs,
+    ps: ParallelState,
+    device: torch.device,
+    *,
+    qkv_format: str,
+    fp32_lm_head: bool,
+    fused: bool,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> torch.Tensor:
     """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's)."""
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
         return torch.zeros((0, 2), device=device, requires_grad=torch.is_grad_enabled())
-    logp, ent = response_log_probs(model, inputs, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused,
-                                   temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    logp, ent = response_log_probs(
+        model,
+        inputs,
+        ps,
+        qkv_format=qkv_format,
+        fp32_lm_head=fp32_lm_head,
+        fused=fused,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
     return torch.stack([logp, ent], 1)
 
 
-def run_schedule(model, optimizer, ps: ParallelState, num_micro_batches: int,
-                 forward: Callable[[int], torch.Tensor], loss: Callable[[int, torch.Tensor], torch.Tensor], *,
-                 forward_only: bool) -> int:
+def run_schedule(
+    model,
+    optimizer,
+    ps: ParallelState,
+    num_micro_batches: int,
+    forward: Callable[[int], torch.Tensor],
+    loss: Callable[[int, torch.Tensor], torch.Tensor],
+    *,
+    forward_only: bool,
+) -> int:
     """Megatron's schedule over this rank's micro-batches (module docstring); returns M."""
     if forward_only:
         for i in range(num_micro_batches):
@@ -72,8 +98,13 @@ def run_schedule(model, optimizer, ps: ParallelState, num_micro_batches: int,
     model.zero_grad_buffer()
     optimizer.zero_grad()
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(range(m)), model=[model], num_microbatches=m,
-        seq_length=1, micro_batch_size=1, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=iter(range(m)),
+        model=[model],
+        num_microbatches=m,
+        seq_length=1,
+        micro_batch_size=1,
+        forward_only=False,
     )
     return m
 
