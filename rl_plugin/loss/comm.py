@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from rl_plugin.cp import ResponseLayout
+from rl_plugin.cp import ResponseLayout, all_rank_layouts
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -70,3 +70,22 @@ def gather_responses(x_local: torch.Tensor, layouts: Sequence[ResponseLayout], c
         full = x_local.new_zeros((layouts[0].num_response_tokens,) + tuple(x_local.shape[1:]))
         return full.index_put((layouts[0].resp_index,), x_local)
     return _GatherResponses.apply(x_local, layouts, cp_rank, group)
+
+
+def gather_micro_batch_responses(
+    x_local: torch.Tensor, batch, layout: ResponseLayout, ps, *, qkv_format: str, max_seq_len
+) -> torch.Tensor:
+    """``gather_responses`` of one micro-batch (``batch``: its samples, ``layout``: this rank's),
+    with every CP rank's layout rebuilt from the sample lengths (only when CP > 1)."""
+    layouts = (
+        [layout]
+        if ps.cp_size == 1
+        else all_rank_layouts(
+            batch.total_lengths,
+            batch.response_lengths,
+            cp_size=ps.cp_size,
+            qkv_format=qkv_format,
+            max_seq_len=max_seq_len,
+        )
+    )
+    return gather_responses(x_local, layouts, ps.cp_rank, ps.cp_group)

@@ -18,7 +18,7 @@ A train step::
 The forward-only pass is the same runner without backward: the same plan, the same
 ``backend.schedule(..., forward_only=True)`` under ``torch.no_grad`` with the model in eval mode;
 ``loss(i, out)`` gathers the micro-batch's CP chunks back into full responses
-(``comm.gather_responses``) and writes them into the ``[sum R_i]`` result.
+(``comm.gather_micro_batch_responses``) and writes them into the ``[sum R_i]`` result.
 
 What a backend implements (``StepBackend``, narrow on purpose; ``backends.base.TrainBackend`` adds
 weights export and checkpoints):
@@ -66,9 +66,9 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from rl_plugin.batching import plan_micro_batches
-from rl_plugin.cp import all_rank_layouts, exclusive_cumsum, expand_runs
+from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.comm import gather_responses
+from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.step import old_from_forward_unsupported, prepare_step
@@ -225,18 +225,9 @@ class StepRunner:
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
             idx, sub, inputs = pending.pop(i)
             if inputs.layout.num_samples:
-                layouts = (
-                    [inputs.layout]
-                    if ps.cp_size == 1
-                    else all_rank_layouts(
-                        sub.total_lengths,
-                        sub.response_lengths,
-                        cp_size=ps.cp_size,
-                        qkv_format=cfg.qkv_format,
-                        max_seq_len=cfg.max_seq_len,
-                    )
+                full = gather_micro_batch_responses(
+                    out[:, 0].float(), sub, inputs.layout, ps, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len
                 )
-                full = gather_responses(out[:, 0].float(), layouts, ps.cp_rank, ps.cp_group)
                 result[expand_runs(offsets[idx], rl[idx]).to(device, non_blocking=True)] = full
             return out.new_zeros(())
 

@@ -39,10 +39,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from rl_plugin.cp import ResponseLayout, all_rank_layouts, exclusive_cumsum, expand_runs
+from rl_plugin.cp import ResponseLayout, exclusive_cumsum, expand_runs
 from rl_plugin.loss.aggregation import token_weights, weighted_sum
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.comm import gather_responses
+from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
@@ -338,24 +338,17 @@ class StepContext:
             objective = objective * self.grad_scale  # recorded (reported) unscaled, above
         return MicroBatchLoss(objective=objective)
 
-    def _cp_layouts(self, mb: MicroBatch):
-        return (
-            [mb.layout]
-            if self.ps.cp_size == 1
-            else all_rank_layouts(
-                mb.batch.total_lengths,
-                mb.batch.response_lengths,
-                cp_size=self.ps.cp_size,
-                qkv_format=self.cfg.qkv_format,
-                max_seq_len=self.cfg.max_seq_len,
-            )
+    def _gather_full(self, x_local: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's FULL responses of a CP-local per-token tensor (differentiable)."""
+        return gather_micro_batch_responses(
+            x_local, mb.batch, mb.layout, self.ps, qkv_format=self.cfg.qkv_format, max_seq_len=self.cfg.max_seq_len
         )
 
     def _custom_tis(self, pg_tok: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """slime's ``--custom-tis-function-path`` hook on the micro-batch's FULL responses
         (``offpolicy.load_custom_tis_function``), then this rank's CP slice of its result. The
         returned loss masks multiply the loss; the step's denominators stay global."""
-        full = gather_responses(pg_tok, self._cp_layouts(mb), self.ps.cp_rank, self.ps.cp_group)
+        full = self._gather_full(pg_tok, mb)
         b, dtype = mb.batch, pg_tok.dtype
         split = b.response_lengths.long().tolist()
         idx = mb.step_token_index.to(self.device, non_blocking=True)
@@ -390,7 +383,7 @@ class StepContext:
         responses (gathered over CP, so the user never sees chunks). Its value is a sum over the
         micro-batch, normalised here by the global N (or global tokens in per-token mode); each CP
         rank holds the same value, so it is divided by cp_size."""
-        full = gather_responses(pg_tok, self._cp_layouts(mb), self.ps.cp_rank, self.ps.cp_group)
+        full = self._gather_full(pg_tok, mb)
         rl = mb.batch.response_lengths.long()
         loss_masks = list(self.loss_mask[mb.step_token_index.to(self.device)].split(rl.tolist()))
         reducer = self.cfg.custom_pg_reducer(
