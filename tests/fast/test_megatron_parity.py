@@ -165,10 +165,10 @@ def _layout_worker(rank, world, tp, hf_dir):
             report = backend.train_step(local, num_groups=num_groups, micro_batches=_split(split, local, ps))
             w1 = backend.export_hf_state_dict()
             out[(mode[0], policy, split)] = (report, {k: w1[k] - w0[k] for k in w0})
-    # The gloo twins the backend builds for the loss core under NCCL (setup._gloo_twin): same ranks.
+    # The gloo twins the backend builds for the loss core under NCCL (parallel.cpu_group): same ranks.
     from megatron.core import parallel_state as mpu
 
-    from rl_plugin.backends.megatron.setup import _gloo_twin
+    from rl_plugin.parallel import cpu_group
 
     for group in (
         mpu.get_data_parallel_group(),
@@ -176,7 +176,7 @@ def _layout_worker(rank, world, tp, hf_dir):
         mpu.get_tensor_model_parallel_group(),
         mpu.get_data_parallel_group(with_context_parallel=True),
     ):
-        twin = _gloo_twin(group)
+        twin = cpu_group(group)
         if torch.distributed.get_process_group_ranks(twin) != torch.distributed.get_process_group_ranks(group):
             raise AssertionError(f"gloo twin of {torch.distributed.get_process_group_ranks(group)} differs")
     ref = {}

@@ -87,11 +87,6 @@ def _group_or_none(group):
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _gloo_twin(group):
-    """A gloo group with the same ranks as ``group`` (collective over the world)."""
-    return cpu_group(group)
-
-
 def init_parallel(cfg: ModelConfig) -> ParallelState:
     """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours.
 
@@ -110,11 +105,9 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    cpu_groups = dist.get_backend() == "gloo"
-    twin = (lambda g: g) if cpu_groups else cpu_group
-    dp_g = twin(mpu.get_data_parallel_group())
+    dp_g = cpu_group(mpu.get_data_parallel_group())  # the group itself under gloo
     cp_g = mpu.get_context_parallel_group()
-    dp_cp_g = twin(mpu.get_data_parallel_group(with_context_parallel=True))
+    dp_cp_g = cpu_group(mpu.get_data_parallel_group(with_context_parallel=True))
     return ParallelState(
         dp_size=mpu.get_data_parallel_world_size(),
         dp_rank=mpu.get_data_parallel_rank(),
