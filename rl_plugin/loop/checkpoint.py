@@ -77,9 +77,9 @@ def write_tracker(root, step: int) -> None:
     _write_atomic(Path(root) / TRACKER, f"{int(step)}\n")
 
 
-def write_loop_state(root, step: int, state: Dict[str, Any]) -> None:
-    """``loop_state.json`` of the complete checkpoint of ``step``."""
-    _write_atomic(Path(step_dir(root, step)) / LOOP_STATE, json.dumps(state, sort_keys=True))
+def write_loop_state(directory, state: Dict[str, Any]) -> None:
+    """``loop_state.json`` into a step directory (``commit_save`` writes it into the staging one)."""
+    _write_atomic(Path(directory) / LOOP_STATE, json.dumps(state, sort_keys=True))
 
 
 def read_loop_state(root, step: int) -> Optional[Dict[str, Any]]:
@@ -115,7 +115,7 @@ def commit_save(root, step: int, loop_state: Optional[Dict[str, Any]] = None) ->
     ``loop_state.json``, the rename to ``iter_*``, then the tracker (last). Returns the step dir."""
     staging, final = partial_dir(root, step), Path(step_dir(root, step))
     if loop_state is not None:
-        _write_atomic(staging / LOOP_STATE, json.dumps(loop_state, sort_keys=True))
+        write_loop_state(staging, loop_state)
     publish(staging, final)
     write_tracker(root, step)
     return final

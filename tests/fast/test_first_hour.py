@@ -60,7 +60,7 @@ def _fake_ckpt(root: Path, step: int, *, backend: str, next_rollout: int | None 
         (d / f"iter_{step:07d}" / "rank_00000.pt").write_bytes(b"")
         (d / "latest").write_text(str(step))
     if next_rollout is not None:
-        write_loop_state(root, step, {"step": step, "next_rollout": next_rollout, "train_backend": backend})
+        write_loop_state(step_dir(root, step), {"step": step, "next_rollout": next_rollout, "train_backend": backend})
     write_tracker(root, step)
     return d
 
