@@ -304,23 +304,6 @@ def load_sync(engine, receiver: WeightReceiver, handle: SyncHandle) -> Dict[str,
     return out
 
 
-class ObjectStoreTransport:
-    """Each bucket ``ray.put`` once by rank 0 (owned by rank 0's actor); engines ``ray.get`` it,
-    zero-copy from shared memory on the same node. (The publisher uses it through
-    ``SyncHandle.object_refs``; kept for callers that move plain bucket lists.)"""
-
-    def send(self, buckets):
-        import ray
-
-        return [ray.put(b) for b in buckets]
-
-    def receive(self, handles):
-        import ray
-
-        for ref in handles:
-            yield ray.get(ref)
-
-
 class NcclBroadcastTransport:
     """GPU path: one NCCL broadcast per bucket from train rank 0 to the engines' workers (vLLM's
     ``StatelessProcessGroup`` + ``PyNcclCommunicator`` on the engine side, SGLang's
