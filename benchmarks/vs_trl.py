@@ -18,13 +18,18 @@ ids, stopping at <eos>). Both generate with Hugging Face ``generate`` on the CPU
 rl_plugin by (std + 1e-6); TRL shuffles prompts, rl_plugin reads them in order; sampling RNGs
 differ. One run each, the two in separate processes one after the other on the same machine.
 
-Printed: per threshold of the reward (mean over a trailing window of ``--window`` steps), the
+Printed, per seed: per threshold of the reward (mean over a trailing window of ``--window`` steps), the
 step and the loop time (sum of per-step wall times, start-up and eval excluded) at which each run
-first reaches it, and rl_plugin / TRL ratios; the median per-step time; the process wall time.
-Not a test: numbers depend on the machine and its load.
+first reaches it, and rl_plugin / TRL ratios; the median per-step time; the process wall time. Steps to a threshold
+vary by up to 2x from seed to seed on both sides, so ``--seeds`` runs several seeds (per seed:
+every rl_plugin ``--variant``, then TRL, one after the other) and prints a summary: per variant and
+threshold, in how many seeds each side reached it and the median over seeds of the per-seed time
+and step ratios (``summary.json`` beside the runs). Not a test: numbers depend on the machine and
+its load (this 2-core VM's speed drifts by up to ~1.35x over minutes: compare within a seed).
 
     python benchmarks/vs_trl.py [--steps 300] [--loss-type grpo] [--thresholds 0.3 0.4 0.5]
-        [--backend megatron] [-- extra rl-plugin-train flags]
+        [--backend megatron] [--seeds 1 2 3 4 5] [--variant sync= --variant overlap='--max-weight-staleness 1 --use-tis']
+        [-- extra rl-plugin-train flags for every variant]
 
 Needs the ``bench`` extra (``pip install -e .[bench]``: TRL, a benchmark-only dependency).
 """
@@ -34,13 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_TYPES = {
@@ -50,7 +56,7 @@ LOSS_TYPES = {
 }
 
 
-def run_rl_plugin(a, out: Path, extra: List[str]) -> Dict:
+def run_rl_plugin(a, out: Path, extra: List[str], variant: str = "") -> Dict:
     """``python -m rl_plugin.train`` (what ``rl-plugin-train`` runs) on the embedded task."""
     aggregation, needs_divisor = LOSS_TYPES[a.loss_type]
     cmd = [
@@ -117,7 +123,7 @@ def run_rl_plugin(a, out: Path, extra: List[str]) -> Dict:
         for k in sorted({k for t in timings for k in t if k.startswith("time/")})
     }
     return dict(
-        name=f"rl_plugin ({a.backend}, {a.rollout_engine})",
+        name=f"rl_plugin ({a.backend}, {a.rollout_engine}{', ' + variant if variant else ''})",
         rewards=[reward[k] for k in sorted(reward)],
         step_s=step_s,
         wall_s=wall,
@@ -303,6 +309,85 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def parse_variants(specs: Optional[List[str]], extra: List[str]) -> List[Tuple[str, List[str]]]:
+    """``NAME=FLAGS`` (``--variant overlap='--max-weight-staleness 1 --use-tis'``) -> (name, argv);
+    the flags after ``--`` apply to every variant. None: one variant, ``sync``, of those flags."""
+    if not specs:
+        return [("", list(extra))]
+    out = []
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--variant {spec!r}: expected NAME=FLAGS, e.g. overlap='--max-weight-staleness 1'")
+        out.append((name, [*extra, *shlex.split(flags)]))
+    return out
+
+
+def print_seed_table(a, runs: List[Dict]) -> List[List[Tuple[Optional[int], Optional[float]]]]:
+    """One seed's table (as before: steps and loop seconds to each threshold, ms/step, final
+    reward, process wall time; a ratio row per rl_plugin variant against TRL). Returns, per run,
+    the (step, seconds) cells."""
+    head = f"{'run':52} " + " ".join(f"{'step@' + str(t):>8} {'s@' + str(t):>7}" for t in a.thresholds)
+    print(head + f" {'ms/step':>8} {'final':>6} {'wall s':>7}")
+    reached = []
+    for r in runs:
+        cells = [first_reaching(r["rewards"], r["step_s"], t, a.window) for t in a.thresholds]
+        reached.append(cells)
+        final = sum(r["rewards"][-a.window :]) / a.window
+        print(
+            f"{r['name']:52} "
+            + " ".join(f"{fmt(s, '8d')} {fmt(w, '7.1f')}" for s, w in cells)
+            + f" {1000 * median(r['step_s']):8.1f} {final:6.3f} {r['wall_s']:7.1f}"
+        )
+    trl, trl_cells = runs[-1], reached[-1]
+    if trl["name"].startswith("TRL"):
+        for r, cells in zip(runs[:-1], reached[:-1]):
+            print(
+                f"{'ratio / TRL: ' + r['name'][len('rl_plugin ') :]:52} "
+                + " ".join(f"{ratio(s0, s1):>8} {ratio(w0, w1):>7}" for (s0, w0), (s1, w1) in zip(cells, trl_cells))
+                + f" {ratio(median(r['step_s']), median(trl['step_s'])):>8} {'':6} {ratio(r['wall_s'], trl['wall_s']):>7}"
+            )
+    for r in runs:
+        if r["phases"]:
+            print(
+                f"{r['name']} median per step (ms): "
+                + ", ".join(f"{k[5:]} {1000 * v:.1f}" for k, v in r["phases"].items())
+            )
+    return reached
+
+
+def print_summary(a, names: List[str], per_seed: List[Tuple[int, List[Dict], list]]) -> Dict:
+    """Over the seeds, per rl_plugin variant and threshold: in how many seeds each side reached
+    it, and the median over the seeds where both did of the loop-time and step ratios to TRL;
+    the median ms/step ratio. Each seed's TRL run is its own baseline (same seed, same session)."""
+    print(
+        f"\nsummary over seeds {[s for s, _, _ in per_seed]} (median of per-seed ratios rl_plugin / TRL; n = seeds where both reached)"
+    )
+    print(f"{'variant':28} {'threshold':>9} {'reached':>9} {'time ratio':>10} {'step ratio':>10} {'ms/step ratio':>13}")
+    summary = {}
+    for v, name in enumerate(names):
+        step_ratio = median(median(runs[v]["step_s"]) / median(runs[-1]["step_s"]) for _, runs, _ in per_seed)
+        for t_i, t in enumerate(a.thresholds):
+            both = [(cells[v][t_i], cells[-1][t_i]) for _, _, cells in per_seed]
+            ok = [(o, r) for o, r in both if o[0] is not None and r[0] is not None]
+            ours_n = sum(o[0] is not None for o, _ in both)
+            trl_n = sum(r[0] is not None for _, r in both)
+            time_r = median(o[1] / r[1] for o, r in ok) if ok else None
+            steps_r = median(o[0] / r[0] for o, r in ok) if ok else None
+            print(
+                f"{name:28} {t:9.2f} {f'{ours_n}|{trl_n}/{len(both)}':>9} {fmt(time_r, '10.2f')} {fmt(steps_r, '10.2f')} {step_ratio:13.2f}"
+            )
+            summary[f"{name}@{t}"] = dict(
+                reached_rl_plugin=ours_n,
+                reached_trl=trl_n,
+                seeds=len(both),
+                time_ratio=time_r,
+                step_ratio=steps_r,
+                ms_per_step_ratio=step_ratio,
+            )
+    return summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (= rollouts) of each run")
@@ -318,7 +403,19 @@ def main() -> int:
         default="grpo",
         help="TRL's loss_type; mapped onto --loss-aggregation",
     )
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="one seed (see --seeds)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="several seeds: per seed every rl_plugin variant then TRL, then a summary of the per-seed ratios",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        help="NAME=FLAGS: an rl_plugin run with these extra flags (repeatable), e.g. "
+        "--variant sync= --variant overlap='--max-weight-staleness 1 --use-tis'",
+    )
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--rollout-engine", default="hf")
     p.add_argument(
@@ -337,42 +434,31 @@ def main() -> int:
     if a.trl_worker:
         trl_worker(a)
         return 0
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    if a.only != "trl":
-        runs.append(run_rl_plugin(a, out / "rl_plugin", extra))
-    if a.only != "rl_plugin":
-        runs.append(run_trl(a, out / "trl"))
-    print(
-        f"{a.steps} steps x {a.prompts} prompts x {a.samples} samples, response <= {a.response_len}, lr {a.lr}, loss {a.loss_type}, "
-        f"threads {os.environ.get('RL_PLUGIN_TRAIN_THREADS', 'default')}; reward = trailing {a.window}-step mean"
-    )
-    head = f"{'run':44} " + " ".join(f"{'step@' + str(t):>8} {'s@' + str(t):>7}" for t in a.thresholds)
-    print(head + f" {'ms/step':>8} {'final':>6} {'wall s':>7}")
-    reached = []
-    for r in runs:
-        cells = [first_reaching(r["rewards"], r["step_s"], t, a.window) for t in a.thresholds]
-        reached.append(cells)
-        final = sum(r["rewards"][-a.window :]) / a.window
+    variants = parse_variants(a.variant, extra)
+    seeds = a.seeds or [a.seed]
+    root = Path(a.out)
+    per_seed = []
+    for seed in seeds:
+        a.seed = seed
+        out = root / f"seed{seed}" if len(seeds) > 1 else root
+        out.mkdir(parents=True, exist_ok=True)
+        runs = []
+        if a.only != "trl":
+            runs += [run_rl_plugin(a, out / f"rl_plugin{'_' + n if n else ''}", flags, n) for n, flags in variants]
+        if a.only != "rl_plugin":
+            runs.append(run_trl(a, out / "trl"))
         print(
-            f"{r['name']:44} "
-            + " ".join(f"{fmt(s, '8d')} {fmt(w, '7.1f')}" for s, w in cells)
-            + f" {1000 * median(r['step_s']):8.1f} {final:6.3f} {r['wall_s']:7.1f}"
+            f"\nseed {seed}: {a.steps} steps x {a.prompts} prompts x {a.samples} samples, response <= {a.response_len}, "
+            f"lr {a.lr}, loss {a.loss_type}, threads {os.environ.get('RL_PLUGIN_TRAIN_THREADS', 'default')}; "
+            f"reward = trailing {a.window}-step mean",
+            flush=True,
         )
-    if len(runs) == 2:
-        (ours, theirs), (r0, r1) = reached, runs
-        print(
-            f"{'ratio rl_plugin / TRL':44} "
-            + " ".join(f"{ratio(s0, s1):>8} {ratio(w0, w1):>7}" for (s0, w0), (s1, w1) in zip(ours, theirs))
-            + f" {ratio(median(r0['step_s']), median(r1['step_s'])):>8} {'':6} {ratio(r0['wall_s'], r1['wall_s']):>7}"
+        per_seed.append((seed, runs, print_seed_table(a, runs)))
+    if len(seeds) > 1 and a.only is None:
+        summary = print_summary(a, [n or "sync" for n, _ in variants], per_seed)
+        (root / "summary.json").write_text(
+            json.dumps(dict(seeds=seeds, thresholds=a.thresholds, summary=summary), indent=1)
         )
-    for r in runs:
-        if r["phases"]:
-            print(
-                f"{r['name']} median per step (ms): "
-                + ", ".join(f"{k[5:]} {1000 * v:.1f}" for k, v in r["phases"].items())
-            )
     return 0
 
 
