@@ -25,6 +25,7 @@ from rl_plugin.arguments.checkpointing import same_dir
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically
 STEP_DIR = re.compile(r"iter_(\d{7})$")
+PARTIAL = ".partial"  # suffix of a save being written (rl_plugin.loop.checkpoint renames it away when complete)
 
 
 def latest_checkpoint_step(root) -> Optional[int]:
@@ -134,6 +135,12 @@ def _load(args) -> None:
     if not path.is_dir():
         fail(
             f"--load {load}", "is a file, not a checkpoint directory", "pass the --save directory of the run to resume"
+        )
+    if path.name.endswith(PARTIAL):
+        fail(
+            f"--load {load}",
+            "this is an unfinished save (the run was killed while writing it); it is never a resume point",
+            f"pass --load {path.parent} (its {CHECKPOINT_TRACKER} names the last complete step)",
         )
     if STEP_DIR.match(path.name) and latest_checkpoint_step(path) is None:
         fail(

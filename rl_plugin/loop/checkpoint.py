@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from rl_plugin.arguments.paths import CHECKPOINT_TRACKER as TRACKER
-from rl_plugin.arguments.paths import STEP_DIR, latest_checkpoint_step
+from rl_plugin.arguments.paths import PARTIAL, STEP_DIR, latest_checkpoint_step
 
 LOOP_STATE = "loop_state.json"
-PARTIAL = ".partial"
 
 
 def step_dir(root, step: int) -> str:

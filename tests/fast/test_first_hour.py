@@ -105,6 +105,9 @@ def test_load_of_a_missing_directory_is_an_error(no_ray, capsys):
         "--load takes the --save directory",
         f"--load {no_ray / 'c'}",
     )
+    partial = no_ray / "c" / "iter_0000005.partial"
+    partial.mkdir()
+    _refused(capsys, [*BASE, "--load", str(partial)], "unfinished save", f"pass --load {no_ray / 'c'}")
 
 
 def test_checkpoint_of_the_other_backend_names_it(no_ray, capsys):
