@@ -1,7 +1,8 @@
-"""Hugging Face ``generate`` as the rollout engine (the default; runs on CPU).
+"""Hugging Face models as the rollout engine (the default; runs on CPU).
 
-Prompts are generated in buckets of equal prompt length, so no padding enters the forward pass
-and the sampler's log-probs are computed on exactly the inputs the trainer later sees. The
+Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
+``model.generate`` (which it falls back to where it cannot be, see that module). Prompts are
+generated in buckets of equal prompt length, so no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs the trainer later sees. The
 per-token log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the
 quantity the trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling
 choice and is not folded into it, as in slime/SGLang's returned log-probs).
@@ -15,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
+from rl_plugin.rollout.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
 
 
 class HFEngine(RolloutEngine):
@@ -52,38 +54,35 @@ class HFEngine(RolloutEngine):
             if not p:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
             buckets[len(p)].append(i)
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        blocker = lean_sampling_blocker(self.model, params.temperature, params.top_p, params.max_new_tokens)
+        sampler = sample_with_generate if blocker else sample
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):
             idx = buckets[length]
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # generate samples from the global RNG
+            torch.manual_seed(
+                int(torch.randint(0, 2**62, (1,), generator=gen))
+            )  # the sampler draws from the global RNG
             input_ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=self.device)
-            res = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=True,
+            new, logp = sampler(
+                self.model,
+                input_ids,
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=0,
                 max_new_tokens=params.max_new_tokens,
-                eos_token_id=self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
             )
-            new = res.sequences[:, length:]  # [B, steps]
-            logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, steps, V]
-            logp = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
+            is_eos = torch.isin(new, eos)
+            finished = is_eos.any(1)
             # response length: through the first <eos>, else all generated steps
-            first_eos = torch.where(
-                is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1])
-            )
-            for row, i in enumerate(idx):
-                n = int(first_eos[row])
-                out[i] = Generation(
-                    list(prompts[i]), new[row, :n].tolist(), logp[row, :n].tolist(), bool(is_eos[row, :n].any())
-                )
+            lengths = torch.where(finished, is_eos.int().argmax(1) + 1, new.shape[1])
+            # one tensor -> list conversion per bucket, then plain list slicing per sample; the
+            # prompt is copied (a rollout repeats one prompt list for its n samples)
+            rows = zip(idx, new.tolist(), logp.tolist(), lengths.tolist(), finished.tolist())
+            for i, ids, lps, n, done in rows:
+                out[i] = Generation(list(prompts[i]), ids[:n], lps[:n], done)
         return out
 
     @torch.no_grad()

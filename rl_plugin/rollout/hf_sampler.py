@@ -1,0 +1,221 @@
+"""Ancestral sampling for the ``hf`` engine: a lean loop that reproduces ``model.generate`` bit for bit.
+
+For one bucket of equal-length prompts ``x`` ([B, L], no padding) both functions below return
+``tokens`` [B, S] and ``log_probs`` [B, S] (fp32), S <= ``max_new_tokens``:
+
+    z_t     = raw next-token logits of the model at step t (fp32), KV-cached forward
+    s_t     = z_t / T                          (skipped when T == 1.0, as in HF)
+    s'_t    = s_t with the tokens outside the top-p nucleus set to -inf   (only when top_p < 1)
+    y_t     ~ Categorical(softmax(s'_t))       one ``torch.multinomial`` draw for EVERY row
+    tok_t   = y_t for an unfinished row, ``pad_token_id`` for a row that already emitted an eos id
+    logp_t  = log_softmax(z_t / T)[tok_t]      (the sampler's log-prob, top-p NOT folded in)
+
+and stop after S steps, when every row has emitted one of the eos ids or S = ``max_new_tokens``.
+
+``sample_with_generate`` is ``model.generate(do_sample=True, top_k=0, output_logits=True, ...)``
+with the log-probs taken from its stacked raw logits (the engine's original path; the fallback).
+``sample`` is the same computation without generate's per-call and per-token machinery (config
+validation, processor and stopping-criteria objects, growing ``input_ids``, stacked logits): the
+same forward inputs (``position_ids``, a ``DynamicCache`` built from the text config,
+``logits_to_keep=1``, no attention mask since prompts carry no padding), the same fp32 ops in the
+same order for temperature and top-p (transformers' ``TemperatureLogitsWarper`` /
+``TopPLogitsWarper``: sort ascending, cumulative softmax, drop ``cum <= 1 - top_p``, keep the
+largest), the same ``softmax`` + ``multinomial`` on every row (finished rows draw too, so the
+global RNG advances exactly as in generate), the same stop rule. It keeps only [B] per step
+(log_softmax row by row instead of over [B, S, V] stacked logits; a row's log_softmax does not
+depend on the rows beside it).
+
+``lean_sampling_blocker`` names what ``sample`` cannot reproduce; the engine then falls back to
+``sample_with_generate``: a checkpoint whose generation config asks for anything beyond the
+sampling knobs the engine overrides (repetition penalty, min length, suppressed tokens, a static
+or quantized cache, ...), a model that overrides generate's input preparation (multimodal,
+encoder-decoder, remote code, no ``logits_to_keep`` / ``position_ids``, no default dynamic
+cache), a mixture-of-experts model off CPU (generate switches its experts kernel for decoding),
+and sampling values generate itself rejects or treats specially (T not a positive float, top_p
+outside [0, 1], max_new_tokens < 1), so generate raises its own error for those.
+Tested bitwise against ``sample_with_generate`` in ``tests/fast/test_hf_sampler.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+# Generation-config fields whose non-default values change nothing ``sample`` does: token ids
+# (the engine passes eos/pad itself), the knobs the engine overrides (do_sample, temperature,
+# top_p, top_k, lengths) and output switches. Any other non-default field -> generate.
+_NEUTRAL_FIELDS = {
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "decoder_start_token_id",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_length",
+    "max_new_tokens",
+    "output_attentions",
+    "output_hidden_states",
+    "output_scores",
+    "output_logits",
+    "return_dict_in_generate",
+    "transformers_version",
+    "_from_model_config",
+}
+# ... and fields that are neutral only at these values
+_NEUTRAL_VALUES = {
+    "use_cache": (True,),
+    "cache_implementation": ("dynamic",),
+    "num_beams": (1,),
+    "num_return_sequences": (1,),
+    "min_length": (0,),
+    "min_new_tokens": (0,),
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "guidance_scale": (1.0,),
+    "renormalize_logits": (False,),
+    "remove_invalid_values": (False,),
+    "length_penalty": (1.0,),  # beam search only
+    "early_stopping": (False,),  # beam search only
+}
+# generate's steps that ``sample`` reimplements: a model overriding any of them prepares its
+# forward differently
+_GENERATE_STEPS = (
+    "prepare_inputs_for_generation",
+    "_prepare_position_ids_for_generation",
+    "_prepare_cache_for_generation",
+    "_update_model_kwargs_for_generation",
+    "_prefill",
+    "_sample",
+)
+
+
+def lean_sampling_blocker(model, temperature, top_p, max_new_tokens) -> Optional[str]:
+    """Why ``sample`` would not reproduce ``model.generate`` for this model and these values, or None."""
+    from transformers.generation.utils import GenerationMixin
+
+    if not (isinstance(temperature, float) and temperature > 0):
+        return f"temperature {temperature!r} is not a positive float"
+    if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
+        return f"top_p {top_p!r} is outside [0, 1]"
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        return f"max_new_tokens {max_new_tokens!r} is not a positive int"
+    if model.config.is_encoder_decoder or model.is_remote_code():
+        return "an encoder-decoder or remote-code model"
+    for step in _GENERATE_STEPS:
+        if getattr(type(model), step) is not getattr(GenerationMixin, step):
+            return f"{type(model).__name__} overrides generate's {step}"
+    params = inspect.signature(model.forward).parameters
+    if not {"position_ids", "logits_to_keep", "past_key_values"} <= set(params):
+        return f"{type(model).__name__}.forward takes no position_ids / logits_to_keep / past_key_values"
+    if not model._supports_default_dynamic_cache():
+        return f"{type(model).__name__} does not use the default dynamic cache"
+    if model.device.type != "cpu" and "grouped_mm" in model.get_experts_implementation().values():
+        return "a mixture-of-experts model off CPU (generate switches its experts kernel for decoding)"
+    for field, value in model.generation_config.to_diff_dict().items():
+        if field in _NEUTRAL_FIELDS or value is None or value in _NEUTRAL_VALUES.get(field, ()):
+            continue
+        return f"the generation config sets {field}={value!r}"
+    return None
+
+
+def _top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` with the tokens outside the top-p nucleus at -inf, computed exactly as
+    transformers' ``TopPLogitsWarper`` (min_tokens_to_keep=1) does, op for op, in fp32."""
+    ascending, order = torch.sort(scores, descending=False)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1 - top_p)  # the low tail whose mass is at most 1 - top_p
+    drop_sorted[..., -1:] = 0  # the most likely token always stays
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, -float("inf"))
+
+
+@torch.inference_mode()  # as no_grad, without autograd's version counters: the same kernels, less overhead
+def sample(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, S], log_probs [B, S]) for prompts ``input_ids`` [B, L], drawing from the global
+    RNG exactly as ``model.generate`` would (see the module docstring; check
+    ``lean_sampling_blocker`` first)."""
+    from transformers import DynamicCache
+
+    batch, length = input_ids.shape
+    device = input_ids.device
+    top_p, temperature = float(top_p), float(temperature)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    pad = torch.tensor(int(pad_token_id), dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    # generate's prefill inputs: a contiguous copy of the prompt, positions 0..L-1 per row
+    step_ids = input_ids.clone(memory_format=torch.contiguous_format)
+    positions = torch.arange(length, dtype=torch.long, device=device).repeat(batch, 1)
+    tokens, log_probs = [], []
+    for step in range(max_new_tokens):
+        out = model(
+            input_ids=step_ids,
+            past_key_values=cache,
+            position_ids=positions,
+            logits_to_keep=1,
+            use_cache=True,
+            return_dict=True,
+        )
+        raw = out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
+        del out
+        scaled = raw / temperature if temperature != 1.0 else raw  # x / 1.0 == x exactly
+        warped = _top_p_mask(scaled, top_p) if top_p < 1.0 else scaled
+        drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
+        token = torch.where(unfinished, drawn, pad)  # finished rows drew too (same RNG use), keep pad
+        tokens.append(token)
+        log_probs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+        unfinished &= ~torch.isin(token, eos)
+        if not bool(unfinished.any()):
+            break
+        step_ids = token[:, None]
+        positions = torch.full((batch, 1), length + step, dtype=torch.long, device=device)
+    return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
+
+
+@torch.no_grad()
+def sample_with_generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The same (tokens, log_probs) through ``model.generate`` (the reference and the fallback)."""
+    res = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = res.sequences[:, input_ids.shape[1] :]
+    logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, S, V]
+    log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, log_probs

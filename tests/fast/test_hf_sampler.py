@@ -1,0 +1,116 @@
+"""The hf engine's lean sampler (``rl_plugin.rollout.hf_sampler.sample``) against ``model.generate``.
+
+Bitwise: both run the same model on the same inputs and draw from the same global RNG, so the
+tokens, the fp32 log-probs and the RNG state afterwards must be identical (``torch.equal``),
+including rows padded after their eos (they still draw) and the early stop once every row ended.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rl_plugin.rollout.engine import SamplingParams, make_engine
+from rl_plugin.rollout.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
+
+EOS, PAD = 2, 0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(
+        tmp_path_factory.mktemp("sampler") / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64
+    )
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+def _prompts(batch, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat(
+        [torch.ones(batch, 1, dtype=torch.long), torch.randint(3, 16, (batch, length - 1), generator=g)], 1
+    )
+
+
+def _both(model, prompts, seed, **kw):
+    """(tokens, log_probs, next RNG draw) of generate and of the lean loop from the same seed."""
+    runs = []
+    for fn in (sample_with_generate, sample):
+        torch.manual_seed(seed)
+        tokens, logp = fn(model, prompts, **kw)
+        runs.append((tokens, logp, torch.rand(4)))  # the RNG state after: same number of draws
+    return runs
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])
+def test_lean_sampler_equals_generate_bitwise(model, temperature, top_p):
+    """Every (T == 1 or not) x (top-p or not), several seeds, several eos ids: same tokens,
+    log-probs and RNG state; some rows end early and are padded while others run on."""
+    prompts = _prompts(24, 5)
+    kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=6, eos_token_ids=[EOS, 7], pad_token_id=PAD)
+    padded = 0
+    for seed in range(3):
+        (t0, l0, r0), (t1, l1, r1) = _both(model, prompts, seed, **kw)
+        assert t0.shape == (24, 6) and torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(r0, r1)
+        assert l1.dtype == torch.float32
+        padded += int((t1 == PAD).sum())
+    assert padded > 0  # rows finished before the last step were padded (and kept drawing)
+
+
+def test_lean_sampler_stops_when_every_row_ended(model):
+    """With most of the vocabulary as eos ids all rows end before max_new_tokens: both stop at
+    the same step, with rows finished at different steps (padded in between)."""
+    prompts = _prompts(16, 4, seed=1)
+    kw = dict(temperature=0.9, top_p=0.9, max_new_tokens=16, eos_token_ids=list(range(2, 12)), pad_token_id=PAD)
+    for seed in range(3):
+        (t0, l0, r0), (t1, l1, r1) = _both(model, prompts, seed, **kw)
+        assert 1 < t1.shape[1] < 16  # the early stop happened, after more than one step
+        assert (t1[:, -1] != PAD).any() and (t1 == PAD).any()
+        assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(r0, r1)
+
+
+def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint, monkeypatch):
+    """HFEngine.generate (buckets of equal prompt length, each seeded; outputs assembled per
+    sample) gives the same Generations with the lean sampler as with model.generate."""
+    import rl_plugin.rollout.hf_engine as hf_engine
+
+    eng = make_engine("hf", str(checkpoint))
+    assert lean_sampling_blocker(eng.model, 0.8, 0.95, 5) is None  # the lean loop runs
+    lengths = [3, 6, 3, 4, 6, 6, 4, 3] * 3
+    prompts = [p[:n] for p, n in zip(_prompts(len(lengths), 6, seed=2).tolist(), lengths)]
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=5)
+    lean = eng.generate(prompts, params, seed=7)
+    monkeypatch.setattr(hf_engine, "lean_sampling_blocker", lambda *a: "forced")
+    ref = eng.generate(prompts, params, seed=7)
+    assert lean == ref  # dataclass equality: prompt, response ids, log-prob floats, finished
+    assert {len(g.response_ids) for g in lean} != {5} and any(g.finished for g in lean)
+    assert [g.prompt_ids for g in lean] == prompts
+
+
+def test_a_generation_config_sample_cannot_match_falls_back_to_generate(checkpoint, tmp_path):
+    """A checkpoint asking for a repetition penalty: the lean loop would ignore it, so the engine
+    samples with model.generate, as before."""
+    other = tmp_path / "penalised"
+    shutil.copytree(checkpoint, other)
+    cfg = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.5}))
+    eng = make_engine("hf", str(other))
+    assert lean_sampling_blocker(eng.model, 1.0, 1.0, 4) == "the generation config sets repetition_penalty=1.5"
+    assert lean_sampling_blocker(eng.model, 1, 1.0, 4) == "temperature 1 is not a positive float"
+    prompts = _prompts(16, 4, seed=3)
+    kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_token_ids=[EOS], pad_token_id=PAD)
+    (t0, _, _), (t1, _, _) = _both(eng.model, prompts, 0, **kw)
+    assert not torch.equal(t0, t1)  # the penalty changes what generate samples
+    gens = eng.generate(prompts.tolist(), SamplingParams(1.0, 1.0, 6), seed=0)
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(0))))
+    tokens, _ = sample_with_generate(eng.model, prompts, **kw)
+    assert [g.response_ids for g in gens] == [row[: len(g.response_ids)] for row, g in zip(tokens.tolist(), gens)]
