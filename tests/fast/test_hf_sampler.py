@@ -78,6 +78,24 @@ def test_lean_sampler_stops_when_every_row_ended(model):
         assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(r0, r1)
 
 
+def test_top_p_drops_the_token_whose_cumulative_mass_is_exactly_1_minus_top_p(model):
+    """At the nucleus boundary: with 1 - top_p equal to the (fp32) cumulative probability of the
+    4 least likely tokens, those 4 are dropped (transformers: ``cumulative <= 1 - top_p``), the
+    4th included. Every row has the same prompt, so the first step's distribution is one row's."""
+    prompts = _prompts(1, 5, seed=4).repeat(64, 1)
+    first = model.generate(
+        input_ids=prompts, do_sample=False, max_new_tokens=1, output_logits=True, return_dict_in_generate=True
+    )  # the first step's raw logits, computed on exactly the sampler's inputs
+    scaled = first.logits[0][0] / 0.8
+    ascending, order = torch.sort(scaled)
+    top_p = 1.0 - float(ascending.softmax(-1).cumsum(-1)[3])  # exact in fp64: 1 - (1 - c) == c
+    dropped = set(order[:4].tolist())
+    kw = dict(temperature=0.8, top_p=top_p, max_new_tokens=2, eos_token_ids=[EOS], pad_token_id=PAD)
+    (t0, l0, r0), (t1, l1, r1) = _both(model, prompts, 5, **kw)
+    assert torch.equal(t0, t1) and torch.equal(l0, l1) and torch.equal(r0, r1)
+    assert not dropped & set(t1[:, 0].tolist())
+
+
 def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint, monkeypatch):
     """HFEngine.generate (buckets of equal prompt length, each seeded; outputs assembled per
     sample) gives the same Generations with the lean sampler as with model.generate."""
@@ -92,6 +110,9 @@ def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint, monkeyp
     monkeypatch.setattr(hf_engine, "lean_sampling_blocker", lambda *a: "forced")
     ref = eng.generate(prompts, params, seed=7)
     assert lean == ref  # dataclass equality: prompt, response ids, log-prob floats, finished
+    for g in lean:  # a response runs through its first eos (finished), else max_new_tokens long
+        assert EOS not in g.response_ids[:-1] and len(g.log_probs) == len(g.response_ids)
+        assert g.finished == (g.response_ids[-1] == EOS) and (g.finished or len(g.response_ids) == 5)
     assert {len(g.response_ids) for g in lean} != {5} and any(g.finished for g in lean)
     assert [g.prompt_ids for g in lean] == prompts
 
