@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
-from rl_plugin.rollout.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
+from rl_plugin.rollout.hf_sampler import model_blocker, sample, sample_with_generate, values_blocker
 
 
 class HFEngine(RolloutEngine):
@@ -29,6 +29,8 @@ class HFEngine(RolloutEngine):
         cfg = self.model.config
         self.eos_token_ids = eos_token_ids(checkpoint_dir)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
+        # why the lean sampler cannot stand in for model.generate with this model (None: it does)
+        self.lean_blocker: Optional[str] = model_blocker(self.model)
 
     @classmethod
     def create(
@@ -55,7 +57,7 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
             buckets[len(p)].append(i)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
-        blocker = lean_sampling_blocker(self.model, params.temperature, params.top_p, params.max_new_tokens)
+        blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
         sampler = sample_with_generate if blocker else sample
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))

@@ -25,8 +25,8 @@ global RNG advances exactly as in generate), the same stop rule. It keeps only [
 (log_softmax row by row instead of over [B, S, V] stacked logits; a row's log_softmax does not
 depend on the rows beside it).
 
-``lean_sampling_blocker`` names what ``sample`` cannot reproduce; the engine then falls back to
-``sample_with_generate``: a checkpoint whose generation config asks for anything beyond the
+``model_blocker`` (checked once per loaded model) and ``values_blocker`` (per call) name what
+``sample`` cannot reproduce; the engine then falls back to ``sample_with_generate``: a checkpoint whose generation config asks for anything beyond the
 sampling knobs the engine overrides (repetition penalty, min length, suppressed tokens, a static
 or quantized cache, ...), a model that overrides generate's input preparation (multimodal,
 encoder-decoder, remote code, no ``logits_to_keep`` / ``position_ids``, no default dynamic
@@ -100,14 +100,25 @@ _GENERATE_STEPS = (
 
 def lean_sampling_blocker(model, temperature, top_p, max_new_tokens) -> Optional[str]:
     """Why ``sample`` would not reproduce ``model.generate`` for this model and these values, or None."""
-    from transformers.generation.utils import GenerationMixin
+    return values_blocker(temperature, top_p, max_new_tokens) or model_blocker(model)
 
+
+def values_blocker(temperature, top_p, max_new_tokens) -> Optional[str]:
+    """Sampling values generate rejects or treats specially (it then raises its own error), or None."""
     if not (isinstance(temperature, float) and temperature > 0):
         return f"temperature {temperature!r} is not a positive float"
     if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
         return f"top_p {top_p!r} is outside [0, 1]"
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         return f"max_new_tokens {max_new_tokens!r} is not a positive int"
+    return None
+
+
+def model_blocker(model) -> Optional[str]:
+    """What in the model or its generation config ``sample`` does not reproduce, or None (fixed
+    once the model is loaded: the engine checks it once)."""
+    from transformers.generation.utils import GenerationMixin
+
     if model.config.is_encoder_decoder or model.is_remote_code():
         return "an encoder-decoder or remote-code model"
     for step in _GENERATE_STEPS:

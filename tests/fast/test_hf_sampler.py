@@ -96,18 +96,16 @@ def test_top_p_drops_the_token_whose_cumulative_mass_is_exactly_1_minus_top_p(mo
     assert not dropped & set(t1[:, 0].tolist())
 
 
-def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint, monkeypatch):
+def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint):
     """HFEngine.generate (buckets of equal prompt length, each seeded; outputs assembled per
     sample) gives the same Generations with the lean sampler as with model.generate."""
-    import rl_plugin.rollout.hf_engine as hf_engine
-
     eng = make_engine("hf", str(checkpoint))
-    assert lean_sampling_blocker(eng.model, 0.8, 0.95, 5) is None  # the lean loop runs
+    assert eng.lean_blocker is None and lean_sampling_blocker(eng.model, 0.8, 0.95, 5) is None  # lean
     lengths = [3, 6, 3, 4, 6, 6, 4, 3] * 3
     prompts = [p[:n] for p, n in zip(_prompts(len(lengths), 6, seed=2).tolist(), lengths)]
     params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=5)
     lean = eng.generate(prompts, params, seed=7)
-    monkeypatch.setattr(hf_engine, "lean_sampling_blocker", lambda *a: "forced")
+    eng.lean_blocker = "forced"  # model.generate
     ref = eng.generate(prompts, params, seed=7)
     assert lean == ref  # dataclass equality: prompt, response ids, log-prob floats, finished
     for g in lean:  # a response runs through its first eos (finished), else max_new_tokens long
@@ -125,7 +123,7 @@ def test_a_generation_config_sample_cannot_match_falls_back_to_generate(checkpoi
     cfg = json.loads((other / "generation_config.json").read_text())
     (other / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.5}))
     eng = make_engine("hf", str(other))
-    assert lean_sampling_blocker(eng.model, 1.0, 1.0, 4) == "the generation config sets repetition_penalty=1.5"
+    assert eng.lean_blocker == "the generation config sets repetition_penalty=1.5"
     assert lean_sampling_blocker(eng.model, 1, 1.0, 4) == "temperature 1 is not a positive float"
     prompts = _prompts(16, 4, seed=3)
     kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_token_ids=[EOS], pad_token_id=PAD)
