@@ -2,10 +2,11 @@
 
 Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
 ``model.generate`` (which it falls back to where it cannot be, see that module). Prompts are
-generated in buckets of equal prompt length, so no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs the trainer later sees. The
-per-token log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the
-quantity the trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling
-choice and is not folded into it, as in slime/SGLang's returned log-probs).
+generated in buckets of equal prompt length, so no padding enters the forward pass and the
+sampler's log-probs are computed on exactly the inputs the trainer later sees. The per-token
+log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the quantity the
+trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling choice and is not
+folded into it, as in slime/SGLang's returned log-probs).
 """
 
 from __future__ import annotations

@@ -22,18 +22,20 @@ same order for temperature and top-p (transformers' ``TemperatureLogitsWarper`` 
 ``TopPLogitsWarper``: sort ascending, cumulative softmax, drop ``cum <= 1 - top_p``, keep the
 largest), the same ``softmax`` + ``multinomial`` on every row (finished rows draw too, so the
 global RNG advances exactly as in generate), the same stop rule. It keeps only [B] per step
-(log_softmax row by row instead of over [B, S, V] stacked logits; a row's log_softmax does not
-depend on the rows beside it).
+(log_softmax of each step's [B, V] instead of the stacked [B, S, V]: a row's log_softmax does
+not depend on the rows beside it; checked bitwise on CPU by the tests, not run on a GPU here).
 
 ``model_blocker`` (checked once per loaded model) and ``values_blocker`` (per call) name what
-``sample`` cannot reproduce; the engine then falls back to ``sample_with_generate``: a checkpoint whose generation config asks for anything beyond the
-sampling knobs the engine overrides (repetition penalty, min length, suppressed tokens, a static
-or quantized cache, ...), a model that overrides generate's input preparation (multimodal,
-encoder-decoder, remote code, no ``logits_to_keep`` / ``position_ids``, no default dynamic
-cache), a mixture-of-experts model off CPU (generate switches its experts kernel for decoding),
-and sampling values generate itself rejects or treats specially (T not a positive float, top_p
-outside [0, 1], max_new_tokens < 1), so generate raises its own error for those.
-Tested bitwise against ``sample_with_generate`` in ``tests/fast/test_hf_sampler.py``.
+``sample`` cannot reproduce; the engine then falls back to ``sample_with_generate``: a checkpoint
+whose generation config asks for anything beyond the sampling knobs the engine overrides
+(repetition penalty, min length, min_p, suppressed tokens, a static or quantized cache, ...), a
+model that overrides generate's input preparation (multimodal, encoder-decoder, remote code, no
+``logits_to_keep`` / ``position_ids``, no default dynamic cache), a mixture-of-experts model off
+CPU (generate switches its experts kernel for decoding), and sampling values generate itself
+rejects or treats specially (T not a positive float, top_p outside [0, 1], max_new_tokens < 1),
+so that generate raises its own error for those. Every other combination (any T > 0, top_p in
+[0, 1], one or several eos ids, early stop, any prompt length) runs the lean loop. Tested bitwise
+against ``sample_with_generate`` in ``tests/fast/test_hf_sampler.py``.
 """
 
 from __future__ import annotations
@@ -161,8 +163,8 @@ def sample(
     pad_token_id: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, S], log_probs [B, S]) for prompts ``input_ids`` [B, L], drawing from the global
-    RNG exactly as ``model.generate`` would (see the module docstring; check
-    ``lean_sampling_blocker`` first)."""
+    RNG exactly as ``model.generate`` would (see the module docstring; check ``model_blocker``
+    and ``values_blocker`` first)."""
     from transformers import DynamicCache
 
     batch, length = input_ids.shape
