@@ -8,9 +8,11 @@ it times, in alternating order round after round, the same seeded calls:
   logits, the engine's former path) vs ``hf_sampler.sample`` (the lean loop);
 - engine: ``HFEngine.generate`` (bucketing, seeding, ``Generation`` assembly) with the sampler
   forced to model.generate vs the lean one;
+- assembly: the ``Generation`` list of one bucket, the engine's former per-sample tensor slicing
+  (``per_row_generations`` below) vs ``hf_engine.bucket_generations``;
 
-and prints the medians in ms and the ratio generate / lean (> 1: the lean path is faster), after
-checking both give bitwise the same tokens and log-probs. One torch thread, as the engine actor
+and prints the medians in ms and the ratio before / after (> 1: the new path is faster), after
+checking both give bitwise the same tokens, log-probs and Generations. One torch thread, as the engine actor
 runs. Not a test: numbers depend on the machine and its load (compare only within one run).
 
     python benchmarks/hf_generate.py [--rounds 30] [--shapes embedded larger]
@@ -66,6 +68,21 @@ def _prompts(shape, vocab: int):
     return [[1] + row + [3] for row in body.tolist() for _ in range(shape["samples"])]
 
 
+def per_row_generations(prompts, tokens, log_probs, eos):
+    """The engine's assembly before the lean sampler (the baseline): tensor slicing per sample."""
+    from rl_plugin.rollout.engine import Generation
+
+    is_eos = torch.isin(tokens, eos)
+    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(tokens[:, 0], tokens.shape[1]))
+    out = []
+    for row, prompt in enumerate(prompts):
+        n = int(first_eos[row])
+        out.append(
+            Generation(list(prompt), tokens[row, :n].tolist(), log_probs[row, :n].tolist(), bool(is_eos[row, :n].any()))
+        )
+    return out
+
+
 def _time(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -102,14 +119,19 @@ def run_shape(name: str, shape: dict, rounds: int, root: Path):
 
         return call
 
+    tokens, log_probs = seeded(sample)
+    eos = torch.tensor(eng.eos_token_ids)
     pairs = {
         "sampler": (lambda: seeded(sample_with_generate), lambda: seeded(sample)),
         "engine.generate": (engine_with("forced"), engine_with(None)),
+        "assembly": (
+            lambda: per_row_generations(prompts, tokens, log_probs, eos),
+            lambda: hf_engine.bucket_generations(prompts, tokens, log_probs, eos),
+        ),
     }
     (t0, l0), (t1, l1) = pairs["sampler"][0](), pairs["sampler"][1]()
-    same = (
-        torch.equal(t0, t1) and torch.equal(l0, l1) and pairs["engine.generate"][0]() == pairs["engine.generate"][1]()
-    )
+    same = torch.equal(t0, t1) and torch.equal(l0, l1)
+    same = same and all(slow() == fast() for slow, fast in list(pairs.values())[1:])
     rows = []
     for what, (slow, fast) in pairs.items():
         for _ in range(2):  # warm-up
@@ -133,15 +155,18 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="hf_generate_"))
     rows = [row for name in a.shapes for row in run_shape(name, SHAPES[name], a.rounds, root)]
     print(
-        f"{'shape':9} {'batch':>5} {'prompt':>6} {'new':>4} {'what':16} {'generate ms':>11} {'lean ms':>8} "
+        f"{'shape':9} {'batch':>5} {'prompt':>6} {'new':>4} {'what':16} {'before ms':>10} {'after ms':>9} "
         f"{'ratio':>6} {'bitwise':>7}"
     )
     for name, batch, plen, new, what, slow, fast, same in rows:
         s, f = statistics.median(slow) * 1e3, statistics.median(fast) * 1e3
         print(
-            f"{name:9} {batch:5d} {plen:6d} {new:4d} {what:16} {s:11.2f} {f:8.2f} {s / f:6.2f} {'yes' if same else 'NO':>7}"
+            f"{name:9} {batch:5d} {plen:6d} {new:4d} {what:16} {s:10.3f} {f:9.3f} {s / f:6.2f} {'yes' if same else 'NO':>7}"
         )
-    print(f"medians of {a.rounds} interleaved rounds, 1 torch thread; ratio = generate / lean")
+    print(
+        f"medians of {a.rounds} interleaved rounds, 1 torch thread; before: model.generate / per-sample "
+        "assembly, after: the lean sampler / bucket_generations; ratio = before / after"
+    )
     return 0
 
 

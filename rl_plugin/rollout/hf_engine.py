@@ -64,11 +64,11 @@ class HFEngine(RolloutEngine):
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):
             idx = buckets[length]
-            torch.manual_seed(
-                int(torch.randint(0, 2**62, (1,), generator=gen))
-            )  # the sampler draws from the global RNG
-            input_ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=self.device)
-            new, logp = sampler(
+            bucket = [prompts[i] for i in idx]
+            # the sampler draws from the global RNG
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+            input_ids = torch.tensor(bucket, dtype=torch.long, device=self.device)
+            tokens, log_probs = sampler(
                 self.model,
                 input_ids,
                 temperature=params.temperature,
@@ -77,15 +77,8 @@ class HFEngine(RolloutEngine):
                 eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
             )
-            is_eos = torch.isin(new, eos)
-            finished = is_eos.any(1)
-            # response length: through the first <eos>, else all generated steps
-            lengths = torch.where(finished, is_eos.int().argmax(1) + 1, new.shape[1])
-            # one tensor -> list conversion per bucket, then plain list slicing per sample; the
-            # prompt is copied (a rollout repeats one prompt list for its n samples)
-            rows = zip(idx, new.tolist(), logp.tolist(), lengths.tolist(), finished.tolist())
-            for i, ids, lps, n, done in rows:
-                out[i] = Generation(list(prompts[i]), ids[:n], lps[:n], done)
+            for i, generation in zip(idx, bucket_generations(bucket, tokens, log_probs, eos)):
+                out[i] = generation
         return out
 
     @torch.no_grad()
@@ -106,3 +99,17 @@ class HFEngine(RolloutEngine):
 
     def weights(self) -> Dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+
+def bucket_generations(
+    prompts: Sequence[List[int]], tokens: torch.Tensor, log_probs: torch.Tensor, eos: torch.Tensor
+) -> List[Generation]:
+    """One ``Generation`` per row of a bucket's sampled ``tokens`` / ``log_probs`` [B, S]: the
+    response runs through its first eos id (``finished``), else all S steps. One tensor -> list
+    conversion per bucket, then plain list slicing per sample; the prompt is copied (a rollout
+    repeats one prompt list for its n samples)."""
+    is_eos = torch.isin(tokens, eos)
+    finished = is_eos.any(1)
+    lengths = torch.where(finished, is_eos.int().argmax(1) + 1, tokens.shape[1])
+    rows = zip(prompts, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist())
+    return [Generation(list(p), ids[:n], lps[:n], done) for p, ids, lps, n, done in rows]
