@@ -1,17 +1,19 @@
 """Hugging Face models as the rollout engine (the default; runs on CPU).
 
 Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
-``model.generate`` (which it falls back to where it cannot be, see that module). Prompts are
-generated in buckets of equal prompt length, so no padding enters the forward pass and the
-sampler's log-probs are computed on exactly the inputs the trainer later sees. The per-token
-log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the quantity the
-trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling choice and is not
-folded into it, as in slime/SGLang's returned log-probs).
+``model.generate`` (which it falls back to where it cannot be, see that module) that prefills a
+rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length, so
+no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
+the trainer later sees. The per-token log-prob is ``log_softmax(logits / T)`` of the raw logits
+at the sampled token, the quantity the trainer recomputes at ``--rollout-temperature`` (top-p
+truncation is a sampling choice and is not folded into it, as in slime/SGLang's returned
+log-probs).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -32,6 +34,8 @@ class HFEngine(RolloutEngine):
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
         # why the lean sampler cannot stand in for model.generate with this model (None: it does)
         self.lean_blocker: Optional[str] = model_blocker(self.model)
+        # the lean sampler prefills each distinct prompt of a bucket once (False: every row)
+        self.share_prompt_prefill = True
 
     @classmethod
     def create(
@@ -59,7 +63,7 @@ class HFEngine(RolloutEngine):
             buckets[len(p)].append(i)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
         blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
-        sampler = sample_with_generate if blocker else sample
+        sampler = sample_with_generate if blocker else partial(sample, share_prompt_prefill=self.share_prompt_prefill)
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):

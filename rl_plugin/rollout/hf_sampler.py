@@ -25,6 +25,15 @@ global RNG advances exactly as in generate), the same stop rule. It keeps only [
 (log_softmax of each step's [B, V] instead of the stacked [B, S, V]: a row's log_softmax does
 not depend on the rows beside it; checked bitwise on CPU by the tests, not run on a GPU here).
 
+By default ``sample`` also prefills each distinct prompt once (``share_prompt_prefill``, as vLLM
+and SGLang share a prompt's prefill among its n samples): the U distinct rows of the bucket
+(``torch.unique``) run through the model, then their KV cache rows and last-position logits are
+copied to all B rows by the inverse index, and decoding runs on the B rows as before. Each value
+is the same per-row computation on the same inputs, so the log-probs equal the full-batch
+prefill's up to the rounding of a GEMM run with another row count (bitwise on this CPU; the tests
+allow fp32 rounding), and so do the tokens unless such a last bit moves a draw across a boundary.
+``share_prompt_prefill=False`` is the full-batch prefill, the path tested bitwise against generate.
+
 ``model_blocker`` (checked once per loaded model) and ``values_blocker`` (per call) name what
 ``sample`` cannot reproduce; the engine then falls back to ``sample_with_generate``: a checkpoint
 whose generation config asks for anything beyond the sampling knobs the engine overrides
@@ -151,6 +160,46 @@ def _top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop, -float("inf"))
 
 
+def distinct_prompts(input_ids: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(unique [U, L], inverse [B]) with ``unique[inverse] == input_ids`` when some of the B rows
+    repeat (U < B, in any order: a rollout's n samples of one prompt), else None (nothing to share)."""
+    unique, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
+    return (unique, inverse) if unique.shape[0] < input_ids.shape[0] else None
+
+
+def _forward(model, step_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """The last position's raw logits [rows, V] in fp32 (a copy: the model's output is dropped)."""
+    out = model(
+        input_ids=step_ids,
+        past_key_values=cache,
+        position_ids=positions,
+        logits_to_keep=1,
+        use_cache=True,
+        return_dict=True,
+    )
+    return out.logits[:, -1].to(copy=True, dtype=torch.float32, device=step_ids.device)
+
+
+def _prefill(model, input_ids: torch.Tensor, cache, share: bool) -> torch.Tensor:
+    """Run the prompts ``input_ids`` [B, L] through the model, filling ``cache`` for all B rows;
+    return the last prompt position's raw logits [B, V]. With ``share``, each distinct prompt runs
+    once and its cache rows and logits are copied to its repeats (``index_select`` by the inverse
+    index, the cache through its own ``reorder_cache``), as vLLM / SGLang share a prompt's prefix
+    among its n samples: a row's forward does not depend on the rows beside it, so every value
+    is the same computation on the same inputs (bitwise equal on CPU; a GPU GEMM may pick another
+    kernel for another row count, changing the last bits)."""
+    # generate's prefill inputs: a contiguous copy of the prompt, positions 0..L-1 per row
+    shared = distinct_prompts(input_ids) if share else None
+    prompts = shared[0] if shared else input_ids.clone(memory_format=torch.contiguous_format)
+    positions = torch.arange(prompts.shape[1], dtype=torch.long, device=prompts.device).repeat(prompts.shape[0], 1)
+    raw = _forward(model, prompts, positions, cache)
+    if shared:
+        inverse = shared[1]
+        cache.reorder_cache(inverse)  # every layer's keys / values: index_select(0, inverse)
+        raw = raw.index_select(0, inverse)
+    return raw
+
+
 @torch.inference_mode()  # as no_grad, without autograd's version counters: the same kernels, less overhead
 def sample(
     model,
@@ -161,10 +210,12 @@ def sample(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    share_prompt_prefill: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, S], log_probs [B, S]) for prompts ``input_ids`` [B, L], drawing from the global
     RNG exactly as ``model.generate`` would (see the module docstring; check ``model_blocker``
-    and ``values_blocker`` first)."""
+    and ``values_blocker`` first). ``share_prompt_prefill``: prefill each distinct prompt once
+    (the default); False: every row, as generate does (the reference)."""
     from transformers import DynamicCache
 
     batch, length = input_ids.shape
@@ -174,21 +225,9 @@ def sample(
     pad = torch.tensor(int(pad_token_id), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    # generate's prefill inputs: a contiguous copy of the prompt, positions 0..L-1 per row
-    step_ids = input_ids.clone(memory_format=torch.contiguous_format)
-    positions = torch.arange(length, dtype=torch.long, device=device).repeat(batch, 1)
+    raw = _prefill(model, input_ids, cache, share_prompt_prefill)
     tokens, log_probs = [], []
     for step in range(max_new_tokens):
-        out = model(
-            input_ids=step_ids,
-            past_key_values=cache,
-            position_ids=positions,
-            logits_to_keep=1,
-            use_cache=True,
-            return_dict=True,
-        )
-        raw = out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
-        del out
         scaled = raw / temperature if temperature != 1.0 else raw  # x / 1.0 == x exactly
         warped = _top_p_mask(scaled, top_p) if top_p < 1.0 else scaled
         drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
@@ -196,10 +235,10 @@ def sample(
         tokens.append(token)
         log_probs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
         unfinished &= ~torch.isin(token, eos)
-        if not bool(unfinished.any()):
+        if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
-        step_ids = token[:, None]
         positions = torch.full((batch, 1), length + step, dtype=torch.long, device=device)
+        raw = _forward(model, token[:, None], positions, cache)
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
 
 
