@@ -1,19 +1,22 @@
-"""Benchmark: the hf engine's lean sampler vs ``model.generate``, interleaved in one process.
+"""Benchmark: the hf engine's lean sampler, with and without the shared prompt prefill, vs ``model.generate``.
 
 For each shape (the embedded run's: 16 prompts x 8 samples of ``<bos> d d d <sep>``, 4 new
 tokens, the tiny Qwen2; and a larger random-initialised Qwen2 with longer prompts and responses)
-it times, in alternating order round after round, the same seeded calls:
+it times, in rotating order round after round, the same seeded calls:
 
 - sampler: ``hf_sampler.sample_with_generate`` (model.generate + log-probs from its stacked
-  logits, the engine's former path) vs ``hf_sampler.sample`` (the lean loop);
-- engine: ``HFEngine.generate`` (bucketing, seeding, ``Generation`` assembly) with the sampler
-  forced to model.generate vs the lean one;
+  logits, the engine's former path) vs ``hf_sampler.sample`` with the full-batch prefill
+  (``share_prompt_prefill=False``: every row, as generate) vs ``sample`` with the shared prefill
+  (the default: each distinct prompt once, its KV cache and logits copied to its n samples);
+- engine: ``HFEngine.generate`` (bucketing, seeding, ``Generation`` assembly) with the same three
+  samplers;
 - assembly: the ``Generation`` list of one bucket, the engine's former per-sample tensor slicing
   (``per_row_generations`` below) vs ``hf_engine.bucket_generations``;
 
-and prints the medians in ms and the ratio before / after (> 1: the new path is faster), after
-checking both give bitwise the same tokens, log-probs and Generations. One torch thread, as the engine actor
-runs. Not a test: numbers depend on the machine and its load (compare only within one run).
+and prints the medians in ms and the ratios (> 1: the later path is faster), with whether the
+paths gave bitwise the same tokens, log-probs and Generations here (lean vs generate; shared vs
+lean, which another machine's GEMMs may round differently). One torch thread, as the engine
+actor runs. Not a test: numbers depend on the machine and its load (compare only within one run).
 
     python benchmarks/hf_generate.py [--rounds 30] [--shapes embedded larger]
 """
@@ -89,7 +92,21 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _interleaved(fns, rounds: int):
+    """Per function, the times of ``rounds`` calls, the order rotated every round so drift and
+    caching favour none (after two warm-up rounds)."""
+    for _ in range(2):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        for k in [(r + j) % len(fns) for j in range(len(fns))]:
+            times[k].append(_time(fns[k]))
+    return times
+
+
 def run_shape(name: str, shape: dict, rounds: int, root: Path):
+    """(sampler rows, assembly row) of one shape: medians in ms and the bitwise checks."""
     import rl_plugin.rollout.hf_engine as hf_engine
     from rl_plugin.rollout.engine import SamplingParams
     from rl_plugin.rollout.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
@@ -108,42 +125,50 @@ def run_shape(name: str, shape: dict, rounds: int, root: Path):
         pad_token_id=eng.pad_token_id,
     )
 
-    def seeded(fn):
-        torch.manual_seed(0)
-        return fn(eng.model, ids, **kw)
-
-    def engine_with(blocker):
+    def seeded(share):
         def call():
-            eng.lean_blocker = blocker  # "forced": model.generate; None: the lean loop
+            torch.manual_seed(0)
+            if share is None:
+                return sample_with_generate(eng.model, ids, **kw)
+            return sample(eng.model, ids, share_prompt_prefill=share, **kw)
+
+        return call
+
+    def engine_with(share):
+        def call():
+            eng.lean_blocker = "forced" if share is None else None  # "forced": model.generate
+            eng.share_prompt_prefill = bool(share)
             return eng.generate(prompts, params, seed=0)
 
         return call
 
-    tokens, log_probs = seeded(sample)
+    variants = (None, False, True)  # model.generate, lean full-batch prefill, lean shared prefill
+    sampler_rows = []
+    for what, make in (("sampler", seeded), ("engine.generate", engine_with)):
+        fns = [make(v) for v in variants]
+        gen, lean, shared = (fn() for fn in fns)
+        if what == "sampler":
+            lean_same = all(torch.equal(a, b) for a, b in zip(gen, lean))
+            shared_same = all(torch.equal(a, b) for a, b in zip(lean, shared))
+            tokens, log_probs = shared
+        else:
+            lean_same, shared_same = gen == lean, lean == shared
+        times = _interleaved(fns, rounds)
+        sampler_rows.append(
+            (name, len(prompts), shape["prompts"], shape["prompt_len"], shape["new_tokens"], what)
+            + tuple(statistics.median(t) * 1e3 for t in times)
+            + (lean_same, shared_same)
+        )
     eos = torch.tensor(eng.eos_token_ids)
-    pairs = {
-        "sampler": (lambda: seeded(sample_with_generate), lambda: seeded(sample)),
-        "engine.generate": (engine_with("forced"), engine_with(None)),
-        "assembly": (
-            lambda: per_row_generations(prompts, tokens, log_probs, eos),
-            lambda: hf_engine.bucket_generations(prompts, tokens, log_probs, eos),
-        ),
-    }
-    (t0, l0), (t1, l1) = pairs["sampler"][0](), pairs["sampler"][1]()
-    same = torch.equal(t0, t1) and torch.equal(l0, l1)
-    same = same and all(slow() == fast() for slow, fast in list(pairs.values())[1:])
-    rows = []
-    for what, (slow, fast) in pairs.items():
-        for _ in range(2):  # warm-up
-            slow(), fast()
-        a, b = [], []
-        for r in range(rounds):  # alternate the order so drift and caching favour neither
-            if r % 2:
-                a.append(_time(slow)), b.append(_time(fast))
-            else:
-                b.append(_time(fast)), a.append(_time(slow))
-        rows.append((name, len(prompts), shape["prompt_len"], shape["new_tokens"], what, a, b, same))
-    return rows
+    before = lambda: per_row_generations(prompts, tokens, log_probs, eos)  # noqa: E731
+    after = lambda: hf_engine.bucket_generations(prompts, tokens, log_probs, eos)  # noqa: E731
+    slow, fast = _interleaved([before, after], rounds)
+    assembly = (name, len(prompts), statistics.median(slow) * 1e3, statistics.median(fast) * 1e3, before() == after())
+    return sampler_rows, assembly
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
 
 
 def main() -> int:
@@ -153,19 +178,30 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="hf_generate_"))
-    rows = [row for name in a.shapes for row in run_shape(name, SHAPES[name], a.rounds, root)]
+    results = [run_shape(name, SHAPES[name], a.rounds, root) for name in a.shapes]
     print(
-        f"{'shape':9} {'batch':>5} {'prompt':>6} {'new':>4} {'what':16} {'before ms':>10} {'after ms':>9} "
-        f"{'ratio':>6} {'bitwise':>7}"
+        f"{'shape':9} {'batch':>5} {'distinct':>8} {'prompt':>6} {'new':>4} {'what':16} {'generate ms':>11} "
+        f"{'lean ms':>8} {'shared ms':>9} {'gen/lean':>8} {'lean/shared':>11} {'gen/shared':>10} "
+        f"{'lean==gen':>9} {'shared==lean':>12}"
     )
-    for name, batch, plen, new, what, slow, fast, same in rows:
-        s, f = statistics.median(slow) * 1e3, statistics.median(fast) * 1e3
-        print(
-            f"{name:9} {batch:5d} {plen:6d} {new:4d} {what:16} {s:10.3f} {f:9.3f} {s / f:6.2f} {'yes' if same else 'NO':>7}"
-        )
+    for rows, _ in results:
+        for name, batch, distinct, plen, new, what, g, lean, shared, lean_same, shared_same in rows:
+            print(
+                f"{name:9} {batch:5d} {distinct:8d} {plen:6d} {new:4d} {what:16} {g:11.3f} {lean:8.3f} {shared:9.3f} "
+                f"{g / lean:8.2f} {lean / shared:11.2f} {g / shared:10.2f} {_yes(lean_same):>9} {_yes(shared_same):>12}"
+            )
     print(
-        f"medians of {a.rounds} interleaved rounds, 1 torch thread; before: model.generate / per-sample "
-        "assembly, after: the lean sampler / bucket_generations; ratio = before / after"
+        f"medians of {a.rounds} rotated rounds, 1 torch thread; generate: model.generate, lean: the lean sampler "
+        "with the full-batch prefill, shared: with each distinct prompt prefilled once (the default); "
+        "X/Y = X ms / Y ms; ==: bitwise equal on this machine"
+    )
+    print()
+    print(f"{'shape':9} {'batch':>5} {'per-sample ms':>13} {'bucket ms':>9} {'ratio':>6} {'equal':>5}")
+    for _, (name, batch, slow, fast, same) in results:
+        print(f"{name:9} {batch:5d} {slow:13.3f} {fast:9.3f} {slow / fast:6.2f} {_yes(same):>5}")
+    print(
+        "assembly of one bucket's Generations: per_row_generations (the former per-sample tensor slicing) vs "
+        "hf_engine.bucket_generations; ratio = per-sample / bucket"
     )
     return 0
 
