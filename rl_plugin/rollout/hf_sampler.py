@@ -186,8 +186,8 @@ def _prefill(model, input_ids: torch.Tensor, cache, share: bool) -> torch.Tensor
     once and its cache rows and logits are copied to its repeats (``index_select`` by the inverse
     index, the cache through its own ``reorder_cache``), as vLLM / SGLang share a prompt's prefix
     among its n samples: a row's forward does not depend on the rows beside it, so every value
-    is the same computation on the same inputs (bitwise equal on CPU; a GPU GEMM may pick another
-    kernel for another row count, changing the last bits)."""
+    is the same computation on the same inputs (bitwise equal on the CPU tested; another machine's
+    GEMM, a GPU's in particular, may pick another kernel for another row count, changing last bits)."""
     # generate's prefill inputs: a contiguous copy of the prompt, positions 0..L-1 per row
     shared = distinct_prompts(input_ids) if share else None
     prompts = shared[0] if shared else input_ids.clone(memory_format=torch.contiguous_format)
