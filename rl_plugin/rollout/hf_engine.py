@@ -1,20 +1,25 @@
-"""Hugging Face ``generate`` as the rollout engine (the default; runs on CPU).
+"""Hugging Face models as the rollout engine (the default; runs on CPU).
 
-Prompts are generated in buckets of equal prompt length, so no padding enters the forward pass
-and the sampler's log-probs are computed on exactly the inputs the trainer later sees. The
-per-token log-prob is ``log_softmax(logits / T)`` of the raw logits at the sampled token, the
-quantity the trainer recomputes at ``--rollout-temperature`` (top-p truncation is a sampling
-choice and is not folded into it, as in slime/SGLang's returned log-probs).
+Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
+``model.generate`` (which it falls back to where it cannot be, see that module) that prefills a
+rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length, so
+no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
+the trainer later sees. The per-token log-prob is ``log_softmax(logits / T)`` of the raw logits
+at the sampled token, the quantity the trainer recomputes at ``--rollout-temperature`` (top-p
+truncation is a sampling choice and is not folded into it, as in slime/SGLang's returned
+log-probs).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
+from rl_plugin.rollout.hf_sampler import model_blocker, sample, sample_with_generate, values_blocker
 
 
 class HFEngine(RolloutEngine):
@@ -27,6 +32,10 @@ class HFEngine(RolloutEngine):
         cfg = self.model.config
         self.eos_token_ids = eos_token_ids(checkpoint_dir)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
+        # why the lean sampler cannot stand in for model.generate with this model (None: it does)
+        self.lean_blocker: Optional[str] = model_blocker(self.model)
+        # the lean sampler prefills each distinct prompt of a bucket once (False: every row)
+        self.share_prompt_prefill = True
 
     @classmethod
     def create(
@@ -52,38 +61,28 @@ class HFEngine(RolloutEngine):
             if not p:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
             buckets[len(p)].append(i)
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
+        sampler = sample_with_generate if blocker else partial(sample, share_prompt_prefill=self.share_prompt_prefill)
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):
             idx = buckets[length]
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # generate samples from the global RNG
-            input_ids = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=self.device)
-            res = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=True,
+            bucket = [prompts[i] for i in idx]
+            # the sampler draws from the global RNG
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+            input_ids = torch.tensor(bucket, dtype=torch.long, device=self.device)
+            tokens, log_probs = sampler(
+                self.model,
+                input_ids,
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=0,
                 max_new_tokens=params.max_new_tokens,
-                eos_token_id=self.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
             )
-            new = res.sequences[:, length:]  # [B, steps]
-            logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, steps, V]
-            logp = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
-            # response length: through the first <eos>, else all generated steps
-            first_eos = torch.where(
-                is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1])
-            )
-            for row, i in enumerate(idx):
-                n = int(first_eos[row])
-                out[i] = Generation(
-                    list(prompts[i]), new[row, :n].tolist(), logp[row, :n].tolist(), bool(is_eos[row, :n].any())
-                )
+            for i, generation in zip(idx, bucket_generations(bucket, tokens, log_probs, eos)):
+                out[i] = generation
         return out
 
     @torch.no_grad()
@@ -104,3 +103,17 @@ class HFEngine(RolloutEngine):
 
     def weights(self) -> Dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+
+def bucket_generations(
+    prompts: Sequence[List[int]], tokens: torch.Tensor, log_probs: torch.Tensor, eos: torch.Tensor
+) -> List[Generation]:
+    """One ``Generation`` per row of a bucket's sampled ``tokens`` / ``log_probs`` [B, S]: the
+    response runs through its first eos id (``finished``), else all S steps. One tensor -> list
+    conversion per bucket, then plain list slicing per sample; the prompt is copied (a rollout
+    repeats one prompt list for its n samples)."""
+    is_eos = torch.isin(tokens, eos)
+    finished = is_eos.any(1)
+    lengths = torch.where(finished, is_eos.int().argmax(1) + 1, tokens.shape[1])
+    rows = zip(prompts, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist())
+    return [Generation(list(p), ids[:n], lps[:n], done) for p, ids, lps, n, done in rows]
