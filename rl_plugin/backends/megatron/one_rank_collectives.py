@@ -1,4 +1,4 @@
-"""megatron-core's grad-norm all-reduces skipped where the group is a single rank (bitwise equal).
+"""megatron-core's per-step all-reduces skipped where the group is a single rank (bitwise equal).
 
 megatron-core 0.16.1 ``optimizer/clip_grads.py`` all-reduces the gradient norm (``get_grad_norm_fp32``,
 l. 93-131: SUM of ``norm ** 2``, or MAX for the inf-norm) and the zero count (``count_zeros_fp32``)
@@ -7,20 +7,29 @@ Under gloo that is a round trip through gloo's worker thread, ~0.7 ms a step on 
 (``benchmarks/step_phases.py``), for nothing: an all-reduce SUM, MAX or MIN over one rank leaves
 its tensor exactly as it is.
 
-``install()`` gives ``clip_grads`` a ``torch`` whose ``distributed.all_reduce`` returns at once for
+The same holds for the DDP gradient all-reduce (``distributed/param_and_grad_buffer.py``
+``start_grad_sync``, l. 433-457) at data-parallel size 1: a SUM over one rank inside a
+``_coalescing_manager`` block, which gloo still runs and waits for (~0.5 ms a step).
+
+``install()`` gives those modules a ``torch`` whose ``distributed.all_reduce`` returns at once for
 exactly that case (a synchronous SUM / MAX / MIN over a one-rank group, outside any coalescing
 block) and calls the real collective otherwise; everything else is the module's ``torch`` as it
-was (the CPU shim's proxy on a CPU). Idempotent.
+was (the CPU shim's proxy on a CPU). ``param_and_grad_buffer``'s ``_coalescing_manager`` becomes
+``coalescing_manager``: for a synchronous block over a one-rank group it coalesces nothing (the
+block's collectives run, or are skipped, one by one, each synchronous, so nothing is left to wait
+for); any other block is torch's. Idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 
 import torch.distributed as dist
 
-MODULES = ("megatron.core.optimizer.clip_grads",)
+MODULES = ("megatron.core.optimizer.clip_grads", "megatron.core.distributed.param_and_grad_buffer")
+COALESCING_MODULES = ("megatron.core.distributed.param_and_grad_buffer",)
 IDENTITY_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
 
 
@@ -41,6 +50,27 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if is_identity_all_reduce(op, group, async_op):
         return None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+class _Nothing:
+    """The handle of a block that coalesced nothing: every op in it ran synchronously."""
+
+    def append(self, work) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def coalescing_manager(group=None, device=None, async_ops=False):
+    """``torch.distributed._coalescing_manager``, except that a synchronous block over a one-rank
+    group coalesces nothing (module docstring)."""
+    if async_ops or dist.get_world_size(group) != 1:
+        with dist.distributed_c10d._coalescing_manager(group, device, async_ops) as cm:
+            yield cm
+        return
+    yield _Nothing()
 
 
 class _Distributed(types.ModuleType):
@@ -69,3 +99,5 @@ def install() -> None:
         mod = importlib.import_module(name)
         if not isinstance(mod.torch, _Torch):
             mod.torch = _Torch(mod.torch)
+    for name in COALESCING_MODULES:
+        importlib.import_module(name)._coalescing_manager = coalescing_manager
