@@ -6,6 +6,10 @@ causal mask (``t^2`` scores) or, when cheaper, as a padded batch of its samples 
 causal mask (``S * L^2``). Both compute, for every real token, the same scores, softmax and
 weighted sum of values; only the kernels' summation order differs, so outputs and gradients agree
 to fp32 rounding (``FP32_MODEL``, scaled by the largest |value| / |output|).
+
+The lean forms (one ``PackedGrid`` / ``RopeTables`` per packed layout, ``index_select`` pads,
+dense RoPE tables) are checked bitwise, outputs and gradients, against the plain formulas they
+replace: advanced-index pad + transpose + boolean unpad, and megatron-core's own RoPE.
 """
 
 from __future__ import annotations
@@ -67,6 +71,16 @@ def _worker(rank, world):
         out = getattr(att, name)(q, k, v, cu, AttnMaskType.causal, None)
         (out * upstream).sum().backward()
         results[name] = [out.detach(), q.grad, k.grad, v.grad]
+    # The plain padded form the lean one replaces: advanced-index pad, transpose copy, boolean unpad.
+    gather, valid = segment_grid(cu)
+    width = gather.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1).view(1, 1, width, width)
+    q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+    padded = [x[gather].transpose(0, 1).contiguous() for x in (q, k, v)]
+    out = super(VarlenDotProductAttention, att).forward(*padded, causal, attn_mask_type=AttnMaskType.causal)
+    out = out.transpose(0, 1)[valid]
+    (out * upstream).sum().backward()
+    results["plain_padded"] = [out.detach(), q.grad, k.grad, v.grad]
     results["rope"] = _rope_pairs(mpu.get_context_parallel_group())
     mpu.destroy_model_parallel()
     return results
@@ -83,11 +97,20 @@ def _rope_pairs(cp_group):
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 4, 8, generator=g)
+    upstream = torch.randn(16, 4, 8, generator=g)
     pairs = []
     for rows in (7, 16):  # positions 0..max_s-1, or one row per packed position
         freqs = torch.randn(rows, 1, 1, 8, generator=g)
-        ours = rope_utils._apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=cp_group)
-        pairs.append((ours, original(x, cu, freqs, cp_group=cp_group)))
+        # q (4 heads) and k (2 heads) share the tables; the second q call (same freqs, a new cu
+        # tensor of equal values) reuses them: every call must still be bitwise megatron-core's.
+        for heads, layout in ((4, cu), (2, cu), (4, cu.clone())):
+            got = []
+            for fn in (rope_utils._apply_rotary_pos_emb_thd, original):
+                t = x[:, :heads].clone().requires_grad_(True)
+                out = fn(t, layout, freqs, cp_group=cp_group)
+                (out * upstream[:, :heads]).sum().backward()
+                got.append((out.detach(), t.grad))
+            pairs.append(got)
     return pairs
 
 
@@ -106,11 +129,19 @@ def test_padded_attention_equals_block_mask_attention(world_results):
         assert tensor_within(got, want, rtol=FP32_MODEL, scale=max_abs(want)), name
 
 
+def test_lean_padded_form_is_bitwise_the_plain_one(world_results):
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), world_results["_padded_forward"], world_results["plain_padded"]
+    ):
+        assert torch.equal(got, want), name
+
+
 def test_vectorized_thd_rope_is_bitwise_megatrons(world_results):
     from rl_plugin.backends.megatron.rope_thd import packed_freq_rows
 
     assert packed_freq_rows(torch.tensor([0, 2, 5]), 3).tolist() == [0, 1, 0, 1, 2]
     assert packed_freq_rows(torch.tensor([0, 2, 5]), 5).tolist() == [0, 1, 2, 3, 4]
-    for ours, theirs in world_results["rope"]:
-        assert ours.shape == theirs.shape == (16, 4, 8)
-        assert torch.equal(ours, theirs)
+    assert len(world_results["rope"]) == 6
+    for (ours, d_ours), (theirs, d_theirs) in world_results["rope"]:
+        assert ours.shape == theirs.shape and ours.shape[0] == 16
+        assert torch.equal(ours, theirs) and torch.equal(d_ours, d_theirs)

@@ -10,9 +10,21 @@ it gathers are, for packed position ``p`` of sample ``i`` (``cu[i] <= p < cu[i+1
     freqs has one row per packed position (freqs.size(0) == cu[-1]):   row p
     otherwise (rows for positions 0 .. max_s - 1):                     row p - cu[i]
 
-``vectorized_thd_rope`` gathers the same rows with one index and calls the same bshd kernel on the
-same tensors, so the result is bitwise identical. Context parallelism (zigzag chunks per sample)
-keeps megatron-core's own loop; it needs transformer-engine, whose fused kernel is used then.
+``vectorized_thd_rope`` gathers the same rows with one index and evaluates the same bshd formula
+(``rope_utils._apply_rotary_pos_emb_bshd``) on the same tensors, so the result is bitwise identical:
+
+    cos_ = (cos(freqs[rows]) * mscale).to(t.dtype)      sin_ likewise
+    out  = t * cos_ + rotate_half(t) * sin_              rotate_half(x1 | x2) = (-x2 | x1)
+
+``cos_`` / ``sin_`` depend only on ``(freqs, cu_seqlens, mscale, dtype)``, which q and k of every
+layer share within a forward (and the frequency table is megatron's ``lru_cache``d tensor), so
+``RopeTables`` computes them once per packed layout instead of once per call (4 ``cos`` + 4 ``sin``
+over ``[t, dim]`` per layer pair on the embedded run), expanded once to ``[t, 1, heads, dim]``
+contiguous (same values; the two products then run on dense operands instead of broadcasting over
+the heads, ~3x faster on CPU). megatron-core's trailing ``cat((t, t_pass))`` with an empty
+``t_pass`` is a copy and is skipped. Interleaved, multi-latent and partial-dimension RoPE keep
+megatron-core's bshd function. Context parallelism (zigzag chunks per sample) keeps
+megatron-core's own loop; it needs transformer-engine, whose fused kernel is used then.
 """
 
 from __future__ import annotations
@@ -37,6 +49,43 @@ def packed_freq_rows(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return pos - torch.repeat_interleave(cu[:-1], lengths, output_size=total)
 
 
+# Expand the tables over the heads only while that stays small (a CPU / test path; GPU runs fuse RoPE).
+EXPAND_MAX_ELEMENTS = 1 << 22
+
+
+class RopeTables:
+    """The last packed layout's ``(cos_, sin_)`` (module docstring), keyed on the frequency table
+    (by identity), the ``cu_seqlens`` values, ``mscale`` and dtype; expanded copies per head count."""
+
+    def __init__(self):
+        self.key = None
+        self.tables = {}
+
+    def get(self, cu_seqlens: torch.Tensor, freqs: torch.Tensor, mscale: float, dtype, heads: int):
+        key = self.key
+        if not (
+            key is not None
+            and key[0] is freqs
+            and key[2] == mscale
+            and key[3] == dtype
+            and (key[1] is cu_seqlens or (key[1].shape == cu_seqlens.shape and torch.equal(key[1], cu_seqlens)))
+        ):
+            rows = packed_freq_rows(cu_seqlens, freqs.size(0)).to(freqs.device)
+            f = freqs[rows]
+            self.key = (freqs, cu_seqlens.clone(), mscale, dtype)
+            self.tables = {1: ((torch.cos(f) * mscale).to(dtype), (torch.sin(f) * mscale).to(dtype))}
+        if heads not in self.tables:
+            cos_, sin_ = self.tables[1]
+            shape = (cos_.shape[0], 1, heads, cos_.shape[-1])
+            if cos_.shape[0] * heads * cos_.shape[-1] > EXPAND_MAX_ELEMENTS:
+                return cos_, sin_
+            self.tables[heads] = (cos_.expand(shape).contiguous(), sin_.expand(shape).contiguous())
+        return self.tables[heads]
+
+
+TABLES = RopeTables()
+
+
 def vectorized_thd_rope(
     t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
 ):
@@ -53,6 +102,11 @@ def vectorized_thd_rope(
             mscale=mscale,
             cp_group=cp_group,
         )
+    if not rotary_interleaved and not multi_latent_attention and freqs.shape[-1] == t.shape[-1]:
+        cos_, sin_ = TABLES.get(cu_seqlens, freqs, mscale, t.dtype, t.shape[1])
+        t = t.unsqueeze(1)  # [t, 1, heads, dim], the bshd kernel's layout
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return ((t * cos_) + (torch.cat((-x2, x1), dim=-1) * sin_)).squeeze(1)
     rows = packed_freq_rows(cu_seqlens, freqs.size(0))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),

@@ -164,6 +164,10 @@ def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from rl_plugin.backends.megatron import one_rank_collectives
+
+    one_rank_collectives.install()  # the grad-norm all-reduce over a one-rank group is skipped (bitwise equal)
+
     cfg = OptimizerConfig(
         optimizer=opt.optimizer,
         sgd_momentum=opt.sgd_momentum,
