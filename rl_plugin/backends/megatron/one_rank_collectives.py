@@ -6,6 +6,8 @@ over the model-parallel group (TP x PP) on every optimizer step, also when that 
 Under gloo that is a round trip through gloo's worker thread, ~0.7 ms a step on the embedded run
 (``benchmarks/step_phases.py``), for nothing: an all-reduce SUM, MAX or MIN over one rank leaves
 its tensor exactly as it is.
+Installed only without CUDA (``setup.build_optimizer``), like the CPU shim: over NCCL a
+one-rank all-reduce costs microseconds, and megatron-core stays untouched on GPU machines.
 
 The same holds for the DDP gradient all-reduce (``distributed/param_and_grad_buffer.py``
 ``start_grad_sync``, l. 433-457) at data-parallel size 1: a SUM over one rank inside a
