@@ -9,6 +9,9 @@ rollouts after ``--skip`` (warm-up) of each phase, before, after and the ratio (
 weight export + publish (``time/weight_publish``, inside the train call since the sync rides on
 it): the driver's batch preparation, Ray's transport of the plans and of the reports. A phase a
 checkout does not log (``time/weight_publish`` before the sync rode on the train call) reads 0.
+``loop_overhead`` = ``time/rollout_total`` minus the compute of both engines (``time/rollout_generate``,
+``time/log_probs``, ``time/train_step``): Ray, the driver, rewards and the weight sync; it cancels
+most of the machine's speed drift, which moves the compute phases of a round together.
 
     python benchmarks/loop_phases.py --before main [--backends fsdp megatron] [--rounds 2]
         [--num-rollout 30] [-- extra rl-plugin-train flags]
@@ -35,6 +38,7 @@ PHASES = (
     "time/log_probs",
     "time/train_step",
     "train_call_overhead",
+    "loop_overhead",
     "time/weight_sync",
     "time/weight_publish",
     "time/weight_load_engines",
@@ -62,6 +66,10 @@ def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> l
         r["train_call_overhead"] = (
             r["time/train"] - r["time/log_probs"] - r["time/train_step"] - r.get("time/weight_publish", 0.0)
         )
+        if "time/rollout_total" in r:
+            r["loop_overhead"] = (
+                r["time/rollout_total"] - r["time/rollout_generate"] - r["time/log_probs"] - r["time/train_step"]
+            )
     return rows
 
 
