@@ -382,9 +382,8 @@ class Driver:
             )
             plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
         request = self._sync_request() if sync else None
-        reports, handle = g.call("train_rollout_and_sync", [(plan, request) for plan in plans])[
-            0
-        ]  # one RankPlan per rank
+        per_rank = [(plan, request) for plan in plans]  # one RankPlan per rank; every rank exports
+        reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
         if handle is not None:
             self.unsent = handle
             self.publish_seconds += handle.export_seconds + handle.publish_seconds
