@@ -5,8 +5,13 @@ code, run alternately in the same session: ``--before REV`` (a git revision, exp
 Each round runs both checkouts once per backend (``--num-rollout`` rollouts, the embedded
 default's flags) and reads ``metrics.timings.jsonl``. Printed per backend: the median over all
 rollouts after ``--skip`` (warm-up) of each phase, before, after and the ratio (< 1: faster).
-``train_call_overhead`` = ``time/train`` minus the actor's own old-log-prob pass and train steps:
-the driver's batch preparation, Ray's transport of the plans and of the reports.
+``train_call_overhead`` = ``time/train`` minus the actor's own old-log-prob pass, train steps and
+weight export + publish (``time/weight_publish``, inside the train call since the sync rides on
+it): the driver's batch preparation, Ray's transport of the plans and of the reports. A phase a
+checkout does not log (``time/weight_publish`` before the sync rode on the train call) reads 0.
+``loop_overhead`` = ``time/rollout_total`` minus the compute of both engines (``time/rollout_generate``,
+``time/log_probs``, ``time/train_step``): Ray, the driver, rewards and the weight sync; it cancels
+most of the machine's speed drift, which moves the compute phases of a round together.
 
     python benchmarks/loop_phases.py --before main [--backends fsdp megatron] [--rounds 2]
         [--num-rollout 30] [-- extra rl-plugin-train flags]
@@ -33,7 +38,10 @@ PHASES = (
     "time/log_probs",
     "time/train_step",
     "train_call_overhead",
+    "loop_overhead",
     "time/weight_sync",
+    "time/weight_publish",
+    "time/weight_load_engines",
 )
 
 
@@ -55,7 +63,13 @@ def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> l
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in open(out / "metrics.timings.jsonl")]
     for r in rows:
-        r["train_call_overhead"] = r["time/train"] - r["time/log_probs"] - r["time/train_step"]
+        r["train_call_overhead"] = (
+            r["time/train"] - r["time/log_probs"] - r["time/train_step"] - r.get("time/weight_publish", 0.0)
+        )
+        if "time/rollout_total" in r:
+            r["loop_overhead"] = (
+                r["time/rollout_total"] - r["time/rollout_generate"] - r["time/log_probs"] - r["time/train_step"]
+            )
     return rows
 
 
@@ -89,12 +103,10 @@ def main() -> int:
             med, per = {}, {}
             for side in ("before", "after"):
                 runs = rows[backend, side]
-                med[side] = 1000 * median(r[k] for run_rows in runs for r in run_rows)
-                per[side] = " ".join(f"{1000 * median(r[k] for r in run_rows):.1f}" for run_rows in runs)
-            print(
-                f"{k:24} {med['before']:8.2f} {med['after']:8.2f} {med['after'] / med['before']:6.2f}   "
-                f"{per['before']} | {per['after']}"
-            )
+                med[side] = 1000 * median(r.get(k, 0.0) for run_rows in runs for r in run_rows)
+                per[side] = " ".join(f"{1000 * median(r.get(k, 0.0) for r in run_rows):.1f}" for run_rows in runs)
+            ratio = f"{med['after'] / med['before']:6.2f}" if med["before"] > 0 else "     -"
+            print(f"{k:24} {med['before']:8.2f} {med['after']:8.2f} {ratio}   {per['before']} | {per['after']}")
     return 0
 
 

@@ -13,6 +13,8 @@ Transports, in the same session:
 - ``shared_memory``: the trainer writes into its segment, the engine copies from the views.
 - ``shared_memory, 1/2 frozen``: half of the tensors never change (frozen layers), so after the
   first sync only the other half moves.
+- ``shm, 2 slots``: the double buffer of overlapped training (``--max-weight-staleness 1``), sync
+  v written into slot v % 2 with everything changed since the sync that slot held.
 
 Models: the embedded tiny Qwen2 into an HF engine, and a synthetic set of fp32 tensors (default
 256 MiB in 4 MiB tensors) into a plain parameter dict. Each timing is the median of --syncs
@@ -49,7 +51,7 @@ class TensorEngine:
 
 
 class Trainer:
-    def __init__(self, state_dict, transport: str, frozen_fraction: float):
+    def __init__(self, state_dict, transport: str, frozen_fraction: float, slots: int = 1):
         torch.set_num_threads(1)
         from rl_plugin.rollout.weight_sync import WeightPublisher
 
@@ -57,7 +59,7 @@ class Trainer:
         names = list(state_dict)
         self.trained = names[int(len(names) * frozen_fraction) :]
         self.publisher = WeightPublisher(transport)
-        self.transport = transport
+        self.transport, self.slots = transport, slots
 
     def step(self, k: int) -> None:
         for n in self.trained:
@@ -67,7 +69,8 @@ class Trainer:
         from rl_plugin.rollout.weight_sync import SyncRequest
 
         return self.publisher.publish(
-            self.sd, SyncRequest(buffer_bytes=buffer_bytes, transport=self.transport, fingerprint=check)
+            self.sd,
+            SyncRequest(buffer_bytes=buffer_bytes, transport=self.transport, fingerprint=check, slots=self.slots),
         )
 
     def close(self):
@@ -93,10 +96,12 @@ class Engine:
         return load_sync(self.engine, self.receiver, handle)
 
 
-def run_case(state_dict, engine_kind, engine_arg, transport: str, frozen: float, syncs: int, buffer_bytes: int) -> dict:
+def run_case(
+    state_dict, engine_kind, engine_arg, transport: str, frozen: float, syncs: int, buffer_bytes: int, slots: int = 1
+) -> dict:
     import ray
 
-    trainer = ray.remote(Trainer).remote({k: v.clone() for k, v in state_dict.items()}, transport, frozen)
+    trainer = ray.remote(Trainer).remote({k: v.clone() for k, v in state_dict.items()}, transport, frozen, slots)
     engine = ray.remote(Engine).remote(engine_kind, engine_arg)
     times, loaded = [], []
     for k in range(syncs + 1):
@@ -144,17 +149,18 @@ def main() -> int:
         f"synthetic {n}x{a.tensor_mb} MiB": (synth, "tensors", {k: tuple(v.shape) for k, v in synth.items()}, a.syncs),
     }
     cases = [
-        ("object_store", "object_store", 0.0),
-        ("shared_memory", "shared_memory", 0.0),
-        ("shm, 1/2 frozen", "shared_memory", 0.5),
+        ("object_store", "object_store", 0.0, 1),
+        ("shared_memory", "shared_memory", 0.0, 1),
+        ("shm, 1/2 frozen", "shared_memory", 0.5, 1),
+        ("shm, 2 slots", "shared_memory", 0.0, 2),
     ]
     buffer_bytes = a.buffer_mb * 2**20
     print(f"{'model':28} {'MB':>8} {'transport':16} {'moved MB':>9} {'s/sync':>9} {'MB/s':>9} {'vs object store':>15}")
     for label, (sd, kind, arg, syncs) in models.items():
         mb = sum(t.numel() * t.element_size() for t in sd.values()) / 2**20
         base = None
-        for name, transport, frozen in cases:
-            r = run_case(sd, kind, arg, transport, frozen, syncs, buffer_bytes)
+        for name, transport, frozen, slots in cases:
+            r = run_case(sd, kind, arg, transport, frozen, syncs, buffer_bytes, slots)
             base = base or r["seconds"]
             print(
                 f"{label:28} {mb:8.2f} {name:16} {r['loaded_mb']:9.2f} {r['seconds']:9.4f} {mb / r['seconds']:9.1f} "

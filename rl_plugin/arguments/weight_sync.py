@@ -19,7 +19,8 @@ def add_arguments(parser):
         default="auto",
         help=(
             "auto (default): engines on train rank 0's node copy the weights straight from a POSIX shared-memory segment "
-            "that rank 0 writes once per sync (created once, reused; no serialisation), engines on other nodes read them "
+            "that rank 0 writes once per sync (created once, reused; no serialisation; two of them, alternating, under "
+            "--max-weight-staleness 1, so /dev/shm must hold the weights twice), engines on other nodes read them "
             "from Ray's object store. shared_memory / object_store force one path (shared_memory fails when an engine runs "
             "on another node or /dev/shm cannot hold the weights). nccl: a GPU broadcast group from rank 0 to the engines "
             "(slime/verl style), not implemented in this build. Every path sends only the tensors that changed since the "

@@ -1,5 +1,11 @@
 """The driver of ``rl-plugin-train``: owns the Ray actors and runs rollout -> train -> sync.
 
+The weight sync rides on the calls the loop makes anyway: the train call of rollout k exports
+and publishes the new weights at its end (``TrainActor.train_rollout_and_sync``, rank 0's
+``SyncHandle`` comes back with the reports), and the next rollout-manager call (generate, or
+evaluate) loads that handle before it samples. Only the first sync of a run (or of a fresh
+rollout manager) is a call of its own (``sync_weights``).
+
 See ``rl_plugin.train`` for the loop. Before Ray starts, ``preflight`` checks everything that
 needs no world and the driver takes the output directory's lock (``run_lock``). Failures end the
 run with a ``LoopError`` naming what broke (e.g. which train actor died and why) and where to
@@ -8,9 +14,10 @@ The metrics file keeps every line already written and the last complete checkpoi
 resume point; on resume, lines past the checkpoint's step are moved to ``*.superseded.jsonl``.
 
 ``--max-weight-staleness 1`` overlaps the two halves (``_overlapped_rollout``): generation of
-rollout k+1 runs on the engine while the trainer trains on rollout k, and the weights sync once
-both are done; a checkpoint then also holds rollout k+1 (``pending_rollout``), so a resumed run
-trains on exactly what the uninterrupted one would have.
+rollout k+1 runs on the engine while the trainer trains on rollout k (which publishes the
+weights after it), and the generate of rollout k+2 loads them first; a checkpoint then also holds
+rollout k+1 (``pending_rollout``), so a resumed run trains on exactly what the uninterrupted one
+would have.
 """
 
 from __future__ import annotations
@@ -121,8 +128,13 @@ class Driver:
         self.group = None
         self.rollout = None
         self.engines = []
-        self.last_sync = {"bytes": 0.0, "seconds": 0.0}
-        self.sync_target = None  # (rollout manager, its engines' Ray node ids, the sync version they hold)
+        self.last_sync = {"bytes": 0.0, "seconds": 0.0}  # the last load: bytes, the slowest engine's seconds
+        self.engine_nodes = None  # the Ray node id of every engine of the current rollout manager
+        self.engine_version = None  # the sync its engines hold once the calls sent to it ran (None: a full sync is due)
+        self.unsent = None  # the newest SyncHandle published by a train call, not yet given to the manager
+        self.loading = None  # the handle given to the manager call in flight (checked when it answers)
+        self.load_seconds = 0.0  # engine load time of the calls answered since the last logged rollout
+        self.publish_seconds = 0.0  # trainer export + publish time since the last logged rollout
         self.placement = None
         self.owns_ray = False
         self.step = 0
@@ -215,55 +227,97 @@ class Driver:
                 f"rollout manager failed during {method}: {error_line(exc)}. {self._resume_hint()}"
             ) from None
 
-    def sync_weights(self) -> float:
-        """Train rank 0 publishes its export (``rl_plugin.rollout.weight_sync``: shared memory for
-        the engines on its node, the object store for the others, only the tensors changed since
-        the engines' last sync); every engine loads it in place. Rank 0's handle goes to the
-        rollout manager as an ObjectRef, so the load starts as soon as rank 0 published, without
-        a round trip through the driver; --check-weight-sync fingerprints come back with it."""
+    def _sync_request(self):
+        """What train rank 0 publishes: the changes since the version the manager's engines will
+        hold when they load it (everything for a fresh manager); two shared-memory slots when a
+        generate may still be loading sync v - 1 while the trainer publishes v (overlapped)."""
         from rl_plugin.rollout.weight_sync import SyncRequest
 
-        t0 = time.perf_counter()
-        a, g = self.args, self.group
-        if self.sync_target is None or self.sync_target[0] is not self.rollout:  # first sync, or a restarted manager
-            self.sync_target = (self.rollout, self._rollout_call("engine_node_ids"), None)
-        _, nodes, since = self.sync_target
-        request = SyncRequest(
+        a = self.args
+        if self.engine_nodes is None:  # asked once per rollout manager
+            self.engine_nodes = tuple(self._rollout_call("engine_node_ids"))
+        return SyncRequest(
             buffer_bytes=a.update_weight_buffer_size,
             transport=a.update_weight_transport,
-            engine_nodes=tuple(nodes),
-            since_version=since,
+            engine_nodes=self.engine_nodes,
+            since_version=self.engine_version,
             fingerprint=bool(a.check_weight_sync),
+            slots=2 if a.max_weight_staleness > 0 else 1,
         )
+
+    def sync_weights(self) -> None:
+        """A sync as a call of its own: at the start (the trainer's weights, maybe a resumed
+        checkpoint's, into the engines) and into a restarted rollout manager. Train rank 0
+        publishes its export (``rl_plugin.rollout.weight_sync``); its handle goes to the manager
+        as an ObjectRef, so the load starts as soon as rank 0 published."""
+        g = self.group
+        request = self._sync_request()
         refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
         update = self.rollout.update_weights.remote(refs[0])
         handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
         try:
-            self.last_sync = ray.get(update)  # bytes, slowest engine's load seconds
+            load = ray.get(update)  # bytes, slowest engine's load seconds
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not _actor_died(exc):
                 raise LoopError(
                     f"weight sync failed (rollout update): {error_line(exc)}. {self._resume_hint()}"
                 ) from None
             self._restart_rollout("update_weights", exc)  # the fresh manager and engines are synced there
-            return time.perf_counter() - t0
+            return
         finally:
             del refs, update  # the buckets are freed once no one holds their handles
-        self.sync_target = (self.rollout, nodes, handle.version)
-        if a.check_weight_sync:
-            for i, rollout in enumerate(self.last_sync.pop("fingerprints")):
+        self.unsent, self.engine_version, self.loading = None, handle.version, handle
+        self._loaded(load)
+        self.load_seconds = 0.0  # not a rollout's cost
+
+    def _give_handle(self):
+        """The newest published handle for the manager call about to be sent (None: its engines
+        hold the trainer's newest weights already); the manager runs calls in order, so the
+        engines hold that version for every later call."""
+        handle, self.unsent = self.unsent, None
+        if handle is not None:
+            self.engine_version = handle.version
+        self.loading = handle
+        return handle
+
+    def _loaded(self, load) -> None:
+        """A manager call that loaded ``self.loading`` answered ``load`` (bytes, seconds and, under
+        --check-weight-sync, every engine's fingerprint, compared with the trainer's)."""
+        handle, self.loading = self.loading, None
+        if handle is None:
+            return
+        if load is None:
+            raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
+        self.last_sync = {"bytes": load["bytes"], "seconds": load["seconds"]}
+        self.load_seconds += load["seconds"]
+        if self.args.check_weight_sync:
+            for i, rollout in enumerate(load["fingerprints"]):
                 try:
                     compare_fingerprints(handle.fingerprint, rollout)
                 except WeightSyncError as exc:
                     raise WeightSyncError(f"rollout engine {i}: {exc}") from None
-        return time.perf_counter() - t0
+
+    def _generate_ref(self, k: int):
+        return generate_ref(self.rollout, k, self.faults, self._give_handle())
+
+    def _answered(self, data):
+        """A generate's answer: its dataset position kept, its weight load checked."""
+        self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
+        load, data.weight_load = data.weight_load, None
+        self._loaded(load)
+        return data
 
     def generate(self, k: int):
-        """Rollout ``k``; a rollout manager that dies meanwhile is replaced and the rollout retried
-        (generation is seeded by ``seed + k``: the retry yields the samples the first try would)."""
-        data = self._retrying("generate", k, lambda: generate_ref(self.rollout, k, self.faults))
-        self.rollout_state = data.dataset_state  # came back with the rollout: no state_dict round trip
-        return data
+        """Rollout ``k`` (the newest weights loaded first); a rollout manager that dies meanwhile is
+        replaced and the rollout retried (generation is seeded by ``seed + k``: the retry yields
+        the samples the first try would)."""
+        return self._answered(self._retrying("generate", k, lambda: self._generate_ref(k)))
+
+    def evaluate(self, k: int) -> Dict[str, float]:
+        """The eval after rollout k, on the weights after its steps (loaded first when not yet)."""
+        ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k, self._give_handle()))
+        self._loaded(ev.pop("weight_load", None))
+        return ev
 
     def _retrying(self, method: str, k: int, submit, first=None):
         """``ray.get(submit())`` (or of ``first``, a call already in flight), resubmitted to a fresh
@@ -308,10 +362,15 @@ class Driver:
         self.rollout, self.engines = create_rollout_manager(
             a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data
         )
+        # the fresh engines hold the checkpoint's weights: a full sync of the trainer's current ones
+        self.engine_nodes = self.engine_version = self.unsent = self.loading = None
         self._rollout_call("load_state_dict", self.rollout_state)
         self.sync_weights()
 
-    def train_rollout(self, data) -> List[Dict[str, Any]]:
+    def train_rollout(self, data, sync: bool = False) -> List[Dict[str, Any]]:
+        """Rollout ``data``'s optimizer steps on every rank; with ``sync``, the ranks then export
+        and rank 0 publishes the new weights in the same call (``self.unsent``: given to the next
+        manager call). Returns the step reports."""
         a, g = self.args, self.group
         batch = rollout_batch(data, a.advantage_estimator)
         if a.docs_per_step is not None:  # planned by the ranks: collective over DP
@@ -322,7 +381,13 @@ class Driver:
                 batch, global_batch_size=a.global_batch_size or batch.num_samples, dp_size=g.dp_size
             )
             plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
-        return g.call("train_rollout", [(plan,) for plan in plans])[0]  # one RankPlan per rank
+        request = self._sync_request() if sync else None
+        per_rank = [(plan, request) for plan in plans]  # one RankPlan per rank; every rank exports
+        reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
+        if handle is not None:
+            self.unsent = handle
+            self.publish_seconds += handle.export_seconds + handle.publish_seconds
+        return reports
 
     def save(self, rollout_id: int) -> None:
         a = self.args
@@ -434,25 +499,49 @@ class Driver:
             if self.owns_ray:
                 shutdown_ray()
 
+    def _eval_due(self, k: int) -> bool:
+        a = self.args
+        return bool(a.eval_interval) and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout)
+
+    def _sync_due(self, k: int, ahead: int) -> bool:
+        """Whether the train call of rollout k publishes its weights: some later call loads them
+        (the eval after rollout k, or the generate of rollout k + 1 + ``ahead``)."""
+        return self._eval_due(k) or k + 1 + ahead < self.args.num_rollout
+
+    def _sync_timings(self) -> Dict[str, float]:
+        """The weight sync's share of this rollout, measured in the actors: the trainer's export
+        and publish in its train call, the engines' loads in the manager calls answered since the
+        last rollout was logged (the generate; an eval's load counts towards the next rollout)."""
+        out = {
+            "time/weight_sync": self.publish_seconds + self.load_seconds,
+            "time/weight_publish": self.publish_seconds,
+            "time/weight_load_engines": self.load_seconds,
+        }
+        self.publish_seconds = self.load_seconds = 0.0
+        return out
+
     def _one_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
-        """The synchronous loop (``--max-weight-staleness 0``): generate rollout k, train on it, sync."""
+        """The synchronous loop (``--max-weight-staleness 0``): generate rollout k (loading the
+        weights rollout k - 1's train call published), train on it and publish."""
         t0 = time.perf_counter()
         data = self.generate(k) if self.pending is None else self._take_pending(k)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
-        reports = self.train_rollout(data)
+        reports = self.train_rollout(data, sync=self._sync_due(k, ahead=0))
         t_train = time.perf_counter() - t1
-        t_sync = self.sync_weights()
-        timings = {"time/rollout_call": t_gen, "time/train": t_train, "time/weight_sync": t_sync}
+        timings = {"time/rollout_call": t_gen, "time/train": t_train, **self._sync_timings()}
         self._finish_rollout(k, data, reports, timings, t0, logger, bar)
 
     def _overlapped_rollout(self, k: int, logger: MetricsLogger, bar) -> None:
         """Overlapped training (``--max-weight-staleness 1``; slime's ``train_async.py``):
 
-            submit generate(k+1)   the engine still holds the weights after rollout k-1
-            train(k)               at the same time, on the trainer
-            wait for generate(k+1) the engine is never updated mid-generation, so
-            sync weights           the sync comes only once both are done
+            submit generate(k+1)   loading first the weights after rollout k-1
+            train(k)               at the same time, on the trainer; publishes the weights after k
+            wait for generate(k+1) the engine is never updated mid-generation: the weights after
+                                   k are loaded by generate(k+2) (or the eval after rollout k)
+
+        The publish of sync v and the load of sync v - 1 run at the same time: the shared-memory
+        segment is double-buffered (``SyncRequest.slots = 2``, ``weight_sync``).
 
         Rollout k+1 is then trained on at the next iteration by weights one rollout newer than
         those that sampled it (staleness 1); the trainer's old log-probs are recomputed on its
@@ -471,25 +560,24 @@ class Driver:
         ahead = None
         if k + 1 < a.num_rollout:
             restarts = self.rollout_restarts
-            ahead = generate_ref(self.rollout, k + 1, self.faults)
+            ahead = self._generate_ref(k + 1)
         t1 = time.perf_counter()
-        reports = self.train_rollout(data)  # a failure here ends the run; the teardown kills the generating actor
+        # a failure here ends the run; the teardown kills the generating actor
+        reports = self.train_rollout(data, sync=self._sync_due(k, ahead=1))
         t_train = time.perf_counter() - t1
         timings: Dict[str, float] = {}
         if ahead is not None:
             t2 = time.perf_counter()
             try:
-                nxt = self._retrying(
-                    "generate", k + 1, lambda: generate_ref(self.rollout, k + 1, self.faults), first=ahead
-                )
-                self.rollout_state = nxt.dataset_state  # came back with the rollout
+                nxt = self._answered(self._retrying("generate", k + 1, lambda: self._generate_ref(k + 1), first=ahead))
             except LoopError:
                 self._log_rows(
                     k, data, reports, {"time/train": t_train}, t0, logger, bar, staleness
                 )  # steps done stay logged
                 raise
             wait_gen += time.perf_counter() - t2
-            # a manager that died meanwhile was replaced and synced with the trainer's current weights: no lag
+            # a manager that died meanwhile was replaced and synced with the trainer's current weights
+            # (the full sync supersedes the handle train(k) published): no lag
             self.pending = (k + 1, nxt, 0 if self.rollout_restarts > restarts else 1)
             ahead_s = nxt.stats.get("rollout_gen_time", 0.0) + nxt.stats.get("rollout_reward_time", 0.0)
             timings.update(
@@ -506,7 +594,7 @@ class Driver:
         timings["time/trainer_wait_generate"] = wait_gen
         if call is not None:
             timings["time/rollout_call"] = call
-        timings.update({"time/train": t_train, "time/weight_sync": self.sync_weights()})
+        timings.update({"time/train": t_train, **self._sync_timings()})
         self._finish_rollout(k, data, reports, timings, t0, logger, bar, staleness=staleness)
 
     def _take_pending(self, k: int):
@@ -534,9 +622,8 @@ class Driver:
         self._log_rows(k, data, reports, timings, t0, logger, bar, staleness)
         if a.save and ((a.save_interval and (k + 1) % a.save_interval == 0) or k + 1 == a.num_rollout):
             self.save(k)
-        if a.eval_interval and ((k + 1) % a.eval_interval == 0 or k + 1 == a.num_rollout):
-            ev = self._retrying("evaluate", k, lambda: self.rollout.evaluate.remote(k))
-            logger.log(self.step, {"rollout_id": k, **ev})
+        if self._eval_due(k):
+            logger.log(self.step, {"rollout_id": k, **self.evaluate(k)})
         stats = data.stats
         bar.set_postfix(
             reward=f"{stats['reward_mean']:.3f}",
@@ -580,7 +667,6 @@ class Driver:
                         "time/rollout_generate": t_engine,
                         "time/rollout_reward": t_reward,
                         **timings,
-                        "time/weight_load_engines": self.last_sync["seconds"],
                         "time/rollout_total": time.perf_counter() - t0,
                     }
                 )

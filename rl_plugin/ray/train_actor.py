@@ -7,6 +7,8 @@ all of this rank's samples first, on the weights that generated them, then the s
 When the rollout is ONE optimizer step, the old log-probs are that step's own detached training
 log-probs and the separate forward is skipped (``rl_plugin.loss.runner.old_log_probs_rule``:
 same numbers, bit for bit; the rule lists where the separate pass stays).
+``train_rollout_and_sync`` then exports the new weights (collective) and rank 0 publishes them
+for the engines in the same call, so the weight sync costs the loop no round trip of its own.
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ class TrainActor:
             reports.append(report)
         return reports
 
+    def train_rollout_and_sync(self, plan: RankPlan, request=None) -> Tuple[List[Dict[str, Any]], Optional[Any]]:
+        """``train_rollout``, then, given a ``SyncRequest``, the export and publish of the weights
+        after its steps (``export_weight_buckets``; every rank must be asked: the export is
+        collective). Returns ``(reports, handle)``: rank 0's ``SyncHandle``, None elsewhere or
+        when no sync was asked for."""
+        reports = self.train_rollout(plan)
+        return reports, (self.export_weight_buckets(request) if request is not None else None)
+
     def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's
         detached log-probs are the old ones, bit for bit; ``runner.old_log_probs_rule``)."""
@@ -153,12 +163,16 @@ class TrainActor:
         other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
         from rl_plugin.rollout.weight_sync import WeightPublisher
 
+        t0 = time.perf_counter()
         sd = self.backend.export_hf_state_dict()
         if self.rank != 0:
             return None
         if self.publisher is None:
             self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
-        return self.publisher.publish(sd, request)
+        t1 = time.perf_counter()
+        handle = self.publisher.publish(sd, request)
+        handle.export_seconds = t1 - t0
+        return handle
 
     def close_weight_sync(self) -> None:
         """Unlink the weight segment (teardown; a killed process's segment is swept later)."""

@@ -58,6 +58,7 @@ class RolloutData:
     stats: Dict[str, float] = field(default_factory=dict)
     examples: List[Dict[str, object]] = field(default_factory=list)
     dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
+    weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
 
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
@@ -117,7 +118,13 @@ class RolloutManager:
         self.group_filter = load_filter(path) if path else None
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, rollout_id: int) -> RolloutData:
+    def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
+        """Rollout ``rollout_id``; given a weight-sync ``handle`` (the trainer's newest weights,
+        published by its last train call), the engines load it first (``update_weights``, answered
+        in ``data.weight_load``): the sync costs the loop no call of its own. Engine actors get the
+        load and then their share of the rollout without a wait between: an actor runs its calls
+        in order."""
+        loading = self._start_load(handle)
         cfg = self.config
         if self.group_filter is None:
             recs = self.train.next_batch(cfg.rollout_batch_size)
@@ -138,6 +145,7 @@ class RolloutManager:
             data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
             data.stats["reward_shaped_mean"] = float(data.rewards.mean())
         data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
+        data.weight_load = self._finish_load(handle, loading)
         return data
 
     def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
@@ -200,7 +208,10 @@ class RolloutManager:
             "rollout_reward_time": reward_time,
         }
 
-    def evaluate(self, rollout_id: int) -> Dict[str, float]:
+    def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
+        """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
+        ``generate``) and its load answered under ``weight_load``."""
+        loading = self._start_load(handle)
         if self.eval is None:
             raise ValueError(
                 "--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)"
@@ -208,10 +219,13 @@ class RolloutManager:
         data = self._rollout(
             self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id
         )
-        return {
+        out: Dict[str, Any] = {
             "eval/reward_mean": data.stats["reward_mean"],
             "eval/response_len_mean": data.stats["response_len_mean"],
         }
+        if handle is not None:
+            out["weight_load"] = self._finish_load(handle, loading)
+        return out
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
         t0 = time.perf_counter()
@@ -282,12 +296,26 @@ class RolloutManager:
         """Load the sync behind ``handle`` (``rl_plugin.rollout.weight_sync``) into every engine,
         in place; returns the bytes per engine, the slowest engine's seconds and, under
         --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
+        return self._finish_load(handle, self._start_load(handle))
+
+    def _start_load(self, handle: Optional[SyncHandle]) -> Optional[List[Any]]:
+        """The in-process engine loads ``handle`` now (its stats); engine actors are sent the load
+        (their ObjectRefs: later calls to them run after it)."""
+        if handle is None:
+            return None
         if self.engine is not None:
-            stats = [load_sync(self.engine, self.receiver, handle)]
-        else:
+            return [load_sync(self.engine, self.receiver, handle)]
+        return [e.update_weights.remote(handle) for e in self.engines]
+
+    def _finish_load(self, handle: Optional[SyncHandle], loading: Optional[List[Any]]) -> Optional[Dict[str, Any]]:
+        """``update_weights``'s answer for a load ``_start_load`` began (None: none was)."""
+        if loading is None:
+            return None
+        if self.engine is None:
             import ray
 
-            stats = ray.get([e.update_weights.remote(handle) for e in self.engines])
+            loading = ray.get(loading)  # every engine's stats
+        stats = loading
         out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
         if handle.fingerprint is not None:
             out["fingerprints"] = [s["fingerprint"] for s in stats]

@@ -23,6 +23,13 @@ Transports (``--update-weight-transport``, default ``auto``):
   shared-memory segment created once (layout cached) and reused every sync; an engine on the same
   node (Ray node id) maps it once and copies each tensor straight from its view into its
   parameter. No serialisation, no object store, no second copy.
+  Double buffering (``SyncRequest.slots = 2``, overlapped training): sync ``v`` goes into slot
+  ``v % 2``, so an engine still loading sync ``v - 1`` from the other slot is never overwritten
+  by the publish of ``v``. Each slot remembers the version it holds (``slot_version``); writing
+  ``v`` into a slot that holds ``w`` copies every tensor with ``changed_at > w`` (changed at any
+  sync after ``w``, not only at ``v``), and ``changed_at`` itself compares the export with the
+  other slot, which holds ``v - 1``. With one slot (the synchronous loop) ``w = v - 1``: the same
+  rule writes exactly what changed.
 - ``object_store``: the buckets are ``ray.put`` once by rank 0; every engine ``ray.get``s them
   (zero-copy from the object store's shared memory on a node, a network copy across nodes). The
   buckets hold the tensors changed since the version the object-store engines last loaded
@@ -35,6 +42,10 @@ Transports (``--update-weight-transport``, default ``auto``):
 
 ``--check-weight-sync`` rides on the same calls: rank 0 fingerprints the export it just
 published, every engine its weights right after loading, and the driver compares the two.
+
+In the loop (``rl_plugin.loop.driver``) the sync rides on calls the loop makes anyway: the
+train ranks export and publish at the end of their ``train_rollout_and_sync`` call, and the
+rollout manager loads the handle at the start of the next ``generate`` (or ``evaluate``).
 """
 
 from __future__ import annotations
@@ -138,6 +149,7 @@ class SyncRequest:
     engine_nodes: Sequence[str] = ()  # the Ray node id of every engine process (asked once per rollout manager)
     since_version: Optional[int] = None  # the version the object-store engines hold (None: send everything)
     fingerprint: bool = False  # --check-weight-sync
+    slots: int = 1  # shared-memory buffers: 2 when an engine may load sync v - 1 while v is published
 
 
 @dataclass
@@ -155,6 +167,7 @@ class SyncHandle:
     fingerprint: Optional[Dict[str, str]] = None  # --check-weight-sync: the trainer's, of this export
     sent_bytes: int = 0  # bytes written into the segment / put in the object store by rank 0
     publish_seconds: float = 0.0
+    export_seconds: float = 0.0  # the backend's collective export before the publish (set by the train actor)
 
 
 class WeightPublisher:
@@ -170,7 +183,8 @@ class WeightPublisher:
         self.skip = set(skip)  # tied names: the engine's tied parameter follows its source
         self.version = 0
         self.layout: Optional[WeightLayout] = None
-        self.segment: Optional[SharedWeightSegment] = None
+        self.slots: List[SharedWeightSegment] = []  # the segments, sync v in slots[v % len(slots)]
+        self.slot_version: List[int] = []  # the sync each slot holds (0: not written yet)
         self.changed_at: Dict[str, int] = {}
         self.shm_failed: Optional[str] = None  # why auto fell back to the object store
 
@@ -190,7 +204,7 @@ class WeightPublisher:
             )
         handle = SyncHandle(version=self.version, node_id=here, buffer_bytes=request.buffer_bytes)
         if use_shm:
-            self._write_segment(sd, handle)
+            self._write_segment(sd, handle, request.slots)
         if handle.segment is None or remote:  # the object store carries what the segment cannot
             since = request.since_version if handle.segment is not None else None
             names = list(sd) if since is None else whole_groups([n for n in sd if self.changed_at[n] > since], list(sd))
@@ -206,17 +220,22 @@ class WeightPublisher:
         handle.publish_seconds = time.perf_counter() - t0
         return handle
 
-    def _write_segment(self, sd: Dict[str, torch.Tensor], handle: SyncHandle) -> None:
-        """Write the changed tensors into the segment (created, or re-created on a new layout)
-        and point ``handle`` at it. On an unusable /dev/shm: raise under ``shared_memory``, fall
-        back to the object store under ``auto`` (``handle.segment`` stays None)."""
-        if self.layout is None or not self.layout.fits(sd):
+    def _write_segment(self, sd: Dict[str, torch.Tensor], handle: SyncHandle, slots: int) -> None:
+        """Write sync ``handle.version`` into its slot (the segments created, or re-created on a new
+        layout or slot count) and point ``handle`` at it. On an unusable /dev/shm: raise under
+        ``shared_memory``, fall back to the object store under ``auto`` (``handle.segment`` stays None)."""
+        if self.layout is None or not self.layout.fits(sd) or len(self.slots) != slots:
             self.close()
             layout = WeightLayout.of(sd)
             try:
-                self.segment = SharedWeightSegment.create(layout)
+                for _ in range(slots):
+                    self.slots.append(SharedWeightSegment.create(layout))
             except OSError as exc:
-                why = f"cannot create a {layout.total_bytes / 2**20:.1f} MiB shared-memory segment in /dev/shm ({exc})"
+                self.close()
+                why = (
+                    f"cannot create {slots} x {layout.total_bytes / 2**20:.1f} MiB shared-memory segment(s) "
+                    f"in /dev/shm ({exc})"
+                )
                 if self.transport == "shared_memory":
                     raise RuntimeError(
                         f"--update-weight-transport shared_memory: {why}; enlarge /dev/shm (docker --shm-size) "
@@ -225,25 +244,29 @@ class WeightPublisher:
                 self.shm_failed = why
                 print(f"weight sync: {why}; the object store carries the weights instead", flush=True)
                 return
-            self.layout, self.changed_at = layout, {}
-        seg = self.segment
-        seg.begin_write()
-        changed = []
+            self.layout, self.changed_at, self.slot_version = layout, {}, [0] * slots
+        v = self.version
+        prev = (v - 1) % slots  # holds sync v - 1 unless nothing was written yet
+        before = self.slots[prev].views if self.slot_version[prev] == v - 1 else None
         for name, value in sd.items():
-            view = seg.views[name]
-            if name not in self.changed_at or changed_bitwise(view, value):
-                view.copy_(value)
-                self.changed_at[name] = self.version
-                changed.append(name)
-        seg.end_write(self.version)
+            if before is None or name not in self.changed_at or changed_bitwise(before[name], value):
+                self.changed_at[name] = v
+        slot = v % slots
+        seg, held = self.slots[slot], self.slot_version[slot]
+        written = [n for n in sd if self.changed_at[n] > held]  # everything the slot missed since it held `held`
+        seg.begin_write()
+        for name in written:
+            seg.views[name].copy_(sd[name])
+        seg.end_write(v)
+        self.slot_version[slot] = v
         handle.layout, handle.segment, handle.changed_at = self.layout, str(seg.path), dict(self.changed_at)
-        handle.sent_bytes += sum(tensor_bytes(sd[n]) for n in changed)
+        handle.sent_bytes += sum(tensor_bytes(sd[n]) for n in written)
 
     def close(self) -> None:
-        """Unlink the segment (teardown)."""
-        if self.segment is not None:
-            self.segment.close()
-            self.segment, self.layout = None, None
+        """Unlink the segments (teardown, or a new layout)."""
+        for seg in self.slots:
+            seg.close()
+        self.slots, self.slot_version, self.layout = [], [], None
 
 
 class WeightReceiver:
@@ -251,7 +274,8 @@ class WeightReceiver:
 
     def __init__(self):
         self.version = 0  # 0: the weights the engine started from (the checkpoint), not a sync
-        self.segment: Optional[SharedWeightSegment] = None
+        self.layout: Optional[WeightLayout] = None
+        self.segments: Dict[str, SharedWeightSegment] = {}  # path -> mapping (one per slot)
         self.node = node_id()
 
     def buckets(self, handle: SyncHandle) -> Iterator[Dict[str, torch.Tensor]]:
@@ -278,10 +302,14 @@ class WeightReceiver:
         self.version = handle.version
 
     def _from_segment(self, handle: SyncHandle) -> Iterator[Dict[str, torch.Tensor]]:
-        seg = self.segment
-        if seg is None or str(seg.path) != handle.segment or seg.layout != handle.layout:
-            seg = self.segment = SharedWeightSegment.open(handle.segment, handle.layout)
-            self.version = 0  # a new segment: everything in it is news to this mapping
+        if handle.layout != self.layout:  # a new layout (the publisher's first sync, or a new model)
+            self.segments, self.layout = {}, handle.layout
+            self.version = 0  # everything in it is news to this engine
+        seg = self.segments.get(handle.segment)
+        if seg is None:
+            if len(self.segments) >= 2:  # the publisher re-created its slots: drop the old mappings
+                self.segments = {}
+            seg = self.segments[handle.segment] = SharedWeightSegment.open(handle.segment, handle.layout)
         seg.check_version(handle.version)
         names = whole_groups([n for n in seg.layout.names if handle.changed_at[n] > self.version], seg.layout.names)
         for bucket in plan_buckets({n: seg.nbytes[n] for n in names}, handle.buffer_bytes):

@@ -125,6 +125,12 @@ def test_run_writes_metrics_checkpoints_and_plot(runs_a, backend):
     for t in per_rollout:
         assert t["time/rollout_generate"] > 0 and t["time/rollout_reward"] > 0
         assert t["time/rollout_generate"] + t["time/rollout_reward"] <= t["time/rollout_call"]
+    # the weight sync rides on the loop's calls: every train call publishes (a later generate or eval
+    # loads it), and each rollout logs the engine loads answered since the previous one: none before
+    # rollout 0, generate(1) loading rollout 0's weights, the eval after rollout 1 loading rollout 1's
+    assert all(t["time/weight_publish"] > 0 for t in per_rollout)
+    assert [t["time/weight_load_engines"] > 0 for t in per_rollout] == [False, True, True]
+    assert all(t["time/weight_sync"] == t["time/weight_publish"] + t["time/weight_load_engines"] for t in per_rollout)
 
 
 # The checkpoint layout the loop owns (docs/design.md "Checkpoints"): the tracker and one complete
@@ -511,6 +517,7 @@ def test_overlapped_run_retries_in_flight_generation_and_resumes_exactly(runs_a,
         t["time/generate_ahead"] > 0 and t["time/engine_wait_trainer"] >= 0 and t["time/overlap_saved"] >= 0
         for t in timings[:2]
     )
+    assert all(t["time/weight_publish"] > 0 for t in timings)  # each train call published (double-buffered)
     assert [(d / "ckpt" / f"iter_{s:07d}" / "pending_rollout.pt").is_file() for s in (2, 4, 6)] == [True, True, False]
 
     monkeypatch.delenv(ROLLOUT_FAULT_ENV)

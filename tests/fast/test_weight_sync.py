@@ -3,7 +3,9 @@ engine: a shared-memory sync leaves the engine bitwise equal to the trainer's ex
 (``--check-weight-sync``'s sha256 fingerprints), later syncs move only the tensors that changed
 (a fused q/k/v group whole), tied weights are not sent, the object store carries the changes for
 an engine on another node, and the bad states (segment missing, overwritten mid-load, dead
-creator) fail loud or are cleaned up. The loop's end-to-end runs (``test_loop_e2e``,
+creator) fail loud or are cleaned up. Double buffering (overlapped training): a load of sync
+v - 1 is never overwritten by the publish of v, and each slot gets everything changed since the
+sync it holds. The loop's end-to-end runs (``test_loop_e2e``,
 ``test_loop_vllm``) sync through the same code with ``--check-weight-sync`` on both backends and
 both engines."""
 
@@ -93,6 +95,70 @@ def test_shared_memory_sync_is_bitwise_and_moves_only_what_changed(engine):
     assert not os.path.exists(path)  # close unlinks the segment
     with pytest.raises(FileNotFoundError, match=f"segment {path} is missing"):
         SharedWeightSegment.open(path, layout)
+
+
+def test_double_buffer_keeps_the_loading_version_and_fills_each_slot_with_what_it_missed():
+    """Two slots (``SyncRequest.slots = 2``): sync v in slot v % 2. ``a`` is trained every sync,
+    ``b`` frozen, ``c`` changed at sync 2 only. A receiver loading sync 2 bucket by bucket while
+    sync 3 is published reads sync 2 to the end; sync 3 lands in the slot that held sync 1, so it
+    must also get ``c`` (changed at 2); one slot (the synchronous loop) would fail that load."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"a.weight": torch.randn(64, generator=g), "b.weight": torch.randn(64, generator=g)}
+    sd["c.bias"] = torch.randn(64, generator=g)
+    nbytes = 64 * 4
+
+    def step(prev, names):
+        return {k: (v + 1.0 if k in names else v.clone()) for k, v in prev.items()}
+
+    req = SyncRequest(buffer_bytes=nbytes, transport="shared_memory", slots=2)  # one tensor per bucket
+    pub, recv = WeightPublisher("shared_memory"), WeightReceiver()
+    try:
+        sd1 = step(sd, ())
+        h1 = pub.publish(sd1, req)
+        assert h1.sent_bytes == 3 * nbytes  # a fresh slot: everything
+        assert {n: t.clone() for b in recv.buckets(h1) for n, t in b.items()}.keys() == sd1.keys()
+        sd2 = step(sd1, ("a.weight", "c.bias"))
+        h2 = pub.publish(sd2, req)
+        assert h2.segment != h1.segment and h2.sent_bytes == 3 * nbytes  # the other slot, fresh
+        assert h2.changed_at == {"a.weight": 2, "b.weight": 1, "c.bias": 2}
+
+        loading = recv.buckets(h2)  # the engine loads sync 2 ...
+        got = {n: t.clone() for n, t in next(loading).items()}
+        sd3 = step(sd2, ("a.weight",))
+        h3 = pub.publish(sd3, req)  # ... while the trainer publishes sync 3
+        for bucket in loading:
+            got.update({n: t.clone() for n, t in bucket.items()})
+        assert sorted(got) == ["a.weight", "c.bias"]  # what changed since sync 1, read to the end
+        assert all(torch.equal(got[n], sd2[n]) for n in got)
+        assert h3.segment == h1.segment and h3.changed_at == {"a.weight": 3, "b.weight": 1, "c.bias": 2}
+        assert h3.sent_bytes == 2 * nbytes  # the slot held sync 1: a (changed at 3) and c (changed at 2)
+        slot3 = SharedWeightSegment.open(h3.segment, h3.layout)
+        slot3.check_version(3)
+        assert all(torch.equal(slot3.views[n], sd3[n]) for n in sd3)  # the slot holds sync 3 whole
+        assert [n for b in recv.buckets(h3) for n in b] == ["a.weight"]  # the engine at sync 2 needs a only
+
+        sd4 = step(sd3, ())
+        h4 = pub.publish(sd4, req)  # nothing changed: the slot that held sync 2 misses a (changed at 3)
+        assert h4.segment == h2.segment and h4.sent_bytes == nbytes
+        assert h4.changed_at == h3.changed_at and list(recv.buckets(h4)) == []
+        assert all(torch.equal(slot3.views[n], sd3[n]) for n in sd3)  # sync 3's slot untouched by sync 4
+        late = SharedWeightSegment.open(h2.segment, h2.layout)
+        with pytest.raises(RuntimeError, match="holds the weights of sync 4 .* this load needs sync 2"):
+            late.check_version(2)  # a reader two syncs behind is caught by the version check
+    finally:
+        pub.close()
+
+    one = WeightPublisher("shared_memory")  # one slot: the same interleaving is a torn read
+    try:
+        single = SyncRequest(buffer_bytes=nbytes, transport="shared_memory")
+        one.publish(sd1, single)
+        loading = WeightReceiver().buckets(one.publish(sd2, single))
+        next(loading)
+        one.publish(sd3, single)
+        with pytest.raises(RuntimeError, match="holds the weights of sync 3 .* this load needs sync 2"):
+            list(loading)
+    finally:
+        one.close()
 
 
 def test_tied_weights_are_sent_once(tmp_path):
