@@ -29,6 +29,7 @@ import torch
 from rl_plugin.arguments._util import fail
 from rl_plugin.batching import plan_steps_by_docs, split_samples_for_dp
 from rl_plugin.loss.batch import StepBatch
+from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
 
 
 @dataclass
@@ -59,6 +60,17 @@ class RankPlan:
                 "each step needs one of each"
             )
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (Ray's transport to a train rank) with the micro-batch index tensors in one
+        buffer (``rl_plugin.tensor_pickle``) instead of torch's pickling per tensor; the batch
+        pickles itself the same way (``StepBatch.__reduce_ex__``)."""
+        micro = self.step_micro_batches
+        packed = None if micro is None else pack_tensors([m for step in micro for m in step])
+        if micro is not None and packed is None:
+            return super().__reduce_ex__(protocol)
+        counts = None if micro is None else [len(step) for step in micro]
+        return _rank_plan_from_packed, (self.batch, self.step_bounds, self.step_num_groups, counts, packed)
+
     def steps(self) -> Iterator[Tuple[StepBatch, int, Optional[List[torch.Tensor]]]]:
         """``(step batch, num_groups, micro_batches or None)`` of each step, in order; the step
         batch is sliced from ``batch`` when reached, so per-token fields set on ``batch`` before
@@ -66,6 +78,15 @@ class RankPlan:
         for k, ((start, end), num_groups) in enumerate(zip(self.step_bounds, self.step_num_groups)):
             micro = None if self.step_micro_batches is None else self.step_micro_batches[k]
             yield self.batch.select(torch.arange(start, end)), num_groups, micro
+
+
+def _rank_plan_from_packed(batch, step_bounds, step_num_groups, counts, packed) -> RankPlan:
+    """Inverse of ``RankPlan.__reduce_ex__``."""
+    micro = None
+    if counts is not None:
+        flat = iter(unpack_tensors(packed))
+        micro = [[next(flat) for _ in range(c)] for c in counts]
+    return RankPlan(batch, step_bounds, step_num_groups, micro)
 
 
 def plan_global_batch_steps(batch: StepBatch, *, global_batch_size: int, dp_size: int) -> List[RankPlan]:

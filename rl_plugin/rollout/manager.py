@@ -37,6 +37,7 @@ from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, 
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
@@ -59,6 +60,15 @@ class RolloutData:
     examples: List[Dict[str, object]] = field(default_factory=list)
     dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (Ray's transport from the rollout manager to the driver) with its tensors in
+        one buffer (``rl_plugin.tensor_pickle``): ~0.05 ms instead of torch's ~0.7 ms for the
+        six tensors of the embedded rollout; torch's pickling when a tensor needs it."""
+        packed = pack_tensors([getattr(self, name) for name in ROLLOUT_TENSORS])
+        if packed is None:
+            return super().__reduce_ex__(protocol)
+        return _rollout_from_packed, (packed, self.num_groups, self.stats, self.examples, self.dataset_state)
+
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
         ``0..len(groups)-1``; stats and examples are left to the caller."""
@@ -74,6 +84,15 @@ class RolloutData:
             group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
             num_groups=int(groups.numel()),
         )
+
+
+ROLLOUT_TENSORS = ("tokens", "total_lengths", "response_lengths", "rollout_log_probs", "rewards", "group_ids")
+
+
+def _rollout_from_packed(packed, num_groups, stats, examples, dataset_state) -> RolloutData:
+    """Inverse of ``RolloutData.__reduce_ex__``."""
+    tensors = dict(zip(ROLLOUT_TENSORS, unpack_tensors(packed)))
+    return RolloutData(**tensors, num_groups=num_groups, stats=stats, examples=examples, dataset_state=dataset_state)
 
 
 def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
