@@ -25,8 +25,11 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from rl_plugin.configs import RolloutConfig
@@ -93,6 +96,44 @@ def _rollout_from_packed(packed, num_groups, stats, examples, dataset_state) -> 
     """Inverse of ``RolloutData.__reduce_ex__``."""
     tensors = dict(zip(ROLLOUT_TENSORS, unpack_tensors(packed)))
     return RolloutData(**tensors, num_groups=num_groups, stats=stats, examples=examples, dataset_state=dataset_state)
+
+
+_PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
+_LOG_PROBS, _FINISHED = attrgetter("log_probs"), attrgetter("finished")
+
+
+@dataclass
+class FlatGenerations:
+    """A rollout's generations as flat tensors (samples in order): ``tokens`` = prompt + response
+    of every sample (``[sum T_i]``), ``log_probs`` the responses' (``[sum R_i]``, fp32)."""
+
+    tokens: torch.Tensor
+    total_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    log_probs: torch.Tensor
+    truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
+
+
+def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
+    """The engine's per-sample lists as flat tensors, in C-level passes (``map``, ``chain``,
+    ``numpy.fromiter``) instead of a Python loop over samples and tokens; the same values and
+    dtypes as ``torch.tensor`` of the nested lists (int64 tokens, fp32 log-probs, each double
+    rounded to nearest)."""
+    prompts, responses = list(map(_PROMPT_IDS, gens)), list(map(_RESPONSE_IDS, gens))
+    n = len(gens)
+    pl = np.fromiter(map(len, prompts), np.int64, n)
+    rl = np.fromiter(map(len, responses), np.int64, n)
+    tl = pl + rl
+    tokens = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))), np.int64, int(tl.sum()))
+    log_probs = np.fromiter(chain.from_iterable(map(_LOG_PROBS, gens)), np.float32, int(rl.sum()))
+    unfinished = n - sum(map(_FINISHED, gens))
+    return FlatGenerations(
+        tokens=torch.from_numpy(tokens),
+        total_lengths=torch.from_numpy(tl),
+        response_lengths=torch.from_numpy(rl),
+        log_probs=torch.from_numpy(log_probs),
+        truncated_frac=float(unfinished / n),
+    )
 
 
 def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -243,19 +284,20 @@ class RolloutManager:
         t1 = time.perf_counter()
         rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
-        empty = [i for i, g in enumerate(gens) if not g.response_ids]
-        if empty:
+        flat = flatten_generations(gens)
+        empty = torch.nonzero(flat.response_lengths == 0).flatten()
+        if empty.numel():
+            i = int(empty[0])
             raise RuntimeError(
-                f"rollout sample {empty[0]} (prompt {prompts[empty[0]]!r}) has an empty response; check --rollout-max-response-len >= 1"
+                f"rollout sample {i} (prompt {prompts[i]!r}) has an empty response; check --rollout-max-response-len >= 1"
             )
-        rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)
-        tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens], dtype=torch.long)
-        stats = self._stats(rewards, rl, float(sum(not g.finished for g in gens) / len(gens)), gen_time, reward_time)
+        rl = flat.response_lengths
+        stats = self._stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
         data = RolloutData(
-            tokens=torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long),
-            total_lengths=tl,
+            tokens=flat.tokens,
+            total_lengths=flat.total_lengths,
             response_lengths=rl,
-            rollout_log_probs=torch.tensor([x for g in gens for x in g.log_probs], dtype=torch.float32),
+            rollout_log_probs=flat.log_probs,
             rewards=rewards,
             group_ids=torch.arange(len(recs)).repeat_interleave(n),
             num_groups=len(recs),
