@@ -21,7 +21,8 @@ log-probs in one pass before its first step and each step is a contiguous slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -112,9 +113,13 @@ def plan_global_batch_steps(batch: StepBatch, *, global_batch_size: int, dp_size
     plans = []
     for r in range(dp_size):
         sizes = [t.numel() for t in per_rank_idx[r]]
-        rank_batch = batch.select(torch.cat(per_rank_idx[r]))
-        rank_batch.group_ids = torch.cat(per_rank_gid[r])
-        ends = torch.cumsum(torch.tensor(sizes), 0).tolist()
+        gids = torch.cat(per_rank_gid[r])
+        if dp_size == 1:  # the steps in order are the whole rollout: no gather (select would copy it as is)
+            rank_batch = replace(batch, group_ids=gids)
+        else:
+            rank_batch = batch.select(torch.cat(per_rank_idx[r]))
+            rank_batch.group_ids = gids
+        ends = list(accumulate(sizes))
         bounds = [(e - s, e) for s, e in zip(sizes, ends)]
         plans.append(RankPlan(rank_batch, bounds, num_groups))
     return plans
