@@ -23,6 +23,7 @@ penalty to the rewards the advantages are computed from; ``reward_mean`` stays t
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from itertools import chain
@@ -145,6 +146,13 @@ def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
     return out
 
 
+def rollout_threads() -> int:
+    """Torch threads of the rollout manager's process (the ``hf`` engine runs here):
+    ``RL_PLUGIN_ROLLOUT_THREADS``, default 1 (``benchmarks/thread_settings.py`` measures the
+    choice; Ray workers of a cluster started by the run inherit the driver's environment)."""
+    return int(os.environ.get("RL_PLUGIN_ROLLOUT_THREADS", "1"))
+
+
 def group_shares(num_groups: int, num_engines: int) -> List[int]:
     """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
     base, extra = divmod(num_groups, num_engines)
@@ -160,7 +168,7 @@ class RolloutManager:
         eval_data: Optional[str],
         engines: Optional[Sequence[Any]] = None,
     ):
-        torch.set_num_threads(1)
+        torch.set_num_threads(rollout_threads())
         self.config = cfg = config
         self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
