@@ -1,7 +1,7 @@
 """The per-rollout time outside the two engines (transport: Ray calls, pickling, the driver's
 batch preparation, the manager's assembly and scoring) of the embedded loop, for two checkouts
-run alternately in the same session: ``--before REV`` (exported with ``git archive``) against
-the working tree.
+run alternately in the same session: ``--before REV`` (exported with ``git archive``; or a
+directory with a copy of the code) against this script's checkout.
 
 From ``metrics.timings.jsonl`` of each run, per rollout:
 
@@ -66,7 +66,9 @@ def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> l
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", required=True, help="git revision to compare the working tree against")
+    p.add_argument(
+        "--before", required=True, help="git revision (or a directory holding a copy of the code) to compare against"
+    )
     p.add_argument("--backends", nargs="+", default=["megatron"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-rollout", type=int, default=30)
@@ -75,10 +77,12 @@ def main() -> int:
     extra = [x for x in extra if x != "--"]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        before = Path(a.before)
+        if not before.is_dir():  # a git revision: exported beside the runs
+            before = Path(tmp) / "before"
+            before.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
         for i in range(a.rounds):
             for backend in a.backends:
                 sides = (("before", before), ("after", ROOT)) if i % 2 == 0 else (("after", ROOT), ("before", before))

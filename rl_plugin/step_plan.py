@@ -75,10 +75,13 @@ class RankPlan:
     def steps(self) -> Iterator[Tuple[StepBatch, int, Optional[List[torch.Tensor]]]]:
         """``(step batch, num_groups, micro_batches or None)`` of each step, in order; the step
         batch is sliced from ``batch`` when reached, so per-token fields set on ``batch`` before
-        (old / reference log-probs) come with it."""
+        (old / reference log-probs) come with it. A step that is the whole batch (one step per
+        rollout) is a shallow copy of it: the same tensors, no gather."""
+        n = self.batch.num_samples
         for k, ((start, end), num_groups) in enumerate(zip(self.step_bounds, self.step_num_groups)):
             micro = None if self.step_micro_batches is None else self.step_micro_batches[k]
-            yield self.batch.select(torch.arange(start, end)), num_groups, micro
+            sub = replace(self.batch) if (start, end) == (0, n) else self.batch.select(torch.arange(start, end))
+            yield sub, num_groups, micro
 
 
 def _rank_plan_from_packed(batch, step_bounds, step_num_groups, counts, packed) -> RankPlan:
