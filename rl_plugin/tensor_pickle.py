@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-ALIGN = 64  # byte alignment of every tensor in the buffer (a cache line: vector loads stay aligned)
+ALIGN = 64  # every tensor's offset in the buffer is a multiple of this (a cache line), so of its element size
 
 _PAD = bytes(ALIGN)
 # dtypes whose tensors ``Tensor.numpy()`` returns as is (the others travel as their bytes)

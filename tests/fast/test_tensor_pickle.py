@@ -67,8 +67,11 @@ def test_pack_exact_for_every_dtype_shape_and_view():
     assert len(back) == len(tensors)
     for x, y in zip(tensors, back):
         assert same_tensor(None if x is None else x.resolve_conj(), y)
+    # each tensor takes its own elements' bytes (a view: not its storage), rounded up to ALIGN
     sizes = [t.numel() * t.element_size() for t in tensors if t is not None]
-    assert len(buffer) < sum(sizes) + ALIGN * len(sizes)  # views shipped their elements, not the storage
+    offsets = [entry[2] for entry in layout if entry is not None]
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [-(-n // ALIGN) * ALIGN for n in sizes[:-1]]
+    assert len(buffer) == offsets[-1] + sizes[-1]
     assert pack_tensors([torch.ones(2, requires_grad=True)]) is None
 
 
