@@ -148,8 +148,10 @@ def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
 
 def rollout_threads() -> int:
     """Torch threads of the rollout manager's process (the ``hf`` engine runs here):
-    ``RL_PLUGIN_ROLLOUT_THREADS``, default 1 (``benchmarks/thread_settings.py`` measures the
-    choice; Ray workers of a cluster started by the run inherit the driver's environment)."""
+    ``RL_PLUGIN_ROLLOUT_THREADS``, default 1 (Ray workers of a cluster started by the run inherit
+    the driver's environment). ``benchmarks/thread_settings.py`` on the embedded run (2 shared
+    cores): 2 threads make the engine's log-probs differ in the last bits (the ``mismatch/*``
+    metrics change) and a rollout ~12x slower (OpenMP hand-offs to descheduled threads)."""
     return int(os.environ.get("RL_PLUGIN_ROLLOUT_THREADS", "1"))
 
 
