@@ -6,9 +6,9 @@ persistent ids per tensor): ~40-90 us per tensor each way, ~0.7 ms for a rollout
 numpy arrays travel as pickle-5 out-of-band buffers, which Ray handles one by one. Here the
 tensors of one object travel as ONE in-band ``bytearray`` (each tensor's bytes at an offset
 aligned to ``ALIGN``) plus ``(dtype, shape, offset)`` per tensor; loading makes every tensor a
-view of the loaded buffer, writable, without a further copy. Measured on the embedded rollout
-(6 tensors, ~16 KB) through a Ray actor call: torch 2.3 ms, numpy 1.0 ms, this 0.8 ms, a no-op
-call 0.6 ms.
+view of the loaded buffer, writable, without a further copy. A Ray actor call carrying an
+embedded rollout's six tensors (~16 KB; ``benchmarks/transport_pickle.py``, 2 shared cores):
+torch ~1.7-2.4 ms, numpy ~1.0-1.7 ms, this ~0.8-1.1 ms, a no-op call ~0.6-0.8 ms.
 
 Exact: the bytes copied are the tensors' memory (only the viewed elements of a view), dtypes
 (bf16 included), shapes and None entries are kept. A tensor that needs torch's own pickling
