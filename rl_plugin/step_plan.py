@@ -21,7 +21,7 @@ log-probs in one pass before its first step and each step is a contiguous slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from typing import Iterator, List, Optional, Tuple
 
@@ -70,7 +70,8 @@ class RankPlan:
         if micro is not None and packed is None:
             return super().__reduce_ex__(protocol)
         counts = None if micro is None else [len(step) for step in micro]
-        return _rank_plan_from_packed, (self.batch, self.step_bounds, self.step_num_groups, counts, packed)
+        others = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step_micro_batches"}
+        return _rank_plan_from_packed, (others, counts, packed)
 
     def steps(self) -> Iterator[Tuple[StepBatch, int, Optional[List[torch.Tensor]]]]:
         """``(step batch, num_groups, micro_batches or None)`` of each step, in order; the step
@@ -84,13 +85,13 @@ class RankPlan:
             yield sub, num_groups, micro
 
 
-def _rank_plan_from_packed(batch, step_bounds, step_num_groups, counts, packed) -> RankPlan:
-    """Inverse of ``RankPlan.__reduce_ex__``."""
+def _rank_plan_from_packed(others, counts, packed) -> RankPlan:
+    """Inverse of ``RankPlan.__reduce_ex__`` (``others``: every field but the micro-batches)."""
     micro = None
     if counts is not None:
         flat = iter(unpack_tensors(packed))
         micro = [[next(flat) for _ in range(c)] for c in counts]
-    return RankPlan(batch, step_bounds, step_num_groups, micro)
+    return RankPlan(**others, step_micro_batches=micro)
 
 
 def plan_global_batch_steps(batch: StepBatch, *, global_batch_size: int, dp_size: int) -> List[RankPlan]:

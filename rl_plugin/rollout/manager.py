@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence
@@ -71,7 +71,8 @@ class RolloutData:
         packed = pack_tensors([getattr(self, name) for name in ROLLOUT_TENSORS])
         if packed is None:
             return super().__reduce_ex__(protocol)
-        return _rollout_from_packed, (packed, self.num_groups, self.stats, self.examples, self.dataset_state)
+        others = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ROLLOUT_TENSORS}
+        return _rollout_from_packed, (packed, others)
 
     def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
         """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
@@ -93,10 +94,9 @@ class RolloutData:
 ROLLOUT_TENSORS = ("tokens", "total_lengths", "response_lengths", "rollout_log_probs", "rewards", "group_ids")
 
 
-def _rollout_from_packed(packed, num_groups, stats, examples, dataset_state) -> RolloutData:
-    """Inverse of ``RolloutData.__reduce_ex__``."""
-    tensors = dict(zip(ROLLOUT_TENSORS, unpack_tensors(packed)))
-    return RolloutData(**tensors, num_groups=num_groups, stats=stats, examples=examples, dataset_state=dataset_state)
+def _rollout_from_packed(packed, others: Dict[str, Any]) -> RolloutData:
+    """Inverse of ``RolloutData.__reduce_ex__`` (``others``: every field that is not a tensor)."""
+    return RolloutData(**dict(zip(ROLLOUT_TENSORS, unpack_tensors(packed))), **others)
 
 
 _PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
