@@ -21,7 +21,8 @@ log-probs in one pass before its first step and each step is a contiguous slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from itertools import accumulate
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from rl_plugin.arguments._util import fail
 from rl_plugin.batching import plan_steps_by_docs, split_samples_for_dp
 from rl_plugin.loss.batch import StepBatch
+from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
 
 
 @dataclass
@@ -59,13 +61,37 @@ class RankPlan:
                 "each step needs one of each"
             )
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (Ray's transport to a train rank) with the micro-batch index tensors in one
+        buffer (``rl_plugin.tensor_pickle``) instead of torch's pickling per tensor; the batch
+        pickles itself the same way (``StepBatch.__reduce_ex__``)."""
+        micro = self.step_micro_batches
+        packed = None if micro is None else pack_tensors([m for step in micro for m in step])
+        if micro is not None and packed is None:
+            return super().__reduce_ex__(protocol)
+        counts = None if micro is None else [len(step) for step in micro]
+        others = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step_micro_batches"}
+        return _rank_plan_from_packed, (others, counts, packed)
+
     def steps(self) -> Iterator[Tuple[StepBatch, int, Optional[List[torch.Tensor]]]]:
         """``(step batch, num_groups, micro_batches or None)`` of each step, in order; the step
         batch is sliced from ``batch`` when reached, so per-token fields set on ``batch`` before
-        (old / reference log-probs) come with it."""
+        (old / reference log-probs) come with it. A step that is the whole batch (one step per
+        rollout) is a shallow copy of it: the same tensors, no gather."""
+        n = self.batch.num_samples
         for k, ((start, end), num_groups) in enumerate(zip(self.step_bounds, self.step_num_groups)):
             micro = None if self.step_micro_batches is None else self.step_micro_batches[k]
-            yield self.batch.select(torch.arange(start, end)), num_groups, micro
+            sub = replace(self.batch) if (start, end) == (0, n) else self.batch.select(torch.arange(start, end))
+            yield sub, num_groups, micro
+
+
+def _rank_plan_from_packed(others, counts, packed) -> RankPlan:
+    """Inverse of ``RankPlan.__reduce_ex__`` (``others``: every field but the micro-batches)."""
+    micro = None
+    if counts is not None:
+        flat = iter(unpack_tensors(packed))
+        micro = [[next(flat) for _ in range(c)] for c in counts]
+    return RankPlan(**others, step_micro_batches=micro)
 
 
 def plan_global_batch_steps(batch: StepBatch, *, global_batch_size: int, dp_size: int) -> List[RankPlan]:
@@ -91,9 +117,13 @@ def plan_global_batch_steps(batch: StepBatch, *, global_batch_size: int, dp_size
     plans = []
     for r in range(dp_size):
         sizes = [t.numel() for t in per_rank_idx[r]]
-        rank_batch = batch.select(torch.cat(per_rank_idx[r]))
-        rank_batch.group_ids = torch.cat(per_rank_gid[r])
-        ends = torch.cumsum(torch.tensor(sizes), 0).tolist()
+        gids = torch.cat(per_rank_gid[r])
+        if dp_size == 1:  # the steps in order are the whole rollout: no gather (select would copy it as is)
+            rank_batch = replace(batch, group_ids=gids)
+        else:
+            rank_batch = batch.select(torch.cat(per_rank_idx[r]))
+            rank_batch.group_ids = gids
+        ends = list(accumulate(sizes))
         bounds = [(e - s, e) for s, e in zip(sizes, ends)]
         plans.append(RankPlan(rank_batch, bounds, num_groups))
     return plans

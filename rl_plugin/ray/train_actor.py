@@ -43,6 +43,8 @@ class TrainActor:
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
+        # 1 by default: 2 keep the embedded run's numbers but cost ~10x per rollout on 2 shared
+        # cores (benchmarks/thread_settings.py); a machine with idle cores may set more
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
 
     def address(self) -> Tuple[str, int, int]:

@@ -81,7 +81,10 @@ class TrainGroup:
         results: Dict[int, Any] = {}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            if len(pending) == 1:  # the last (or only) rank: its ray.get waits, no ray.wait round trip
+                ready, pending = pending, []
+            else:
+                ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
                 try:
                     results[rank_of[ref]] = ray.get(ref)

@@ -142,26 +142,43 @@ def _describe(fn: RewardFn) -> str:
 
 def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], labels: Sequence) -> List[float]:
     """Apply ``fn`` to every sample; a reward function that raises, or returns a non-numeric or
-    non-finite reward, stops the rollout naming the sample (and, for a raise, the file:line)."""
-    out = []
-    for i, (p, r, lab) in enumerate(zip(prompts, responses, labels)):
-        try:
-            value = fn(p, r, lab)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the user's file:line and the sample
-            source = fn.source if isinstance(fn, CustomReward) else None
-            raise RewardFunctionError(
-                f"{_describe(fn)} raised {_where(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
-                f"label {lab!r}). Fix: make the function return a float for every sample; it is called as fn(prompt, response, label)"
-            ) from None
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"reward function returned {value!r} for sample {i} (prompt {p!r}); it must return a float"
-            ) from None
-        if not math.isfinite(value):
-            raise ValueError(
-                f"reward function returned {value} for sample {i} (prompt {p!r}, response {r!r}); rewards must be finite"
-            )
-        out.append(value)
+    non-finite reward, stops the rollout naming the first such sample (and, for a raise, the
+    file:line). ``fn`` is called once per sample, in order; the checks run as C-level passes
+    over all rewards, and only a failed one looks for the sample to name."""
+    values: List[object] = []
+    call = values.append
+    try:
+        for p, r, lab in zip(prompts, responses, labels):
+            call(fn(p, r, lab))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the user's file:line and the sample
+        _checked(values, prompts, responses)  # a bad reward of an earlier sample is named first
+        i = len(values)
+        p, r, lab = prompts[i], responses[i], labels[i]
+        source = fn.source if isinstance(fn, CustomReward) else None
+        raise RewardFunctionError(
+            f"{_describe(fn)} raised {_where(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
+            f"label {lab!r}). Fix: make the function return a float for every sample; it is called as fn(prompt, response, label)"
+        ) from None
+    return _checked(values, prompts, responses)
+
+
+def _checked(values: List[object], prompts: Sequence[str], responses: Sequence[str]) -> List[float]:
+    """``values`` as floats; a ValueError naming the first non-numeric or non-finite one."""
+    try:
+        out = list(map(float, values))
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not all(map(math.isfinite, out)):
+        for i, value in enumerate(values):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"reward function returned {value!r} for sample {i} (prompt {prompts[i]!r}); it must return a float"
+                ) from None
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"reward function returned {value} for sample {i} (prompt {prompts[i]!r}, response {responses[i]!r}); "
+                    "rewards must be finite"
+                ) from None
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from operator import eq
 from pathlib import Path
 from typing import Dict, List
 
@@ -68,4 +69,4 @@ def digit_match_reward(response: str, label: str) -> float:
     denom = max(len(label), len(response))
     if denom == 0:
         return 1.0
-    return sum(a == b for a, b in zip(response, label)) / denom
+    return sum(map(eq, response, label)) / denom

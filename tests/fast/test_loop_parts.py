@@ -74,6 +74,26 @@ def test_global_batch_steps_split_over_dp_with_step_local_groups():
     assert sum(p.batch.num_samples for p in plans) == 12
 
 
+def test_one_dp_rank_plans_the_whole_rollout_without_a_gather():
+    """DP = 1: the rank's batch is the rollout's (the steps in order cover it), only the group ids
+    renumbered per step; the same tensors the select path gives."""
+    b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    (plan,) = plan_global_batch_steps(b, global_batch_size=6, dp_size=1)  # 2 steps: groups 0-1 and 1-2
+    ref = b.select(torch.arange(12))
+    for name in ("tokens", "total_lengths", "response_lengths", "loss_mask", "advantages", "rollout_log_probs"):
+        got, want = getattr(plan.batch, name), getattr(ref, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert plan.batch.group_ids.tolist() == [0] * 4 + [1] * 2 + [0] * 2 + [1] * 4
+    assert plan.step_bounds == [(0, 6), (6, 12)] and plan.step_num_groups == [2, 2]
+    assert b.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4  # the rollout's batch is left as it was
+    (whole,) = plan_global_batch_steps(b, global_batch_size=12, dp_size=1)  # one step: the whole batch
+    ((step, num_groups, micro),) = list(whole.steps())
+    assert step is not whole.batch and num_groups == 3 and micro is None
+    assert all(getattr(step, f) is getattr(whole.batch, f) for f in ("tokens", "advantages", "rollout_log_probs"))
+    step.old_log_probs = torch.zeros(int(step.response_lengths.sum()))  # set on the step only
+    assert whole.batch.old_log_probs is None
+
+
 def test_global_batch_must_divide_the_rollout():
     b = rollout_batch(_rollout(num_groups=3, n=4), "grpo")
     with pytest.raises(
