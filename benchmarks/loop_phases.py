@@ -1,6 +1,7 @@
 """Per-phase time of the embedded loop (``rl-plugin-train``, HF engine) for two checkouts of the
 code, run alternately in the same session: ``--before REV`` (a git revision, exported with
-``git archive`` to a temporary directory) against the working tree.
+``git archive`` to a temporary directory, or a directory holding a copy of the code) against the
+working tree; the side that runs first alternates from round to round.
 
 Each round runs both checkouts once per backend (``--num-rollout`` rollouts, the embedded
 default's flags) and reads ``metrics.timings.jsonl``. Printed per backend: the median over all
@@ -12,6 +13,8 @@ checkout does not log (``time/weight_publish`` before the sync rode on the train
 ``loop_overhead`` = ``time/rollout_total`` minus the compute of both engines (``time/rollout_generate``,
 ``time/log_probs``, ``time/train_step``): Ray, the driver, rewards and the weight sync; it cancels
 most of the machine's speed drift, which moves the compute phases of a round together.
+``generate_call_overhead`` = ``time/rollout_call`` minus the engine's generate, the scoring and
+the weight load inside the call: the call's Ray round trip, the rollout's assembly and pickling.
 
     python benchmarks/loop_phases.py --before main [--backends fsdp megatron] [--rounds 2]
         [--num-rollout 30] [-- extra rl-plugin-train flags]
@@ -37,6 +40,7 @@ PHASES = (
     "time/train",
     "time/log_probs",
     "time/train_step",
+    "generate_call_overhead",
     "train_call_overhead",
     "loop_overhead",
     "time/weight_sync",
@@ -66,6 +70,11 @@ def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> l
         r["train_call_overhead"] = (
             r["time/train"] - r["time/log_probs"] - r["time/train_step"] - r.get("time/weight_publish", 0.0)
         )
+        if "time/rollout_call" in r:
+            # a checkout that logs time/weight_publish loads the weights inside the generate call
+            load_in_call = r.get("time/weight_load_engines", 0.0) if "time/weight_publish" in r else 0.0
+            engine = r["time/rollout_generate"] + r.get("time/rollout_reward", 0.0) + load_in_call
+            r["generate_call_overhead"] = r["time/rollout_call"] - engine
         if "time/rollout_total" in r:
             r["loop_overhead"] = (
                 r["time/rollout_total"] - r["time/rollout_generate"] - r["time/log_probs"] - r["time/train_step"]
@@ -75,7 +84,9 @@ def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> l
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", required=True, help="git revision to compare the working tree against")
+    p.add_argument(
+        "--before", required=True, help="git revision (or a directory holding a copy of the code) to compare against"
+    )
     p.add_argument("--backends", nargs="+", default=["fsdp", "megatron"])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-rollout", type=int, default=30)
@@ -83,14 +94,17 @@ def main() -> int:
     a, extra = p.parse_known_args()
     extra = [x for x in extra if x != "--"]
     with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        before = Path(a.before)
+        if not before.is_dir():  # a git revision: exported beside the runs
+            before = Path(tmp) / "before"
+            before.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], check=True, capture_output=True)
+            subprocess.run(["tar", "-x", "-C", str(before)], input=archive.stdout, check=True)
         rows = {(b, side): [] for b in a.backends for side in ("before", "after")}
         for i in range(a.rounds):
             for backend in a.backends:
-                for side, tree in (("before", before), ("after", ROOT)):
+                sides = (("before", before), ("after", ROOT)) if i % 2 == 0 else (("after", ROOT), ("before", before))
+                for side, tree in sides:  # alternate which goes first
                     got = run(tree, backend, Path(tmp) / f"{backend}-{side}-{i}", a.num_rollout, extra)
                     rows[backend, side].append(got[a.skip :])
     for backend in a.backends:
