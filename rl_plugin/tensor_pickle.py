@@ -19,7 +19,8 @@ None and the caller keeps torch's pickling for the whole object.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -86,3 +87,21 @@ def unpack_tensors(packed: Packed) -> List[Optional[torch.Tensor]]:
         else:
             out.append(torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape))
     return out
+
+
+def reduce_dataclass(obj) -> Optional[Tuple[Any, tuple]]:
+    """``__reduce_ex__``'s answer for a dataclass whose class names its tensor fields in
+    ``TENSOR_FIELDS``: those travel in one buffer (``pack_tensors``), every other field pickles as
+    it is (a field added later travels without a change here); None when a tensor needs torch's
+    pickling (the caller then keeps the default)."""
+    names = type(obj).TENSOR_FIELDS
+    packed = pack_tensors([getattr(obj, name) for name in names])
+    if packed is None:
+        return None
+    others = {f.name: getattr(obj, f.name) for f in fields(obj) if f.name not in names}
+    return _dataclass_from_packed, (type(obj), packed, others)
+
+
+def _dataclass_from_packed(cls, packed: Packed, others: Dict[str, Any]):
+    """Inverse of ``reduce_dataclass``: the tensors are views of one writable buffer."""
+    return cls(**dict(zip(cls.TENSOR_FIELDS, unpack_tensors(packed))), **others)

@@ -16,7 +16,7 @@ import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
 from rl_plugin.loss.errors import BadBatchError
-from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
+from rl_plugin.tensor_pickle import reduce_dataclass
 
 PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs")
 
@@ -42,10 +42,7 @@ class StepBatch:
         tensors (``rl_plugin.tensor_pickle``: ~0.02 ms instead of torch's ~40 us per tensor each
         way; only the viewed elements of a view travel). A tensor that needs torch's pickling
         (off the CPU, requiring grad) keeps it for the whole batch."""
-        packed = pack_tensors([getattr(self, f.name) for f in fields(self)])
-        if packed is None:
-            return super().__reduce_ex__(protocol)
-        return _step_batch_from_packed, (packed,)
+        return reduce_dataclass(self) or super().__reduce_ex__(protocol)
 
     def response_sample_ids(self) -> torch.Tensor:
         """Sample index of every response token, ``[sum R_i]``."""
@@ -126,6 +123,4 @@ class StepBatch:
         return replace(self, **out)
 
 
-def _step_batch_from_packed(packed) -> StepBatch:
-    """Inverse of ``StepBatch.__reduce_ex__`` (the tensors are views of one writable buffer)."""
-    return StepBatch(*unpack_tensors(packed))
+StepBatch.TENSOR_FIELDS = tuple(f.name for f in fields(StepBatch))  # all of them (``reduce_dataclass``)
