@@ -27,8 +27,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from rl_plugin.arguments._util import fail
 from rl_plugin.batching import plan_steps_by_docs, split_samples_for_dp
+from rl_plugin.errors import fail
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
 

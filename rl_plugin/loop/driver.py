@@ -32,9 +32,9 @@ import ray
 import torch
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.async_training import staleness_warning
 from rl_plugin.arguments.rollout import validate_engine_installed
+from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.logger import MetricsLogger, summary_line, supersede_after

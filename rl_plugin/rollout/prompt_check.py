@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.rollout.dataset import read_jsonl
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
