@@ -160,10 +160,10 @@ class TrainActor:
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:
         """Collective export (each TP shard gathered once); rank 0 publishes it for the engines
-        (``rl_plugin.rollout.weight_sync.WeightPublisher``: shared memory on its node, the object
+        (``rl_plugin.weight_sync.WeightPublisher``: shared memory on its node, the object
         store for other nodes, only the tensors that changed) and returns the ``SyncHandle``;
         other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
-        from rl_plugin.rollout.weight_sync import WeightPublisher
+        from rl_plugin.weight_sync import WeightPublisher
 
         t0 = time.perf_counter()
         sd = self.backend.export_hf_state_dict()
@@ -180,12 +180,6 @@ class TrainActor:
         """Unlink the weight segment (teardown; a killed process's segment is swept later)."""
         if self.publisher is not None:
             self.publisher.close()
-
-    def weights_fingerprint(self) -> Optional[Dict[str, str]]:
-        from rl_plugin.rollout.manager import weights_fingerprint
-
-        sd = self.backend.export_hf_state_dict()
-        return weights_fingerprint(sd) if self.rank == 0 else None
 
     def save(self, path: str, step: int, extra: Dict[str, Any]) -> None:
         self.backend.save_checkpoint(path, step=step, extra=extra)

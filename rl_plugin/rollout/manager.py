@@ -22,7 +22,6 @@ penalty to the rewards the advantages are computed from; ``reward_mean`` stays t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,8 +39,8 @@ from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.tokenizer import load_tokenizer
-from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.tensor_pickle import reduce_dataclass
+from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
@@ -128,15 +127,6 @@ def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
         log_probs=torch.from_numpy(log_probs),
         truncated_frac=float(unfinished / n),
     )
-
-
-def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
-    """sha256 of every tensor's bytes (fp32, contiguous): equal fingerprints = bitwise-equal weights."""
-    out = {}
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu", torch.float32).contiguous()
-        out[name] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    return out
 
 
 def rollout_threads() -> int:
@@ -384,14 +374,6 @@ class RolloutManager:
         if handle.fingerprint is not None:
             out["fingerprints"] = [s["fingerprint"] for s in stats]
         return out
-
-    def weights_fingerprint(self) -> List[Dict[str, str]]:
-        """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""
-        if self.engine is not None:
-            return [weights_fingerprint(self.engine.weights())]
-        import ray
-
-        return ray.get([e.weights_fingerprint.remote() for e in self.engines])
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:

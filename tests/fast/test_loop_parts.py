@@ -9,6 +9,7 @@ import torch
 
 from rl_plugin.arguments import RLArgumentError
 from rl_plugin.batching import micro_batches_by_count
+from rl_plugin.errors import WeightSyncError
 from rl_plugin.loop.checkpoint import (
     begin_save,
     commit_save,
@@ -18,13 +19,13 @@ from rl_plugin.loop.checkpoint import (
     step_dir,
     write_tracker,
 )
-from rl_plugin.loop.driver import WeightSyncError, compare_fingerprints
 from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
 from rl_plugin.loop.steps import rollout_batch
-from rl_plugin.rollout.manager import RolloutData, weights_fingerprint
+from rl_plugin.rollout.manager import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_docs_steps, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.train import parse_train_args
+from rl_plugin.weight_sync import compare_fingerprints, weights_fingerprint
 from tests.fast.tolerance import FP32_LOSS_CORE, tensor_within
 
 
