@@ -33,7 +33,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rl_plugin.loop.driver import Driver, Interrupted, LoopError
+    from rl_plugin.errors import Interrupted, LoopError
+    from rl_plugin.loop.driver import Driver
 
     try:
         Driver(args, argv=sys.argv[1:] if argv is None else argv).run()
