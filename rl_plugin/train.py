@@ -1,17 +1,21 @@
 """``rl-plugin-train`` / ``python -m rl_plugin.train``: the Ray-driven RL loop.
 
-Per rollout k (``--num-rollout`` of them)::
+Parses the flags (``rl_plugin.arguments``), then hands them to the driver
+(``rl_plugin.loop.driver.Driver``), which checks everything that needs no cluster, starts Ray and
+runs one rollout after another (``--num-rollout``)::
 
-    data  = rollout_manager.generate(k)          # prompts x n samples, rewards, sampler log-probs
-    plans = steps.plan(data)                     # advantages over whole groups; steps; DP split
-    train_group.train_rollout(plans)             # old/ref log-probs, then each optimizer step
-    rollout_manager.update_weights(buckets)      # weight sync in place, bucket by bucket: the next rollout is on-policy
-    [check weights] [save] [eval] [log]
+    data    = driver.generate(k)             # the engines load the newest weights, then sample and score
+    reports = driver.train_rollout(data)     # advantages, the plan of steps, every optimizer step;
+                                             # the ranks export and rank 0 publishes the new weights
+    driver.finish_rollout(k, ...)            # metrics rows, checkpoint and eval when due
 
-With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). Resume:
-``--load DIR`` restores model, optimizer, RNG and step (backend) plus the rollout id and dataset
-position (loop state in the checkpoint's ``extra``). ``--save-interval N`` counts rollouts here
-(one rollout = one or more optimizer steps), and a final checkpoint is written at the end.
+(``--max-weight-staleness 1`` overlaps generate(k+1) with train(k): ``loop/overlapped_schedule.py``.)
+With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). ``--load DIR``
+resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugin.loop.resume``);
+``--save-interval N`` counts rollouts, and a final checkpoint is written at the end.
+
+Exit codes: 0 done; 2 a flag, file or checkpoint problem found before training; 1 the run stopped
+(the message names the resume command); 130 Ctrl-C.
 """
 
 from __future__ import annotations

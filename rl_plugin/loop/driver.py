@@ -34,6 +34,7 @@ from rl_plugin.errors import Interrupted, LoopError, fail
 from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
+from rl_plugin.loop.overlapped_schedule import run_overlapped_rollout
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.resume import (
@@ -49,6 +50,7 @@ from rl_plugin.loop.rollout_client import RolloutClient, actor_died
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.steps import rollout_batch
+from rl_plugin.loop.sync_schedule import run_sync_rollout
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError, error_line
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
@@ -109,9 +111,6 @@ class Driver:
             lock.release()
 
     def _run_loop(self) -> None:
-        from rl_plugin.loop.overlapped_schedule import run_overlapped_rollout
-        from rl_plugin.loop.sync_schedule import run_sync_rollout
-
         cfg = self.cfg
         one_rollout = run_overlapped_rollout if cfg.overlapped else run_sync_rollout
         k = None

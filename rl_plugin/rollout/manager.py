@@ -201,7 +201,7 @@ class RolloutManager:
         return ray.get([e.node_id.remote() for e in self.engines])
 
     def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
-        """Load the sync behind ``handle`` (``rl_plugin.rollout.weight_sync``) into every engine,
+        """Load the sync behind ``handle`` (``rl_plugin.weight_sync``) into every engine,
         in place; returns the bytes per engine, the slowest engine's seconds and, under
         --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
         return self._finish_load(handle, self._start_load(handle))
