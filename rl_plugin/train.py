@@ -14,8 +14,9 @@ With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedde
 resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugin.loop.resume``);
 ``--save-interval N`` counts rollouts, and a final checkpoint is written at the end.
 
-Exit codes: 0 done; 2 a flag, file or checkpoint problem found before training; 1 the run stopped
-(the message names the resume command); 130 Ctrl-C.
+Exit codes: 0 done (or stopped by ``--exit-duration-in-mins`` after saving); 2 a flag, file or
+checkpoint problem found before training; 1 the run failed (the message names the resume command);
+130 Ctrl-C; 128 + N stopped by exit signal N (SIGTERM: 143) after saving (``loop/exit_request.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rl_plugin.errors import Interrupted, LoopError
+    from rl_plugin.errors import Interrupted, LoopError, Stopped
     from rl_plugin.loop.driver import Driver
 
     try:
@@ -45,9 +46,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RLArgumentError as exc:  # a flag or file problem, found before Ray starts (or at --load)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
-    except Interrupted as exc:
+    except (Interrupted, Stopped) as exc:
         print(f"\n{exc}", file=sys.stderr)
-        return 130  # the shell's code for "ended by SIGINT"
+        return exc.exit_code  # 130 for Ctrl-C, 128 + N for signal N, 0 after --exit-duration-in-mins
     except LoopError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1

@@ -30,10 +30,11 @@ import torch
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.async_training import staleness_warning
 from rl_plugin.arguments.rollout import validate_engine_installed
-from rl_plugin.errors import Interrupted, LoopError, fail
+from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
 from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
+from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.overlapped_schedule import run_overlapped_rollout
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
@@ -72,6 +73,7 @@ class Driver:
         self.owns_ray = False
         self.progress = Progress()
         self.pending: Optional[Pending] = None  # the rollout generated ahead (--max-weight-staleness 1)
+        self.exit: Optional[ExitRequest] = None  # exit signals and --exit-duration-in-mins
 
     # -- the run --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -86,6 +88,17 @@ class Driver:
                 "pass --hf-checkpoint DIR (a Hugging Face model directory)",
             )
         self.cfg = cfg = LoopConfig.from_args(a)
+        self.exit = ExitRequest(
+            handle_signals=a.exit_signal_handler, duration_mins=a.exit_duration_in_mins, will_save=bool(cfg.save)
+        )
+        self.exit.install()
+        try:
+            self._checked_run()
+        finally:
+            self.exit.restore()
+
+    def _checked_run(self) -> None:
+        a, cfg = self.args, self.cfg
         point = preflight(a)  # everything that needs no world: RLArgumentError before Ray starts
         if point is not None and is_finished(a, point.next_rollout):
             print(finished_message(a, point.step), flush=True)
@@ -93,6 +106,7 @@ class Driver:
         warning = staleness_warning(a)
         if warning:
             print(warning, file=sys.stderr, flush=True)
+        self._stop_if_asked(None)  # a signal during the checks: nothing started yet
         lock = RunLock(cfg.output_dir).acquire()
         # The driver's torch work is bookkeeping on ~1e3-element tensors (advantages, step plans):
         # intra-op threads only add OpenMP hand-offs, and with the node's cores busy in the actors
@@ -124,12 +138,18 @@ class Driver:
                 keep_previous(cfg.metrics_file)
             self.client.dataset_state = self.client.call("state_dict")
             self.sync_weights()
+            self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.args, cfg, self.progress.start_rollout)
             for k in range(self.progress.start_rollout, cfg.num_rollout):
                 one_rollout(self, k)
+                if k + 1 < cfg.num_rollout:
+                    self._stop_if_asked(k)
         except KeyboardInterrupt:
             where = f"during rollout {k} (after step {self.progress.step})" if k is not None else "during start-up"
             raise Interrupted(f"interrupted (Ctrl-C) {where}. {self.resume_hint()}") from None
+        except Interrupted as exc:  # a second exit signal: abort without saving
+            where = f"during rollout {k} (after step {self.progress.step})" if k is not None else "during start-up"
+            raise Interrupted(f"{exc} {where}. {self.resume_hint()}", exc.exit_code) from None
         except TrainActorError as exc:
             raise LoopError(f"{exc}. {self.resume_hint()}") from None
         except RolloutSetupError as exc:
@@ -146,10 +166,24 @@ class Driver:
     def resume_hint(self) -> str:
         return resume_hint(self.cfg, self.argv)
 
+    def _stop_if_asked(self, k: Optional[int]) -> None:
+        """Between two rollouts (``k``: the last one done; None: before the first): when an exit
+        signal or --exit-duration-in-mins asks, write a checkpoint of rollout k (unless the loop
+        just wrote it) and stop with the resume command."""
+        reason = self.exit.reason()
+        if reason is None:
+            return
+        cfg = self.cfg
+        if k is not None and cfg.save and not cfg.save_due(k):
+            save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.pending)
+        where = f"after rollout {k} (step {self.progress.step})" if k is not None else "before training started"
+        raise Stopped(f"{reason} {where}. {self.resume_hint()}", self.exit.exit_code())
+
     # -- set-up, resume, teardown -------------------------------------------------------------------
     def _start(self) -> None:
         a = self.args
         self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
+        self.exit.install()  # ray.init sets its own SIGTERM handler (exit at once): take it back
         self.placement = create_placement(a)
         self.ledger = WeightLedger(self.cfg.sync)
         self.client = RolloutClient(a, self.cfg, self.placement, self.resume_hint)
