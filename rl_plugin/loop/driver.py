@@ -31,8 +31,9 @@ from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.async_training import staleness_warning
 from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
-from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, step_dir
+from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, partial_dir, step_dir
 from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.disk_checks import directory_bytes, disk_full_message, remove_partial
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.overlapped_schedule import run_overlapped_rollout
@@ -175,7 +176,7 @@ class Driver:
             return
         cfg = self.cfg
         if k is not None and cfg.save and not cfg.save_due(k):
-            save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.pending)
+            self._save(k)
         where = f"after rollout {k} (step {self.progress.step})" if k is not None else "before training started"
         raise Stopped(f"{reason} {where}. {self.resume_hint()}", self.exit.exit_code())
 
@@ -251,6 +252,25 @@ class Driver:
             del refs, update  # the buckets are freed once no one holds their handles
         self.ledger.synced_fully(handle, load)
 
+    def _save(self, k: int) -> None:
+        """The checkpoint after rollout k. A save that fails for lack of space says so and removes
+        its ``.partial`` (never a resume point), so the disk keeps the space it had."""
+        cfg = self.cfg
+        try:
+            save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.pending)
+        except (TrainActorError, OSError, RuntimeError) as exc:
+            staging, last = partial_dir(cfg.save, self.progress.step), latest_step(cfg.save)
+            remove_partial(staging)
+            full = disk_full_message(
+                cfg.save, str(exc), directory_bytes(step_dir(cfg.save, last)) if last is not None else None
+            )
+            if full is None:
+                raise
+            raise LoopError(
+                f"saving step {self.progress.step} failed: {full}. The unfinished save {staging} was removed. "
+                f"Fix: free space there or point --save at a larger disk. {self.resume_hint()}"
+            ) from None
+
     def submit_generate(self, k: int):
         """Rollout k's generate, handed the newest published weights to load first."""
         return self.client.submit_generate(k, self.ledger.give())
@@ -313,7 +333,7 @@ class Driver:
         cfg = self.cfg
         self.rows.log_steps(self.progress, k, data, reports, timings, t0, staleness)
         if cfg.save_due(k):
-            save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.pending)
+            self._save(k)
         if cfg.eval_due(k):
             self.rows.log_eval(self.progress.step, k, self.evaluate(k))
         self.rows.advance(data, timings, self.progress.step)

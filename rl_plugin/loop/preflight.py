@@ -26,6 +26,7 @@ from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import latest_step, read_loop_state, step_dir, written_by
+from rl_plugin.loop.disk_checks import check_output_dirs
 
 
 @dataclass
@@ -119,6 +120,7 @@ def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
+    check_output_dirs(args)
     point = check_resume_point(args)
     check_reward_and_data(args)
     return point

@@ -16,6 +16,8 @@ The ``hf`` engine with a single engine runs inside the manager (it then holds th
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -23,6 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_plugin.errors import LoopError
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
@@ -41,7 +44,16 @@ def init_ray(num_cpus: int) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        address = os.environ["RAY_ADDRESS"]
+        check_ray_address(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:
+            raise LoopError(
+                f"RAY_ADDRESS={address}: cannot join the Ray cluster there ({type(exc).__name__}: {exc}). Fix: start the "
+                "cluster first (`ray start --head`), point RAY_ADDRESS at its GCS address (host:6379), or unset RAY_ADDRESS "
+                "to let the run start a local cluster"
+            ) from None
     else:
         # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
         # RAM) holds a full weight export, which travels through the object store at every sync.
@@ -58,6 +70,35 @@ def init_ray(num_cpus: int) -> bool:
 
 
 _REAPER: Optional[Reaper] = None
+CONNECT_TIMEOUT_S = 20.0  # RL_PLUGIN_RAY_CONNECT_TIMEOUT: how long a RAY_ADDRESS may take to answer
+
+
+def check_ray_address(address: str, timeout: Optional[float] = None) -> None:
+    """Fail in seconds, naming ``RAY_ADDRESS``, when nothing answers at its ``host:port``
+    (``ray.init`` would wait for ever on a port where nothing listens). ``auto`` and Ray Client's
+    ``ray://`` addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LoopError(
+            f"RAY_ADDRESS={address}: not a host:port address. Fix: set it to the head node's GCS address, e.g. "
+            "10.0.0.1:6379, or unset it to let the run start a local cluster"
+        )
+    timeout = float(os.environ.get("RL_PLUGIN_RAY_CONNECT_TIMEOUT", CONNECT_TIMEOUT_S)) if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LoopError(
+                    f"RAY_ADDRESS={address}: nothing answered there within {timeout:g} s ({exc}). Fix: start the "
+                    "cluster first (`ray start --head` on that host), check the host and port (the head's GCS, "
+                    "6379 by default) and the firewall, or unset RAY_ADDRESS to let the run start a local cluster"
+                ) from None
+            time.sleep(0.5)
 
 
 def shutdown_ray() -> None:
