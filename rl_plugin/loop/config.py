@@ -27,6 +27,9 @@ class LoopConfig:
     save: Optional[str]
     save_interval: Optional[int]
     load: Optional[str]
+    ckpt_step: Optional[int]  # --ckpt-step: the step of --load to resume (None: the tracker's)
+    save_retain: Optional[int]  # --save-retain: keep the newest N checkpoints (None: all)
+    save_retain_interval: Optional[int]  # --save-retain-interval: and those after a multiple of K rollouts
     overwrite_save: bool
     eval_interval: Optional[int]
     log_interval: int
@@ -55,6 +58,9 @@ class LoopConfig:
             save=args.save,
             save_interval=args.save_interval,
             load=args.load,
+            ckpt_step=args.ckpt_step,
+            save_retain=args.save_retain,
+            save_retain_interval=args.save_retain_interval,
             overwrite_save=bool(args.overwrite_save),
             eval_interval=args.eval_interval,
             log_interval=int(args.log_interval),

@@ -31,7 +31,7 @@ from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.async_training import staleness_warning
 from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
-from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, partial_dir, step_dir
+from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, partial_dir, resume_step, step_dir
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.disk_checks import directory_bytes, disk_full_message, remove_partial
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
@@ -197,7 +197,7 @@ class Driver:
         cfg = self.cfg
         if not cfg.load:
             return
-        step = latest_step(cfg.load)
+        step = resume_step(cfg.load, cfg.ckpt_step)
         if step is None:
             print(f"--load {cfg.load}: the directory holds no checkpoint yet, starting from scratch", flush=True)
             return

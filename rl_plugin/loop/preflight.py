@@ -25,7 +25,7 @@ from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.errors import RLArgumentError, fail
-from rl_plugin.loop.checkpoint import latest_step, read_loop_state, step_dir, written_by
+from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.loop.disk_checks import check_output_dirs
 
 
@@ -38,7 +38,7 @@ class ResumePoint:
 def check_resume_point(args) -> Optional[ResumePoint]:
     if not args.load:
         return None
-    step = latest_step(args.load)
+    step = resume_step(args.load, args.ckpt_step)
     if step is None:
         return None
     d = step_dir(args.load, step)

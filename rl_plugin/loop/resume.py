@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from rl_plugin.errors import LoopError, RLArgumentError
-from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, step_dir
+from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, retain, step_dir
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import supersede_after
 from rl_plugin.loop.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
@@ -123,3 +123,6 @@ def save_checkpoint(
         write_pending_rollout(staging, *pending)
         state["pending_rollout"] = PENDING_ROLLOUT
     commit_save(cfg.save, progress.step, state)  # loop_state.json, rename, tracker: once every rank wrote
+    deleted = retain(cfg.save, cfg.save_retain, cfg.save_retain_interval)  # only once the new one is complete
+    if deleted:
+        print(f"--save-retain {cfg.save_retain}: deleted the checkpoints of steps {deleted}", flush=True)
