@@ -41,5 +41,3 @@ def add_flag(group, *names: str, **kwargs) -> None:
 
 def is_positive_finite(x) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-

@@ -245,7 +245,9 @@ class Driver:
             load = ray.get(update)  # bytes, slowest engine's load seconds
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not actor_died(exc):
-                raise LoopError(f"weight sync failed (rollout update): {error_line(exc)}. {self.resume_hint()}") from None
+                raise LoopError(
+                    f"weight sync failed (rollout update): {error_line(exc)}. {self.resume_hint()}"
+                ) from None
             self.client.restart("update_weights", exc)  # the fresh manager and engines are synced there
             return
         finally:
@@ -296,7 +298,9 @@ class Driver:
     def take_pending(self, k: int) -> RolloutData:
         rollout_id, data, _ = self.pending
         if rollout_id != k:
-            raise LoopError(f"internal: the rollout generated ahead is rollout {rollout_id}, the loop is at rollout {k}")
+            raise LoopError(
+                f"internal: the rollout generated ahead is rollout {rollout_id}, the loop is at rollout {k}"
+            )
         self.pending = None
         return data
 

@@ -20,8 +20,7 @@ import time
 from typing import Dict, Optional
 
 from rl_plugin.errors import Interrupted
-
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+from rl_plugin.ray.cluster import EXIT_SIGNALS
 
 
 class ExitRequest:

@@ -50,7 +50,9 @@ def run_overlapped_rollout(driver: Driver, k: int) -> None:
     if ahead is not None:
         t2 = time.perf_counter()
         try:
-            nxt = driver.answered(client.retrying("generate", k + 1, lambda: driver.submit_generate(k + 1), first=ahead))
+            nxt = driver.answered(
+                client.retrying("generate", k + 1, lambda: driver.submit_generate(k + 1), first=ahead)
+            )
         except LoopError:
             driver.rows.log_steps(driver.progress, k, data, reports, {"time/train": t_train}, t0, staleness)
             raise  # the steps done stay logged
@@ -63,7 +65,9 @@ def run_overlapped_rollout(driver: Driver, k: int) -> None:
             {
                 "time/generate_ahead": ahead_s,  # the engine's own time on rollout k+1 (generate + reward)
                 "time/engine_wait_trainer": max(0.0, t2 - t1 - ahead_s),  # engine idle until training ended (approx.)
-                "time/overlap_saved": max(0.0, ahead_s - (time.perf_counter() - t2)),  # generation hidden behind training
+                "time/overlap_saved": max(
+                    0.0, ahead_s - (time.perf_counter() - t2)
+                ),  # generation hidden behind training
             }
         )
     timings["time/trainer_wait_generate"] = wait_gen

@@ -53,7 +53,9 @@ class RolloutClient:
         try:
             return ray.get(getattr(self.manager, method).remote(*args))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise LoopError(f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}") from None
+            raise LoopError(
+                f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}"
+            ) from None
 
     def engine_node_ids(self) -> Sequence[str]:
         return self.call("engine_node_ids")

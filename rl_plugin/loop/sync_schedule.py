@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # the driver picks its schedule: no import at run time
     from rl_plugin.loop.driver import Driver
 
 
-
 def run_sync_rollout(driver: Driver, k: int) -> None:
     """Rollout k: generate (loading the published weights first), train on it and publish."""
     t0 = time.perf_counter()

@@ -16,6 +16,7 @@ The ``hf`` engine with a single engine runs inside the manager (it then holds th
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rl_plugin.errors import LoopError
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
+# The signals the loop turns into "save, then stop" (rl_plugin.loop.exit_request): SIGTERM
+# (preemption), SIGUSR1 (Slurm's --signal default), SIGHUP. Blocked in the local cluster's processes.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
 
@@ -60,8 +64,16 @@ def init_ray(num_cpus: int) -> bool:
         store = None if use_gpus() else 512 * 1024 * 1024
         global _REAPER
         before = set(children(os.getpid()))
-        _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        # The cluster's processes start with the exit signals blocked (a child inherits the signal
+        # mask): a SIGTERM to the whole process group (a scheduler's preemption) reaches the driver,
+        # which saves through the still-running cluster, then tears it down (ray.shutdown, and the
+        # reaper's SIGKILL for what is left); the driver's own mask comes back right after.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
+        try:
+            _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if _REAPER is not None:
             _REAPER.set_heads(
                 sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid})

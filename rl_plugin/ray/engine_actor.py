@@ -48,7 +48,6 @@ class EngineActor:
         return load_sync(self.engine, self.receiver, handle)
 
 
-
 def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
     remote = ray.remote(EngineActor)

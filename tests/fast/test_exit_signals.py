@@ -75,7 +75,16 @@ def runs(tmp_path_factory):
     last = [ln for ln in stopped["err"].splitlines() if ln.strip()][-1]
     cmd = shlex.split(last.split(f"(last checkpoint: step {stopped['step']}): ", 1)[1])
     resumed = Proc(cmd[1:], tmp, env)
-    retain = ["--save", str(r_dir / "ckpt"), "--save-interval", "4", "--save-retain", "2", "--save-retain-interval", "8"]
+    retain = [
+        "--save",
+        str(r_dir / "ckpt"),
+        "--save-interval",
+        "4",
+        "--save-retain",
+        "2",
+        "--save-retain-interval",
+        "8",
+    ]
     full = Proc(_argv(r_dir, *retain), tmp, env)
     assert resumed.finish(timeout=900) == 0, "".join(resumed.err)[-3000:]
     assert full.finish(timeout=900) == 0, "".join(full.err)[-3000:]
