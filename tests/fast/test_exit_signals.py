@@ -1,6 +1,7 @@
 """Issue 28 #1: a preempted run saves and says how to resume (``--exit-signal-handler``).
 
-Real processes: run S (embedded task, FSDP, one rank, ``--save-interval`` far away) gets SIGTERM
+Real processes: run S (embedded task, FSDP, one rank, ``--save-interval`` far away) and its local
+Ray cluster get SIGTERM (to the whole process group)
 after its second step, as Slurm or Kubernetes send it on preemption. It must finish the train call
 in progress, write a checkpoint at the step it reached, print the last checkpoint and the resume
 command, release the output lock and exit 143, leaving no process behind. The printed command
@@ -64,7 +65,7 @@ def runs(tmp_path_factory):
     try:
         s.wait_for(lambda: sum(ln.startswith("step ") for ln in s.out) >= 2, "run S's second step")
         tree = s.tree()
-        os.kill(s.p.pid, signal.SIGTERM)  # the driver alone, as Kubernetes does
+        os.killpg(s.p.pid, signal.SIGTERM)  # the whole job, as Slurm does on preemption
         rc = s.finish(timeout=300)
     finally:
         if s.p.poll() is None:
