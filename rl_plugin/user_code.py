@@ -157,7 +157,7 @@ def load_function(spec: str, flag: str) -> Callable:
                 module = importlib.import_module(target)
             except ImportError as exc:
                 raise UserFunctionNotFound(flag, spec, f"cannot import {target!r}: {exc}") from exc
-    except ValueError:
+    except UserFunctionNotFound:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say where
         raise UserCodeError(

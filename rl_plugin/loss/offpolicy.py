@@ -169,8 +169,7 @@ CustomTISFunction = Callable[..., Tuple[torch.Tensor, list, dict]]
 
 
 def load_custom_tis_function(path: str) -> CustomTISFunction:
-    """Import ``package.module.function`` (or ``package.module:function``) for
-    ``--custom-tis-function-path``. slime's signature::
+    """Import ``--custom-tis-function-path`` (any form of ``rl_plugin.user_code.FORMS``). slime's signature::
 
         fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
            total_lengths, response_lengths, **kwargs) -> (pg_loss, loss_masks, metrics)
