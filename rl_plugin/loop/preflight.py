@@ -113,6 +113,7 @@ def check_reward_and_data(args) -> None:
                 max_response_len=args.rollout_max_response_len,
                 context_len=context,
                 hf_checkpoint=args.hf_checkpoint,
+                rm_type=args.rm_type,
             )
 
 

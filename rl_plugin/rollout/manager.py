@@ -16,7 +16,8 @@ With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``dynamic_sampli
 rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
 r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter on their raw
 rewards; the first ``--rollout-batch-size`` passing groups, in generation order, are the rollout
-and the rest are dropped (as slime does). ``--overlong-buffer-len`` then adds DAPO's over-long
+and the rest are dropped (as slime does); every round after the first prints one progress line
+(at most ``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
 penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
 """
 
@@ -49,6 +50,11 @@ def rollout_threads() -> int:
     cores): 2 threads make the engine's log-probs differ in the last bits (the ``mismatch/*``
     metrics change) and a rollout ~12x slower (OpenMP hand-offs to descheduled threads)."""
     return int(os.environ.get("RL_PLUGIN_ROLLOUT_THREADS", "1"))
+
+
+def _progress_line(line: str) -> None:
+    """Dynamic sampling's per-round line, flushed (the actor's stdout reaches the driver's log)."""
+    print(line, flush=True)
 
 
 def group_shares(num_groups: int, num_engines: int) -> List[int]:
@@ -96,7 +102,13 @@ class RolloutManager:
             data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
             data = dynamic_rollout(
-                cfg, rollout_id, self.train.next_batch, self._rollout, self.group_filter, ROUND_SEED_STRIDE
+                cfg,
+                rollout_id,
+                self.train.next_batch,
+                self._rollout,
+                self.group_filter,
+                ROUND_SEED_STRIDE,
+                progress=_progress_line,
             )
         if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
