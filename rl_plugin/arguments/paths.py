@@ -22,6 +22,7 @@ from typing import Optional
 
 from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.checkpointing import same_dir
+from rl_plugin.arguments.model_layout import check_model_layout
 from rl_plugin.user_code import check_source
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically
@@ -132,6 +133,7 @@ def validate_paths(args) -> None:
     _file("--prompt-data", args.prompt_data)
     _file("--eval-prompt-data", args.eval_prompt_data)
     _hf_checkpoint(args.hf_checkpoint)
+    check_model_layout(args)
     check_source(args.custom_rm_path, "--custom-rm-path")
     _load(args)
     _save(args)

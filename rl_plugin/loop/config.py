@@ -17,6 +17,7 @@ from rl_plugin.weight_sync import SyncSettings
 @dataclass(frozen=True)
 class LoopConfig:
     num_rollout: int
+    rollout_batch_size: int  # prompt groups per rollout
     train_backend: str
     rollout_engine: str
     advantage_estimator: str
@@ -43,6 +44,7 @@ class LoopConfig:
         output_dir = Path(args.output_dir or "outputs/run")
         return cls(
             num_rollout=int(args.num_rollout),
+            rollout_batch_size=int(args.rollout_batch_size),
             train_backend=args.train_backend,
             rollout_engine=args.rollout_engine,
             advantage_estimator=args.advantage_estimator,

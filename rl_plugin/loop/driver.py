@@ -210,7 +210,7 @@ class Driver:
         if is_finished(self.args, p.start_rollout):
             return
         self.client.call("load_state_dict", extra["rollout_state"])
-        self.pending = read_pending(cfg, step, p.start_rollout)
+        self.pending = read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size)
         print(f"resumed from {step_dir(cfg.load, step)}: step {p.step}, next rollout {p.start_rollout}", flush=True)
         supersede_metrics(cfg, p.step)
 

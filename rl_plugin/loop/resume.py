@@ -53,12 +53,14 @@ def resume_command(argv: Sequence[str], load_dir: str) -> str:
 
 def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
     """Where the completed steps are and how to resume (or why one cannot)."""
+    written = cfg.metrics_file.is_file() and cfg.metrics_file.stat().st_size > 0
+    steps = f"Completed steps are in {cfg.metrics_file}" if written else "No step was completed"
     if cfg.save and latest_step(cfg.save) is not None:
         return (
-            f"Completed steps are in {cfg.metrics_file}; resume with --load {cfg.save} (last checkpoint: step {latest_step(cfg.save)}): "
+            f"{steps}; resume with --load {cfg.save} (last checkpoint: step {latest_step(cfg.save)}): "
             f"{resume_command(argv, cfg.save)}"
         )
-    return f"Completed steps are in {cfg.metrics_file}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"
+    return f"{steps}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"
 
 
 def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
@@ -74,7 +76,7 @@ def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
     return metas[0]
 
 
-def read_pending(cfg: LoopConfig, step: int, start_rollout: int) -> Optional[Pending]:
+def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[Pending]:
     """The rollout an overlapped run generated ahead before the checkpoint (None: none)."""
     pending = read_pending_rollout(cfg.load, step)
     if pending is None:
@@ -89,6 +91,12 @@ def read_pending(cfg: LoopConfig, step: int, start_rollout: int) -> Optional[Pen
         f"is trained on as it was (staleness {pending[2]})",
         flush=True,
     )
+    if pending[1].num_groups != rollout_batch_size:
+        print(
+            f"note: that rollout has {pending[1].num_groups} prompt groups, generated with the interrupted run's "
+            f"--rollout-batch-size; this run's {rollout_batch_size} applies from rollout {start_rollout + 1} on",
+            flush=True,
+        )
     return pending
 
 
