@@ -21,11 +21,23 @@ checkpoint problem found before training; 1 the run failed (the message names th
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import List, Optional
 
-from rl_plugin.arguments import RLArgumentError
-from rl_plugin.arguments.embedded import parse_train_flags
+
+def _exit_before_start(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 / SIGHUP while the flags are parsed and checked: nothing started, nothing
+    written; one line and 128 + N. The driver installs its own handler (save, then stop) next."""
+    print(f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # before the heavy imports below
+    signal.signal(_sig, _exit_before_start)
+
+from rl_plugin.arguments import RLArgumentError  # noqa: E402
+from rl_plugin.arguments.embedded import parse_train_flags  # noqa: E402
 
 
 def parse_train_args(argv: Optional[List[str]] = None):

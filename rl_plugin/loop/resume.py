@@ -60,6 +60,8 @@ def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
             f"{steps}; resume with --load {cfg.save} (last checkpoint: step {latest_step(cfg.save)}): "
             f"{resume_command(argv, cfg.save)}"
         )
+    if cfg.save:
+        return f"{steps}; no checkpoint was written yet, so a new run starts from the beginning"
     return f"{steps}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"
 
 

@@ -15,6 +15,7 @@ The ``hf`` engine with a single engine runs inside the manager (it then holds th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -51,7 +52,8 @@ def init_ray(num_cpus: int) -> bool:
         address = os.environ["RAY_ADDRESS"]
         check_ray_address(address)
         try:
-            ray.init(address=address, log_to_driver=True)
+            with _callers_sigterm_handler():
+                ray.init(address=address, log_to_driver=True)
         except (ConnectionError, TimeoutError, RuntimeError) as exc:
             raise LoopError(
                 f"RAY_ADDRESS={address}: cannot join the Ray cluster there ({type(exc).__name__}: {exc}). Fix: start the "
@@ -71,7 +73,8 @@ def init_ray(num_cpus: int) -> bool:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
         try:
             _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+            with _callers_sigterm_handler():
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if _REAPER is not None:
@@ -82,6 +85,25 @@ def init_ray(num_cpus: int) -> bool:
 
 
 _REAPER: Optional[Reaper] = None
+
+
+@contextlib.contextmanager
+def _callers_sigterm_handler():
+    """``ray.init`` installs SIGTERM handlers in the driver that exit at once (``sys.exit``), and
+    a SIGTERM that lands during it would run them; the loop has its own (save, then stop:
+    ``rl_plugin.loop.exit_request``), so Ray's installer is a no-op for the duration and the
+    caller's handler stays. The local cluster is still taken down at exit (``shutdown_ray``, the
+    reaper)."""
+    from ray._private import utils as ray_utils
+
+    install = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
+
+
 CONNECT_TIMEOUT_S = 20.0  # RL_PLUGIN_RAY_CONNECT_TIMEOUT: how long a RAY_ADDRESS may take to answer
 
 
