@@ -14,6 +14,7 @@ from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
 from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import fp32_output_projection, log_probs_and_entropy
+from rl_plugin.loss.micro_batch_plan import plan_micro_batches, plan_steps_by_docs, split_samples_for_dp
 from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_function, tis_weights
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
 from rl_plugin.loss.step import MicroBatch, MicroBatchLoss, StepContext, prepare_step
@@ -38,9 +39,12 @@ __all__ = [
     "kl_estimate",
     "load_custom_reducer",
     "log_probs_and_entropy",
+    "plan_micro_batches",
+    "plan_steps_by_docs",
     "ppo_clip_loss",
     "prepare_step",
     "register_policy_loss",
+    "split_samples_for_dp",
     "to_tokens",
     "token_weights",
     "TIS_LEVELS",

@@ -6,7 +6,7 @@
 
 A train step::
 
-    plan   = runner.plan(batch)                       # THE planner (batching.plan_micro_batches)
+    plan   = runner.plan(batch)                       # THE planner (micro_batch_plan.plan_micro_batches)
     ctx    = prepare_step(batch, cfg, ps, device=backend.loss_device)   # counts, weights: once
     passes = backend.schedule(model, len(plan), forward, loss, forward_only=False)
         forward(i):   mb = ctx.micro_batch(plan[i])          # i >= len(plan): an empty micro-batch
@@ -65,12 +65,12 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.inputs import MicroBatchInputs
+from rl_plugin.loss.micro_batch_plan import plan_micro_batches
 from rl_plugin.loss.step import old_from_forward_unsupported, prepare_step
 from rl_plugin.parallel import ParallelState
 
