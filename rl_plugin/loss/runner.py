@@ -20,7 +20,7 @@ The forward-only pass is the same runner without backward: the same plan, the sa
 ``loss(i, out)`` gathers the micro-batch's CP chunks back into full responses
 (``comm.gather_micro_batch_responses``) and writes them into the ``[sum R_i]`` result.
 
-What a backend implements (``StepBackend``, narrow on purpose; ``backends.base.TrainBackend`` adds
+What a backend implements (``backend_api.StepBackend``, narrow on purpose; ``backends.base.TrainBackend`` adds
 weights export and checkpoints):
 
 - ``forward(model, inputs, *, temperature, chunk_size, with_entropy)``: one micro-batch
@@ -61,39 +61,20 @@ says when that gives the same numbers.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs
+from rl_plugin.loss.backend_api import MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
-from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches
 from rl_plugin.loss.step import old_from_forward_unsupported, prepare_step
 from rl_plugin.parallel import ParallelState
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
-
-Forward = Callable[[int], torch.Tensor]
-Loss = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-class StepBackend(Protocol):
-    """What the runner needs from a backend (module docstring)."""
-
-    parallel_state: ParallelState
-    loss_device: torch.device
-    loss_config: LossConfig
-
-    def forward(
-        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
-    ) -> torch.Tensor: ...
-
-    def schedule(self, model, num_micro_batches: int, forward: Forward, loss: Loss, *, forward_only: bool) -> int: ...
-
-    def optimizer_step(self) -> Tuple[float, float]: ...
 
 
 def old_log_probs_rule(

@@ -39,14 +39,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from rl_plugin.cp import ResponseLayout, exclusive_cumsum, expand_runs
+from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss.aggregation import token_weights, weighted_sum
+from rl_plugin.loss.backend_api import MicroBatch, MicroBatchInputs
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
-from rl_plugin.loss.inputs import MicroBatchInputs
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
@@ -79,38 +79,6 @@ DEEPSPEED_NAMES = {
     "entropy": "entropy",
     "old_logprobs": "old_log_prob",
 }
-
-
-@dataclass
-class MicroBatch:
-    """A micro-batch on one rank, already in the rank's CP-local order.
-
-    ``input_ids`` / ``position_ids``: model input (thd: ``[sum local_len]``; bshd:
-    ``[S, local_seq_len]``); ``targets`` and every per-token field: one entry per local response
-    token, aligned with ``layout.logit_index``.
-    """
-
-    sample_index: torch.Tensor
-    batch: StepBatch
-    layout: ResponseLayout
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    targets: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_log_probs: Optional[torch.Tensor]
-    ref_log_probs: Optional[torch.Tensor]
-    pg_weights: torch.Tensor
-    sample_mean_weights: torch.Tensor
-    sample_token_counts: torch.Tensor
-    tis_weights: Optional[torch.Tensor] = None
-    step_token_index: Optional[torch.Tensor] = None  # step-level index of the micro-batch's FULL responses
-    local_index: Optional[torch.Tensor] = None  # step-level index of each local token (loss device)
-    sample_ids: Optional[torch.Tensor] = None  # sample of each local token (loss device)
-
-    @property
-    def num_local_tokens(self) -> int:
-        return self.layout.num_local_tokens
 
 
 @dataclass

@@ -44,7 +44,7 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss.runner import StepRunner
+from rl_plugin.loss import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 
@@ -155,7 +155,7 @@ class FSDPBackend(TrainBackend):
         cfg = self.model.config
         return not any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in DROPOUT_CONFIG_FIELDS)
 
-    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
+    # -- the runner's backend interface (rl_plugin.loss.StepBackend) -----------------------------
     def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
         if inputs.layout.num_samples == 0:
             # An idle pass: one token through the model so this rank joins FSDP's collectives;

@@ -27,8 +27,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
-from rl_plugin.loss.logprobs import fp32_output_projection
+from rl_plugin.loss import default_chunk_rows, fp32_output_projection, fused_log_probs_and_entropy
 
 logger = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ def thd_as_padded_grid(layout, attn_implementation: str) -> bool:
 def model_inputs(
     mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None
 ) -> Tuple[dict, Optional[torch.Tensor]]:
-    """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatch``
+    """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatchInputs`` (or ``MicroBatch``)
     (module docstring). ``padded_grid``: force thd's padded-grid (True) or single-row (False)
     form; default ``thd_as_padded_grid``."""
     layout = mb.layout

@@ -26,7 +26,7 @@ from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
 from rl_plugin.configs import ModelConfig, TrainConfig
-from rl_plugin.loss.runner import StepRunner
+from rl_plugin.loss import StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
 
@@ -83,7 +83,7 @@ class MegatronBackend(TrainBackend):
         optimizer, scheduler = setup.build_optimizer(opt, model, bf16=m.bf16)
         return cls(config, model, bridge, optimizer, scheduler, ps, hf_dir)
 
-    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
+    # -- the runner's backend interface (rl_plugin.loss.StepBackend) -----------------------------
     def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
         return step.micro_batch_forward(
             model,

@@ -31,10 +31,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
-from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
-from rl_plugin.loss.logprobs import TargetOutOfVocabError
-from rl_plugin.loss.step import MicroBatch
+from rl_plugin.loss import (
+    MicroBatchInputs,
+    TargetOutOfVocabError,
+    default_chunk_rows,
+    fp32_output_projection,
+    fused_log_probs_and_entropy,
+    log_probs_and_entropy,
+)
 
 
 def unwrap(model):
@@ -44,7 +48,7 @@ def unwrap(model):
     return model
 
 
-def model_inputs(mb: MicroBatch, qkv_format: str):
+def model_inputs(mb: MicroBatchInputs, qkv_format: str):
     """``(input_ids, position_ids, packed_seq_params)`` of a micro-batch for GPTModel.forward."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -129,7 +133,7 @@ def response_rows(
     return rows
 
 
-def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
+def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summed_by_caller: bool):
     """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
     (``response_rows``), fp32 under ``--bf16``. Without sequence parallelism the bf16 hidden
     states are indexed first and only the rows upcast (bitwise the same rows and gradients as
@@ -164,7 +168,7 @@ def half_precision_wrapped(model) -> bool:
         model = model.module
 
 
-def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
+def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
     """The unfused path: ``[n, V/tp]`` logits of the response rows.
 
     Without ``--fp32-lm-head`` the rows are the model's own logits in its dtype: under ``--bf16``
@@ -187,7 +191,7 @@ def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: boo
 
 def response_log_probs(
     model,
-    mb: MicroBatch,
+    mb: MicroBatchInputs,
     ps,
     *,
     qkv_format: str,
@@ -220,7 +224,7 @@ def response_log_probs(
 
 def _response_log_probs(
     model,
-    mb: MicroBatch,
+    mb: MicroBatchInputs,
     ps,
     *,
     qkv_format: str,
