@@ -17,10 +17,11 @@ from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_en
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import TargetOutOfVocabError, fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches, plan_steps_by_docs, split_samples_for_dp
+from rl_plugin.loss.objective import MicroBatchLoss
 from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_function, tis_weights
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
 from rl_plugin.loss.runner import StepRunner
-from rl_plugin.loss.step import MicroBatchLoss, StepContext, prepare_step
+from rl_plugin.loss.step import StepContext, prepare_step
 
 __all__ = [
     "AGGREGATION_MODES",

@@ -71,7 +71,8 @@ from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches
-from rl_plugin.loss.step import old_from_forward_unsupported, prepare_step
+from rl_plugin.loss.off_policy_step import old_from_forward_unsupported
+from rl_plugin.loss.step import prepare_step
 from rl_plugin.parallel import ParallelState
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
