@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss import ForwardFn, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
+from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
 from rl_plugin.parallel import ParallelState
 
 
@@ -43,9 +43,7 @@ class TrainBackend(abc.ABC):
 
     # -- what the runner calls (rl_plugin.loss.StepBackend) -------------------------------------
     @abc.abstractmethod
-    def forward(
-        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
-    ) -> torch.Tensor:
+    def forward(self, model, inputs: MicroBatchInputs, options: ForwardOptions) -> torch.Tensor:
         """``[n_local, 2]`` (log-prob, entropy) of one micro-batch's local response tokens, on
         ``loss_device``; a micro-batch with no sample gives ``[0, 2]``."""
 

@@ -8,7 +8,7 @@ interface: a backend imports the core only from here (``tests/fast/test_layers.p
 
 from rl_plugin.loss.advantages import compute_advantages, to_tokens
 from rl_plugin.loss.aggregation import AGGREGATION_MODES, aggregate, load_custom_reducer, token_weights
-from rl_plugin.loss.backend_api import ForwardFn, LossFn, MicroBatch, MicroBatchInputs, StepBackend
+from rl_plugin.loss.backend_api import ForwardFn, ForwardOptions, LossFn, MicroBatch, MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
@@ -20,13 +20,14 @@ from rl_plugin.loss.micro_batch_plan import plan_micro_batches, plan_steps_by_do
 from rl_plugin.loss.objective import MicroBatchLoss
 from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_function, tis_weights
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
-from rl_plugin.loss.runner import StepRunner
+from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
 
 __all__ = [
     "AGGREGATION_MODES",
     "BadBatchError",
     "ForwardFn",
+    "ForwardOptions",
     "LossConfig",
     "LossFn",
     "MicroBatch",
@@ -49,6 +50,7 @@ __all__ = [
     "kl_estimate",
     "load_custom_reducer",
     "log_probs_and_entropy",
+    "old_log_probs_rule",
     "plan_micro_batches",
     "plan_steps_by_docs",
     "ppo_clip_loss",

@@ -11,6 +11,9 @@ A backend imports these from the package (``rl_plugin.loss``), never from a modu
 - ``MicroBatch``: the train step's micro-batch (``StepContext.micro_batch``): the same four
   model-input fields plus the loss-side per-token slices on the loss device. A backend's forward
   reads only the four model-input fields, so it takes either.
+- ``ForwardOptions``: how the forward turns rows into log-probs (temperature, vocab chunk,
+  whether to compute the entropy); the runner builds it once per pass from the ``LossConfig``
+  and it travels unchanged through every hop of a backend's forward.
 - ``StepBackend``: what the step runner calls (``forward``, ``schedule``, ``optimizer_step``,
   ``loss_device``); the contract of each is in ``runner``'s module docstring. ``ForwardFn`` and
   ``LossFn`` are the two callbacks the runner hands ``schedule``:
@@ -31,6 +34,23 @@ from rl_plugin.parallel import ParallelState
 
 ForwardFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """``temperature``: logits are divided by it before the log-softmax (the sampler's
+    ``--rollout-temperature``); ``chunk_size``: rows per chunk of the vocab-parallel log-softmax
+    (``--log-probs-chunk-size``; a fused head may lower it to its own bound); ``with_entropy``:
+    compute the entropy column (zeros otherwise)."""
+
+    temperature: float
+    chunk_size: int
+    with_entropy: bool
+
+    @classmethod
+    def of(cls, cfg: LossConfig, *, with_entropy: bool) -> "ForwardOptions":
+        """The options of the loss config ``cfg`` (``with_entropy``: the pass's choice)."""
+        return cls(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy)
 
 
 @dataclass
@@ -105,9 +125,7 @@ class StepBackend(Protocol):
     loss_device: torch.device
     loss_config: LossConfig
 
-    def forward(
-        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
-    ) -> torch.Tensor: ...
+    def forward(self, model, inputs: MicroBatchInputs, options: ForwardOptions) -> torch.Tensor: ...
 
     def schedule(
         self, model, num_micro_batches: int, forward: ForwardFn, loss: LossFn, *, forward_only: bool

@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import torch
 
 from rl_plugin.loss import (
+    ForwardOptions,
     MicroBatchInputs,
     TargetOutOfVocabError,
     default_chunk_rows,
@@ -192,28 +193,18 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
 def response_log_probs(
     model,
     mb: MicroBatchInputs,
+    options: ForwardOptions,
     ps,
     *,
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring). A
     target outside the vocabulary raises ``TargetOutOfVocabError`` naming its step sample."""
     try:
         return _response_log_probs(
-            model,
-            mb,
-            ps,
-            qkv_format=qkv_format,
-            fp32_lm_head=fp32_lm_head,
-            fused=fused,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
+            model, mb, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
         )
     except TargetOutOfVocabError as e:
         local = int(mb.layout.sample_ids[e.row])
@@ -225,14 +216,12 @@ def response_log_probs(
 def _response_log_probs(
     model,
     mb: MicroBatchInputs,
+    options: ForwardOptions,
     ps,
     *,
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
@@ -241,21 +230,21 @@ def _response_log_probs(
             rows,
             weight,
             mb.targets.to(rows.device),
-            temperature=temperature,
+            temperature=options.temperature,
             tp_group=ps.tp_group,
             vocab_start=ps.tp_rank * weight.shape[0],
             fp32_head=fp32_lm_head,
-            with_entropy=with_entropy,
-            chunk_size=min(chunk_size, default_chunk_rows(weight.shape[0])),
+            with_entropy=options.with_entropy,
+            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0])),
             reduce_hidden_grad=not gpt.config.sequence_parallel,
         )
     rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
     return log_probs_and_entropy(
         rows,
         mb.targets.to(rows.device),
-        temperature=temperature,
+        temperature=options.temperature,
         tp_group=ps.tp_group,
         vocab_start=ps.tp_rank * rows.shape[-1],
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
+        chunk_size=options.chunk_size,
+        with_entropy=options.with_entropy,
     )
