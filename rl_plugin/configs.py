@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.loss.config import LossConfig
+from rl_plugin.loss import LossConfig
 from rl_plugin.registries import DYNAMIC_SAMPLING_MAX_ROUNDS
 
 
