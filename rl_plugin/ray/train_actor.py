@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
 
@@ -133,8 +133,6 @@ class TrainActor:
     def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's
         detached log-probs are the old ones, bit for bit; ``runner.old_log_probs_rule``)."""
-        from rl_plugin.loss.runner import old_log_probs_rule
-
         if not self.fuse_old_log_probs:
             return "disabled (fuse_old_log_probs = False)"
         return old_log_probs_rule(

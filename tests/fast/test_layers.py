@@ -21,10 +21,7 @@ layers below. The rules:
 - ``arguments_stay_at_the_cli``: only ``rl_plugin/arguments`` and the modules that parse or
   validate flags (``ARGUMENT_READERS``) import ``rl_plugin.arguments``.
 
-``test_rule`` holds every rule outside ``IN_REFACTOR`` (the loop, rollout and Ray code being
-reorganised, issue 21); ``test_rule_everywhere`` holds it over the whole package and is marked
-``xfail(strict=False)`` where a violation in those areas is still known (``KNOWN_OPEN``), so it
-starts passing (XPASS) the day they are fixed: then drop the entry.
+``test_rule`` holds each rule over the whole package.
 """
 
 from __future__ import annotations
@@ -68,15 +65,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 # The loss core of the rules below: the package and the two pure modules it is built on.
 CORE = ("rl_plugin.cp", "rl_plugin.parallel", "rl_plugin.loss")
 CORE_PUBLIC = {"rl_plugin.loss", "rl_plugin.cp", "rl_plugin.parallel"}
-ARGUMENT_READERS = ("rl_plugin.arguments", "rl_plugin.train", "rl_plugin.loop.preflight", "rl_plugin.loop.driver")
-IN_REFACTOR = ("rl_plugin.loop", "rl_plugin.rollout", "rl_plugin.ray")
-# Rules with a violation still open inside IN_REFACTOR (the lead's refactor fixes them).
-KNOWN_OPEN = {
-    "core_through_package": "ray.train_actor imports rl_plugin.loss.batch and rl_plugin.loss.runner "
-    "(StepBatch, old_log_probs_rule: both exported by rl_plugin.loss)",
-    "arguments_stay_at_the_cli": "loop.checkpoint (arguments.paths) and loop.embedded (arguments.embedded) "
-    "import rl_plugin.arguments",
-}
+ARGUMENT_READERS = ("rl_plugin.arguments", "rl_plugin.train", "rl_plugin.loop")  # the CLI and its runner, the top layer
 
 Graph = Dict[str, Set[str]]
 
@@ -248,13 +237,6 @@ def graph() -> Graph:
     return import_graph()
 
 
-def _in_refactor(violation: Tuple[str, str]) -> bool:
-    mod, message = violation
-    if message.startswith("import circle: "):
-        return any(_in(m, IN_REFACTOR) for m in message[len("import circle: ") :].split(" <-> "))
-    return _in(mod, IN_REFACTOR)
-
-
 def test_graph_sees_the_imports(graph):
     """The parser finds the edges it must: a plain, a package and a function-local import."""
     assert len(graph) > 100
@@ -269,20 +251,6 @@ def test_layer_table_covers_every_module(graph):
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_rule(graph, rule):
-    """Every rule, outside the areas in refactor (loop/, rollout/, ray/)."""
-    assert [v[1] for v in RULES[rule](graph) if not _in_refactor(v)] == []
-
-
-@pytest.mark.parametrize(
-    "rule",
-    [
-        pytest.param(r, marks=pytest.mark.xfail(strict=False, reason=f"open in the refactor: {KNOWN_OPEN[r]}"))
-        if r in KNOWN_OPEN
-        else r
-        for r in sorted(RULES)
-    ],
-)
-def test_rule_everywhere(graph, rule):
     assert [msg for _, msg in RULES[rule](graph)] == []
 
 
