@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -61,6 +62,12 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
     """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
     base, extra = divmod(num_groups, num_engines)
     return [base + (1 if i < extra else 0) for i in range(num_engines)]
+
+
+def _for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
+    """The handle as engine ``rank - 1`` reads it: its rank in the distributed group (ranks 1..E;
+    train rank 0 broadcasts), unchanged for the other transports."""
+    return replace(handle, group_rank=rank) if handle.group is not None else handle
 
 
 class RolloutManager:
@@ -224,8 +231,8 @@ class RolloutManager:
         if handle is None:
             return None
         if self.engine is not None:
-            return [load_sync(self.engine, self.receiver, handle)]
-        return [e.update_weights.remote(handle) for e in self.engines]
+            return [load_sync(self.engine, self.receiver, _for_receiver(handle, 1))]
+        return [e.update_weights.remote(_for_receiver(handle, i + 1)) for i, e in enumerate(self.engines)]
 
     def _finish_load(self, handle: Optional[SyncHandle], loading: Optional[List[Any]]) -> Optional[Dict[str, Any]]:
         """``update_weights``'s answer for a load ``_start_load`` began (None: none was)."""
