@@ -15,11 +15,14 @@ FSDP: any ``AutoModelForCausalLM``; Gemma is FSDP-only):
 - step-1 agreement: samples of the synced engine re-scored by the moved trainer, so the export's
   names and layout are the engine's (the fingerprints alone would pass a consistent misnaming).
 
-One process runs every trainer (the tied Qwen3 first: an mbridge bug made every later untied
-Qwen2/Qwen3 bridge of the process map its output layer onto the embedding, ``bridge.py``
-workaround 4); one spawned process runs vLLM for all families in turn, then a second trainer
-process scores vLLM's samples (the trainers are built again: same checkpoint, same seeded noise,
-so bitwise the same weights as the exports vLLM loaded). The printed table is the family table.
+One process runs every trainer with the hf engine (the tied Qwen3 first: an mbridge bug made
+every later untied Qwen2/Qwen3 bridge of the process map its output layer onto the embedding,
+``bridge.py`` workaround 4). vLLM runs one family per vLLM model class (``VLLM_CASES``; Qwen2 is
+``test_rollout_engines``'): one spawned process for them in turn, then a second trainer process
+scores vLLM's samples (the trainers are built again: same checkpoint, same seeded noise, so
+bitwise the same weights as the exports vLLM loaded). The step-1 check found vLLM's CPU build
+computing a tied LM head with the pre-sync embedding (``vllm_engine._repack_shared``). The
+printed table is the family table. Also here: the preflight's refusals (``model_check``).
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ def _hf_worker(rank, world, ckpts):
             backend = _build(name, ckpt)
             gaps[(case, name, "hf", 0)] = _gap(backend, gens0)
             _move_weights(backend, seed=100 + list(CASES).index(case))
+            gaps[(case, name, "stale", 1)] = _gap(backend, gens0)  # what an engine left unsynced would show
             export = backend.export_hf_state_dict()
             engine = HFEngine(ckpt)
             syncs[(case, name, "hf")] = _sync(engine, export, tuple(getattr(backend, "tied_names", ())))
@@ -256,6 +260,9 @@ def test_family_trains_and_syncs_with_the_hf_engine(ckpts, hf_run, case):
     rows = [r for r in _rows(ckpts, hf_run) if r[0] == case]
     assert [r[1] for r in rows] == _backends(ckpts[case])
     assert _check(ckpts, rows) == []
+    for name in _backends(ckpts[case]):  # the step-1 check has power: an unsynced engine is far off
+        stale = hf_run[0][(case, name, "stale", 1)][0]
+        assert stale > 100 * MEAN_BOUND, stale
 
 
 def test_families_with_vllm(ckpts, hf_run, vllm_run):
@@ -270,9 +277,9 @@ def test_families_with_vllm(ckpts, hf_run, vllm_run):
 
 def test_the_preflight_table_is_mbridges():
     from rl_plugin.backends.megatron.bridge import supported_model_types
-    from rl_plugin.loop.model_check import MEGATRON_MODEL_TYPES
+    from rl_plugin.loop.model_check import MBRIDGE_MOE_TYPES, MEGATRON_MODEL_TYPES
 
-    assert list(MEGATRON_MODEL_TYPES) == supported_model_types()
+    assert sorted(MEGATRON_MODEL_TYPES + MBRIDGE_MOE_TYPES) == supported_model_types()
 
 
 def _argv(tmp_path, backend, ckpt):
@@ -307,6 +314,7 @@ def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_
             "no mbridge",
         ),
         ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "megatron", "no mbridge"),
+        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "megatron", "mixture-of-experts"),
         (
             {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
             "megatron",

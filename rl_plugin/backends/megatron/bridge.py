@@ -71,9 +71,9 @@ def _registry() -> Dict[str, type]:
 
 
 def supported_model_types() -> List[str]:
-    """``model_type`` values this backend builds, read from mbridge: its text (not
-    vision-language) bridges and the aliases. ``rl_plugin.loop.model_check.MEGATRON_MODEL_TYPES``
-    is the preflight's copy (a test keeps the two equal)."""
+    """mbridge's text (not vision-language) bridges and the aliases, read from mbridge:
+    ``rl_plugin.loop.model_check`` splits them into the dense types this backend builds and the
+    MoE types it refuses (a test keeps the tables equal to this)."""
     from mbridge.core.vlm_bridge import VLMBridge
 
     from rl_plugin.loop.model_check import MODEL_TYPE_ALIASES
