@@ -262,6 +262,7 @@ def test_family_trains_and_syncs_with_the_hf_engine(ckpts, hf_run, case):
     assert _check(ckpts, rows) == []
     for name in _backends(ckpts[case]):  # the step-1 check has power: an unsynced engine is far off
         stale = hf_run[0][(case, name, "stale", 1)][0]
+        print(f"{case} | {name} | an unsynced engine at step 1: mean {stale:.1e}")
         assert stale > 100 * MEAN_BOUND, stale
 
 
