@@ -1,6 +1,7 @@
 """Model families through both trainers and both engines: tiny random Llama (untied and tied),
-Qwen2, Qwen3 (tied, q/k norm), Qwen3, Mistral and Gemma (``rl_plugin.models.tiny``, 2 layers,
-hidden 64, head_dim 32, GQA 2/1, vocab 16).
+Qwen2, Qwen3 (q/k norm; tied with 4 x 32 attention on hidden 64, as Qwen3-0.6B's head_dim exceeds
+hidden / heads), Qwen3, Mistral and Gemma (``rl_plugin.models.tiny``, 2 layers, hidden 64,
+head_dim 32, GQA, vocab 16).
 
 For each family and each trainer that builds it (Megatron via mbridge: ``supported_model_types``;
 FSDP: any ``AutoModelForCausalLM``; Gemma is FSDP-only):
@@ -46,7 +47,8 @@ DIMS = dict(
     max_position_embeddings=64,
 )
 CASES = {  # name: (family, extra config); the tied Qwen3 first (see the module docstring)
-    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # as Qwen3-0.6B: tied, and heads x head_dim (4 x 32) wider than hidden (64)
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}),
     "qwen3": ("qwen3", {}),
     "qwen2": ("qwen2", {}),
     "llama": ("llama", {}),
@@ -186,7 +188,7 @@ def ckpts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("families")
     return {
-        case: str(make_tiny_hf_checkpoint(root / case, family, seed=i, **DIMS, **extra))
+        case: str(make_tiny_hf_checkpoint(root / case, family, seed=i, **{**DIMS, **extra}))
         for i, (case, (family, extra)) in enumerate(CASES.items())
     }
 
