@@ -25,6 +25,7 @@ def tiny_dirs(tmp_path_factory):
     return {
         "qwen2": str(make_tiny_hf_checkpoint(root / "qwen2", "qwen2")),
         "llama": str(make_tiny_hf_checkpoint(root / "llama", "llama", seed=1)),
+        "qwen3": str(make_tiny_hf_checkpoint(root / "qwen3", "qwen3", seed=2)),  # q/k norm, TP-replicated
     }
 
 
@@ -135,7 +136,7 @@ def same_export(backend) -> bool:
     return same
 
 
-@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 1), ("qwen2", 2)])
+@pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 1), ("qwen2", 2), ("qwen3", 2)])
 def test_hf_roundtrip_bit_exact_and_logits_match(tiny_dirs, family, tp, tmp_path):
     results = run_world(_roundtrip_worker, tp, tp, tiny_dirs[family], str(tmp_path / "saved_hf"))
     for same_keys, max_diff, logp_diff, logits_diff, save_diff, export_same in results:
