@@ -5,7 +5,8 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 
 1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
-   exists, ``--save`` holds no other run's checkpoints);
+   exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
+   backend trains (``rl_plugin.loop.model_check``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir);
 4. the reward function imports (errors at the user's file:line);
@@ -27,6 +28,7 @@ from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.loop.disk_checks import check_output_dirs
+from rl_plugin.loop.model_check import check_model_family
 
 
 @dataclass
@@ -121,6 +123,7 @@ def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
+    check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
     point = check_resume_point(args)
     check_reward_and_data(args)

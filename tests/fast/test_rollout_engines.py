@@ -249,10 +249,26 @@ def test_vllm_split_over_engines_samples_the_same(vllm_run):
 # -- train-inference agreement at step 0 ------------------------------------------------------
 
 
+def gens_batch(gens, group_size: int = 4):
+    """The engine's samples as the trainer's ``StepBatch`` (every response token in the loss)."""
+    from rl_plugin.loss import StepBatch
+
+    rl = torch.tensor([len(g.response_ids) for g in gens])
+    tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens])
+    return StepBatch(
+        tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]),
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_mask=torch.ones(int(rl.sum())),
+        advantages=torch.zeros(int(rl.sum())),
+        group_ids=torch.arange(len(gens)) // group_size,
+    )
+
+
 def _agreement_worker(rank, world, ckpt, samples):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.loss import LossConfig, StepBatch
+    from rl_plugin.loss import LossConfig
     from tests.fast.megatron_common import make_args
 
     backends = {
@@ -261,16 +277,7 @@ def _agreement_worker(rank, world, ckpt, samples):
     }
     out = {}
     for (engine, t), gens in samples.items():
-        rl = torch.tensor([len(g.response_ids) for g in gens])
-        tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens])
-        batch = StepBatch(
-            tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]),
-            total_lengths=tl,
-            response_lengths=rl,
-            loss_mask=torch.ones(int(rl.sum())),
-            advantages=torch.zeros(int(rl.sum())),
-            group_ids=torch.arange(len(gens)) // 4,
-        )
+        batch = gens_batch(gens)
         engine_logp = torch.tensor([x for g in gens for x in g.log_probs])
         for name, backend in backends.items():
             backend.loss_config = LossConfig.from_args(
