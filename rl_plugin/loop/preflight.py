@@ -6,7 +6,7 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
    exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
-   backend trains (``rl_plugin.loop.model_check``);
+   backend trains (``rl_plugin.backends.model_families``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir);
 4. the reward function imports (errors at the user's file:line);
@@ -25,10 +25,10 @@ from typing import Optional
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.backends.model_families import check_model_family
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.loop.disk_checks import check_output_dirs
-from rl_plugin.loop.model_check import check_model_family
 
 
 @dataclass

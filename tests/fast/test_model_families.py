@@ -23,7 +23,7 @@ every later untied Qwen2/Qwen3 bridge of the process map its output layer onto t
 scores vLLM's samples (the trainers are built again: same checkpoint, same seeded noise, so
 bitwise the same weights as the exports vLLM loaded). The step-1 check found vLLM's CPU build
 computing a tied LM head with the pre-sync embedding (``vllm_engine._repack_shared``). The
-printed table is the family table. Also here: the preflight's refusals (``model_check``).
+printed table is the family table. Also here: the preflight's refusals (``backends.model_families``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ NOISE = 0.02  # the trainer's weights moved off the checkpoint by this (relative
 
 
 def megatron_builds(ckpt: str) -> bool:
-    from rl_plugin.loop.model_check import megatron_unsupported_reason
+    from rl_plugin.backends.model_families import megatron_unsupported_reason
 
     return megatron_unsupported_reason(json.loads((Path(ckpt) / "config.json").read_text())) is None
 
@@ -280,7 +280,7 @@ def test_families_with_vllm(ckpts, hf_run, vllm_run):
 
 def test_the_preflight_table_is_mbridges():
     from rl_plugin.backends.megatron.bridge import supported_model_types
-    from rl_plugin.loop.model_check import MBRIDGE_MOE_TYPES, MEGATRON_MODEL_TYPES
+    from rl_plugin.backends.model_families import MBRIDGE_MOE_TYPES, MEGATRON_MODEL_TYPES
 
     assert sorted(MEGATRON_MODEL_TYPES + MBRIDGE_MOE_TYPES) == supported_model_types()
 
@@ -296,7 +296,7 @@ def _argv(tmp_path, backend, ckpt):
 
 
 def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_path, capsys):
-    from rl_plugin.loop.model_check import MEGATRON_MODEL_TYPES
+    from rl_plugin.backends.model_families import MEGATRON_MODEL_TYPES
     from rl_plugin.train import main
 
     assert main(_argv(tmp_path, "megatron", ckpts["gemma"])) == 2
@@ -337,7 +337,7 @@ def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_
     ],
 )
 def test_unsupported_models_are_named(config, backend, fragment):
-    from rl_plugin.loop.model_check import unsupported_reason
+    from rl_plugin.backends.model_families import unsupported_reason
 
     reason = unsupported_reason(config, backend)
     assert reason is not None and fragment in reason, reason
@@ -345,7 +345,7 @@ def test_unsupported_models_are_named(config, backend, fragment):
 
 
 def test_supported_models_pass(ckpts):
-    from rl_plugin.loop.model_check import unsupported_reason
+    from rl_plugin.backends.model_families import unsupported_reason
 
     for case, ckpt in ckpts.items():
         cfg = json.loads((Path(ckpt) / "config.json").read_text())

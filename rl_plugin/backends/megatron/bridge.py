@@ -2,7 +2,7 @@
 
 ``make_bridge(hf_dir, dtype=..., extra_config=...)`` returns an mbridge ``Bridge`` for the
 checkpoint's family (Qwen2, Qwen3, Llama, Mistral as Llama, and whatever else mbridge registers,
-see ``supported_model_types``; anything else is refused by ``rl_plugin.loop.model_check``); ``build_gpt_model(bridge)``
+see ``supported_model_types``; anything else is refused by ``rl_plugin.backends.model_families``); ``build_gpt_model(bridge)``
 builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_dir)`` loads HF
 tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
 shards gathered, on every rank.
@@ -36,7 +36,7 @@ if a workaround stops being needed or stops working:
 
 Mistral (no sliding window, as Mistral 7B v0.2+) has Llama's layers and weight names; mbridge
 0.15.1 registers no ``mistral`` bridge, so it is converted by the Llama bridge
-(``rl_plugin.loop.model_check.MODEL_TYPE_ALIASES``); a sliding window shorter than the context
+(``rl_plugin.backends.model_families.MODEL_TYPE_ALIASES``); a sliding window shorter than the context
 is refused there (megatron's full attention would be another model).
 """
 
@@ -72,11 +72,11 @@ def _registry() -> Dict[str, type]:
 
 def supported_model_types() -> List[str]:
     """mbridge's text (not vision-language) bridges and the aliases, read from mbridge:
-    ``rl_plugin.loop.model_check`` splits them into the dense types this backend builds and the
+    ``rl_plugin.backends.model_families`` splits them into the dense types this backend builds and the
     MoE types it refuses (a test keeps the tables equal to this)."""
     from mbridge.core.vlm_bridge import VLMBridge
 
-    from rl_plugin.loop.model_check import MODEL_TYPE_ALIASES
+    from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES
 
     text = [t for t, cls in _registry().items() if not issubclass(cls, VLMBridge)]
     return sorted(text + [a for a, t in MODEL_TYPE_ALIASES.items() if t in text])
@@ -139,7 +139,7 @@ def make_bridge(
     """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
     from transformers import AutoConfig
 
-    from rl_plugin.loop.model_check import MODEL_TYPE_ALIASES, megatron_unsupported_reason
+    from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES, megatron_unsupported_reason
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     fix_rope_theta(hf_config)

@@ -1,4 +1,4 @@
-"""The model ``--hf-checkpoint`` names is one ``--train-backend`` can train: checked from its
+"""The model families each backend trains: the model ``--hf-checkpoint`` names is one ``--train-backend`` can train, checked from its
 ``config.json`` before Ray or a model starts (``preflight``), so an unsupported family costs a
 second and a message, not a crash inside a train actor.
 
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Dict, Optional
 
-from rl_plugin.arguments._util import fail
+from rl_plugin.errors import fail
 
 MEGATRON_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # mbridge's mixture-of-experts bridges: converted by mbridge, refused here (their layer spec does
