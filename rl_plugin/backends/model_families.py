@@ -21,11 +21,7 @@ supported type (and Gemma on FSDP) through both backends and both engines.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Dict, Optional
-
-from rl_plugin.errors import fail
 
 MEGATRON_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # mbridge's mixture-of-experts bridges: converted by mbridge, refused here (their layer spec does
@@ -96,23 +92,3 @@ def unsupported_reason(hf_config: Dict, train_backend: str) -> Optional[str]:
     if reason is None and train_backend == "fsdp":
         reason = fsdp_unsupported_reason(hf_config)
     return reason
-
-
-def check_model_family(args) -> None:
-    """Preflight: refuse (``RLArgumentError``) a ``--hf-checkpoint`` the backend cannot train.
-    Runs after ``validate_paths`` (config.json exists); without ``--hf-checkpoint`` the run
-    uses the embedded tiny Qwen2."""
-    if not args.hf_checkpoint:
-        return
-    path = Path(args.hf_checkpoint) / "config.json"
-    try:
-        hf_config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        fail(f"--hf-checkpoint {args.hf_checkpoint}", f"{path} is not readable JSON ({exc})", "re-download the model")
-    reason = unsupported_reason(hf_config, args.train_backend)
-    if reason is not None:
-        other = "fsdp" if args.train_backend == "megatron" else None
-        fix = "pass a causal LM checkpoint (e.g. ...ForCausalLM)"
-        if other and not_causal_reason(hf_config) is None and fsdp_unsupported_reason(hf_config) is None:
-            fix = f"train it with --train-backend {other} (any AutoModelForCausalLM), or pass a supported model"
-        fail(f"--hf-checkpoint {args.hf_checkpoint} with --train-backend {args.train_backend}", reason, fix)
