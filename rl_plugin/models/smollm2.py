@@ -112,7 +112,7 @@ def checkpoint_dir(root: Path | None = None, dtype: str = "float32") -> Path:
         config = loaded.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the GGUF marker is what makes save_pretrained refuse
-        config.torch_dtype = getattr(torch, dtype)
+        config.dtype = getattr(torch, dtype)
         fresh = LlamaForCausalLM(config).to(getattr(torch, dtype))
         missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
