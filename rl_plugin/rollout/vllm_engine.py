@@ -13,14 +13,20 @@ and is part of it.
 Weights in place. ``update_weights(bucket)`` hands a bucket of Hugging Face tensors to vLLM's
 ``reload_weights`` (checkpoint format: vLLM fuses q/k/v and gate/up itself, so a fused group must
 arrive in one bucket), then drops the prefix cache, whose KV entries were computed under the old
-weights. Nothing is restarted and nothing touches the disk.
+weights. Nothing is restarted and nothing touches the disk. Tied embeddings: vLLM's CPU build
+packs the LM head's weight into a GEMM handle once, at load; ``reload_weights`` updates the
+embedding (the head's own parameter) in place but not that handle, so the engine would sample with
+the new embedding and the *old* head (seen on SmolLM2: trainer/engine mismatch 1e-5 -> 4e-3
+after the first sync; ``scripts/vllm_tied_head_repro.py``). A bucket holding the embedding of a
+tied model therefore repacks the head (``_repack_tied_head``).
 
 Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
 repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
 through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
 (each output is one product ``w * 1`` plus exact zeros; only a stored ``-0.0`` reads as ``+0.0``).
 Fused parameters are split back into the Hugging Face names by the layer's output sizes, and the
-vocabulary padding of the embedding and LM head is cut off.
+vocabulary padding of the embedding and LM head is cut off. A tied LM head is read through its
+own packed kernel too (not assumed equal to the embedding), so a stale head shows up.
 """
 
 from __future__ import annotations
@@ -137,6 +143,8 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
         items = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
+        if self.tied and any(name.endswith("embed_tokens.weight") for name, _ in items):
+            self.llm.collective_rpc(_repack_tied_head)
         self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
 
     def weights(self) -> Dict[str, torch.Tensor]:
@@ -163,6 +171,9 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
                     value = _probe_linear(module)
                 for name, part in _split_fused(module_name, pname, value, module, packed):
                     out[name] = part.to("cpu").clone()
+    head = getattr(model, "lm_head", None)
+    if tied and hasattr(head, "cpu_linear"):  # the head as the kernel computes it, not its (shared) parameter
+        out["lm_head.weight"] = _probe_linear(head, int(head.weight.shape[1]), head.weight.dtype, head.weight)
     for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
     if tied and "lm_head.weight" not in out:
@@ -170,11 +181,22 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
     return out
 
 
-def _probe_linear(module) -> torch.Tensor:
+def _repack_tied_head(worker) -> None:
+    """Runs inside a vLLM worker: rebuild the CPU GEMM handle of a tied LM head from its (updated)
+    weight, which is the embedding's parameter (see the module docstring)."""
+    head = getattr(worker.model_runner.model, "lm_head", None)
+    if head is None or not hasattr(head, "cpu_linear"):
+        return  # a GPU build: the head multiplies by the shared parameter itself
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+def _probe_linear(module, k: Optional[int] = None, dtype=None, weight=None) -> torch.Tensor:
     """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact)."""
-    k = int(module.input_size_per_partition)
-    eye = torch.eye(k, dtype=module.params_dtype)
-    return module.cpu_linear(eye, module.weight, None).t().contiguous()
+    k = int(module.input_size_per_partition) if k is None else k
+    eye = torch.eye(k, dtype=module.params_dtype if dtype is None else dtype)
+    return module.cpu_linear(eye, module.weight if weight is None else weight, None).t().contiguous()
 
 
 def _split_fused(
