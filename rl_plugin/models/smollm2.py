@@ -52,6 +52,7 @@ def _publish(build, final: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         build(tmp)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of the machine
         try:
             tmp.rename(final)
         except OSError:
