@@ -10,8 +10,10 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir);
 4. the reward function imports (errors at the user's file:line);
-5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` tokenizes and fits the model's
-   context with ``--rollout-max-response-len`` (``rl_plugin.rollout.prompt_check``).
+5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
+   chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
+   few for its text) and fits the model's context with ``--rollout-max-response-len``
+   (``rl_plugin.rollout.prompt_check``).
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -83,7 +85,7 @@ def finished_message(args, step: int) -> str:
 
 
 def check_reward_and_data(args) -> None:
-    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length
+    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length, model_vocab_size
     from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn
     from rl_plugin.rollout.tokenizer import load_tokenizer
 
@@ -98,12 +100,18 @@ def check_reward_and_data(args) -> None:
             "pass package.module:function or path/to/file.py:function",
         )
     try:
-        tokenizer = load_tokenizer(args.hf_checkpoint, apply_chat_template=args.apply_chat_template)
+        tokenizer = load_tokenizer(
+            args.hf_checkpoint,
+            apply_chat_template=args.apply_chat_template,
+            chat_template_kwargs=args.apply_chat_template_kwargs,
+            system_prompt=args.system_prompt,
+        )
     except ValueError as exc:
         fail(
             f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
         )
     context = model_context_length(args.hf_checkpoint)
+    vocab = model_vocab_size(args.hf_checkpoint)
     for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
         if path is not None:
             check_prompt_file(
@@ -112,10 +120,12 @@ def check_reward_and_data(args) -> None:
                 tokenizer,
                 input_key=args.input_key,
                 label_key=args.label_key,
+                metadata_key=args.metadata_key,
                 max_response_len=args.rollout_max_response_len,
                 context_len=context,
                 hf_checkpoint=args.hf_checkpoint,
                 rm_type=args.rm_type,
+                vocab_size=vocab,
             )
 
 

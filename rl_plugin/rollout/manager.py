@@ -81,16 +81,20 @@ class RolloutManager:
     ):
         torch.set_num_threads(rollout_threads())
         self.config = cfg = config
-        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
+        self.tokenizer = load_tokenizer(
+            checkpoint_dir,
+            apply_chat_template=cfg.apply_chat_template,
+            chat_template_kwargs=cfg.apply_chat_template_kwargs,
+            system_prompt=cfg.system_prompt,
+        )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
-        self.train = PromptDataset.from_jsonl(
-            train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed
-        )
-        self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
+        keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
+        self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None
         self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
         path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
@@ -161,8 +165,11 @@ class RolloutManager:
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
+        metadata = [r.metadata for r in recs for _ in range(n)]
         t1 = time.perf_counter()
-        rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
+        rewards = torch.tensor(
+            score_responses(self.reward_fn, prompts, responses, labels, metadata), dtype=torch.float32
+        )
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         flat = flatten_generations(gens)
         empty = torch.nonzero(flat.response_lengths == 0).flatten()
