@@ -78,7 +78,11 @@ def add_arguments(parser):
         "--rollout-top-p",
         type=float,
         default=1.0,
-        help="Nucleus-sampling threshold of the rollout. Keep 1.0 for on-policy RL: top-p < 1 samples from a truncated distribution that the trainer's log-probs do not model.",
+        help=(
+            "Nucleus-sampling threshold of the rollout. Keep 1.0 for on-policy RL: top-p < 1 samples from a truncated "
+            "distribution that the trainer's log-probs do not model. Both engines then return each token's log-prob under "
+            "the renormalised nucleus it was drawn from, so the mismatch/* metrics include the truncation."
+        ),
     )
     add_flag(
         g,

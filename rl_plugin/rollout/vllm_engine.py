@@ -6,7 +6,10 @@ weights only, so a rollout split over several engines samples what one engine wo
 batch-dependent rounding of the forward pass). The returned log-prob of token y_t is
 ``log softmax(z_t / T)[y_t]`` (``logprobs_mode="processed_logprobs"``: the temperature-scaled
 distribution the token was drawn from, what the trainer recomputes at ``--rollout-temperature``;
-the default ``raw_logprobs`` would ignore T). Top-p truncation is not folded in (as with ``hf``).
+the default ``raw_logprobs`` would ignore T). With ``--rollout-top-p`` < 1 it is the log-prob under the
+nucleus it was drawn from, renormalised (vLLM applies top-p before ``processed_logprobs``); the
+``hf`` engine returns the same, so the mismatch metrics and ``--use-rollout-logprobs`` mean one
+thing on both engines.
 Stop tokens: the EOS ids of the checkpoint's generation config; the EOS token ends the response
 and is part of it.
 
