@@ -25,6 +25,7 @@ from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
+from rl_plugin.weight_sync import node_id
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
@@ -79,6 +80,7 @@ class TrainActor:
             "tp_rank": ps.tp_rank,
             "cp_rank": ps.cp_rank,
             "pid": os.getpid(),
+            "node_id": node_id(),  # where rank 0's weight segments live (swept there if it dies)
         }
 
     # -- training -----------------------------------------------------------------------------
