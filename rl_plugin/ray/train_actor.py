@@ -181,8 +181,9 @@ class TrainActor:
         if self.publisher is not None:
             self.publisher.close()
 
-    def save(self, path: str, step: int, extra: Dict[str, Any]) -> None:
-        self.backend.save_checkpoint(path, step=step, extra=extra)
+    def save(self, path: str, step: int, extra: Dict[str, Any]) -> List[str]:
+        """This rank's part of the checkpoint into ``path``; returns the files it wrote (relative)."""
+        return list(self.backend.save_checkpoint(path, step=step, extra=extra))
 
     def load(self, path: str) -> Dict[str, Any]:
         meta = self.backend.load_checkpoint(path)
