@@ -15,7 +15,7 @@ an actor on a GPU bundle that sees no CUDA fails loud naming its node
 (``rl_plugin.ray.gpu_check``). Disaggregated,
 the rollout manager gets one bundle, and each engine process (``engine_processes``) one more
 (``--rollout-num-gpus-per-engine`` GPUs, or one CPU). With ``--colocate`` the manager shares
-bundle 0 and engine i bundle ``i % world`` with the training ranks (fractional, time-shared).
+rank 0's bundle and engine i rank ``i % world``'s with the training ranks (fractional, time-shared).
 The ``hf`` engine with a single engine runs inside the manager (it then holds the rollout GPUs).
 Engine bundles are in (node, GPU id) order too.
 """
