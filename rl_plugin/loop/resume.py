@@ -132,10 +132,8 @@ def save_checkpoint(
     if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
         write_pending_rollout(staging, *pending)
         state["pending_rollout"] = PENDING_ROLLOUT
-    nodes = [i["ip"] for i in group.info]
-    commit_save(
-        cfg.save, progress.step, state, written, nodes
-    )  # every rank's files seen, loop_state.json, rename, tracker
+    # every rank's files seen by this process, then loop_state.json, rename, tracker
+    commit_save(cfg.save, progress.step, state, written, [i["ip"] for i in group.info])
     deleted = retain(cfg.save, cfg.save_retain, cfg.save_retain_interval)  # only once the new one is complete
     if deleted:
         print(f"--save-retain {cfg.save_retain}: deleted the checkpoints of steps {deleted}", flush=True)
