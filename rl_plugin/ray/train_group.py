@@ -98,7 +98,10 @@ class TrainGroup:
         report a dead actor if there is one (the raised error is kept in the message)."""
         rank = rank_of[ref]
         if isinstance(exc, ray.exceptions.RayActorError):
-            return TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank))
+            cause = _cause(exc)
+            if "creation task" in cause:  # __init__ raised (e.g. a GPU bundle without CUDA): its error line
+                cause = f"{cause} -> {error_line(exc)}"
+            return TrainActorError(rank, method, cause, died=True, info=self._info(rank))
         raised = TrainActorError(rank, method, str(exc), died=False, info=self._info(rank), error_line=error_line(exc))
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S) if pending else ([], [])
         for other in ready:
