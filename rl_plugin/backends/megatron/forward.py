@@ -290,7 +290,7 @@ def _response_log_probs(
             vocab_start=ps.tp_rank * weight.shape[0],
             fp32_head=fp32_lm_head,
             with_entropy=options.with_entropy,
-            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0])),
+            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0], device=weight.device)),
             reduce_hidden_grad=not gpt.config.sequence_parallel,
         )
     rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
