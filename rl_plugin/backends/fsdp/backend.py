@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -203,6 +203,23 @@ class FSDPBackend(TrainBackend):
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+
+    def hf_weight_specs(self) -> Dict[str, torch.Tensor]:
+        """The state dict's names (tied names included), global shapes and dtypes, as meta tensors."""
+        return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()}
+
+    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """One parameter at a time: every rank joins the all-gather of its shards
+        (``DTensor.full_tensor``; a tied name is gathered again rather than kept), only rank 0
+        keeps the result, copied to the CPU; the device holds one full parameter at a time."""
+        from torch.distributed.tensor import DTensor
+
+        exporter = dist.get_rank() == 0
+        for name, value in self.model.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if exporter:
+                yield name, full.detach().to("cpu")
+            del full
 
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
