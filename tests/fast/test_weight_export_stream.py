@@ -140,6 +140,8 @@ def test_a_stream_that_disagrees_with_its_specs_fails_loud():
         new = {k: v + 1 for k, v in sd.items()}
         h4 = pub.publish_stream(specs_of(new), iter(new.items()), req)  # the next sync rewrites the slot whole
         got = {n: t.clone() for b in WeightReceiver().buckets(h4) for n, t in b.items()}
-        assert all(torch.equal(got[n], new[n]) for n in new) and h4.sent_bytes == sum(v.numel() * 4 for v in new.values())
+        assert all(torch.equal(got[n], new[n]) for n in new) and h4.sent_bytes == sum(
+            v.numel() * 4 for v in new.values()
+        )
     finally:
         pub.close()
