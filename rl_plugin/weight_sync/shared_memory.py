@@ -6,6 +6,10 @@ sync ``v - 1`` is the last sync's weights, so each exported tensor is compared w
 (``changed_bitwise``) and ``changed_at[name]`` becomes the version of the sync that last changed
 it. A fused group travels whole, a tied name never (the publisher drops it).
 
+Streaming (``open``): the layout comes from the export's specs (meta tensors), so each tensor is
+compared and written as the backend's stream yields it; a sync that fails part way leaves its
+slot marked "being written" (version 0) and rewritten whole by the next sync.
+
 Double buffering (``SyncRequest.slots = 2``, overlapped training): sync ``v`` goes into slot
 ``v % 2``, so an engine still loading sync ``v - 1`` from the other slot is never overwritten by
 the publish of ``v``. Each slot remembers the version it holds (``slot_version``); writing ``v``

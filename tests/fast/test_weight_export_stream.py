@@ -5,7 +5,8 @@ publish (``WeightPublisher.publish_stream``), in real gloo worlds:
   bit for bit, with the shapes and dtypes ``hf_weight_specs`` announced (meta, nothing
   materialised); the other ranks get nothing; only TP rank 1 of DP rank 0 takes part in a gather
   (DP rank 1's TP group does none);
-- FSDP DP2 with tied embeddings: the same, tied names included;
+- FSDP DP2 with tied embeddings and dims that do not divide by 2 (uneven shards): the same,
+  tied names included; rank 1 gets nothing;
 - the train actor's ``export_weight_buckets`` streamed and not streamed publish the same
   fingerprint, and an engine reading the segment gets the export bit for bit;
 - a stream that disagrees with its specs fails loud and leaves no segment that looks valid.
@@ -115,7 +116,8 @@ def test_megatron_stream_only_dp0_tp_group_gathers(tmp_path):
 def test_fsdp_stream_with_tied_embeddings(tmp_path):
     from tests.fast.fsdp_common import tiny_checkpoint
 
-    results = run_world(_fsdp_worker, 2, tiny_checkpoint(tmp_path, tie_word_embeddings=True))
+    ckpt = tiny_checkpoint(tmp_path, tie_word_embeddings=True, vocab_size=127, intermediate_size=65)
+    results = run_world(_fsdp_worker, 2, ckpt)
     _check_rank0(results[0])
     assert results[0]["tied"] == ["lm_head.weight"] and "lm_head.weight" in results[0]["stream_names"]
     assert results[1]["streamed"] == 0
