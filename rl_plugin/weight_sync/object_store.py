@@ -89,6 +89,8 @@ class _BucketStream(WriteStream):
                 f"weight sync: the export ended before {self.groups[0][0]!r} (and {len(self.groups) - 1} more group(s)) "
                 "of its specs arrived"
             )
+        if self.arrived:  # a tensor of a group already sent: streamed twice
+            raise RuntimeError(f"weight sync: the export streamed {next(iter(self.arrived))!r} twice")
         if self.bucket:
             self._put()
         self.handle.object_refs, self.handle.object_since = self.refs, self.since
