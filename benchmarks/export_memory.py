@@ -23,8 +23,9 @@ dynamic default (what a process gets unless it sets the variable).
 
 Per rank: RSS before the first export (``VmRSS``, the model built), the high-water mark of each
 sync (``VmHWM``, reset before it by writing 5 to ``/proc/self/clear_refs``), and the shared memory
-the transport left mapped (``RssShmem`` growth: the segment, or the object store's pages, which
-rank 0 writes and which count in its RSS; the same in both paths: it is the transport itself).
+the transport left mapped (``RssShmem`` + ``RssFile`` growth: the segment, or the object store's
+pages, which rank 0 writes and which count in its RSS; the same in both paths: it is the
+transport itself).
 "extra" = max(peak1, peak2) - before - transport: the private memory the export took. Sync 1
 creates the segment; before sync 2 every weight is changed in place, so sync 2 rewrites all of
 it. Peaks are taken against the RSS before sync 1, not before each sync: the allocator may keep
@@ -54,11 +55,11 @@ MIB = 2**20
 
 
 def proc_status() -> dict:
-    """VmRSS / VmHWM / RssAnon / RssShmem of this process, in bytes."""
+    """VmRSS / VmHWM / RssAnon / RssFile / RssShmem of this process, in bytes."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssShmem"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -131,14 +132,15 @@ def worker(rank, world, backend_name, hf_dir, path, buffer_bytes, transport):
         del handle
         dist.barrier()
         syncs.append(dict(before=before["VmRSS"], peak=peak, seconds=seconds))
-    syncs_shmem = proc_status()["RssShmem"]  # before the handle of sync 2 is dropped: what the transport holds
+    after = proc_status()  # what the transport left mapped: the segment / the object store's pages
+    mapped = after["RssShmem"] + after["RssFile"] - start["RssShmem"] - start["RssFile"]
     handle = export(SyncRequest(buffer_bytes=buffer_bytes, transport=transport, fingerprint=True))
     digest = None
     if handle is not None:
         digest = hashlib.sha256(repr(sorted(handle.fingerprint.items())).encode()).hexdigest()[:16]
         actor.close_weight_sync()
     ps = backend.parallel_state
-    transport_bytes = syncs_shmem - start["RssShmem"]
+    transport_bytes = mapped
     peak = max(s["peak"] for s in syncs)
     return dict(
         rank=rank,
