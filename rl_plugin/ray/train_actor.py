@@ -191,8 +191,8 @@ class TrainActor:
         stream = _Timed(self.backend.stream_hf_weights())
         try:
             handle = self.publisher.publish_stream(specs, stream, request)
-        except BaseException:
-            for _ in stream:  # finish the collectives so the other ranks are not left waiting
+        except Exception:  # a publish error: finish the collectives so the other ranks are not left waiting
+            for _ in stream:
                 pass
             raise
         handle.export_seconds = stream.seconds

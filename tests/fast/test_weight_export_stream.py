@@ -9,6 +9,7 @@ publish (``WeightPublisher.publish_stream``), in real gloo worlds:
   tied names included; rank 1 gets nothing;
 - the train actor's ``export_weight_buckets`` streamed and not streamed publish the same
   fingerprint, and an engine reading the segment gets the export bit for bit;
+- a publish that fails on rank 0 still finishes the gathers (the other ranks return);
 - a stream that disagrees with its specs fails loud and leaves no segment that looks valid.
 """
 
@@ -65,6 +66,16 @@ def _export_worker(backend, rank, world):
             same = sorted(got) == sorted(n for n in full if n not in skip)
             same = same and all(torch.equal(got[n], full[n]) for n in got)
             fingerprints.append((handle.fingerprint == weights_fingerprint(full), same, handle.export_seconds > 0))
+    # A publish that fails on rank 0 (shared memory cannot reach another node) still finishes
+    # the gathers, so the other ranks return instead of waiting for ever.
+    actor.stream_export = True
+    try:
+        far = SyncRequest(buffer_bytes=1 << 16, transport="shared_memory", engine_nodes=("another-node",))
+        actor.export_weight_buckets(far)
+        out["refused"] = None
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    dist.barrier()
     if rank == 0:
         actor.close_weight_sync()
     out["fingerprints"] = fingerprints
@@ -96,6 +107,7 @@ def _check_rank0(out):
     assert out["bitwise"]
     # streamed, then the old path: both fingerprints are the export's; the engine reads it exactly
     assert out["fingerprints"] == [(True, True, True), (True, True, True)]
+    assert "shared memory reaches one machine only" in out["refused"]
 
 
 def test_megatron_stream_only_dp0_tp_group_gathers(tmp_path):
@@ -110,6 +122,7 @@ def test_megatron_stream_only_dp0_tp_group_gathers(tmp_path):
     assert tp_params > 0 and by_rank[(0, 1)]["gathers"] == tp_params  # the TP peer sends each shard
     assert by_rank[(1, 0)]["gathers"] == by_rank[(1, 1)]["gathers"] == 0  # the other replica: nothing
     assert [r["streamed"] for r in results[1:]] == [0, 0, 0]
+    assert [r["refused"] for r in results[1:]] == [None, None, None]
     assert results[0]["streamed"] == len(results[0]["full_rows"])
 
 
@@ -120,7 +133,7 @@ def test_fsdp_stream_with_tied_embeddings(tmp_path):
     results = run_world(_fsdp_worker, 2, ckpt)
     _check_rank0(results[0])
     assert results[0]["tied"] == ["lm_head.weight"] and "lm_head.weight" in results[0]["stream_names"]
-    assert results[1]["streamed"] == 0
+    assert results[1]["streamed"] == 0 and results[1]["refused"] is None
 
 
 def test_a_stream_that_disagrees_with_its_specs_fails_loud():
