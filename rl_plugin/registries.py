@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from rl_plugin.registry import Registry
 
+# --update-weight-transport: how the weights reach the engines (``rl_plugin.weight_sync``); auto
+# composes shared memory and the object store; nccl is the distributed transport's other name
+WEIGHT_TRANSPORTS = ("auto", "shared_memory", "object_store", "distributed", "nccl")
+DISTRIBUTED_TRANSPORTS = ("distributed", "nccl")
+
 POLICY_LOSSES = Registry("policy loss")
 POLICY_LOSSES.register_lazy("ppo_clip", "rl_plugin.loss.policy:ppo_clip_loss")
 POLICY_LOSSES.register_lazy("gspo", "rl_plugin.loss.policy:gspo_loss")

@@ -33,18 +33,27 @@ def _exit_before_start(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # before the heavy imports below
-    signal.signal(_sig, _exit_before_start)
-
-from rl_plugin.arguments import RLArgumentError  # noqa: E402
-from rl_plugin.arguments.embedded import parse_train_flags  # noqa: E402
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 def parse_train_args(argv: Optional[List[str]] = None):
+    from rl_plugin.arguments.embedded import parse_train_flags
+
     return parse_train_flags(argv, prog="rl-plugin-train")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    previous = {sig: signal.signal(sig, _exit_before_start) for sig in EXIT_SIGNALS}  # before any heavy import
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Optional[List[str]]) -> int:
+    from rl_plugin.arguments import RLArgumentError
+
     try:
         args = parse_train_args(argv)
     except RLArgumentError as exc:

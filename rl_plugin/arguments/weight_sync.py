@@ -4,7 +4,7 @@ size is ``--update-weight-buffer-size`` beside the engine flags)."""
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
-from rl_plugin.weight_sync.transport import TRANSPORTS  # noqa: F401 - the flag's choices: the transports that exist
+from rl_plugin.registries import WEIGHT_TRANSPORTS as TRANSPORTS  # the flag's choices (no torch import)
 
 
 def add_arguments(parser):

@@ -23,12 +23,11 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
+from rl_plugin.registries import DISTRIBUTED_TRANSPORTS, WEIGHT_TRANSPORTS
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
 
-# --update-weight-transport's choices: auto composes shared memory and the object store; nccl is
-# the distributed transport's other name (what it uses on GPUs)
-TRANSPORTS = ("auto", "shared_memory", "object_store", "distributed", "nccl")
-DISTRIBUTED = ("distributed", "nccl")
+# --update-weight-transport's choices (the flag layer reads them without importing torch)
+TRANSPORTS, DISTRIBUTED = WEIGHT_TRANSPORTS, DISTRIBUTED_TRANSPORTS
 
 
 def specs_of(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -124,6 +124,7 @@ def test_ckpt_step_resumes_an_earlier_checkpoint_exactly(runs):
 
 
 def test_a_second_signal_aborts_at_once():
+    before = signal.getsignal(signal.SIGUSR1)
     req = ExitRequest(handle_signals=True, duration_mins=None, will_save=True)
     req.install()
     try:
@@ -136,7 +137,7 @@ def test_a_second_signal_aborts_at_once():
         assert info.value.exit_code == 128 + signal.SIGHUP
     finally:
         req.restore()
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGUSR1) == before  # the caller's handler is back
 
 
 def test_exit_duration_stops_with_exit_code_0():
