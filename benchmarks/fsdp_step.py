@@ -88,7 +88,7 @@ def main(argv=None):
     parser.add_argument("--backends", default="fsdp,megatron")
     opts = parser.parse_args(argv)
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from tests.fast.harness import run_world
+    from tests.support.harness import run_world
 
     hf_dir = str(make_tiny_hf_checkpoint(Path(tempfile.mkdtemp()) / "tiny-qwen2", "qwen2"))
     names = [n for n in opts.backends.split(",") if n]

@@ -5,7 +5,7 @@ every position's logits twice, bf16 and fp32 ``[s, V/tp]``, and the backward an 
 that size; the fused path held an fp32 copy of the ``[s, 1, H]`` hidden states. After: the module
 is asked for its bf16 output (``fp32_output=False``), the response rows are indexed out, and only
 they are upcast (``backends/megatron/forward.py``). Log-probs and gradients are bitwise the same
-(``tests/fast/test_megatron_fp32_head.py::test_bf16_logits_indexed_before_upcast``).
+(``tests/fast/backends/megatron/test_fp32_head.py::test_bf16_logits_indexed_before_upcast``).
 
 One process (gloo, 1 thread), a tiny Qwen2 with a 32k vocabulary, one micro-batch of long prompts
 and short responses (RL's shape: few response rows, many positions). Each case is forward +
@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.fast.harness import run_world  # noqa: E402
+from tests.support.harness import run_world  # noqa: E402
 
 
 def _status(key: str) -> float:

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.fast.harness import run_world  # noqa: E402
+from tests.support.harness import run_world  # noqa: E402
 
 
 def _worker(rank, world, tp, hf_dir, steps, prompts, n):
@@ -27,7 +27,7 @@ def _worker(rank, world, tp, hf_dir, steps, prompts, n):
     import torch.distributed as dist
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
+    from tests.support.megatron_common import dp_shard, make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(
         make_args(

@@ -18,7 +18,7 @@ from rl_plugin.batching import (
 )
 from rl_plugin.loss import StepBatch
 from rl_plugin.parallel import ParallelState
-from tests.fast.harness import run_world
+from tests.support.harness import run_world
 
 
 def _cat(parts):
