@@ -18,7 +18,6 @@ from rl_plugin.batching import (
 )
 from rl_plugin.loss import StepBatch
 from rl_plugin.parallel import ParallelState
-from tests.support.harness import run_world
 
 
 def _cat(parts):
@@ -62,7 +61,7 @@ def _plan_worker(rank, world):
     return [p.tolist() for p in plan], [[mb.tolist() for mb in step] for step in steps]
 
 
-def test_token_budget_count_equalised_over_dp_and_docs_per_step():
+def test_token_budget_count_equalised_over_dp_and_docs_per_step(run_world):
     (plan0, steps0), (plan1, steps1) = run_world(_plan_worker, 2)
     assert len(plan0) == len(plan1) == 3  # rank 1 split further to match rank 0
     assert plan1 == [[0], [1], [2]]

@@ -27,8 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support import checkpointing
-from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
-from tests.support.harness import free_port, run_world
+from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch
 
 KILL_POINTS = ("shards", "tracker")
 
@@ -75,9 +74,9 @@ def _resume(rank, world, ckpt, root):
 
 
 @pytest.fixture(scope="module", params=KILL_POINTS)
-def killed(request, tmp_path_factory):
+def killed(free_port, run_world, tiny_checkpoint, request, tmp_path_factory):
     base = tmp_path_factory.mktemp(f"atomic_{request.param}")
-    ckpt = tiny_checkpoint(base)
+    ckpt = tiny_checkpoint()
     root = base / "save"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
 from rl_plugin.parallel import ParallelState
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL
 
 VOCAB, HID, ROWS = 37, 12, 23  # odd vocabulary: TP shards 18 + 19
@@ -107,7 +106,7 @@ def _tp_worker(rank, world):
     return out, (lo, hi)
 
 
-def test_tp2_fused_equals_unfused_full_vocab():
+def test_tp2_fused_equals_unfused_full_vocab(run_world):
     """Each rank holds an uneven vocab shard; log-probs, entropy and d(hidden) (all-reduced) equal
     the single-process unfused values, d(weight shard) the matching rows of the full gradient."""
     h, w, t, w_lp, w_ent = _data()
@@ -240,7 +239,7 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_hf_model_fused_head_equals_its_logits(tmp_path_factory, tied):
+def test_hf_model_fused_head_equals_its_logits(tiny_checkpoint, tied):
     """FSDP backend's head, one process (fp32 HF model): log-probs, entropy and every parameter's
     gradient with ``FusedLogProbHead`` equal those from the model's own logits, for the packed
     (thd) and padded (bshd, rows picked by the head) layouts; a tied embedding stays tied.
@@ -249,9 +248,9 @@ def test_hf_model_fused_head_equals_its_logits(tmp_path_factory, tied):
     from rl_plugin.backends.fsdp.model import FusedLogProbHead, install_fused_head, load_hf_model
     from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
     from rl_plugin.loss import MicroBatchInputs
-    from tests.support.fsdp_common import make_step, rel_err, step_batch, tiny_checkpoint
+    from tests.support.fsdp_common import make_step, rel_err, step_batch
 
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), tie_word_embeddings=tied)
+    ckpt = tiny_checkpoint(tie_word_embeddings=tied)
     batch = step_batch(make_step(4))
     g = torch.Generator().manual_seed(1)
     w_lp, w_ent = (

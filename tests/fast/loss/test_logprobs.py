@@ -9,7 +9,6 @@ import torch
 from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
 from rl_plugin.parallel import ParallelState
 from tests.support import reference as ref
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_LOSS_CORE, FP32_MODEL, FP64, tensor_within
 
 VOCAB = 37  # odd: the TP shards are uneven (19 + 18)
@@ -55,7 +54,7 @@ def _tp_worker(rank, world, temperature, chunk):
 
 
 @pytest.mark.parametrize("temperature,chunk", [(1.0, 4), (0.7, 1024)])
-def test_tp2_vocab_parallel_matches_full_vocab(temperature, chunk):
+def test_tp2_vocab_parallel_matches_full_vocab(run_world, temperature, chunk):
     lp_ref, ent_ref, grad_ref = _reference(temperature)
     results = run_world(_tp_worker, 2, temperature, chunk)
     tol = FP64 * _scale(temperature)

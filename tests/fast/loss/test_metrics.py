@@ -9,7 +9,6 @@ from rl_plugin.cp import all_rank_layouts
 from rl_plugin.loss import LossConfig, StepBatch, prepare_step
 from rl_plugin.loss.comm import gather_responses
 from rl_plugin.parallel import ParallelState
-from tests.support.harness import run_world
 from tests.support.tolerance import FP64, within
 
 ADV = [-3.0, -1.0, 0.5, 2.0]  # all negative advantages live on rank 0 in the test below
@@ -43,7 +42,7 @@ def _metrics_worker(rank, world, ranges):
     return ctx.finish()
 
 
-def test_empty_rank_does_not_spoil_max_min_and_means():
+def test_empty_rank_does_not_spoil_max_min_and_means(run_world):
     single = run_world(_metrics_worker, 1, [[0, 1, 2, 3]])[0]
     # rank 1 holds only the positive-advantage samples, rank 2 holds nothing at all
     for report in run_world(_metrics_worker, 3, [[0, 1], [2, 3], []]):
@@ -74,7 +73,7 @@ def _gather_worker(rank, world):
     return full.detach(), local.grad, weights[layouts[rank].resp_index] * world
 
 
-def test_cp_gather_round_trip_and_gradient():
+def test_cp_gather_round_trip_and_gradient(run_world):
     for full, grad, want in run_world(_gather_worker, 2):
         assert torch.equal(full, torch.arange(8, dtype=torch.float64))
         assert torch.equal(grad, want)

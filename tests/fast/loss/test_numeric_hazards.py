@@ -24,7 +24,6 @@ from rl_plugin.loss import (
 from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
 from rl_plugin.loss.logprobs import TargetOutOfVocabError
 from rl_plugin.parallel import ParallelState
-from tests.support.harness import run_world
 from tests.support.tolerance import FP64, within
 
 # -- fractional loss masks --------------------------------------------------------------------
@@ -213,7 +212,7 @@ def _vocab_tp_worker(rank, world):
     return out
 
 
-def test_target_id_outside_vocab_fails_loud_under_tp2():
+def test_target_id_outside_vocab_fails_loud_under_tp2(run_world):
     """Each TP rank sees only its shard: the check is global (both ranks raise, naming the full
     vocabulary size), and a target in the other rank's shard is not mistaken for a bad one."""
     for out in run_world(_vocab_tp_worker, 2):

@@ -21,7 +21,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.harness import run_world
+from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, max_abs, within
 
 MEGATRON_READY = importlib.util.find_spec("rl_plugin.backends.megatron.backend") is not None
@@ -30,14 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BASE = [
-    "--optimizer",
-    "sgd",
-    "--sgd-momentum",
-    "0",
-    "--lr",
-    "1.0",
-    "--clip-grad",
-    "0",
+    *EXACT_SGD,
     "--rollout-temperature",
     "0.9",
     "--eps-clip",
@@ -172,11 +165,8 @@ def _update_rel(da, db):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("xbackend_qwen2"), "qwen2"))
-    return run_world(_worker, 2, hf_dir)
+def results(run_world, tiny_qwen2):
+    return run_world(_worker, 2, tiny_qwen2)
 
 
 def test_same_weights_under_the_same_names(results):

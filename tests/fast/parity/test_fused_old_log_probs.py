@@ -19,8 +19,6 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.harness import run_world
-
 CASES = {  # one per backend (each costs a backend build, a checkpoint and two rollouts)
     "fsdp": ["--use-tis", "--tis-clip", "1.05", "--pg-metrics", "with_entropy"],
     "megatron": [
@@ -105,10 +103,8 @@ def _worker(rank, world, backend_name, hf_dir):
 
 
 @pytest.mark.parametrize("backend_name", ["fsdp", "megatron"])
-def test_old_log_probs_from_training_forward_bitwise(tmp_path_factory, backend_name):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path_factory.getbasetemp() / "tiny_fused_old", "qwen2"))
+def test_old_log_probs_from_training_forward_bitwise(run_world, tiny_qwen2, backend_name):
+    hf_dir = tiny_qwen2
     results = run_world(_worker, 2, backend_name, hf_dir)
     for case in (backend_name,):
         for rank, out in enumerate(results):

@@ -31,7 +31,6 @@ from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss import LossConfig, StepBatch, prepare_step
 from rl_plugin.parallel import ParallelState
 from tests.support import reference as ref
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_LOSS_CORE, FP64, max_abs
 
 MODES = ("sample_mean", "token_mean", "prompt_mean", "constant")
@@ -271,7 +270,7 @@ MAX_ERR: dict = {}
 
 
 @pytest.mark.parametrize("dp,cp", LAYOUTS, ids=[f"dp{d}-cp{c}" for d, c in LAYOUTS])
-def test_objective_and_gradient_match_reference(dp, cp, step, references):
+def test_objective_and_gradient_match_reference(run_world, dp, cp, step, references):
     combos = list(itertools.product(("thd", "bshd"), (1, 3), (torch.float64, torch.float32), MODES, KINDS))
     combos += [(fmt, 2, torch.float64, "sample_mean", "custom") for fmt in ("thd", "bshd")]
     combos += tis_combos()

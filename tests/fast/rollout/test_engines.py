@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from rl_plugin.rollout.weight_sync import fused_group, plan_buckets
-from tests.support.harness import run_world
 
 VLLM = importlib.util.find_spec("vllm") is not None
 TEMPERATURES = (1.0, 0.7)
@@ -282,7 +281,7 @@ def _agreement_worker(rank, world, ckpt, samples):
 
 
 @pytest.fixture(scope="module")
-def agreement(vllm_run, hf_gens, ckpt):
+def agreement(run_world, vllm_run, hf_gens, ckpt):
     samples = {("hf", t): hf_gens[t] for t in TEMPERATURES}
     samples.update({("vllm", t): vllm_run["gens"][t] for t in TEMPERATURES})
     return run_world(_agreement_worker, 1, ckpt, samples)[0]

@@ -18,7 +18,6 @@ import torch
 
 from tests.support import checkpointing
 from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL, tensor_within, within
 
 SCHEDULE = ["--lr-decay-style", "linear", "--lr-decay-iters", "4", "--micro-batch-size", "2"]
@@ -54,7 +53,7 @@ def resumed(rank, world, ckpt, save_root):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(run_world, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_ckpt")
     ckpt = tiny_checkpoint(root, "qwen2")
     (Path(ckpt) / "tokenizer_config.json").write_text('{"marker": 1}')

@@ -16,11 +16,10 @@ import math
 import pytest
 import torch
 
-from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
-from tests.support.harness import run_world
+from tests.support.flags import exact_sgd
+from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch
 from tests.support.tolerance import FP32_MODEL, within
 
-SGD = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--micro-batch-size", "2"]
 CLIP = 1.0  # ~1/4 of the grad norm: the clipped update stays far above fp32 rounding of the weights
 
 
@@ -31,7 +30,9 @@ def worker(rank, world, ckpt):
     local = step_batch(make_step(5, with_ref=False)).select(split_samples_for_dp(9, world)[rank])
     out = {}
     for clip in (0.0, CLIP):
-        backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *SGD, "--clip-grad", str(clip))))
+        backend = FSDPBackend.from_args(
+            parse(fsdp_flags(ckpt, *exact_sgd(clip_grad=str(clip)), "--micro-batch-size", "2"))
+        )
         w0 = backend.export_hf_state_dict()
         report = backend.train_step(local, num_groups=3)
         w1 = backend.export_hf_state_dict()
@@ -51,8 +52,8 @@ def worker(rank, world, ckpt):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_world(worker, 2, tiny_checkpoint(tmp_path_factory.getbasetemp()))
+def results(run_world, tiny_checkpoint):
+    return run_world(worker, 2, tiny_checkpoint())
 
 
 def test_clip_grad_on_dtensors(results):

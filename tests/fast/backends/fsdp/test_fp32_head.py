@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from rl_plugin.backends.fsdp.model import FP32LMHead, install_fp32_lm_head, load_hf_model
-from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch, tiny_checkpoint
-from tests.support.harness import run_world
+from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch
 from tests.support.tolerance import BF16_MODEL, BF16_ROUND, FP32_MODEL, tensor_within, within
 
 
@@ -44,8 +43,8 @@ def test_head_fp32_logits_and_weight_grad_match_fp64():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_installed_head_keeps_ties_and_gradients(tmp_path_factory, tied):
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), tie_word_embeddings=tied)
+def test_installed_head_keeps_ties_and_gradients(tiny_checkpoint, tied):
+    ckpt = tiny_checkpoint(tie_word_embeddings=tied)
     batch = step_batch(make_step(2))
     grads = []
     for fp32_head in (False, True):
@@ -86,8 +85,8 @@ def step_bf16(rank, world, ckpt, bf16):
     )
 
 
-def test_fsdp_bf16_fp32_head_gradient_reaches_tied_weight(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), tie_word_embeddings=True)
+def test_fsdp_bf16_fp32_head_gradient_reaches_tied_weight(run_world, tiny_checkpoint):
+    ckpt = tiny_checkpoint(tie_word_embeddings=True)
     bf16 = run_world(step_bf16, 1, ckpt, True)[0]
     fp32 = run_world(step_bf16, 1, ckpt, False)[0]
     fp32_dp2 = run_world(step_bf16, 2, ckpt, False)[0]  # the tied weight is sharded over 2 ranks

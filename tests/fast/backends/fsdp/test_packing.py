@@ -24,7 +24,7 @@ from rl_plugin.backends.fsdp.packing import (
 )
 from rl_plugin.cp import build_response_layout
 from rl_plugin.loss import MicroBatchInputs, log_probs_and_entropy
-from tests.support.fsdp_common import alone_log_probs, make_step, rel_err, step_batch, tiny_checkpoint
+from tests.support.fsdp_common import alone_log_probs, make_step, rel_err, step_batch
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
 CPU = torch.device("cpu")
@@ -47,8 +47,8 @@ def torch_threads():
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_equals_each_sample_alone(tmp_path_factory, torch_threads, family, impl):
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), family)
+def test_packed_equals_each_sample_alone(tiny_checkpoint, torch_threads, family, impl):
+    ckpt = tiny_checkpoint(family)
     model = load_hf_model(ckpt, attn_implementation=impl).eval()
     batch = step_batch(make_step(3))
     with torch.no_grad():
@@ -61,10 +61,10 @@ def test_packed_equals_each_sample_alone(tmp_path_factory, torch_threads, family
     assert tensor_within(got_bshd, want, rtol=FP32_MODEL), rel_err(got_bshd, want)
 
 
-def test_pack_without_block_mask_leaks_across_samples(tmp_path_factory, torch_threads):
+def test_pack_without_block_mask_leaks_across_samples(tiny_checkpoint, torch_threads):
     """Negative control: a plain causal pass over the same pack (2-D all-ones mask, so HF builds
     one causal mask over the whole row) differs from the per-sample log-probs."""
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), "qwen2")
+    ckpt = tiny_checkpoint("qwen2")
     model = load_hf_model(ckpt, attn_implementation="sdpa").eval()
     batch = step_batch(make_step(3))
     fb = MicroBatchInputs.build(batch)
@@ -97,13 +97,13 @@ def test_packed_causal_mask_structure():
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_padded_grid_equals_block_mask(tmp_path_factory, torch_threads, monkeypatch, impl):
+def test_padded_grid_equals_block_mask(tiny_checkpoint, torch_threads, monkeypatch, impl):
     """thd as a right-padded ``[S, L]`` grid with the 2-D padding mask vs one ``[1, t]`` row under
     the block-diagonal mask: log-probs and every parameter's gradient of ``sum(w * logp)``, plain
     head and fused head. Uneven lengths (3..16 tokens, a zero-length response). Both are the same
     fp32 model on the same tokens, each token seeing the same keys; only kernel summation order
     differs, on log-probs of magnitude ~5: ``tolerance.FP32_MODEL``."""
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp(), "qwen2")
+    ckpt = tiny_checkpoint("qwen2")
     batch = step_batch(make_step(5))
     mb = MicroBatchInputs.build(batch)
     assert thd_as_padded_grid(mb.layout, impl)  # the default form of this batch is the grid

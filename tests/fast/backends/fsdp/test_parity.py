@@ -26,9 +26,7 @@ from tests.support.fsdp_common import (
     parse,
     rel_err,
     step_batch,
-    tiny_checkpoint,
 )
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL, max_abs, tensor_within, within
 
 EPS, EPS_HIGH, DUAL_C, DIVISOR, KL_COEF, ENT_COEF = 0.2, 0.28, 3.0, 8.0, 0.1, 0.01
@@ -167,8 +165,8 @@ def close(a, b, scale: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.getbasetemp())
+def runs(run_world, tiny_checkpoint):
+    ckpt = tiny_checkpoint()
     step = with_policy_log_probs(ckpt, make_step(0))
     merged = {}
     for world in (1, 2):

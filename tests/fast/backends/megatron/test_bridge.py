@@ -13,18 +13,14 @@ import types
 import pytest
 import torch
 
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny_bridge")
+def tiny_dirs(tiny_checkpoint, tiny_qwen2):
     return {
-        "qwen2": str(make_tiny_hf_checkpoint(root / "qwen2", "qwen2")),
-        "llama": str(make_tiny_hf_checkpoint(root / "llama", "llama", seed=1)),
+        "qwen2": tiny_qwen2,
+        "llama": tiny_checkpoint("llama", seed=1),
     }
 
 
@@ -136,7 +132,7 @@ def same_export(backend) -> bool:
 
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 1), ("llama", 1), ("qwen2", 2)])
-def test_hf_roundtrip_bit_exact_and_logits_match(tiny_dirs, family, tp, tmp_path):
+def test_hf_roundtrip_bit_exact_and_logits_match(run_world, tiny_dirs, family, tp, tmp_path):
     results = run_world(_roundtrip_worker, tp, tp, tiny_dirs[family], str(tmp_path / "saved_hf"))
     for same_keys, max_diff, logp_diff, logits_diff, save_diff, export_same in results:
         assert export_same, "export_hf (one stage) differs from mbridge's export_weights"

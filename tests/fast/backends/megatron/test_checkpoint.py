@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.support import checkpointing
-from tests.support.harness import run_world
 
 
 def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-distributed-optimizer")):
@@ -62,12 +61,10 @@ def _worker(rank, world, hf_dir, ckpt_dir, precision_flags=("--bf16", "--use-dis
 @pytest.mark.parametrize(
     "precision_flags", [("--bf16", "--use-distributed-optimizer"), ("--use-distributed-optimizer",)]
 )
-def test_resume_continues_identical_trajectory(tmp_path, precision_flags):
+def test_resume_continues_identical_trajectory(run_world, tiny_qwen2, tmp_path, precision_flags):
     """Regression for the distributed optimizer: its load shares one Adam ``step`` tensor across
     parameters (see ``checkpoint._unalias_step_tensors``); fp32 + distopt needs no_grad copies."""
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path / "tiny", "qwen2"))
+    hf_dir = tiny_qwen2
     for out in run_world(_worker, 2, hf_dir, str(tmp_path / "ckpt"), precision_flags):
         assert out["meta"] == {"step": 1, "extra": {"data_position": 17}}
         assert out["fresh_differs"] and out["loaded_equal"]
@@ -90,9 +87,7 @@ def _missing_worker(rank, world, hf_dir, path):
     return None
 
 
-def test_load_from_empty_directory_names_the_flag(tmp_path):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path / "tiny", "qwen2"))
+def test_load_from_empty_directory_names_the_flag(run_world, tiny_qwen2, tmp_path):
+    hf_dir = tiny_qwen2
     msg = run_world(_missing_worker, 1, hf_dir, str(tmp_path / "empty"))[0]
     assert msg is not None and "--load" in msg and "latest" in msg

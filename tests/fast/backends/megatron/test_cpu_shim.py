@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.harness import run_world
-
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
@@ -66,7 +64,7 @@ def _shim_worker(rank, world):
     }
 
 
-def test_each_patch_is_needed_and_works_and_applies_once():
+def test_each_patch_is_needed_and_works_and_applies_once(run_world):
     out = run_world(_shim_worker, 1)[0]
     from rl_plugin.backends.megatron.cpu_shim import PATCHES
 

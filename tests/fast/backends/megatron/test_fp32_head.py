@@ -25,18 +25,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support import reference as ref
-from tests.support.harness import run_world
+from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_LOSS_CORE, FP32_MODEL, FP64, tensor_within, within
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny_fp32head")
+def dirs(tiny_checkpoint, tiny_qwen2):
     return {
-        "untied": str(make_tiny_hf_checkpoint(root / "untied", "qwen2")),
-        "tied": str(make_tiny_hf_checkpoint(root / "tied", "qwen2", tie_word_embeddings=True)),
+        "untied": tiny_qwen2,
+        "tied": tiny_checkpoint(tie_word_embeddings=True),
     }
 
 
@@ -165,7 +162,7 @@ def _bf16_rows_first(backend, mb):
 
 
 @pytest.fixture(scope="module")
-def bf16_run(dirs):
+def bf16_run(run_world, dirs):
     return run_world(_bf16_worker, 1, dirs["untied"])[0]
 
 
@@ -192,11 +189,7 @@ def _tied_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.support.megatron_common import make_args, synthetic_batch
 
-    backend = MegatronBackend.from_args(
-        make_args(
-            "--hf-checkpoint", hf_dir, "--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "1.0", "--clip-grad", "0"
-        )
-    )
+    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, *EXACT_SGD))
     ckpt = tempfile.mkdtemp(prefix="mgt_tied_")
     backend.save_checkpoint(ckpt, step=0)
     w0 = backend.export_hf_state_dict()["model.embed_tokens.weight"].clone()
@@ -210,7 +203,7 @@ def _tied_worker(rank, world, hf_dir):
     return updates
 
 
-def test_fp32_head_keeps_tied_embedding_gradient(dirs):
+def test_fp32_head_keeps_tied_embedding_gradient(run_world, dirs):
     updates = run_world(_tied_worker, 1, dirs["tied"])[0]
     (u_ref, n_ref), (u_fp32, n_fp32) = updates[False], updates[True]
     assert float(u_ref.norm()) > 0
@@ -274,7 +267,7 @@ def _sp_worker(rank, world):
     return out
 
 
-def test_sequence_parallel_fp32_head_sums_hidden_grad_over_tp_once():
+def test_sequence_parallel_fp32_head_sums_hidden_grad_over_tp_once(run_world):
     want = _sp_reference(torch.float64)
     for rank, out in enumerate(run_world(_sp_worker, 2)):
         for (sp, fused), got in out.items():

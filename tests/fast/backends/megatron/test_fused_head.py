@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.harness import run_world
+from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, within
 
 
@@ -32,14 +32,7 @@ def _worker(rank, world, hf_dir):
             hf_dir,
             "--tensor-model-parallel-size",
             "2",
-            "--optimizer",
-            "sgd",
-            "--sgd-momentum",
-            "0",
-            "--lr",
-            "1.0",
-            "--clip-grad",
-            "0",
+            *EXACT_SGD,
             "--entropy-coef",
             "0.3",
             "--rollout-temperature",
@@ -67,13 +60,11 @@ def _worker(rank, world, hf_dir):
 
 
 @pytest.fixture(scope="module")
-def tied_dir(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_fused"), "qwen2", tie_word_embeddings=True))
+def tied_dir(tiny_checkpoint):
+    return tiny_checkpoint(tie_word_embeddings=True)
 
 
-def test_tp2_fused_step_equals_unfused_step(tied_dir):
+def test_tp2_fused_step_equals_unfused_step(run_world, tied_dir):
     out = run_world(_worker, 2, tied_dir)[0]
     (old_u, rep_u, upd_u), (old_f, rep_f, upd_f) = out[False], out[True]
     assert float((old_f - old_u).abs().max() / old_u.abs().max()) < FP32_MODEL

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.harness import run_world
-
 
 def plain_padded_forward(self, query, key, value, cu, attn_mask_type, attention_bias):
     """The padded form as the lean one's reference: ``x[gather]`` then transpose, ``y[valid]``."""
@@ -77,10 +75,8 @@ def _worker(rank, world, hf_dir):
     return out
 
 
-def test_lean_megatron_step_is_bitwise_the_plain_one(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path_factory.getbasetemp() / "tiny_lean_step", "qwen2"))
+def test_lean_megatron_step_is_bitwise_the_plain_one(run_world, tiny_qwen2):
+    hf_dir = tiny_qwen2
     out = run_world(_worker, 1, hf_dir)[0]
     (a, grads_a, w_a), (b, grads_b, w_b) = out["lean"], out["plain"]
     diff = {k: (a[k], b[k]) for k in a if not k.startswith("time/") and a[k] != b[k]}

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from tests.support.harness import run_world
+from tests.support.flags import exact_sgd
 from tests.support.tolerance import FP32_MODEL, within
 
 
@@ -24,14 +24,7 @@ def _worker(rank, world, hf_dir):
         make_args(
             "--hf-checkpoint",
             hf_dir,
-            "--optimizer",
-            "sgd",
-            "--sgd-momentum",
-            "0",
-            "--lr",
-            "0.5",
-            "--clip-grad",
-            "0",
+            *exact_sgd(lr="0.5"),
             "--micro-batch-size",
             "3",
         )
@@ -68,10 +61,8 @@ def _worker(rank, world, hf_dir):
     }
 
 
-def test_layouts_reference_model_and_kl(tmp_path):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    out = run_world(_worker, 1, str(make_tiny_hf_checkpoint(tmp_path / "tiny", "qwen2")))[0]
+def test_layouts_reference_model_and_kl(run_world, tiny_qwen2):
+    out = run_world(_worker, 1, tiny_qwen2)[0]
     assert out["finite"]
     assert out["layout_diff"] < FP32_MODEL * out["logp_scale"], out  # thd vs padded bshd: fp32 rounding only
     assert out["ref_vs_actor0"] < FP32_MODEL * out["logp_scale"], out

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.harness import run_world
-
 
 def _worker(rank, world):
     import torch.distributed as dist
@@ -55,7 +53,7 @@ def _worker(rank, world):
     }
 
 
-def test_only_identity_all_reduces_are_skipped():
+def test_only_identity_all_reduces_are_skipped(run_world):
     for rank, out in enumerate(run_world(_worker, 2)):
         assert out["skip"] == {
             "sum_one_rank": True,

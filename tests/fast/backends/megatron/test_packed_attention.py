@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from rl_plugin.cp import padded_attention_is_cheaper, segment_grid
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL, max_abs, tensor_within
 
 
@@ -115,7 +114,7 @@ def _rope_pairs(cp_group):
 
 
 @pytest.fixture(scope="module")
-def world_results():
+def world_results(run_world):
     """One spawned gloo rank for both checks below (megatron-core's parallel state needs a group)."""
     return run_world(_worker, 1)[0]
 

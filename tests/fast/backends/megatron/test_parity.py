@@ -22,7 +22,7 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.harness import run_world
+from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, max_abs, within
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -133,14 +133,7 @@ def _layout_worker(rank, world, tp, hf_dir):
         hf_dir,
         "--tensor-model-parallel-size",
         str(tp),
-        "--optimizer",
-        "sgd",
-        "--sgd-momentum",
-        "0",
-        "--lr",
-        "1.0",
-        "--clip-grad",
-        "0",
+        *EXACT_SGD,
     ]
     backend = MegatronBackend.from_args(make_args(*base, world_size=world))
     ps = backend.parallel_state
@@ -197,15 +190,8 @@ def _update_rel(da, db):
 
 
 @pytest.fixture(scope="module")
-def layout_results(tiny_qwen2_dir):
-    return {lay: run_world(_layout_worker, lay[0] * lay[1], lay[0], tiny_qwen2_dir)[0] for lay in LAYOUTS}
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2_dir(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2"))
+def layout_results(run_world, tiny_qwen2):
+    return {lay: run_world(_layout_worker, lay[0] * lay[1], lay[0], tiny_qwen2)[0] for lay in LAYOUTS}
 
 
 def test_layouts_and_splits_agree(layout_results):

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from tests.support import checkpointing
-from tests.support.harness import run_world
 from tests.support.tolerance import FP32_MODEL, within
 
 FLAGS = [
@@ -103,15 +102,13 @@ def _old_and_fsdp_dirs(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
+def runs(run_world, tiny_checkpoint, tiny_qwen2, tmp_path_factory):
     root = tmp_path_factory.mktemp("mgt_reshard")
-    hf_dir = str(make_tiny_hf_checkpoint(root / "tiny", "qwen2"))
+    hf_dir = tiny_qwen2
     a, b = str(root / "A"), str(root / "B")
     tp2 = run_world(_worker, 2, 2, hf_dir, None, a, None)
     dp2 = run_world(_worker, 2, 1, hf_dir, a, b, None)
-    other = str(make_tiny_hf_checkpoint(root / "tiny_wide", "qwen2", intermediate_size=96))
+    other = tiny_checkpoint(intermediate_size=96)
     dp1 = run_world(_worker, 1, 1, hf_dir, b, None, str(_old_and_fsdp_dirs(root / "refuse")), other)
     return tp2[0], dp2[0], dp1[0], (a, b)
 

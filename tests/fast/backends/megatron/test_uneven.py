@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tempfile
 
-from tests.support.harness import run_world
+from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, within
 
 SIZES = ((1, 3), (1, 1))  # (prompts, samples per prompt): 3 samples -> [2, 1]; 1 sample -> [1, 0]
@@ -25,14 +25,7 @@ def _worker(rank, world, hf_dir):
         make_args(
             "--hf-checkpoint",
             hf_dir,
-            "--optimizer",
-            "sgd",
-            "--sgd-momentum",
-            "0",
-            "--lr",
-            "1.0",
-            "--clip-grad",
-            "0",
+            *EXACT_SGD,
             "--micro-batch-size",
             "1",
             "--advantage-estimator",
@@ -56,10 +49,8 @@ def _worker(rank, world, hf_dir):
     return out
 
 
-def test_uneven_dp_shards_match_dp1(tmp_path):
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path / "tiny", "qwen2"))
+def test_uneven_dp_shards_match_dp1(run_world, tiny_qwen2):
+    hf_dir = tiny_qwen2
     ref = run_world(_worker, 1, hf_dir)[0]
     dp2 = run_world(_worker, 2, hf_dir)
     assert [r[0] for r in dp2[0]] == [2, 1] and [r[0] for r in dp2[1]] == [1, 0]  # the shapes under test
