@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.support.harness import run_world  # noqa: E402
+from tests.support.harness import run_world
 
 
 def _status(key: str) -> float:
