@@ -44,9 +44,9 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import hidden_states_only, model_inputs, response_log_probs, unwrap
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
     from rl_plugin.loss import log_probs_and_entropy, prepare_step
     from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
+    from tests.support.megatron_common import make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--bf16"))
     model, gpt, ps = backend.model, unwrap(backend.model), backend.parallel_state
