@@ -46,7 +46,7 @@ def worker(rank, world, backend_name, hf_dir, steps):
     import torch.distributed as dist
 
     from rl_plugin.arguments import parse_args
-    from rl_plugin.batching import split_samples_for_dp
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
     flags = [
         "--train-backend",

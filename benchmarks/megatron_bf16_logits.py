@@ -44,7 +44,7 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import hidden_states_only, model_inputs, response_log_probs, unwrap
-    from rl_plugin.loss import log_probs_and_entropy, prepare_step
+    from rl_plugin.loss import ForwardOptions, log_probs_and_entropy, prepare_step
     from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
     from tests.support.megatron_common import make_args, synthetic_batch
 
@@ -75,13 +75,11 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
         return response_log_probs(
             model,
             mb,
+            ForwardOptions(temperature=1.0, chunk_size=1024, with_entropy=True),
             ps,
             qkv_format="thd",
             fp32_lm_head=False,
             fused=fused,
-            temperature=1.0,
-            chunk_size=1024,
-            with_entropy=True,
         )
 
     def run(fn, fused):

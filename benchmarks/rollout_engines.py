@@ -59,7 +59,7 @@ def measure(engine_name: str, ckpt: str, batch_sizes, lengths, repeats: int) -> 
     from safetensors.torch import load_file
 
     from rl_plugin.rollout.engine import SamplingParams, make_engine
-    from rl_plugin.rollout.weight_sync import iter_buckets
+    from rl_plugin.weight_sync import iter_buckets
 
     eng = make_engine(engine_name, ckpt)
     vocab = int(__import__("json").loads((Path(ckpt) / "config.json").read_text())["vocab_size"])

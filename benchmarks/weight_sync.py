@@ -1,7 +1,7 @@
 """Benchmark: one weight sync, object store vs shared memory, trainer and engine in separate Ray actors.
 
 A "trainer" actor holds an export (a Hugging Face state dict) and publishes it with
-``WeightPublisher`` (``rl_plugin.rollout.weight_sync``); an "engine" actor loads it in place with
+``WeightPublisher`` (``rl_plugin.weight_sync``); an "engine" actor loads it in place with
 ``WeightReceiver`` + ``engine.update_weights``, as ``rl-plugin-train`` does (the handle passed
 as an ObjectRef, one driver wait per sync). Before every sync the trainer changes its weights
 (untimed: a stand-in for the optimizer step), so each sync moves real new values. Timed: publish
@@ -53,7 +53,7 @@ class TensorEngine:
 class Trainer:
     def __init__(self, state_dict, transport: str, frozen_fraction: float, slots: int = 1):
         torch.set_num_threads(1)
-        from rl_plugin.rollout.weight_sync import WeightPublisher
+        from rl_plugin.weight_sync import WeightPublisher
 
         self.sd = state_dict
         names = list(state_dict)
@@ -66,7 +66,7 @@ class Trainer:
             self.sd[n].add_(1e-3 * (k + 1))
 
     def publish(self, buffer_bytes: int, check: bool):
-        from rl_plugin.rollout.weight_sync import SyncRequest
+        from rl_plugin.weight_sync import SyncRequest
 
         return self.publisher.publish(
             self.sd,
@@ -80,7 +80,7 @@ class Trainer:
 class Engine:
     def __init__(self, kind: str, arg):
         torch.set_num_threads(1)
-        from rl_plugin.rollout.weight_sync import WeightReceiver
+        from rl_plugin.weight_sync import WeightReceiver
 
         if kind == "hf":
             from rl_plugin.rollout.hf_engine import HFEngine
@@ -91,7 +91,7 @@ class Engine:
         self.receiver = WeightReceiver()
 
     def load(self, handle):
-        from rl_plugin.rollout.weight_sync import load_sync
+        from rl_plugin.weight_sync import load_sync
 
         return load_sync(self.engine, self.receiver, handle)
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.loss.config import LossConfig
+from rl_plugin.loss import LossConfig
+from rl_plugin.registries import DYNAMIC_SAMPLING_MAX_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class RolloutConfig:
     rm_type: Optional[str] = None
     custom_rm_path: Optional[str] = None
     dynamic_sampling_filter_path: Optional[str] = None
+    dynamic_sampling_max_rounds: int = DYNAMIC_SAMPLING_MAX_ROUNDS
     over_sampling_batch_size: Optional[int] = None
     overlong_buffer_len: Optional[int] = None
     overlong_penalty_factor: float = 1.0  # DAPO's default, used only with overlong_buffer_len
@@ -199,6 +201,7 @@ class RolloutConfig:
             rm_type=args.rm_type,
             custom_rm_path=args.custom_rm_path,
             dynamic_sampling_filter_path=args.dynamic_sampling_filter_path,
+            dynamic_sampling_max_rounds=int(args.dynamic_sampling_max_rounds),
             over_sampling_batch_size=args.over_sampling_batch_size,
             overlong_buffer_len=args.overlong_buffer_len,
             overlong_penalty_factor=1.0 if factor is None else float(factor),

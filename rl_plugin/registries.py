@@ -69,6 +69,8 @@ TIS_LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "mask")
 # The built-in group filter of --dynamic-sampling-filter-path (a path, as the flag takes it).
 BUILTIN_FILTER = "rl_plugin.rollout.filters.check_reward_nonzero_std"
+# --dynamic-sampling-max-rounds' default: rounds of over-sampling before a rollout gives up.
+DYNAMIC_SAMPLING_MAX_ROUNDS = 64
 
 ALL = {
     "POLICY_LOSSES": POLICY_LOSSES,

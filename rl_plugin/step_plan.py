@@ -3,17 +3,18 @@
 The loop computes advantages ONCE per rollout over whole prompt groups (``loop.steps``), then
 the rollout is cut into optimizer steps here, in one of two ways; both end in one ``RankPlan``
 per rank, which ``TrainActor.train_rollout`` runs (this module sits below the loop and the Ray
-actors, beside ``batching``, whose micro-batch algorithms it uses):
+actors and above the loss core, whose micro-batch planner, ``loss.micro_batch_plan``, it uses
+through the package API ``rl_plugin.loss``):
 
 - ``--global-batch-size B`` (default: the whole rollout; ``plan_global_batch_steps``, on the
-  driver): step k is samples ``[kB, (k+1)B)``; each step's samples are split over DP ranks with
-  ``batching.split_samples_for_dp`` and its group ids renumbered step-locally (a group may
-  straddle ranks; the loss core's counts are global). The number of samples per rollout must be
+  driver): step k is samples ``[kB, (k+1)B)``; each step's samples are split over DP ranks
+  with ``loss.micro_batch_plan.split_samples_for_dp`` and its group ids renumbered step-locally
+  (a group may straddle ranks; the loss core's counts are global). The number of samples per rollout must be
   a multiple of B. Micro-batches are left to the step (``micro_batches`` None).
 - ``--docs-per-step`` (``plan_docs_steps``, in each training rank, collective over DP): each rank
   gets its ``split_samples_for_dp`` share of the whole rollout (``split_rollout_for_dp``), plans
   its micro-batches (the step runner's ``plan``) and groups micro-batch rounds into steps of
-  at least that many documents over all ranks (``batching.plan_steps_by_docs``).
+  at least that many documents over all ranks (``loss.micro_batch_plan.plan_steps_by_docs``).
 
 Every rank's samples of all its steps are concatenated in step order, so the rank computes old
 log-probs in one pass before its first step and each step is a contiguous slice.
@@ -27,9 +28,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from rl_plugin.arguments._util import fail
-from rl_plugin.batching import plan_steps_by_docs, split_samples_for_dp
-from rl_plugin.loss.batch import StepBatch
+from rl_plugin.errors import fail
+from rl_plugin.loss import StepBatch, plan_steps_by_docs, split_samples_for_dp
 from rl_plugin.tensor_pickle import pack_tensors, unpack_tensors
 
 
@@ -42,7 +42,7 @@ class RankPlan:
     - ``step_num_groups[k]``: the prompt groups of step k over ALL ranks (the loss core's P);
     - ``step_micro_batches[k]``: step k's micro-batches as sample-index tensors relative to
       ``start``, or None (the whole field) to let the step plan them
-      (``batching.plan_micro_batches``).
+      (``loss.micro_batch_plan.plan_micro_batches``).
     """
 
     batch: StepBatch

@@ -1,26 +1,43 @@
 """``rl-plugin-train`` / ``python -m rl_plugin.train``: the Ray-driven RL loop.
 
-Per rollout k (``--num-rollout`` of them)::
+Parses the flags (``rl_plugin.arguments``), then hands them to the driver
+(``rl_plugin.loop.driver.Driver``), which checks everything that needs no cluster, starts Ray and
+runs one rollout after another (``--num-rollout``)::
 
-    data  = rollout_manager.generate(k)          # prompts x n samples, rewards, sampler log-probs
-    plans = steps.plan(data)                     # advantages over whole groups; steps; DP split
-    train_group.train_rollout(plans)             # old/ref log-probs, then each optimizer step
-    rollout_manager.update_weights(buckets)      # weight sync in place, bucket by bucket: the next rollout is on-policy
-    [check weights] [save] [eval] [log]
+    data    = driver.generate(k)             # the engines load the newest weights, then sample and score
+    reports = driver.train_rollout(data)     # advantages, the plan of steps, every optimizer step;
+                                             # the ranks export and rank 0 publishes the new weights
+    driver.finish_rollout(k, ...)            # metrics rows, checkpoint and eval when due
 
-With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). Resume:
-``--load DIR`` restores model, optimizer, RNG and step (backend) plus the rollout id and dataset
-position (loop state in the checkpoint's ``extra``). ``--save-interval N`` counts rollouts here
-(one rollout = one or more optimizer steps), and a final checkpoint is written at the end.
+(``--max-weight-staleness 1`` overlaps generate(k+1) with train(k): ``loop/overlapped_schedule.py``.)
+With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). ``--load DIR``
+resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugin.loop.resume``);
+``--save-interval N`` counts rollouts, and a final checkpoint is written at the end.
+
+Exit codes: 0 done (or stopped by ``--exit-duration-in-mins`` after saving); 2 a flag, file or
+checkpoint problem found before training; 1 the run failed (the message names the resume command);
+130 Ctrl-C; 128 + N stopped by exit signal N (SIGTERM: 143) after saving (``loop/exit_request.py``).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import List, Optional
 
-from rl_plugin.arguments import RLArgumentError
-from rl_plugin.arguments.embedded import parse_train_flags
+
+def _exit_before_start(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 / SIGHUP while the flags are parsed and checked: nothing started, nothing
+    written; one line and 128 + N. The driver installs its own handler (save, then stop) next."""
+    print(f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # before the heavy imports below
+    signal.signal(_sig, _exit_before_start)
+
+from rl_plugin.arguments import RLArgumentError  # noqa: E402
+from rl_plugin.arguments.embedded import parse_train_flags  # noqa: E402
 
 
 def parse_train_args(argv: Optional[List[str]] = None):
@@ -33,16 +50,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rl_plugin.loop.driver import Driver, Interrupted, LoopError
+    from rl_plugin.errors import Interrupted, LoopError, Stopped
+    from rl_plugin.loop.driver import Driver
 
     try:
         Driver(args, argv=sys.argv[1:] if argv is None else argv).run()
     except RLArgumentError as exc:  # a flag or file problem, found before Ray starts (or at --load)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
-    except Interrupted as exc:
+    except (Interrupted, Stopped) as exc:
         print(f"\n{exc}", file=sys.stderr)
-        return 130  # the shell's code for "ended by SIGINT"
+        return exc.exit_code  # 130 for Ctrl-C, 128 + N for signal N, 0 after --exit-duration-in-mins
     except LoopError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import math
 
-
-class RLArgumentError(ValueError):
-    """A flag combination that would train the wrong objective. The message names the flags,
-    the rule and the fix."""
+from rl_plugin.errors import RLArgumentError, fail  # noqa: F401 - re-exported: the flag modules raise these
 
 
 class DuplicateFlagError(ValueError):
@@ -44,7 +41,3 @@ def add_flag(group, *names: str, **kwargs) -> None:
 
 def is_positive_finite(x) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def fail(flags: str, rule: str, fix: str) -> None:
-    raise RLArgumentError(f"{flags}: {rule}. Fix: {fix}.")

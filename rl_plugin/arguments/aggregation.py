@@ -40,7 +40,8 @@ def add_arguments(parser):
         type=str,
         default=None,
         help=(
-            "Import path 'pkg.module.fn' of a miles-compatible reducer factory "
+            "A miles-compatible reducer factory, 'package.module:function' or 'file.py:function' (the forms of "
+            "--custom-rm-path), "
             "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> scalar, "
             "called per micro-batch on FULL responses (rl_plugin gathers CP chunks first). Its value is a sum over "
             "the micro-batch; rl_plugin divides it by the global sample count (token count with "

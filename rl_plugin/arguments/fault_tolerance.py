@@ -1,6 +1,10 @@
-"""Flags of fault tolerance: how often the loop restarts a dead rollout engine before giving up."""
+"""Flags of fault tolerance: how often the loop restarts a dead rollout engine before giving up, and how
+it stops when asked to (exit signals, a wall-time budget: Megatron-LM's names)."""
 
 from __future__ import annotations
+
+import argparse
+import math
 
 from rl_plugin.arguments._util import add_flag, fail
 
@@ -20,6 +24,30 @@ def add_arguments(parser):
             "reward function, bad data) are never retried: they would fail again."
         ),
     )
+    add_flag(
+        g,
+        "--exit-signal-handler",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default) or SIGHUP, finish the "
+            "optimizer steps in progress, write a checkpoint when --save is set, print the last checkpoint and the "
+            "resume command, tear Ray down and exit with 128 + the signal; a second signal aborts at once (the last "
+            "complete checkpoint stays the resume point). Default on (Megatron-LM's flag, which defaults to off "
+            "there); --no-exit-signal-handler leaves the signals' default actions."
+        ),
+    )
+    add_flag(
+        g,
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help=(
+            "Megatron-LM's wall-time budget: once this many minutes have passed since the run started, save (with "
+            "--save) and stop between two rollouts, printing the resume command; exit code 0. Leave headroom for one "
+            "rollout and one save below the scheduler's limit."
+        ),
+    )
     return parser
 
 
@@ -30,4 +58,11 @@ def validate(args) -> None:
             "--max-rollout-retries",
             f"must be >= 0 (got {n})",
             "use 0 to stop at the first engine death, or a small count such as 3",
+        )
+    m = args.exit_duration_in_mins
+    if m is not None and not (math.isfinite(m) and m > 0):
+        fail(
+            "--exit-duration-in-mins",
+            f"must be a positive number of minutes (got {m})",
+            "pass the job's wall-time limit minus one rollout and one save, e.g. --exit-duration-in-mins 230",
         )

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 
-from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.arguments._util import RLArgumentError, add_flag, fail
 from rl_plugin.arguments.aggregation import resolved_mode
-from rl_plugin.registries import BUILTIN_FILTER, TIS_LEVELS, TIS_MODES
-from rl_plugin.user_code import load_function
+from rl_plugin.registries import BUILTIN_FILTER, DYNAMIC_SAMPLING_MAX_ROUNDS, TIS_LEVELS, TIS_MODES
+from rl_plugin.user_code import FORMS, UserCodeError, load_function
 
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 
@@ -77,7 +77,7 @@ def add_arguments(parser):
         "--custom-tis-function-path",
         type=str,
         default=None,
-        help="Replace the built-in weight with your function, slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
+        help="Replace the built-in weight with your function ('package.module:function' or 'file.py:function'), slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
     )
     add_flag(
         g,
@@ -97,7 +97,14 @@ def add_arguments(parser):
         "--dynamic-sampling-filter-path",
         type=str,
         default=None,
-        help=f"Group filter of dynamic sampling, slime's signature fn(args, samples, **kw) -> bool (or an object with .keep), deciding on the raw rewards before any shaping. Built-in: {BUILTIN_FILTER} (keep groups whose rewards are not all equal; DAPO's filter).",
+        help=f"Group filter of dynamic sampling, 'package.module:function' or 'file.py:function' (the forms of --custom-rm-path), slime's signature fn(args, samples, **kw) -> bool (or an object with .keep), deciding on the raw rewards before any shaping. It must return a bool (numpy.bool_ is accepted; None, strings, ints and tensors stop the run at the first group, naming the filter). Built-in: {BUILTIN_FILTER} (keep groups whose rewards are not all equal; DAPO's filter).",
+    )
+    add_flag(
+        g,
+        "--dynamic-sampling-max-rounds",
+        type=int,
+        default=DYNAMIC_SAMPLING_MAX_ROUNDS,
+        help="Dynamic sampling: rounds of --over-sampling-batch-size prompts a rollout may generate to fill --rollout-batch-size passing groups before the run stops, naming the counts (each round after the first prints a progress line). Lower it to fail fast on a filter that rejects nearly everything; raise it for a task where few groups pass.",
     )
     add_flag(
         g,
@@ -141,10 +148,14 @@ def add_arguments(parser):
 
 
 def _importable(flag: str, path: str) -> None:
+    """Load the function now (``rl_plugin.user_code``: the forms every user-function flag takes)."""
     try:
         load_function(path, flag)
+    except UserCodeError as exc:  # the module raised while importing: names its file:line and the fix
+        raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
-        fail(flag, f"cannot load the function ({exc})", "pass an importable 'package.module.function' on PYTHONPATH")
+        reason = getattr(exc, "reason", str(exc))
+        fail(flag, f"cannot load the function {path!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
 
 
 def _validate_tis(args) -> None:
@@ -188,6 +199,17 @@ def _validate_tis(args) -> None:
             "the bounds are inverted or empty: every weight would be the same constant (truncate) or 0 (mask)",
             "use --tis-clip-low < --tis-clip, e.g. 0.5 and 2.0",
         )
+    if args.tis_mode == "truncate" and not lo <= 1 <= hi:
+        effect = (
+            f"every weight is at most {hi:g}, so every token's gradient shrinks at least {1 / hi:.3g}-fold"
+            if hi < 1
+            else f"every weight is at least {lo:g}, so every token's gradient grows at least {lo:g}-fold"
+        )
+        fail(
+            f"--tis-mode truncate with the band [{lo:g}, {hi:g}]",
+            f"the band excludes rho = 1, so even tokens on which the engine and the trainer agree are reweighted: {effect}",
+            "use a band around 1, e.g. --tis-clip 2.0 (plain TIS, --tis-clip-low 0) or --tis-clip-low 0.5 --tis-clip 2.0",
+        )
     if args.tis_mode == "mask" and not lo < 1 < hi:
         fail(
             f"--tis-mode mask with the band [{lo}, {hi}]",
@@ -211,6 +233,19 @@ def _validate_rollout_control(args) -> None:
             "--over-sampling-batch-size without --dynamic-sampling-filter-path",
             "over-sampling without a filter samples prompts that are then thrown away unfiltered",
             f"add --dynamic-sampling-filter-path {BUILTIN_FILTER}, or drop --over-sampling-batch-size",
+        )
+    rounds = args.dynamic_sampling_max_rounds
+    if rounds != DYNAMIC_SAMPLING_MAX_ROUNDS and path is None:
+        fail(
+            "--dynamic-sampling-max-rounds without --dynamic-sampling-filter-path",
+            "without a filter a rollout is one round, so the cap would be silently ignored",
+            f"add --dynamic-sampling-filter-path {BUILTIN_FILTER}, or drop --dynamic-sampling-max-rounds",
+        )
+    if rounds < 1:
+        fail(
+            "--dynamic-sampling-max-rounds",
+            f"must be >= 1 (got {rounds})",
+            f"use a round count >= 1 (default {DYNAMIC_SAMPLING_MAX_ROUNDS})",
         )
     if osb is not None and osb < 1:
         fail("--over-sampling-batch-size", f"must be >= 1 (got {osb})", "use a prompt count >= --rollout-batch-size")

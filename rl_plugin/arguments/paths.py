@@ -7,7 +7,8 @@
 
 Rules: ``--prompt-data`` / ``--eval-prompt-data`` are files; ``--hf-checkpoint`` holds a
 ``config.json``; ``--custom-rm-path`` names a file that compiles (a syntax error is reported at
-its file:line) or an importable module; ``--load`` exists (an existing EMPTY directory means
+its file:line) or an importable module (``rl_plugin.user_code.check_source``, the forms every
+user-function flag takes); ``--load`` exists (an existing EMPTY directory means
 "start fresh", a missing one is a typo) and is a ``--save`` directory, not one step inside it;
 ``--save`` holds no checkpoints of another run unless this run resumes them (``--load`` the same
 directory) or ``--overwrite-save`` is given.
@@ -15,13 +16,14 @@ directory) or ``--overwrite-save`` is given.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Optional
 
 from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.checkpointing import same_dir
+from rl_plugin.arguments.model_layout import check_model_layout
+from rl_plugin.user_code import check_source
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically
 STEP_DIR = re.compile(r"iter_(\d{7})$")
@@ -79,48 +81,6 @@ def _hf_checkpoint(value: Optional[str]) -> None:
         )
 
 
-def _custom_rm(spec: Optional[str]) -> None:
-    """The file exists and compiles, or the module can be found; the function itself is loaded
-    (and its import errors reported) by the trainer before Ray starts."""
-    if spec is None:
-        return
-    target = spec.rsplit(":", 1)[0] if ":" in spec else spec.rsplit(".", 1)[0]
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            fail(
-                f"--custom-rm-path {spec}",
-                f"the file {path} does not exist",
-                "pass path/to/file.py:function or package.module:function",
-            )
-        try:
-            compile(path.read_text(), str(path), "exec")
-        except SyntaxError as exc:
-            code = (exc.text or "").strip()
-            fail(
-                f"--custom-rm-path {spec}",
-                f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}" + (f" in `{code}`" if code else ""),
-                f"correct the reward module at {exc.filename}:{exc.lineno}",
-            )
-    elif ":" not in spec and "." not in spec:
-        fail(
-            f"--custom-rm-path {spec}",
-            "expected package.module:function or path/to/file.py:function",
-            "name the module and the function",
-        )
-    else:
-        try:
-            found = importlib.util.find_spec(target)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            fail(
-                f"--custom-rm-path {spec}",
-                f"no module {target!r} on the Python path",
-                f"install it, add its directory to PYTHONPATH, or pass path/to/{target.rsplit('.', 1)[-1]}.py:function",
-            )
-
-
 def _load(args) -> None:
     load = args.load
     if load is None:
@@ -173,6 +133,7 @@ def validate_paths(args) -> None:
     _file("--prompt-data", args.prompt_data)
     _file("--eval-prompt-data", args.eval_prompt_data)
     _hf_checkpoint(args.hf_checkpoint)
-    _custom_rm(args.custom_rm_path)
+    check_model_layout(args)
+    check_source(args.custom_rm_path, "--custom-rm-path")
     _load(args)
     _save(args)

@@ -4,8 +4,7 @@ size is ``--update-weight-buffer-size`` beside the engine flags)."""
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
-
-TRANSPORTS = ("auto", "shared_memory", "object_store", "nccl")
+from rl_plugin.weight_sync.transport import TRANSPORTS  # noqa: F401 - the flag's choices: the transports that exist
 
 
 def add_arguments(parser):

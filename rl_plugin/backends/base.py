@@ -3,7 +3,7 @@
 The loop (``rl_plugin.train`` / ``rl_plugin.ray``) only talks to this interface, so a backend is
 chosen by ``--train-backend`` and nothing above this layer knows megatron-core or FSDP.
 
-Data contract: a ``StepBatch`` (``rl_plugin.loss.batch``) holds THIS data-parallel rank's samples,
+Data contract: a ``StepBatch`` (``rl_plugin.loss``) holds THIS data-parallel rank's samples,
 full sequences (CP/TP ranks of the same DP rank receive the same batch; the runner slices for
 CP). ``group_ids`` are step-local prompt-group ids shared across DP ranks, ``num_groups`` the
 step's group count.
@@ -17,16 +17,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.config import LossConfig
-from rl_plugin.loss.inputs import MicroBatchInputs
-from rl_plugin.loss.runner import Forward, Loss, StepRunner
+from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
 from rl_plugin.parallel import ParallelState
 
 
 class TrainBackend(abc.ABC):
     """A backend: the runner's ``StepBackend`` (``forward``, ``schedule``, ``optimizer_step``,
-    ``loss_device``; see ``rl_plugin.loss.runner``), weights export and checkpoints. The step
+    ``loss_device``; see ``rl_plugin.loss.StepBackend``), weights export and checkpoints. The step
     itself is the core's: ``compute_log_probs`` and ``train_step`` delegate to ``self.runner``."""
 
     parallel_state: ParallelState
@@ -44,16 +41,14 @@ class TrainBackend(abc.ABC):
         """``from_config(TrainConfig.from_args(args))``, for callers holding validated flags."""
         return cls.from_config(TrainConfig.from_args(args))
 
-    # -- what the runner calls (rl_plugin.loss.runner.StepBackend) ------------------------------
+    # -- what the runner calls (rl_plugin.loss.StepBackend) -------------------------------------
     @abc.abstractmethod
-    def forward(
-        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
-    ) -> torch.Tensor:
+    def forward(self, model, inputs: MicroBatchInputs, options: ForwardOptions) -> torch.Tensor:
         """``[n_local, 2]`` (log-prob, entropy) of one micro-batch's local response tokens, on
         ``loss_device``; a micro-batch with no sample gives ``[0, 2]``."""
 
     @abc.abstractmethod
-    def schedule(self, model, num_micro_batches: int, forward: Forward, loss: Loss, *, forward_only: bool) -> int:
+    def schedule(self, model, num_micro_batches: int, forward: ForwardFn, loss: LossFn, *, forward_only: bool) -> int:
         """Run ``loss(i, forward(i))`` over this rank's micro-batches (backward unless
         ``forward_only``, scaled to cancel the backend's averaging); returns the passes run."""
 

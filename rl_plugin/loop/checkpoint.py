@@ -30,10 +30,11 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from rl_plugin.arguments.paths import CHECKPOINT_TRACKER as TRACKER
 from rl_plugin.arguments.paths import PARTIAL, STEP_DIR, latest_checkpoint_step
+from rl_plugin.errors import fail
 
 LOOP_STATE = "loop_state.json"
 
@@ -183,3 +184,46 @@ def move_checkpoints_aside(root) -> Optional[Path]:
     for p in entries:
         p.rename(dest / p.name)
     return dest
+
+
+def complete_steps(root) -> List[int]:
+    """The steps of the complete ``iter_*`` directories under ``root``, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
+
+
+def resume_step(root, ckpt_step: Optional[int] = None) -> Optional[int]:
+    """The step ``--load root`` resumes: ``--ckpt-step`` when given (its directory must be a
+    complete checkpoint), else the tracker's; None when ``root`` holds no checkpoint yet."""
+    if ckpt_step is None:
+        return latest_step(root)
+    if not Path(step_dir(root, ckpt_step)).is_dir():
+        have = complete_steps(root)
+        fail(
+            f"--load {root} --ckpt-step {ckpt_step}",
+            f"there is no complete checkpoint of step {ckpt_step} ({step_dir(root, ckpt_step)})",
+            f"pick one of the steps it holds: {', '.join(map(str, have)) or 'none'}",
+        )
+    return int(ckpt_step)
+
+
+def retain(root, keep_last: Optional[int], keep_every: Optional[int] = None) -> List[int]:
+    """``--save-retain``: delete the complete checkpoints of ``root`` older than its newest
+    ``keep_last`` (never the tracker's), except those written after a multiple of ``keep_every``
+    rollouts (their ``loop_state.json``'s ``next_rollout``). Returns the deleted steps."""
+    if keep_last is None:
+        return []
+    steps = complete_steps(root)
+    newest = latest_step(root)
+    deleted = []
+    for step in steps[:-keep_last] if keep_last < len(steps) else []:
+        if step == newest:
+            continue
+        rollouts = (read_loop_state(root, step) or {}).get("next_rollout")
+        if keep_every and rollouts is not None and rollouts % keep_every == 0:
+            continue
+        shutil.rmtree(step_dir(root, step))
+        deleted.append(step)
+    return deleted

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from rl_plugin.loop.checkpoint import step_dir
-from rl_plugin.rollout.manager import RolloutData
+from rl_plugin.rollout.rollout_data import RolloutData
 
 PENDING_ROLLOUT = "pending_rollout.pt"
 

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments._util import RLArgumentError, fail
 from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
-from rl_plugin.loop.checkpoint import latest_step, read_loop_state, step_dir, written_by
+from rl_plugin.errors import RLArgumentError, fail
+from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.loop.disk_checks import check_output_dirs
 
 
 @dataclass
@@ -37,7 +38,7 @@ class ResumePoint:
 def check_resume_point(args) -> Optional[ResumePoint]:
     if not args.load:
         return None
-    step = latest_step(args.load)
+    step = resume_step(args.load, args.ckpt_step)
     if step is None:
         return None
     d = step_dir(args.load, step)
@@ -112,6 +113,7 @@ def check_reward_and_data(args) -> None:
                 max_response_len=args.rollout_max_response_len,
                 context_len=context,
                 hf_checkpoint=args.hf_checkpoint,
+                rm_type=args.rm_type,
             )
 
 
@@ -119,6 +121,7 @@ def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
+    check_output_dirs(args)
     point = check_resume_point(args)
     check_reward_and_data(args)
     return point

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rl_plugin.arguments._util import fail
+from rl_plugin.errors import fail
 
 LOCK_NAME = ".rl_plugin.lock"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rl_plugin.loss import StepBatch, compute_advantages, to_tokens
-from rl_plugin.rollout.manager import RolloutData
+from rl_plugin.rollout.rollout_data import RolloutData
 
 
 def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:

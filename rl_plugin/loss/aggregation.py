@@ -154,5 +154,5 @@ CustomReducerFactory = Callable[..., Callable[[torch.Tensor], torch.Tensor]]
 
 
 def load_custom_reducer(path: str) -> CustomReducerFactory:
-    """Import ``package.module.function`` (or ``package.module:function``)."""
+    """Import the factory (any form of ``rl_plugin.user_code.FORMS``)."""
     return load_function(path, "--custom-pg-loss-reducer-function-path")

@@ -21,7 +21,8 @@ and a sequence-level rho_i is carried by every token of sample i. Two modes:
                                                                   outside the band are dropped)
 
 Departures, stated: the log-weight is clamped to [-20, 20] before ``exp`` (as verl's safety
-bound) so a long sequence never overflows; a masked token keeps its place in every denominator
+bound) so a long sequence never overflows (a weight taken at that bound counts as clipped in
+``tis/clipped_frac``, wherever the band lies); a masked token keeps its place in every denominator
 (the step's counts are global and computed once), so ``mask`` lowers the loss's scale by the
 fraction dropped instead of renormalising, and the same holds for the loss masks a custom TIS
 function returns (slime rebuilds its sample-mean denominators from them).
@@ -37,6 +38,7 @@ diagnostics as sample means):
     mismatch/abs_diff_mean   SampleMean |d_t|             mismatch/abs_diff_max   max_t |d_t|
     mismatch/k3_kl           SampleMean (e^{d} - 1 - d): K3 estimate of KL(mu || pi_old) under y ~ mu
     tis/weight_mean          SampleMean w                 tis/clipped_frac        SampleMean [w != rho]
+                                                          (rho the exact ratio: [|log rho| > 20] included)
 """
 
 from __future__ import annotations
@@ -81,14 +83,17 @@ def tis_weights_and_flags(
                 counts = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, sid, m)
                 seq = seq / torch.where(counts != 0, counts, torch.ones_like(counts))  # true (fractional) M_i
             log_rho = seq[sid]
+        # |log rho| > LOG_WEIGHT_BOUND: the weight is computed from the bound, not from rho, so it
+        # is clipped even when it lands inside [clip_low, clip_high] (e.g. --tis-clip above e^20)
+        at_bound = log_rho.abs() > LOG_WEIGHT_BOUND
         rho = torch.exp(log_rho.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
         if mode == "truncate":
             w = rho.clamp(clip_low, clip_high)
-            flags = (w != rho).to(torch.float64)
+            flags = ((w != rho) | at_bound).to(torch.float64)
         else:
             keep = (rho >= clip_low) & (rho <= clip_high)
             w = torch.where(keep, rho, torch.zeros_like(rho))
-            flags = (~keep).to(torch.float64)
+            flags = (~keep | at_bound).to(torch.float64)
         # Masked-out tokens (m = 0) are weighted 0 by every aggregation; report them as unclipped.
         return w, flags * m
 
@@ -164,8 +169,7 @@ CustomTISFunction = Callable[..., Tuple[torch.Tensor, list, dict]]
 
 
 def load_custom_tis_function(path: str) -> CustomTISFunction:
-    """Import ``package.module.function`` (or ``package.module:function``) for
-    ``--custom-tis-function-path``. slime's signature::
+    """Import ``--custom-tis-function-path`` (any form of ``rl_plugin.user_code.FORMS``). slime's signature::
 
         fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
            total_lengths, response_lengths, **kwargs) -> (pg_loss, loss_masks, metrics)

@@ -6,11 +6,11 @@
 
 A train step::
 
-    plan   = runner.plan(batch)                       # THE planner (batching.plan_micro_batches)
+    plan   = runner.plan(batch)                       # THE planner (micro_batch_plan.plan_micro_batches)
     ctx    = prepare_step(batch, cfg, ps, device=backend.loss_device)   # counts, weights: once
     passes = backend.schedule(model, len(plan), forward, loss, forward_only=False)
         forward(i):   mb = ctx.micro_batch(plan[i])          # i >= len(plan): an empty micro-batch
-                      return backend.forward(model, mb, ...)   # [n_local, 2]: (log-prob, entropy)
+                      return backend.forward(model, mb, options)  # [n_local, 2]: (log-prob, entropy)
         loss(i, out): return ctx.loss(logp, ent, mb).objective   # this micro-batch's share of J
     grad_norm, lr = backend.optimizer_step()
     report = ctx.finish()                             # J and metrics, identical on every rank
@@ -20,12 +20,13 @@ The forward-only pass is the same runner without backward: the same plan, the sa
 ``loss(i, out)`` gathers the micro-batch's CP chunks back into full responses
 (``comm.gather_micro_batch_responses``) and writes them into the ``[sum R_i]`` result.
 
-What a backend implements (``StepBackend``, narrow on purpose; ``backends.base.TrainBackend`` adds
+What a backend implements (``backend_api.StepBackend``, narrow on purpose; ``backends.base.TrainBackend`` adds
 weights export and checkpoints):
 
-- ``forward(model, inputs, *, temperature, chunk_size, with_entropy)``: one micro-batch
-  (``MicroBatchInputs`` / ``MicroBatch``: CP-local ``input_ids``, ``position_ids``, ``targets``,
-  ``layout``) -> ``[n_local, 2]`` (log-prob, entropy; entropy zeros without ``with_entropy``) of
+- ``forward(model, inputs, options)``: one micro-batch (``MicroBatchInputs`` / ``MicroBatch``:
+  CP-local ``input_ids``, ``position_ids``, ``targets``, ``layout``) with the pass's
+  ``ForwardOptions`` (temperature, chunk size, with_entropy; built once per pass from the loss
+  config) -> ``[n_local, 2]`` (log-prob, entropy; entropy zeros without ``with_entropy``) of
   its local response tokens, on ``loss_device``, differentiable. A micro-batch with no sample
   returns a ``[0, 2]`` tensor (that may carry an idle pass's graph, see FSDP).
 - ``schedule(model, n, forward, loss, *, forward_only)``: run this rank's ``n`` micro-batches
@@ -61,39 +62,21 @@ says when that gives the same numbers.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from rl_plugin.batching import plan_micro_batches
 from rl_plugin.cp import exclusive_cumsum, expand_runs
+from rl_plugin.loss.backend_api import ForwardOptions, MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.config import LossConfig
-from rl_plugin.loss.inputs import MicroBatchInputs
-from rl_plugin.loss.step import old_from_forward_unsupported, prepare_step
+from rl_plugin.loss.micro_batch_plan import plan_micro_batches
+from rl_plugin.loss.off_policy_step import old_from_forward_unsupported
+from rl_plugin.loss.step import prepare_step
 from rl_plugin.parallel import ParallelState
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
-
-Forward = Callable[[int], torch.Tensor]
-Loss = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-class StepBackend(Protocol):
-    """What the runner needs from a backend (module docstring)."""
-
-    parallel_state: ParallelState
-    loss_device: torch.device
-    loss_config: LossConfig
-
-    def forward(
-        self, model, inputs: MicroBatchInputs, *, temperature: float, chunk_size: int, with_entropy: bool
-    ) -> torch.Tensor: ...
-
-    def schedule(self, model, num_micro_batches: int, forward: Forward, loss: Loss, *, forward_only: bool) -> int: ...
-
-    def optimizer_step(self) -> Tuple[float, float]: ...
 
 
 def old_log_probs_rule(
@@ -175,12 +158,11 @@ class StepRunner:
         plan = self.plan(batch, micro_batches)
         pending = {}
         with_entropy = cfg.needs_entropy
+        options = ForwardOptions.of(cfg, with_entropy=with_entropy)
 
         def forward(i: int) -> torch.Tensor:
             mb = pending[i] = ctx.micro_batch(plan[i] if i < len(plan) else _EMPTY)
-            return backend.forward(
-                model, mb, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy
-            )
+            return backend.forward(model, mb, options)
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
             mb = pending.pop(i)
@@ -210,6 +192,7 @@ class StepRunner:
         device = backend.loss_device
         result = torch.zeros(int(rl.sum()), dtype=torch.float32, device=device)
         pending = {}
+        options = ForwardOptions.of(cfg, with_entropy=False)
 
         def forward(i: int) -> torch.Tensor:
             idx = plan[i] if i < len(plan) else _EMPTY
@@ -218,9 +201,7 @@ class StepRunner:
                 sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len
             )
             pending[i] = (idx, sub, inputs)
-            return backend.forward(
-                model, inputs, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=False
-            )
+            return backend.forward(model, inputs, options)
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
             idx, sub, inputs = pending.pop(i)

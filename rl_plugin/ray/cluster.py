@@ -15,7 +15,11 @@ The ``hf`` engine with a single engine runs inside the manager (it then holds th
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -23,8 +27,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_plugin.errors import LoopError
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
+# The signals the loop turns into "save, then stop" (rl_plugin.loop.exit_request): SIGTERM
+# (preemption), SIGUSR1 (Slurm's --signal default), SIGHUP. Blocked in the local cluster's processes.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
 
@@ -41,15 +49,34 @@ def init_ray(num_cpus: int) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        address = os.environ["RAY_ADDRESS"]
+        check_ray_address(address)
+        try:
+            with _callers_sigterm_handler():
+                ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, TimeoutError, RuntimeError) as exc:
+            raise LoopError(
+                f"RAY_ADDRESS={address}: cannot join the Ray cluster there ({type(exc).__name__}: {exc}). Fix: start the "
+                "cluster first (`ray start --head`), point RAY_ADDRESS at its GCS address (host:6379), or unset RAY_ADDRESS "
+                "to let the run start a local cluster"
+            ) from None
     else:
         # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
         # RAM) holds a full weight export, which travels through the object store at every sync.
         store = None if use_gpus() else 512 * 1024 * 1024
         global _REAPER
         before = set(children(os.getpid()))
-        _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        # The cluster's processes start with the exit signals blocked (a child inherits the signal
+        # mask): a SIGTERM to the whole process group (a scheduler's preemption) reaches the driver,
+        # which saves through the still-running cluster, then tears it down (ray.shutdown, and the
+        # reaper's SIGKILL for what is left); the driver's own mask comes back right after.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
+        try:
+            _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
+            with _callers_sigterm_handler():
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if _REAPER is not None:
             _REAPER.set_heads(
                 sorted(set(children(os.getpid())) - before - {_REAPER.proc.pid})
@@ -58,6 +85,54 @@ def init_ray(num_cpus: int) -> bool:
 
 
 _REAPER: Optional[Reaper] = None
+
+
+@contextlib.contextmanager
+def _callers_sigterm_handler():
+    """``ray.init`` installs SIGTERM handlers in the driver that exit at once (``sys.exit``), and
+    a SIGTERM that lands during it would run them; the loop has its own (save, then stop:
+    ``rl_plugin.loop.exit_request``), so Ray's installer is a no-op for the duration and the
+    caller's handler stays. The local cluster is still taken down at exit (``shutdown_ray``, the
+    reaper)."""
+    from ray._private import utils as ray_utils
+
+    install = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
+
+
+CONNECT_TIMEOUT_S = 20.0  # RL_PLUGIN_RAY_CONNECT_TIMEOUT: how long a RAY_ADDRESS may take to answer
+
+
+def check_ray_address(address: str, timeout: Optional[float] = None) -> None:
+    """Fail in seconds, naming ``RAY_ADDRESS``, when nothing answers at its ``host:port``
+    (``ray.init`` would wait for ever on a port where nothing listens). ``auto`` and Ray Client's
+    ``ray://`` addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LoopError(
+            f"RAY_ADDRESS={address}: not a host:port address. Fix: set it to the head node's GCS address, e.g. "
+            "10.0.0.1:6379, or unset it to let the run start a local cluster"
+        )
+    timeout = float(os.environ.get("RL_PLUGIN_RAY_CONNECT_TIMEOUT", CONNECT_TIMEOUT_S)) if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LoopError(
+                    f"RAY_ADDRESS={address}: nothing answered there within {timeout:g} s ({exc}). Fix: start the "
+                    "cluster first (`ray start --head` on that host), check the host and port (the head's GCS, "
+                    "6379 by default) and the firewall, or unset RAY_ADDRESS to let the run start a local cluster"
+                ) from None
+            time.sleep(0.5)
 
 
 def shutdown_ray() -> None:

@@ -17,7 +17,7 @@ import ray
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
-from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 
 class EngineActor:
@@ -46,11 +46,6 @@ class EngineActor:
         shared-memory segment on this node, else the object store); returns bytes loaded,
         seconds spent and, under --check-weight-sync, this engine's fingerprint."""
         return load_sync(self.engine, self.receiver, handle)
-
-    def weights_fingerprint(self) -> Dict[str, str]:
-        from rl_plugin.rollout.manager import weights_fingerprint
-
-        return weights_fingerprint(self.engine.weights())
 
 
 def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 GRACE_S = 2.0  # after EOF: let a clean ray.shutdown() finish before killing what is left
-# train rank 0's weight segments (rl_plugin.rollout.weight_segment: /dev/shm/<prefix>.<pid>.<n>)
+# train rank 0's weight segments (rl_plugin.weight_sync.segment: /dev/shm/<prefix>.<pid>.<n>)
 WEIGHT_SEGMENTS = ("/dev/shm", "rl_plugin_weights")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
 
@@ -133,8 +133,6 @@ class TrainActor:
     def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's
         detached log-probs are the old ones, bit for bit; ``runner.old_log_probs_rule``)."""
-        from rl_plugin.loss.runner import old_log_probs_rule
-
         if not self.fuse_old_log_probs:
             return "disabled (fuse_old_log_probs = False)"
         return old_log_probs_rule(
@@ -160,10 +158,10 @@ class TrainActor:
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:
         """Collective export (each TP shard gathered once); rank 0 publishes it for the engines
-        (``rl_plugin.rollout.weight_sync.WeightPublisher``: shared memory on its node, the object
+        (``rl_plugin.weight_sync.WeightPublisher``: shared memory on its node, the object
         store for other nodes, only the tensors that changed) and returns the ``SyncHandle``;
         other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
-        from rl_plugin.rollout.weight_sync import WeightPublisher
+        from rl_plugin.weight_sync import WeightPublisher
 
         t0 = time.perf_counter()
         sd = self.backend.export_hf_state_dict()
@@ -180,12 +178,6 @@ class TrainActor:
         """Unlink the weight segment (teardown; a killed process's segment is swept later)."""
         if self.publisher is not None:
             self.publisher.close()
-
-    def weights_fingerprint(self) -> Optional[Dict[str, str]]:
-        from rl_plugin.rollout.manager import weights_fingerprint
-
-        sd = self.backend.export_hf_state_dict()
-        return weights_fingerprint(sd) if self.rank == 0 else None
 
     def save(self, path: str, step: int, extra: Dict[str, Any]) -> None:
         self.backend.save_checkpoint(path, step=step, extra=extra)

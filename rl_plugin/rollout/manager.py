@@ -12,131 +12,35 @@ per engine, generated concurrently and gathered back in group order; each sample
 index in the rollout (``first_sample``), so per-sample-seeded engines (vllm, sglang) sample the
 same tokens however many engines there are.
 
-With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``filters.py``) a rollout runs in
+With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``dynamic_sampling.py``) a rollout runs in
 rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
 r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter on their raw
 rewards; the first ``--rollout-batch-size`` passing groups, in generation order, are the rollout
-and the rest are dropped (as slime does). ``--overlong-buffer-len`` then adds DAPO's over-long
+and the rest are dropped (as slime does); every round after the first prints one progress line
+(at most ``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
 penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.rollout.dataset import PromptDataset
+from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
-from rl_plugin.rollout.filters import FilterSample, keep_decision, load_filter, overlong_penalty
+from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
+from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, rollout_stats
 from rl_plugin.rollout.tokenizer import load_tokenizer
-from rl_plugin.rollout.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
-from rl_plugin.tensor_pickle import reduce_dataclass
+from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
-MAX_DYNAMIC_SAMPLING_ROUNDS = 64
-
-
-@dataclass
-class RolloutData:
-    """One rollout, samples ordered by prompt group. ``tokens``: prompt + response of every sample
-    (``[sum T_i]``); ``rollout_log_probs``: the sampler's log-prob of each response token."""
-
-    tokens: torch.Tensor
-    total_lengths: torch.Tensor
-    response_lengths: torch.Tensor
-    rollout_log_probs: torch.Tensor
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
-    num_groups: int
-    stats: Dict[str, float] = field(default_factory=dict)
-    examples: List[Dict[str, object]] = field(default_factory=list)
-    dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
-    weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
-
-    def __reduce_ex__(self, protocol):
-        """Pickled (Ray's transport from the rollout manager to the driver) with its tensors in
-        one buffer (``rl_plugin.tensor_pickle``): ~0.05 ms instead of torch's ~0.7 ms for the
-        six tensors of the embedded rollout; torch's pickling when a tensor needs it."""
-        return reduce_dataclass(self) or super().__reduce_ex__(protocol)
-
-    def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
-        """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
-        ``0..len(groups)-1``; stats and examples are left to the caller."""
-        groups = torch.as_tensor(groups, dtype=torch.long)
-        idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
-        tl, rl = self.total_lengths, self.response_lengths
-        return RolloutData(
-            tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
-            total_lengths=tl[idx],
-            response_lengths=rl[idx],
-            rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
-            rewards=self.rewards[idx],
-            group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
-            num_groups=int(groups.numel()),
-        )
-
-
-# the fields that travel in one buffer when pickled (``tensor_pickle.reduce_dataclass``)
-RolloutData.TENSOR_FIELDS = ("tokens", "total_lengths", "response_lengths", "rollout_log_probs", "rewards", "group_ids")
-
-
-_PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
-_LOG_PROBS, _FINISHED = attrgetter("log_probs"), attrgetter("finished")
-
-
-@dataclass
-class FlatGenerations:
-    """A rollout's generations as flat tensors (samples in order): ``tokens`` = prompt + response
-    of every sample (``[sum T_i]``), ``log_probs`` the responses' (``[sum R_i]``, fp32)."""
-
-    tokens: torch.Tensor
-    total_lengths: torch.Tensor
-    response_lengths: torch.Tensor
-    log_probs: torch.Tensor
-    truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
-
-
-def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
-    """The engine's per-sample lists as flat tensors, in C-level passes (``map``, ``chain``,
-    ``numpy.fromiter``) instead of a Python loop over samples and tokens; the same values and
-    dtypes as ``torch.tensor`` of the nested lists (int64 tokens, fp32 log-probs, each double
-    rounded to nearest)."""
-    prompts, responses = list(map(_PROMPT_IDS, gens)), list(map(_RESPONSE_IDS, gens))
-    n = len(gens)
-    pl = np.fromiter(map(len, prompts), np.int64, n)
-    rl = np.fromiter(map(len, responses), np.int64, n)
-    tl = pl + rl
-    tokens = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))), np.int64, int(tl.sum()))
-    log_probs = np.fromiter(chain.from_iterable(map(_LOG_PROBS, gens)), np.float32, int(rl.sum()))
-    unfinished = n - sum(map(_FINISHED, gens))
-    return FlatGenerations(
-        tokens=torch.from_numpy(tokens),
-        total_lengths=torch.from_numpy(tl),
-        response_lengths=torch.from_numpy(rl),
-        log_probs=torch.from_numpy(log_probs),
-        truncated_frac=float(unfinished / n),
-    )
-
-
-def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
-    """sha256 of every tensor's bytes (fp32, contiguous): equal fingerprints = bitwise-equal weights."""
-    out = {}
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu", torch.float32).contiguous()
-        out[name] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    return out
 
 
 def rollout_threads() -> int:
@@ -146,6 +50,11 @@ def rollout_threads() -> int:
     cores): 2 threads make the engine's log-probs differ in the last bits (the ``mismatch/*``
     metrics change) and a rollout ~12x slower (OpenMP hand-offs to descheduled threads)."""
     return int(os.environ.get("RL_PLUGIN_ROLLOUT_THREADS", "1"))
+
+
+def _progress_line(line: str) -> None:
+    """Dynamic sampling's per-round line, flushed (the actor's stdout reaches the driver's log)."""
+    print(line, flush=True)
 
 
 def group_shares(num_groups: int, num_engines: int) -> List[int]:
@@ -192,7 +101,15 @@ class RolloutManager:
             recs = self.train.next_batch(cfg.rollout_batch_size)
             data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
-            data = self._dynamic_rollout(rollout_id)
+            data = dynamic_rollout(
+                cfg,
+                rollout_id,
+                self.train.next_batch,
+                self._rollout,
+                self.group_filter,
+                ROUND_SEED_STRIDE,
+                progress=_progress_line,
+            )
         if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
@@ -209,66 +126,6 @@ class RolloutManager:
         data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         data.weight_load = self._finish_load(handle, loading)
         return data
-
-    def _dynamic_rollout(self, rollout_id: int) -> RolloutData:
-        """DAPO dynamic sampling: rounds until ``--rollout-batch-size`` groups pass the filter."""
-        cfg = self.config
-        want, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
-        per_round = cfg.over_sampling_batch_size or want
-        kept: List[RolloutData] = []
-        generated = passed = 0
-        gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
-        for r in range(MAX_DYNAMIC_SAMPLING_ROUNDS):
-            recs = self.train.next_batch(per_round)
-            data, samples = self._rollout(
-                recs, n, seed=cfg.seed + rollout_id + r * ROUND_SEED_STRIDE, with_samples=True
-            )
-            gen_time += data.stats["rollout_gen_time"]
-            reward_time += data.stats["rollout_reward_time"]
-            truncated += data.stats["truncated_frac"] * data.num_groups
-            raw_rewards.append(data.rewards)
-            keep = [
-                g for g in range(data.num_groups) if keep_decision(self.group_filter(cfg, samples[g * n : (g + 1) * n]))
-            ]
-            generated += data.num_groups
-            passed += len(keep)
-            have = sum(k.num_groups for k in kept)
-            if keep:
-                kept.append(data.select_groups(torch.tensor(keep[: want - have]), n))
-            if have + len(keep) >= want:
-                break
-        else:
-            raise RuntimeError(
-                f"--dynamic-sampling-filter-path {cfg.dynamic_sampling_filter_path}: only {passed} of {generated} prompt groups "
-                f"passed in {MAX_DYNAMIC_SAMPLING_ROUNDS} rounds of --over-sampling-batch-size {per_round}, short of "
-                f"--rollout-batch-size {want}; the task is too easy or too hard for the filter (check the rewards), or relax the filter"
-            )
-        out = _concat(kept, n)
-        out.stats = self._stats(out.rewards, out.response_lengths, truncated / generated, gen_time, reward_time)
-        out.stats.update(
-            {
-                "dynamic_sampling/groups_generated": float(generated),
-                "dynamic_sampling/groups_passed": float(passed),
-                "dynamic_sampling/groups_kept": float(out.num_groups),
-                "dynamic_sampling/rounds": float(r + 1),
-                "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
-            }
-        )
-        out.examples = data.examples
-        return out
-
-    @staticmethod
-    def _stats(
-        rewards: torch.Tensor, rl: torch.Tensor, truncated_frac: float, gen_time: float, reward_time: float
-    ) -> Dict[str, float]:
-        return {
-            "reward_mean": float(rewards.mean()),
-            "reward_max": float(rewards.max()),
-            "response_len_mean": float(rl.float().mean()),
-            "truncated_frac": truncated_frac,
-            "rollout_gen_time": gen_time,
-            "rollout_reward_time": reward_time,
-        }
 
     def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
         """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
@@ -308,7 +165,7 @@ class RolloutManager:
                 f"rollout sample {i} (prompt {prompts[i]!r}) has an empty response; check --rollout-max-response-len >= 1"
             )
         rl = flat.response_lengths
-        stats = self._stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
+        stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
         data = RolloutData(
             tokens=flat.tokens,
             total_lengths=flat.total_lengths,
@@ -356,7 +213,7 @@ class RolloutManager:
         return ray.get([e.node_id.remote() for e in self.engines])
 
     def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
-        """Load the sync behind ``handle`` (``rl_plugin.rollout.weight_sync``) into every engine,
+        """Load the sync behind ``handle`` (``rl_plugin.weight_sync``) into every engine,
         in place; returns the bytes per engine, the slowest engine's seconds and, under
         --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
         return self._finish_load(handle, self._start_load(handle))
@@ -385,31 +242,9 @@ class RolloutManager:
             out["fingerprints"] = [s["fingerprint"] for s in stats]
         return out
 
-    def weights_fingerprint(self) -> List[Dict[str, str]]:
-        """One fingerprint per engine (``--check-weight-sync`` checks every engine)."""
-        if self.engine is not None:
-            return [weights_fingerprint(self.engine.weights())]
-        import ray
-
-        return ray.get([e.weights_fingerprint.remote() for e in self.engines])
-
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
         return {"train_dataset": self.train.state_dict()}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.train.load_state_dict(state["train_dataset"])
-
-
-def _concat(parts: List[RolloutData], group_size: int) -> RolloutData:
-    """Rollouts of whole groups back to back, group ids renumbered."""
-    num_groups = sum(p.num_groups for p in parts)
-    return RolloutData(
-        tokens=torch.cat([p.tokens for p in parts]),
-        total_lengths=torch.cat([p.total_lengths for p in parts]),
-        response_lengths=torch.cat([p.response_lengths for p in parts]),
-        rollout_log_probs=torch.cat([p.rollout_log_probs for p in parts]),
-        rewards=torch.cat([p.rewards for p in parts]),
-        group_ids=torch.arange(num_groups).repeat_interleave(group_size),
-        num_groups=num_groups,
-    )

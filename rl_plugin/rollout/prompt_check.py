@@ -8,16 +8,24 @@ tokens, so the rule is::
     len(prompt_ids) + rollout_max_response_len <= max_position_embeddings
 
 (the model's context, from its ``config.json``). Cost: one tokenizer call per prompt.
+
+With a built-in reward that compares the response with the label (``--rm-type digit_match`` /
+``math_exact``, ``rewards.LABEL_REWARDS``), every label must be a non-empty string or a finite
+number (``check_labels``): a null or empty label scores 0 on every response, so a file of them
+trains with reward 0 and gradient 0 and says nothing. A missing label key is refused by the
+reader (``dataset.read_jsonl``). A ``--custom-rm-path`` function may take any label.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from rl_plugin.arguments._util import RLArgumentError, fail
-from rl_plugin.rollout.dataset import read_jsonl
+from rl_plugin.errors import RLArgumentError, fail
+from rl_plugin.rollout.dataset import PromptRecord, read_jsonl
+from rl_plugin.rollout.rewards import LABEL_REWARDS, is_number
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 SHOW = 3  # offending lines named in the message
@@ -43,13 +51,15 @@ def check_prompt_file(
     max_response_len: int,
     context_len: Optional[int],
     hf_checkpoint: str,
+    rm_type: Optional[str] = None,
 ) -> int:
-    """Raise ``RLArgumentError`` naming file:line of the first prompts that fail; returns the
-    longest prompt in tokens."""
+    """Raise ``RLArgumentError`` naming file:line of the first prompts (or labels, for
+    ``rm_type``: ``check_labels``) that fail; returns the longest prompt in tokens."""
     try:
         records = read_jsonl(path, input_key, label_key)
     except (ValueError, FileNotFoundError) as exc:
         raise RLArgumentError(f"{flag}: {exc}. Fix: correct that line of the file") from None
+    check_labels(flag, path, records, rm_type=rm_type, label_key=label_key)
     too_long: List[Tuple[int, int]] = []
     longest = 0
     for rec in records:
@@ -77,3 +87,41 @@ def check_prompt_file(
             f"shorten or drop those prompts, {shorter}or use a model with a longer context",
         )
     return longest
+
+
+def _label_problem(label) -> Optional[str]:
+    """Why a built-in verifier cannot score against ``label`` (None: it can)."""
+    if label is None:
+        return "null"
+    if isinstance(label, str):
+        return None if label.strip() else "an empty string"
+    if is_number(label):
+        return None if math.isfinite(label) else f"the non-finite number {label}"
+    return f"a JSON {type(label).__name__} ({label!r:.40})"
+
+
+def check_labels(
+    flag: str, path, records: List[PromptRecord], *, rm_type: Optional[str], label_key: Optional[str]
+) -> None:
+    """With a built-in reward that reads the label (``LABEL_REWARDS``), refuse a file whose labels
+    are not all non-empty strings or finite numbers, naming file:line of the first ones."""
+    if rm_type not in LABEL_REWARDS:
+        return
+    if not label_key:
+        fail(
+            f"--label-key {label_key!r} with --rm-type {rm_type}",
+            f"no label is read from {flag} {path}, but {rm_type} compares each response with its label (every reward would be 0)",
+            "name the label's key with --label-key (default 'label')",
+        )
+    bad = [(rec.lineno, why) for rec in records if (why := _label_problem(rec.label)) is not None]
+    if not bad:
+        return
+    first_line, why = bad[0]
+    lines = ", ".join(str(ln) for ln, _ in bad[:SHOW]) + (", ..." if len(bad) > SHOW else "")
+    fail(
+        f"{flag} {path}:{first_line}",
+        f"the label ({label_key!r}, --label-key) is {why}, and --rm-type {rm_type} compares each response with its label, "
+        f"so these samples would score 0 and train nothing ({len(bad)} of {len(records)} labels, at lines {lines}); "
+        "labels must be non-empty strings or numbers",
+        "fill in those labels or drop their lines, or score them with your own --custom-rm-path function",
+    )

@@ -7,22 +7,27 @@ A reward function is ``fn(prompt: str, response: str, label) -> float``. Built-i
 - ``math_exact``: 1.0 when the response's final answer (last ``\\boxed{...}``, else the last number)
   equals the label after light normalisation (spaces, ``$``, trailing ``.0``), else 0.0.
 
+A label that is a JSON number (``int`` or ``float``, not ``true``/``false``) is compared as a
+number: ``math_exact`` scores 1.0 when the final answer's exact value (``Fraction`` of "7", "7.00",
+"1/2", "1,000") equals it (an int exactly; a float as the float nearest the answer, so "0.1"
+matches 0.1); ``digit_match`` gives full credit to a response whose value equals it, and otherwise
+partial credit against the number's shortest text (7.0 -> "7", never "7.0"). The built-ins need a
+label: preflight refuses null or empty ones (``prompt_check.check_labels``).
+
 ``--custom-rm-path`` is ``package.module:function``, ``package.module.function`` or
 ``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-import traceback
-from pathlib import Path
+from fractions import Fraction
 from typing import Callable, List, Sequence
 
 from rl_plugin.registries import REWARDS  # the names (--rm-type); entries point at the functions below
 from rl_plugin.rollout.task import digit_match_reward
+from rl_plugin.user_code import UserCodeError, describe_exception, load_function, where
 
 RewardFn = Callable[[str, str, object], float]
 
@@ -32,8 +37,35 @@ def register_reward(name: str):
     return REWARDS.register(name)
 
 
+LABEL_REWARDS = ("digit_match", "math_exact")  # built-ins that compare the response with the label
+
+
+def is_number(label) -> bool:
+    """A JSON number: int or float (JSON true/false parse as bool, a subclass of int: not numbers)."""
+    return isinstance(label, (int, float)) and not isinstance(label, bool)
+
+
+def label_text(label) -> str:
+    """The label as text: an integral float in its integer form (7.0 -> "7"), anything else ``str``."""
+    if isinstance(label, float) and label.is_integer():
+        return str(int(label))
+    return str(label)
+
+
+def numbers_equal(answer: str, label) -> bool:
+    """The exact value of ``answer`` ("7", "-3.50", "1/2", "1,000", "$7$") equals the numeric
+    ``label``: exactly for an int, as the nearest float for a float."""
+    try:
+        value = Fraction(_normalise(answer))
+        return value == label if isinstance(label, int) else float(value) == label
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return False
+
+
 def digit_match(prompt: str, response: str, label) -> float:
-    return digit_match_reward(response, str(label))
+    if is_number(label) and numbers_equal(response, label):
+        return 1.0
+    return digit_match_reward(response, label_text(label))
 
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -56,10 +88,13 @@ def extract_final_answer(response: str) -> str:
 
 
 def math_exact_reward(prompt: str, response: str, label) -> float:
-    return float(_normalise(extract_final_answer(response)) == _normalise(str(label)) != "")
+    answer = extract_final_answer(response)
+    if is_number(label):
+        return float(numbers_equal(answer, label))
+    return float(_normalise(answer) == _normalise(str(label)) != "")
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserCodeError):
     """A reward function that cannot be loaded or that raised; the message names the flag, the
     file:line in the user's code, and (when scoring) the sample index and its prompt."""
 
@@ -84,53 +119,14 @@ def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
     return REWARDS.get(rm_type)
 
 
-def _user_frame(exc: BaseException, source: str | None):
-    """The innermost traceback frame in the user's file (else the innermost one): (file, line, code)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return exc.filename, exc.lineno, (exc.text or "").strip()
-    mine = [f for f in frames if source and Path(f.filename).resolve() == Path(source).resolve()]
-    f = (mine or frames or [None])[-1]
-    return (f.filename, f.lineno, (f.line or "").strip()) if f is not None else ("?", 0, "")
-
-
-def _where(exc: BaseException, source: str | None) -> str:
-    file, line, code = _user_frame(exc, source)
-    msg = exc.msg if isinstance(exc, SyntaxError) else str(exc)
-    return f"{type(exc).__name__}: {msg} at {file}:{line}" + (f" (`{code}`)" if code else "")
-
-
 def _load_custom(spec: str) -> RewardFn:
-    if ":" in spec:
-        target, name = spec.rsplit(":", 1)
-    elif "." in spec:
-        target, name = spec.rsplit(".", 1)
-    else:
-        raise ValueError(f"--custom-rm-path {spec!r}: expected package.module:function or path/to/file.py:function")
-    source = None
+    """``--custom-rm-path``'s function through the one user-code loader (``rl_plugin.user_code``)."""
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file {path}")
-            source = str(path)
-            module_spec = importlib.util.spec_from_file_location(f"_rl_plugin_custom_rm_{path.stem}", path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-            source = getattr(module, "__file__", None)
-        fn = getattr(module, name)
-    except (ImportError, FileNotFoundError, AttributeError) as exc:
-        raise ValueError(f"--custom-rm-path {spec!r}: cannot load the reward function: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: say where
-        raise RewardFunctionError(
-            f"--custom-rm-path {spec}: the reward module failed to import: {_where(exc, source or target)}. "
-            f"Fix: correct the module at that line"
-        ) from None
-    if not callable(fn):
-        raise ValueError(f"--custom-rm-path {spec!r}: {name} is not callable")
-    return CustomReward(fn, spec, source)
+        fn = load_function(spec, "--custom-rm-path")
+    except UserCodeError as exc:  # already names the file:line and the fix
+        raise RewardFunctionError(str(exc)) from None
+    file = where(fn).rsplit(":", 1)[0]
+    return CustomReward(fn, spec, None if file == "?" else file)
 
 
 def _describe(fn: RewardFn) -> str:
@@ -156,7 +152,7 @@ def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
         p, r, lab = prompts[i], responses[i], labels[i]
         source = fn.source if isinstance(fn, CustomReward) else None
         raise RewardFunctionError(
-            f"{_describe(fn)} raised {_where(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
+            f"{_describe(fn)} raised {describe_exception(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
             f"label {lab!r}). Fix: make the function return a float for every sample; it is called as fn(prompt, response, label)"
         ) from None
     return _checked(values, prompts, responses)

@@ -16,7 +16,7 @@ What it drives (SGLang's ``http_server.py``; slime and miles use the same endpoi
 
 Not run in this repository's CI (no GPU): a GPU run must exercise it end to end; the NCCL
 broadcast path (``/init_weights_update_group`` + ``/update_weights_from_distributed``) is the
-``NcclBroadcastTransport`` seam in ``rl_plugin.rollout.weight_sync``.
+``DistributedWriter`` seam in ``rl_plugin.weight_sync.distributed``.
 """
 
 from __future__ import annotations

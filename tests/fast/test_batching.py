@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_plugin.batching import (
+from rl_plugin.loss import StepBatch
+from rl_plugin.loss.micro_batch_plan import (
     micro_batches_by_count,
     micro_batches_by_tokens,
     micro_batches_for_count,
@@ -16,7 +17,6 @@ from rl_plugin.batching import (
     plan_steps_by_docs,
     split_samples_for_dp,
 )
-from rl_plugin.loss import StepBatch
 from rl_plugin.parallel import ParallelState
 
 

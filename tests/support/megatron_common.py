@@ -4,7 +4,7 @@ import it as ``tests.support.megatron_common``).
 - ``make_args(*flags)``: a parsed, validated namespace from real command-line flags.
 - ``synthetic_batch(...)``: a seeded global step batch with uneven lengths, one-token and empty
   (fully masked) responses, and prompt groups that straddle DP ranks once split.
-- ``dp_shard(batch, dp_size, dp_rank)``: this DP rank's samples (``batching.split_samples_for_dp``).
+- ``dp_shard(batch, dp_size, dp_rank)``: this DP rank's samples (``loss.micro_batch_plan.split_samples_for_dp``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Tuple
 
 import torch
 
-from rl_plugin.batching import split_samples_for_dp
 from rl_plugin.loss import StepBatch
+from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
 
 def make_args(*flags: str, world_size: int = 1):

@@ -2,7 +2,7 @@
 
 The step is the core's (``rl_plugin.loss.runner.StepRunner``); this backend supplies::
 
-    forward(model, mb)     -> [n, 2] (logp, entropy)   packing.micro_batch_log_probs: HF forward
+    forward(model, mb, opts) -> [n, 2] (logp, entropy)   packing.micro_batch_log_probs: HF forward
                                                        (samples as a padded causal batch, or one
                                                        row under a block-diagonal causal mask),
                                                        fused head (or logits + log-softmax)
@@ -44,7 +44,7 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss.runner import StepRunner
+from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 
@@ -155,23 +155,15 @@ class FSDPBackend(TrainBackend):
         cfg = self.model.config
         return not any(float(getattr(cfg, name, 0.0) or 0.0) > 0 for name in DROPOUT_CONFIG_FIELDS)
 
-    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
-    def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
+    # -- the runner's backend interface (rl_plugin.loss.StepBackend) -----------------------------
+    def forward(self, model, inputs, options: ForwardOptions) -> torch.Tensor:
         if inputs.layout.num_samples == 0:
             # An idle pass: one token through the model so this rank joins FSDP's collectives;
             # its output, times 0, carries the graph so the backward joins them too.
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             logits = model(input_ids=ids, use_cache=False).logits
             return (logits.float().sum() * 0.0).expand(0, 2)
-        logp, ent = micro_batch_log_probs(
-            model,
-            inputs,
-            self.attn_implementation,
-            self.device,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-        )
+        logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
         return torch.stack([logp, ent], 1)
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:

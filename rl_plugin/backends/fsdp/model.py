@@ -27,8 +27,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
-from rl_plugin.loss.logprobs import fp32_output_projection
+from rl_plugin.loss import ForwardOptions, default_chunk_rows, fp32_output_projection, fused_log_probs_and_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +123,7 @@ class FusedRequest:
     """What the next forward of a ``FusedLogProbHead`` returns log-probs for."""
 
     targets: torch.Tensor
-    temperature: float
-    chunk_size: int
-    with_entropy: bool
+    options: ForwardOptions
     row_index: Optional[torch.Tensor] = None  # rows of the flattened hidden states (padded forms); None: all
 
 
@@ -178,10 +175,10 @@ class FusedLogProbHead(nn.Module):
             rows,
             self.weight,
             req.targets,
-            temperature=req.temperature,
+            temperature=req.options.temperature,
             fp32_head=self.fp32,
-            chunk_size=min(req.chunk_size, default_chunk_rows(self.weight.shape[0])),
-            with_entropy=req.with_entropy,
+            chunk_size=min(req.options.chunk_size, default_chunk_rows(self.weight.shape[0])),
+            with_entropy=req.options.with_entropy,
         )
         return torch.stack([logp, ent], -1).unsqueeze(0)
 

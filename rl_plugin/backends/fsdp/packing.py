@@ -48,7 +48,7 @@ import torch
 
 from rl_plugin.backends.attention_mask import block_causal_mask
 from rl_plugin.cp import padded_attention_is_cheaper, segment_grid
-from rl_plugin.loss import log_probs_and_entropy
+from rl_plugin.loss import ForwardOptions, log_probs_and_entropy
 
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 
@@ -78,7 +78,7 @@ def thd_as_padded_grid(layout, attn_implementation: str) -> bool:
 def model_inputs(
     mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None
 ) -> Tuple[dict, Optional[torch.Tensor]]:
-    """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatch``
+    """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatchInputs`` (or ``MicroBatch``)
     (module docstring). ``padded_grid``: force thd's padded-grid (True) or single-row (False)
     form; default ``thd_as_padded_grid``."""
     layout = mb.layout
@@ -137,16 +137,7 @@ def micro_batch_logits(model, mb, attn_implementation: str, device: torch.device
     return logits.view(-1, logits.shape[-1])  # only the kept rows, in index order
 
 
-def micro_batch_log_probs(
-    model,
-    mb,
-    attn_implementation: str,
-    device: torch.device,
-    *,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
-):
+def micro_batch_log_probs(model, mb, options: ForwardOptions, attn_implementation: str, device: torch.device):
     """``(logp, entropy)`` ``[n_local]`` aligned with ``mb.targets`` (see module docstring)."""
     from rl_plugin.backends.fsdp.model import FusedLogProbHead, FusedRequest
 
@@ -155,12 +146,14 @@ def micro_batch_log_probs(
     if not isinstance(head, FusedLogProbHead):
         rows = micro_batch_logits(model, mb, attn_implementation, device)
         return log_probs_and_entropy(
-            rows, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+            rows,
+            targets,
+            temperature=options.temperature,
+            chunk_size=options.chunk_size,
+            with_entropy=options.with_entropy,
         )
     kwargs, row_index = model_inputs(mb, attn_implementation, device)
-    request = FusedRequest(
-        targets=targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy, row_index=row_index
-    )
+    request = FusedRequest(targets=targets, options=options, row_index=row_index)
     with head.fused(request):
         out = model(**kwargs).logits  # [1, n, 2]
     logp, ent = out.view(-1, 2).unbind(1)

@@ -26,7 +26,7 @@ from rl_plugin.backends.megatron.bridge import export_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
 from rl_plugin.configs import ModelConfig, TrainConfig
-from rl_plugin.loss.runner import StepRunner
+from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState
 
@@ -83,19 +83,17 @@ class MegatronBackend(TrainBackend):
         optimizer, scheduler = setup.build_optimizer(opt, model, bf16=m.bf16)
         return cls(config, model, bridge, optimizer, scheduler, ps, hf_dir)
 
-    # -- the runner's backend interface (rl_plugin.loss.runner.StepBackend) ----------------------
-    def forward(self, model, inputs, *, temperature: float, chunk_size: int, with_entropy: bool) -> torch.Tensor:
+    # -- the runner's backend interface (rl_plugin.loss.StepBackend) -----------------------------
+    def forward(self, model, inputs, options: ForwardOptions) -> torch.Tensor:
         return step.micro_batch_forward(
             model,
             inputs,
+            options,
             self.parallel_state,
             self.loss_device,
             qkv_format=self.loss_config.qkv_format,
             fp32_lm_head=self.fp32_lm_head,
             fused=self.fused_lm_head,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
         )
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:

@@ -31,10 +31,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from rl_plugin.loss import fp32_output_projection, log_probs_and_entropy
-from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
-from rl_plugin.loss.logprobs import TargetOutOfVocabError
-from rl_plugin.loss.step import MicroBatch
+from rl_plugin.loss import (
+    ForwardOptions,
+    MicroBatchInputs,
+    TargetOutOfVocabError,
+    default_chunk_rows,
+    fp32_output_projection,
+    fused_log_probs_and_entropy,
+    log_probs_and_entropy,
+)
 
 
 def unwrap(model):
@@ -44,7 +49,7 @@ def unwrap(model):
     return model
 
 
-def model_inputs(mb: MicroBatch, qkv_format: str):
+def model_inputs(mb: MicroBatchInputs, qkv_format: str):
     """``(input_ids, position_ids, packed_seq_params)`` of a micro-batch for GPTModel.forward."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -129,7 +134,7 @@ def response_rows(
     return rows
 
 
-def _response_hidden(model, mb: MicroBatch, qkv_format: str, *, grad_summed_by_caller: bool):
+def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summed_by_caller: bool):
     """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
     (``response_rows``), fp32 under ``--bf16``. Without sequence parallelism the bf16 hidden
     states are indexed first and only the rows upcast (bitwise the same rows and gradients as
@@ -164,7 +169,7 @@ def half_precision_wrapped(model) -> bool:
         model = model.module
 
 
-def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
+def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_head: bool) -> torch.Tensor:
     """The unfused path: ``[n, V/tp]`` logits of the response rows.
 
     Without ``--fp32-lm-head`` the rows are the model's own logits in its dtype: under ``--bf16``
@@ -187,29 +192,19 @@ def response_logits(model, mb: MicroBatch, *, qkv_format: str, fp32_lm_head: boo
 
 def response_log_probs(
     model,
-    mb: MicroBatch,
+    mb: MicroBatchInputs,
+    options: ForwardOptions,
     ps,
     *,
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)`` of the micro-batch's CP-local response tokens (module docstring). A
     target outside the vocabulary raises ``TargetOutOfVocabError`` naming its step sample."""
     try:
         return _response_log_probs(
-            model,
-            mb,
-            ps,
-            qkv_format=qkv_format,
-            fp32_lm_head=fp32_lm_head,
-            fused=fused,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
+            model, mb, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
         )
     except TargetOutOfVocabError as e:
         local = int(mb.layout.sample_ids[e.row])
@@ -220,15 +215,13 @@ def response_log_probs(
 
 def _response_log_probs(
     model,
-    mb: MicroBatch,
+    mb: MicroBatchInputs,
+    options: ForwardOptions,
     ps,
     *,
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
@@ -237,21 +230,21 @@ def _response_log_probs(
             rows,
             weight,
             mb.targets.to(rows.device),
-            temperature=temperature,
+            temperature=options.temperature,
             tp_group=ps.tp_group,
             vocab_start=ps.tp_rank * weight.shape[0],
             fp32_head=fp32_lm_head,
-            with_entropy=with_entropy,
-            chunk_size=min(chunk_size, default_chunk_rows(weight.shape[0])),
+            with_entropy=options.with_entropy,
+            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0])),
             reduce_hidden_grad=not gpt.config.sequence_parallel,
         )
     rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)
     return log_probs_and_entropy(
         rows,
         mb.targets.to(rows.device),
-        temperature=temperature,
+        temperature=options.temperature,
         tp_group=ps.tp_group,
         vocab_start=ps.tp_rank * rows.shape[-1],
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
+        chunk_size=options.chunk_size,
+        with_entropy=options.with_entropy,
     )

@@ -2,7 +2,7 @@
 
 The step is the core's (``rl_plugin.loss.runner.StepRunner``); this module supplies::
 
-    forward(model, mb)        -> [n, 2] (logp, entropy)   forward.response_log_probs (fused head,
+    forward(model, mb, opts)  -> [n, 2] (logp, entropy)   forward.response_log_probs (fused head,
                                                           or logits + log_probs_and_entropy)
     schedule(model, M, forward, loss)                     get_forward_backward_func() over the M
         forward_step: out = forward(i); loss_func: return loss(i, out) * CANCEL, {}
@@ -31,6 +31,7 @@ from typing import Callable, Tuple
 import torch
 
 from rl_plugin.backends.megatron.forward import response_log_probs
+from rl_plugin.loss import ForwardOptions, MicroBatchInputs
 from rl_plugin.parallel import ParallelState
 
 
@@ -41,16 +42,14 @@ def cancel_factor(num_microbatches: int, ps: ParallelState) -> float:
 
 def micro_batch_forward(
     model,
-    inputs,
+    inputs: MicroBatchInputs,
+    options: ForwardOptions,
     ps: ParallelState,
     device: torch.device,
     *,
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
 ) -> torch.Tensor:
     """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's)."""
     if inputs.layout.num_samples == 0:
@@ -58,15 +57,7 @@ def micro_batch_forward(
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
         return torch.zeros((0, 2), device=device, requires_grad=torch.is_grad_enabled())
     logp, ent = response_log_probs(
-        model,
-        inputs,
-        ps,
-        qkv_format=qkv_format,
-        fp32_lm_head=fp32_lm_head,
-        fused=fused,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        with_entropy=with_entropy,
+        model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
     )
     return torch.stack([logp, ent], 1)
 

@@ -247,7 +247,7 @@ def test_hf_model_fused_head_equals_its_logits(tiny_checkpoint, tied):
     order, O(H u) relative on logits of size ~5: ``tolerance.FP32_MODEL``, as the whole-step parity tests."""
     from rl_plugin.backends.fsdp.model import FusedLogProbHead, install_fused_head, load_hf_model
     from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
-    from rl_plugin.loss import MicroBatchInputs
+    from rl_plugin.loss import ForwardOptions, MicroBatchInputs
     from tests.support.fsdp_common import make_step, rel_err, step_batch
 
     ckpt = tiny_checkpoint(tie_word_embeddings=tied)
@@ -266,9 +266,8 @@ def test_hf_model_fused_head_equals_its_logits(tiny_checkpoint, tied):
                 install_fused_head(model, fp32=False)
                 assert isinstance(model.lm_head, FusedLogProbHead)
             assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-            lp, ent = micro_batch_log_probs(
-                model, mb, "eager", torch.device("cpu"), temperature=TEMP, chunk_size=5, with_entropy=True
-            )
+            opts = ForwardOptions(temperature=TEMP, chunk_size=5, with_entropy=True)
+            lp, ent = micro_batch_log_probs(model, mb, opts, "eager", torch.device("cpu"))
             idx = mb.layout.resp_index
             ((lp * w_lp[idx]).sum() + (ent * w_ent[idx]).sum()).backward()
             out.append((lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

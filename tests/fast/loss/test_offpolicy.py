@@ -121,6 +121,24 @@ def test_tis_changes_the_loss_when_policies_differ_and_needs_rollout_log_probs()
         _run_step(batch, use_tis=True)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode,low", [("truncate", 0.0), ("mask", 0.5)])
+def test_weights_at_the_log_bound_count_as_clipped(level, mode, low):
+    """Issue 28: with an upper bound above e^20 the weights sat at the exp(20) clamp of the
+    log-ratio while tis/clipped_frac read 0 (the clamp was not counted)."""
+    batch = _batch(lambda old: old - 25.0)  # d = 25 per token: rho = e^25 (e^(25 R_i) per sequence)
+    _, _, r = _run_step(batch, use_tis=True, tis_level=level, tis_mode=mode, tis_clip_low=low, tis_clip=1e12)
+    assert r["tis/weight_mean"] == pytest.approx(math.exp(20.0), rel=FP64)
+    assert r["tis/clipped_frac"] == 1.0  # was 0.0
+    w, m = tis_weights(OLD, OLD + 21.0 * MASK, MASK, LENGTHS, level="token", mode=mode, clip_low=0.0, clip_high=1e12)
+    assert w.tolist() == pytest.approx(
+        [math.exp(-20.0), math.exp(-20.0), 1.0, math.exp(-20.0), math.exp(-20.0)], rel=FP64
+    )
+    assert m["tis/clipped_frac"] == 1.0  # d = -21 on every unmasked token: the lower side of the bound too
+    _, m = _w("token", "truncate", 0.0, 1e12)  # |d| <= 1: nothing at the bound, nothing clipped
+    assert m["tis/clipped_frac"] == 0.0
+
+
 def test_deepspeed_metric_names_alias_ours():
     _, _, r = _run_step(_batch(lambda old: old - 0.1), deepspeed_metric_names=True, pg_metrics="with_entropy")
     for ds, ours in (
@@ -153,6 +171,20 @@ RULES = [
     (
         "--use-tis --tis-clip-low 2 --tis-clip 1.5",
         ["--tis-clip-low 2.0 with --tis-clip 1.5", "inverted", "--tis-clip-low < --tis-clip"],
+    ),
+    # issue 28: a truncate band without rho = 1 reweights every token (1e-30: the gradient is gone)
+    (
+        "--use-tis --tis-clip 1e-30",
+        [
+            "--tis-mode truncate with the band [0, 1e-30]",
+            "excludes rho = 1",
+            "shrinks at least 1e+30-fold",
+            "--tis-clip 2.0",
+        ],
+    ),
+    (
+        "--use-tis --tis-clip-low 1.5 --tis-clip 3",
+        ["--tis-mode truncate with the band [1.5, 3]", "excludes rho = 1", "grows at least 1.5-fold"],
     ),
     (
         "--use-tis --tis-mode mask --tis-clip-low 1.1 --tis-clip 2",
@@ -213,6 +245,8 @@ def test_rule_fails_loud_with_flags_rule_and_fix(flags, fragments):
     [
         "--use-tis",
         "--use-tis --tis-level sequence --tis-mode mask --tis-clip-low 0.5 --tis-clip 2",
+        "--use-tis --tis-clip 1",  # truncate [0, 1]: rho = 1 keeps its weight 1
+        "--use-tis --tis-clip-low 1 --tis-clip 1.5",
         "--use-rollout-logprobs",
         f"--dynamic-sampling-filter-path {BUILTIN_FILTER} --rollout-batch-size 8 --over-sampling-batch-size 16",
         "--overlong-buffer-len 16 --overlong-penalty-factor 0.5 --rollout-max-response-len 64",

@@ -54,7 +54,7 @@ class OneFileBackend:
         self.runner = StepRunner(self, micro_batch_size=micro_batch_size)
         self.lr = 0.5
 
-    def forward(self, model, inputs, *, temperature, chunk_size, with_entropy):
+    def forward(self, model, inputs, options):
         if inputs.layout.num_samples == 0:
             return torch.zeros(
                 (0, 2), dtype=torch.float64, device=self.loss_device, requires_grad=torch.is_grad_enabled()
@@ -63,9 +63,9 @@ class OneFileBackend:
         logp, ent = log_probs_and_entropy(
             rows,
             inputs.targets.to(self.loss_device),
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
+            temperature=options.temperature,
+            chunk_size=options.chunk_size,
+            with_entropy=options.with_entropy,
         )
         return torch.stack([logp, ent], 1)
 
@@ -189,15 +189,13 @@ class _MetaBackend(OneFileBackend):
 
         return super().schedule(model, num_micro_batches, forward, checked_loss, forward_only=forward_only)
 
-    def forward(self, model, inputs, *, temperature, chunk_size, with_entropy):
+    def forward(self, model, inputs, options):
         """Log-softmax in plain torch ops: the core kernel checks the targets against the vocab
         with one host read per micro-batch, which meta tensors cannot answer."""
         if inputs.layout.num_samples == 0:
-            return super().forward(
-                model, inputs, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-            )
+            return super().forward(model, inputs, options)
         rows = model(inputs.input_ids.to(self.loss_device))[inputs.layout.logit_index.to(self.loss_device)]
-        logp_all = torch.log_softmax(rows / temperature, -1)
+        logp_all = torch.log_softmax(rows / options.temperature, -1)
         logp = logp_all.gather(1, inputs.targets.to(self.loss_device).view(-1, 1)).squeeze(1)
         ent = -(logp_all.exp() * logp_all).sum(-1)
         return torch.stack([logp, ent], 1)

@@ -98,8 +98,8 @@ PAD_ID = 0  # the tiny models' pad_token_id
 def _worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.batching import plan_micro_batches
     from rl_plugin.loss import LossConfig
+    from rl_plugin.loss.micro_batch_plan import plan_micro_batches
     from tests.support.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
     base = ["--hf-checkpoint", hf_dir, *BASE]

@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_plugin.batching import micro_batches_by_count, split_samples_for_dp
 from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss import LossConfig, StepBatch, prepare_step
+from rl_plugin.loss.micro_batch_plan import micro_batches_by_count, split_samples_for_dp
 from rl_plugin.parallel import ParallelState
 from tests.support import reference as ref
 from tests.support.tolerance import FP32_LOSS_CORE, FP64, max_abs

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rl_plugin.rollout.engine import Generation
-from rl_plugin.rollout.manager import flatten_generations
 from rl_plugin.rollout.rewards import RewardFunctionError, score_responses
+from rl_plugin.rollout.rollout_data import flatten_generations
 from rl_plugin.rollout.task import digit_match_reward
 
 

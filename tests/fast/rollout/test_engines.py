@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_plugin.rollout.weight_sync import fused_group, plan_buckets
+from rl_plugin.weight_sync import fused_group, plan_buckets
 
 VLLM = importlib.util.find_spec("vllm") is not None
 TEMPERATURES = (1.0, 0.7)
@@ -56,7 +56,7 @@ def _vllm_worker(ckpt: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rl_plugin.rollout.engine import SamplingParams, make_engine
-    from rl_plugin.rollout.weight_sync import iter_buckets
+    from rl_plugin.weight_sync import iter_buckets
 
     eng = make_engine("vllm", ckpt, seed=0)
     sd = load_file(str(Path(ckpt) / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""The weight sync's publisher and receiver (``rl_plugin.rollout.weight_sync``) with a real HF
+"""The weight sync's publisher and receiver (``rl_plugin.weight_sync``) with a real HF
 engine: a shared-memory sync leaves the engine bitwise equal to the trainer's export
 (``--check-weight-sync``'s sha256 fingerprints), later syncs move only the tensors that changed
 (a fused q/k/v group whole), tied weights are not sent, the object store carries the changes for
@@ -18,9 +18,15 @@ import torch
 
 from rl_plugin.models.tiny import make_tiny_hf_checkpoint
 from rl_plugin.rollout.hf_engine import HFEngine
-from rl_plugin.rollout.manager import weights_fingerprint
-from rl_plugin.rollout.weight_segment import SEGMENT_PREFIX, SharedWeightSegment, WeightLayout, sweep_stale
-from rl_plugin.rollout.weight_sync import SyncRequest, WeightPublisher, WeightReceiver, changed_bitwise, load_sync
+from rl_plugin.weight_sync import (
+    SyncRequest,
+    WeightPublisher,
+    WeightReceiver,
+    changed_bitwise,
+    load_sync,
+    weights_fingerprint,
+)
+from rl_plugin.weight_sync.segment import SEGMENT_PREFIX, SharedWeightSegment, WeightLayout, sweep_stale
 from tests.support.flag_rules import assert_refused
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -24,7 +24,7 @@ SCHEDULE = ["--lr-decay-style", "linear", "--lr-decay-iters", "4", "--micro-batc
 
 
 def local_batch(seed, rank, world):
-    from rl_plugin.batching import split_samples_for_dp
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
     return step_batch(make_step(seed, with_ref=False)).select(split_samples_for_dp(9, world)[rank])
 

@@ -25,7 +25,7 @@ CLIP = 1.0  # ~1/4 of the grad norm: the clipped update stays far above fp32 rou
 
 def worker(rank, world, ckpt):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
-    from rl_plugin.batching import split_samples_for_dp
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
     local = step_batch(make_step(5, with_ref=False)).select(split_samples_for_dp(9, world)[rank])
     out = {}

@@ -68,7 +68,7 @@ def step_bf16(rank, world, ckpt, bf16):
     backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, "--micro-batch-size", "3", "--lr", "0.01", *flags)))
     dtypes = []
     backend.model.lm_head.register_forward_hook(lambda m, i, o: dtypes.append((i[0].dtype, o.dtype)))
-    from rl_plugin.batching import split_samples_for_dp
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
     batch = step_batch(make_step(4)).select(split_samples_for_dp(9, world)[rank])
     before = backend.export_hf_state_dict()

@@ -23,7 +23,7 @@ from rl_plugin.backends.fsdp.packing import (
     thd_as_padded_grid,
 )
 from rl_plugin.cp import build_response_layout
-from rl_plugin.loss import MicroBatchInputs, log_probs_and_entropy
+from rl_plugin.loss import ForwardOptions, MicroBatchInputs, log_probs_and_entropy
 from tests.support.fsdp_common import alone_log_probs, make_step, rel_err, step_batch
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
@@ -115,7 +115,7 @@ def test_padded_grid_equals_block_mask(tiny_checkpoint, torch_threads, monkeypat
             model = load_hf_model(ckpt, attn_implementation=impl)
             if fused:
                 install_fused_head(model, fp32=False)
-            logp, _ = micro_batch_log_probs(model, mb, impl, CPU, temperature=1.0, chunk_size=64, with_entropy=False)
+            logp, _ = micro_batch_log_probs(model, mb, ForwardOptions(1.0, 64, False), impl, CPU)
             (w * logp).sum().backward()
             out[grid] = (logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
         (lp_grid, g_grid), (lp_row, g_row) = out[True], out[False]

@@ -91,7 +91,7 @@ def with_policy_log_probs(ckpt: str, step: dict) -> dict:
 
 def worker(rank, world, ckpt, step):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
-    from rl_plugin.batching import split_samples_for_dp
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
     local = step_batch(step).select(split_samples_for_dp(9, world)[rank])
     results = {}

@@ -105,7 +105,7 @@ def _bf16_rows_first(backend, mb):
     fp32 tensor spans every position's logits (and the fused path makes one fp32 hidden-state
     tensor fewer: the model's norms compute in fp32 themselves)."""
     from rl_plugin.backends.megatron.forward import model_inputs, response_log_probs, unwrap
-    from rl_plugin.loss import log_probs_and_entropy
+    from rl_plugin.loss import ForwardOptions, log_probs_and_entropy
     from rl_plugin.loss.fused_head import fused_log_probs_and_entropy
 
     model, gpt, ps = backend.model, unwrap(backend.model), backend.parallel_state
@@ -140,13 +140,11 @@ def _bf16_rows_first(backend, mb):
             lambda fused=fused: response_log_probs(
                 model,
                 mb,
+                ForwardOptions(temperature=1.0, chunk_size=1024, with_entropy=True),
                 ps,
                 qkv_format="thd",
                 fp32_lm_head=False,
                 fused=fused,
-                temperature=1.0,
-                chunk_size=1024,
-                with_entropy=True,
             )
         )
         want = run(lambda fused=fused: reference(fused))

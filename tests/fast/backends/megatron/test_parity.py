@@ -72,7 +72,7 @@ def _with_rollout_noise(batch):
 
 
 def _split(name, local, ps):
-    from rl_plugin.batching import micro_batches_by_count, plan_micro_batches
+    from rl_plugin.loss.micro_batch_plan import micro_batches_by_count, plan_micro_batches
 
     if name == "whole":
         return [torch.arange(local.num_samples)]

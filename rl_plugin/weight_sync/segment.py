@@ -13,7 +13,7 @@ Header (int64 words): ``MAGIC``, the sync version the data belongs to, the layou
 writer sets the version to 0 while it writes and to the new version when done; a reader checks
 the version before and after reading, so a load that raced a write fails loud. Under overlapped
 training the publisher keeps two segments of one layout and alternates them by the sync's
-parity (``weight_sync.WeightPublisher``): a reader of sync ``v - 1`` is never overwritten by the
+parity (``shared_memory.SharedMemoryWriter``): a reader of sync ``v - 1`` is never overwritten by the
 write of ``v``, and the version check still catches a reader two syncs behind.
 
 Cleanup: the creating process unlinks the segment when it is closed or garbage-collected (and at

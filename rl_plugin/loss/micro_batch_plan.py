@@ -1,4 +1,6 @@
-"""How a rollout becomes optimizer steps, DP shards and micro-batches (shared by both backends).
+"""The micro-batch planner: how a rank's samples become DP shards, micro-batches and rounds of
+micro-batches per optimizer step (shared by both backends; it sits in the loss core beside its
+user, the step runner, and ``step_plan`` above the core uses it through ``rl_plugin.loss``).
 
 - ``split_samples_for_dp``: contiguous sample ranges per data-parallel rank. Prompt groups may
   straddle ranks: the loss core's counts are global, so that is harmless.

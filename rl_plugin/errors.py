@@ -1,0 +1,51 @@
+"""The errors rl_plugin raises on purpose, defined below every other module so that runtime code
+(planning, rollout checks, the weight sync, the loop) and the command line share them without
+importing each other.
+
+- ``RLArgumentError``: a flag, file or input that would train the wrong objective or cannot run;
+  the message names the flags, the rule and the fix (``fail``). ``rl-plugin-train`` exits 2.
+- ``LoopError``: the run stopped after start-up; the message says why and how to resume (exit 1).
+- ``WeightSyncError``: the rollout engines' weights differ from the trainer's (``--check-weight-sync``).
+- ``Interrupted``: Ctrl-C, or a second exit signal, ended the run at once; the message names the
+  resume command (exit 130, or 128 + the signal).
+- ``Stopped``: the loop stopped early on purpose (an exit signal, ``--exit-duration-in-mins``) after
+  saving; the message names the checkpoint and the resume command (exit 128 + the signal, or 0).
+"""
+
+from __future__ import annotations
+
+
+class RLArgumentError(ValueError):
+    """A flag combination that would train the wrong objective. The message names the flags,
+    the rule and the fix."""
+
+
+def fail(flags: str, rule: str, fix: str) -> None:
+    """Raise ``RLArgumentError`` as ``"<flags>: <rule>. Fix: <fix>."``."""
+    raise RLArgumentError(f"{flags}: {rule}. Fix: {fix}.")
+
+
+class LoopError(RuntimeError):
+    """The run stopped; the message says why and how to resume."""
+
+
+class WeightSyncError(LoopError):
+    """The weights an engine holds differ from the ones the trainer published."""
+
+
+class Interrupted(LoopError):
+    """Ctrl-C (SIGINT), or a second exit signal: the actors are torn down at once; the message
+    names the resume command."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code  # 130: the shell's code for "ended by SIGINT"; 128 + N for signal N
+
+
+class Stopped(LoopError):
+    """The loop stopped between rollouts as asked (an exit signal, ``--exit-duration-in-mins``),
+    after writing a checkpoint when ``--save`` is set."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -1,0 +1,138 @@
+"""Resume and save: what a checkpoint holds beyond the backend's files, and the resume command.
+
+``load_resume_point`` restores a ``--load`` checkpoint into the train group (every rank, the
+backend's files), the rollout manager (its dataset position) and the loop (step, next rollout,
+samples seen, and under overlapped training the rollout generated ahead). ``save_checkpoint``
+writes one with the layout of ``rl_plugin.loop.checkpoint`` (stage, every rank writes, then
+``loop_state.json``, rename, tracker). ``resume_command`` / ``resume_hint`` are the lines the
+run prints when it stops.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from rl_plugin.errors import LoopError, RLArgumentError
+from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, retain, step_dir
+from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.logger import supersede_after
+from rl_plugin.loop.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
+from rl_plugin.ray.train_group import TrainActorError
+from rl_plugin.rollout.rollout_data import RolloutData
+
+Pending = Tuple[int, RolloutData, int]  # (rollout id, the rollout, the staleness of the weights that sampled it)
+
+
+@dataclass
+class Progress:
+    """Where the run stands: optimizer steps done, the next rollout, samples trained on."""
+
+    step: int = 0
+    start_rollout: int = 0
+    samples_seen: int = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
+
+
+def resume_command(argv: Sequence[str], load_dir: str) -> str:
+    """The command line that resumes this run: ``argv`` with ``--load load_dir`` (replacing any
+    ``--load`` and dropping ``--overwrite-save``)."""
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        if tok == "--load":
+            skip = True
+            continue
+        if tok.startswith("--load=") or tok == "--overwrite-save":
+            continue
+        out.append(tok)
+    return shlex.join(["rl-plugin-train", *out, "--load", str(load_dir)])
+
+
+def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
+    """Where the completed steps are and how to resume (or why one cannot)."""
+    written = cfg.metrics_file.is_file() and cfg.metrics_file.stat().st_size > 0
+    steps = f"Completed steps are in {cfg.metrics_file}" if written else "No step was completed"
+    if cfg.save and latest_step(cfg.save) is not None:
+        return (
+            f"{steps}; resume with --load {cfg.save} (last checkpoint: step {latest_step(cfg.save)}): "
+            f"{resume_command(argv, cfg.save)}"
+        )
+    if cfg.save:
+        return f"{steps}; no checkpoint was written yet, so a new run starts from the beginning"
+    return f"{steps}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"
+
+
+def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
+    """Every rank loads ``iter_{step}``; returns rank 0's metadata (step, the loop's ``extra``).
+    A checkpoint that does not fit this run (another model, another layout) is an argument error
+    with the backend's message (it names the checkpoint, the model and the fix)."""
+    try:
+        metas = group.call("load", [(step_dir(load_dir, step),)] * group.world_size)
+    except TrainActorError as exc:
+        if exc.died or not exc.error_line:
+            raise
+        raise RLArgumentError(exc.error_line.split(": ", 1)[-1]) from None
+    return metas[0]
+
+
+def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[Pending]:
+    """The rollout an overlapped run generated ahead before the checkpoint (None: none)."""
+    pending = read_pending_rollout(cfg.load, step)
+    if pending is None:
+        return None
+    if pending[0] != start_rollout:
+        raise LoopError(
+            f"{step_dir(cfg.load, step)}/{PENDING_ROLLOUT} holds rollout {pending[0]}, but the checkpoint's "
+            f"next rollout is {start_rollout}: the checkpoint is inconsistent; resume from an earlier one"
+        )
+    print(
+        f"resuming an overlapped run: rollout {start_rollout} was generated ahead before the checkpoint and "
+        f"is trained on as it was (staleness {pending[2]})",
+        flush=True,
+    )
+    if pending[1].num_groups != rollout_batch_size:
+        print(
+            f"note: that rollout has {pending[1].num_groups} prompt groups, generated with the interrupted run's "
+            f"--rollout-batch-size; this run's {rollout_batch_size} applies from rollout {start_rollout + 1} on",
+            flush=True,
+        )
+    return pending
+
+
+def supersede_metrics(cfg: LoopConfig, step: int) -> None:
+    """Lines the interrupted run wrote past the checkpoint move to ``*.superseded.jsonl``."""
+    moved = supersede_after(cfg.metrics_file, step)
+    if moved:
+        print(
+            f"{cfg.metrics_file}: steps {moved[0]}-{moved[-1]} were written after the checkpoint by the interrupted run and "
+            f"are trained again now; their lines moved to {cfg.metrics_file.stem}.superseded.jsonl",
+            flush=True,
+        )
+
+
+def save_checkpoint(
+    cfg: LoopConfig, group, progress: Progress, rollout_id: int, dataset_state, pending: Optional[Pending]
+) -> None:
+    """The checkpoint after rollout ``rollout_id``: ``dataset_state`` is the dataset position after
+    its generate (training, sync and eval do not move it); overlapped, after rollout_id + 1's,
+    which the checkpoint then holds (``pending_rollout.pt``)."""
+    extra = {"rollout_id": rollout_id + 1, "rollout_state": dataset_state, "samples_seen": progress.samples_seen}
+    staging = begin_save(cfg.save, progress.step)  # the layout: rl_plugin.loop.checkpoint
+    group.call("save", [(str(staging), progress.step, extra)] * group.world_size)
+    state = {
+        "step": progress.step,
+        "next_rollout": rollout_id + 1,
+        "samples_seen": progress.samples_seen,
+        "train_backend": cfg.train_backend,
+        "num_rollout": cfg.num_rollout,
+    }
+    if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
+        write_pending_rollout(staging, *pending)
+        state["pending_rollout"] = PENDING_ROLLOUT
+    commit_save(cfg.save, progress.step, state)  # loop_state.json, rename, tracker: once every rank wrote
+    deleted = retain(cfg.save, cfg.save_retain, cfg.save_retain_interval)  # only once the new one is complete
+    if deleted:
+        print(f"--save-retain {cfg.save_retain}: deleted the checkpoints of steps {deleted}", flush=True)

@@ -1,0 +1,123 @@
+"""The driver's handle on the rollout side: the manager actor, its engines, retries and restarts.
+
+``RolloutClient`` owns the rollout-manager actor and its engine actors. Every call goes through
+it: a call that raises inside the manager (bad data, a reward function) ends the run with the
+remote error line; a manager or engine that DIED (``RayActorError``) is replaced by a fresh one at
+the dataset position of before the failed call, handed the trainer's current weights by a full
+sync (``on_restart``), and the call is resubmitted: at most ``--max-rollout-retries`` times a run.
+Generation is seeded by ``seed + k``, so a retried rollout yields the samples the first try would.
+
+It also keeps the manager's dataset position after the last generate (``dataset_state``), which
+a checkpoint saves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import ray
+
+from rl_plugin.errors import LoopError
+from rl_plugin.loop.config import LoopConfig
+from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, fault_points, generate_ref
+from rl_plugin.rollout.rollout_data import RolloutData
+
+
+def actor_died(exc: Exception) -> bool:
+    """The rollout manager died (``RayActorError``), or one of its engine actors did while the
+    manager waited on it (the manager's call then fails with the engine's ``RayActorError``)."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    return isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError)
+
+
+class RolloutClient:
+    def __init__(self, args, cfg: LoopConfig, placement, resume_hint: Callable[[], str]):
+        self._args, self.cfg, self.placement = args, cfg, placement  # args: for the manager's constructor only
+        self.resume_hint = resume_hint
+        self.on_restart: Callable[[], None] = lambda: None  # the driver's full weight sync into fresh engines
+        self.on_fresh_engines: Callable[[], None] = lambda: None  # the weight ledger forgets the old engines
+        self.manager, self.engines = self._create()
+        self.restarts = 0  # dead rollout managers replaced so far (--max-rollout-retries)
+        self.dataset_state = None  # the manager's dataset position before the next generate
+        self.faults = fault_points()
+
+    def _create(self):
+        a = self._args
+        return create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+
+    # -- calls ------------------------------------------------------------------------------------
+    def call(self, method: str, *args):
+        """A manager call; its failure (a raised error or a dead actor) ends the run with the
+        remote error line instead of a Ray traceback."""
+        try:
+            return ray.get(getattr(self.manager, method).remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise LoopError(
+                f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}"
+            ) from None
+
+    def engine_node_ids(self) -> Sequence[str]:
+        return self.call("engine_node_ids")
+
+    def submit_generate(self, k: int, handle) -> ray.ObjectRef:
+        """Rollout k's generate, the weight sync ``handle`` (or None) loaded first."""
+        return generate_ref(self.manager, k, self.faults, handle)
+
+    def submit_update(self, handle_ref) -> ray.ObjectRef:
+        return self.manager.update_weights.remote(handle_ref)
+
+    def answered(self, data: RolloutData) -> RolloutData:
+        """A generate's answer: its dataset position kept (no state_dict round trip)."""
+        self.dataset_state = data.dataset_state
+        return data
+
+    def retrying(self, method: str, k: int, submit: Callable[[], ray.ObjectRef], first: Optional[ray.ObjectRef] = None):
+        """``ray.get(submit())`` (or of ``first``, a call already in flight), resubmitted to a fresh
+        rollout manager when the actor died; an error raised inside the call ends the run at once."""
+        ref = first
+        while True:
+            try:
+                return ray.get(submit() if ref is None else ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if not actor_died(exc):
+                    raise LoopError(
+                        f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}"
+                    ) from None
+                ref = None
+                self.restart(f"{method} (rollout {k})", exc)
+
+    # -- restart and teardown -----------------------------------------------------------------------
+    def restart(self, during: str, exc: Exception) -> None:
+        """Replace a dead rollout manager: a fresh actor at the dataset position of before the
+        failed call, loaded with the trainer's current weights. At most --max-rollout-retries
+        times per run; then the run stops naming the engine, the cause and --load."""
+        cfg = self.cfg
+        cause = error_line(exc)
+        engine = (
+            f"the rollout engine ({cfg.rollout_engine}, in the rollout manager actor)"
+            if not self.engines
+            else f"a rollout engine ({cfg.rollout_engine}, one of {len(self.engines)} engine actors) or its manager"
+        )
+        if self.restarts >= cfg.max_rollout_retries:
+            raise LoopError(
+                f"{engine} died during {during}: {cause}. It was restarted {self.restarts} time(s) already "
+                f"(--max-rollout-retries {cfg.max_rollout_retries}). {self.resume_hint()}"
+            )
+        self.restarts += 1
+        print(
+            f"{engine} died during {during}: {cause}; restarting it and retrying "
+            f"({self.restarts}/{cfg.max_rollout_retries}, --max-rollout-retries)",
+            flush=True,
+        )
+        self.kill()
+        self.manager, self.engines = self._create()
+        # the fresh engines hold the checkpoint's weights: a full sync of the trainer's current ones
+        self.on_fresh_engines()
+        self.call("load_state_dict", self.dataset_state)
+        self.on_restart()
+
+    def kill(self) -> None:
+        actors: List[Any] = [self.manager, *self.engines]
+        for actor in actors:
+            ray.kill(actor, no_restart=True)

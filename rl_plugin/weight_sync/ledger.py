@@ -1,0 +1,118 @@
+"""The driver's side of the weight sync: one object that knows which weights the engines hold.
+
+A sync crosses three parties and rides on calls the loop makes anyway::
+
+    driver: request = ledger.request(...)      train call of rollout k  ->  rank 0 publishes v
+    driver: ledger.published(handle_v)         (the handle comes back with the step reports)
+    driver: handle = ledger.give()             next manager call (generate / evaluate) carries it
+    manager/engines: load v, answer the load   (bytes, seconds, fingerprints)
+    driver: ledger.loaded(load)                checked against the trainer's fingerprint
+
+The ledger owns the versions and handles between those points: ``engine_version`` (the sync the
+engines hold once the calls sent so far ran; None: a full sync is due), ``unsent`` (published, not
+yet given to a manager call), ``loading`` (given to the call in flight), the engines' nodes (asked
+once per rollout manager), and the seconds both sides spent since the last logged rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from rl_plugin.errors import LoopError, WeightSyncError
+from rl_plugin.weight_sync.fingerprint import compare_fingerprints
+from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """The flags of the weight sync, read once."""
+
+    buffer_bytes: int  # --update-weight-buffer-size
+    transport: str  # --update-weight-transport
+    check: bool  # --check-weight-sync
+    slots: int  # 2 under --max-weight-staleness > 0 (a load of v - 1 may run while v is published)
+
+
+class WeightLedger:
+    def __init__(self, settings: SyncSettings):
+        self.settings = settings
+        self.engine_nodes: Optional[Sequence[str]] = None  # the Ray node id of every engine of the current manager
+        self.engine_version: Optional[int] = None
+        self.unsent: Optional[SyncHandle] = None
+        self.loading: Optional[SyncHandle] = None
+        self.last_load = {"bytes": 0.0, "seconds": 0.0}  # the last load: bytes, the slowest engine's seconds
+        self.load_seconds = 0.0  # engine load time of the calls answered since the last logged rollout
+        self.publish_seconds = 0.0  # trainer export + publish time since the last logged rollout
+
+    def request(self, ask_engine_nodes: Callable[[], Sequence[str]]) -> SyncRequest:
+        """What train rank 0 publishes: the changes since the version the manager's engines will
+        hold when they load it (everything for a fresh manager); two shared-memory slots when a
+        generate may still be loading sync v - 1 while the trainer publishes v (overlapped)."""
+        if self.engine_nodes is None:  # asked once per rollout manager
+            self.engine_nodes = tuple(ask_engine_nodes())
+        s = self.settings
+        return SyncRequest(
+            buffer_bytes=s.buffer_bytes,
+            transport=s.transport,
+            engine_nodes=self.engine_nodes,
+            since_version=self.engine_version,
+            fingerprint=s.check,
+            slots=s.slots,
+        )
+
+    def published(self, handle: Optional[SyncHandle]) -> None:
+        """A train call published ``handle`` (None: it was asked for no sync)."""
+        if handle is not None:
+            self.unsent = handle
+            self.publish_seconds += handle.export_seconds + handle.publish_seconds
+
+    def give(self) -> Optional[SyncHandle]:
+        """The newest published handle for the manager call about to be sent (None: its engines
+        hold the trainer's newest weights already); the manager runs calls in order, so the
+        engines hold that version for every later call."""
+        handle, self.unsent = self.unsent, None
+        if handle is not None:
+            self.engine_version = handle.version
+        self.loading = handle
+        return handle
+
+    def loaded(self, load: Optional[Dict[str, Any]]) -> None:
+        """The manager call that was given ``self.loading`` answered ``load`` (bytes, seconds and,
+        under --check-weight-sync, every engine's fingerprint, compared with the trainer's)."""
+        handle, self.loading = self.loading, None
+        if handle is None:
+            return
+        if load is None:
+            raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
+        self.last_load = {"bytes": load["bytes"], "seconds": load["seconds"]}
+        self.load_seconds += load["seconds"]
+        if self.settings.check:
+            for i, rollout in enumerate(load["fingerprints"]):
+                try:
+                    compare_fingerprints(handle.fingerprint, rollout)
+                except WeightSyncError as exc:
+                    raise WeightSyncError(f"rollout engine {i}: {exc}") from None
+
+    def synced_fully(self, handle: SyncHandle, load: Dict[str, Any]) -> None:
+        """A sync call of its own (start-up, a restarted manager) loaded ``handle``: the engines
+        hold it, nothing older is pending, and its load time is not a rollout's cost."""
+        self.unsent, self.engine_version, self.loading = None, handle.version, handle
+        self.loaded(load)
+        self.load_seconds = 0.0
+
+    def fresh_engines(self) -> None:
+        """A new rollout manager started from the checkpoint: a full sync is due."""
+        self.engine_nodes = self.engine_version = self.unsent = self.loading = None
+
+    def timings(self) -> Dict[str, float]:
+        """The weight sync's share of this rollout, measured in the actors: the trainer's export
+        and publish in its train call, the engines' loads in the manager calls answered since the
+        last rollout was logged (the generate; an eval's load counts towards the next rollout)."""
+        out = {
+            "time/weight_sync": self.publish_seconds + self.load_seconds,
+            "time/weight_publish": self.publish_seconds,
+            "time/weight_load_engines": self.load_seconds,
+        }
+        self.publish_seconds = self.load_seconds = 0.0
+        return out
