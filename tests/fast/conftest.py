@@ -7,8 +7,9 @@
 - ``tiny_checkpoint``: ``tiny_checkpoint(family="qwen2", **config)`` -> the path of a seeded tiny
   Hugging Face checkpoint, written once per session (``rl_plugin.models.tiny``); read only.
 - ``tiny_qwen2``: the default tiny Qwen2 checkpoint (``tiny_checkpoint()``).
-- ``exact_sgd``: the flags of exact SGD (``tests.support.flags.EXACT_SGD``); workers spawned by
-  ``run_world`` import ``EXACT_SGD`` instead, fixtures do not reach them.
+
+The flags of exact SGD are ``tests.support.flags.EXACT_SGD`` (``exact_sgd(lr=...)``), a constant
+rather than a fixture: the workers ``run_world`` spawns use them, and fixtures do not reach them.
 
 The helpers themselves live in ``tests/support`` (a package: imported as ``tests.support.X``).
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import pytest
 
 from tests.support import harness
-from tests.support.flags import EXACT_SGD
 
 
 @pytest.fixture(scope="session")
@@ -42,8 +42,3 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_checkpoint):
     return tiny_checkpoint()
-
-
-@pytest.fixture(scope="session")
-def exact_sgd():
-    return list(EXACT_SGD)
