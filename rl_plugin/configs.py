@@ -20,7 +20,7 @@ in the process that builds it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from rl_plugin.loss import LossConfig
 from rl_plugin.registries import DYNAMIC_SAMPLING_MAX_ROUNDS
@@ -168,6 +168,9 @@ class RolloutConfig:
     input_key: str = "prompt"
     label_key: str = "label"
     apply_chat_template: bool = False
+    apply_chat_template_kwargs: Optional[Dict[str, Any]] = None
+    system_prompt: Optional[str] = None
+    metadata_key: Optional[str] = None
     rollout_shuffle: bool = False
     rollout_batch_size: Optional[int] = None  # required with --prompt-data; the embedded run sets it
     n_samples_per_prompt: int = 8
@@ -194,6 +197,9 @@ class RolloutConfig:
             input_key=args.input_key,
             label_key=args.label_key,
             apply_chat_template=bool(args.apply_chat_template),
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+            system_prompt=args.system_prompt,
+            metadata_key=args.metadata_key,
             rollout_shuffle=bool(args.rollout_shuffle),
             rollout_batch_size=args.rollout_batch_size,
             n_samples_per_prompt=int(args.n_samples_per_prompt),

@@ -89,6 +89,25 @@ def padded_lengths(
     return torch.full_like(total_lengths, padded)
 
 
+def sequence_parallel_padding(packed_length: int, tp_size: int, cp_size: int) -> int:
+    """Padding tokens to append, as one extra segment, to a packed ``thd`` micro-batch under
+    sequence parallelism. megatron-core's SP scatter splits each CP rank's local stream
+    (``packed_length / cp``) over the TP ranks, so it must divide by TP; the extra segment is cut
+    into ``2 * cp`` zigzag chunks like every sample, so it is a multiple of ``2 * cp`` (cp > 1).
+    ``packed_length``: the global packed length, ``sum(padded_lengths)`` (a multiple of 2*cp).
+    Returns the smallest ``e >= 0`` with ``(packed_length + e) % lcm(tp * cp, 2 * cp) == 0``
+    (``lcm(tp, 1) = tp`` at cp = 1); 0 at tp = 1."""
+    import math
+
+    if tp_size < 1 or cp_size < 1:
+        raise ValueError(f"tp_size={tp_size} and cp_size={cp_size} must be >= 1")
+    per_sample = 2 * cp_size if cp_size > 1 else 1
+    if packed_length % per_sample:
+        raise ValueError(f"packed_length={packed_length} is not a multiple of 2*cp={per_sample} (cp.padded_lengths)")
+    mult = math.lcm(tp_size * cp_size, per_sample)
+    return -packed_length % mult
+
+
 def zigzag_chunks(padded: torch.Tensor, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Start and length of the rank's two chunks, each ``[S, 2]`` (chunk r, chunk 2cp-1-r).
 

@@ -37,6 +37,13 @@ def add_arguments(parser):
     )
     add_flag(
         g,
+        "--placement-device",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="Device of the training and engine bundles. auto: GPU bundles when the Ray cluster has GPUs (ray.cluster_resources(), whatever the driver's own machine has), else CPU bundles; gpu: require GPUs; cpu: CPU processes even on a GPU cluster (gloo).",
+    )
+    add_flag(
+        g,
         "--ray-num-cpus",
         type=int,
         default=None,

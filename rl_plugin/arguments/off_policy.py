@@ -219,7 +219,7 @@ def _validate_tis(args) -> None:
     if args.rollout_top_p is not None and args.rollout_top_p < 1:
         fail(
             f"--use-tis with --rollout-top-p {args.rollout_top_p}",
-            "the engine returns log-probs of the untruncated distribution but samples from the top-p one, so the importance weight pi_old / pi_rollout would correct against the wrong sampler",
+            "the engine samples from the top-p nucleus and returns log-probs of that renormalised distribution, which gives the tokens outside it probability 0 while the trainer's pi_old does not: pi_old / pi_rollout is then no importance weight for the trainer's distribution",
             "use --rollout-top-p 1.0 with --use-tis",
         )
     if args.custom_tis_function_path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from rl_plugin.arguments._util import add_flag, fail
@@ -16,9 +17,15 @@ def add_arguments(parser):
         "--prompt-data",
         type=str,
         default=None,
-        help="JSONL file of training prompts, one JSON object per line. Omit it (and --hf-checkpoint) to run the embedded default: a tiny model on a synthetic digit-copy task that learns on a CPU in minutes.",
+        help="Training prompts: a JSONL file (one JSON object per line) or a .parquet file (one row per prompt). Omit it (and --hf-checkpoint) to run the embedded default: a tiny model on a synthetic digit-copy task that learns on a CPU in minutes.",
     )
-    add_flag(g, "--input-key", type=str, default="prompt", help="Key of the prompt text in each --prompt-data line.")
+    add_flag(
+        g,
+        "--input-key",
+        type=str,
+        default="prompt",
+        help='Key of the prompt in each --prompt-data record: a string, or a list of chat messages [{"role": "system", "content": ...}, {"role": "user", "content": ...}] (slime\'s and verl\'s convention; needs --apply-chat-template).',
+    )
     add_flag(
         g,
         "--label-key",
@@ -30,7 +37,28 @@ def add_arguments(parser):
         g,
         "--apply-chat-template",
         action="store_true",
-        help="Wrap each prompt in the tokenizer's chat template (a user turn + generation prompt). Use with instruction-tuned checkpoints.",
+        help="Wrap each prompt in the tokenizer's chat template (a string becomes a user turn; a message list is used as it is) and add the generation prompt. Use with instruction-tuned checkpoints.",
+    )
+    add_flag(
+        g,
+        "--apply-chat-template-kwargs",
+        type=chat_template_kwargs,
+        default=None,
+        help="JSON object of extra arguments for the chat template (slime's flag), e.g. '{\"enable_thinking\": false}' for Qwen3 without its thinking block. Needs --apply-chat-template.",
+    )
+    add_flag(
+        g,
+        "--system-prompt",
+        type=str,
+        default=None,
+        help="A system turn put before every prompt's messages by the chat template (a message list that already begins with a system turn keeps its own). Needs --apply-chat-template. slime has no such flag (its datasets carry the system turn in the messages); both work here.",
+    )
+    add_flag(
+        g,
+        "--metadata-key",
+        type=str,
+        default=None,
+        help="Key of a per-prompt JSON object (e.g. the test cases of a code task) handed to the reward function: a --custom-rm-path function that takes a `metadata` keyword is called as fn(prompt, response, label, metadata=...). slime's flag; unset, no metadata is read.",
     )
     add_flag(
         g,
@@ -50,7 +78,11 @@ def add_arguments(parser):
         "--rollout-top-p",
         type=float,
         default=1.0,
-        help="Nucleus-sampling threshold of the rollout. Keep 1.0 for on-policy RL: top-p < 1 samples from a truncated distribution that the trainer's log-probs do not model.",
+        help=(
+            "Nucleus-sampling threshold of the rollout. Keep 1.0 for on-policy RL: top-p < 1 samples from a truncated "
+            "distribution that the trainer's log-probs do not model. Both engines then return each token's log-prob under "
+            "the renormalised nucleus it was drawn from, so the mismatch/* metrics include the truncation."
+        ),
     )
     add_flag(
         g,
@@ -78,7 +110,7 @@ def add_arguments(parser):
         "--eval-prompt-data",
         type=str,
         default=None,
-        help="JSONL of held-out prompts for --eval-interval (same keys as --prompt-data). The embedded task writes its own.",
+        help="Held-out prompts for --eval-interval, JSONL or .parquet (same keys as --prompt-data). The embedded task writes its own.",
     )
     add_flag(
         g,
@@ -148,6 +180,32 @@ def rm_type(value: str) -> str:
     return value
 
 
+# Arguments rl_plugin itself passes to apply_chat_template: a kwarg of the same name would clash.
+RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
+
+
+def chat_template_kwargs(value: str) -> dict:
+    """argparse ``type`` of ``--apply-chat-template-kwargs``: a JSON object, checked at parse time."""
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not valid JSON ({exc.msg} at character {exc.pos}). Fix: pass a JSON object, e.g. "
+            "'{\"enable_thinking\": false}' (JSON spells the booleans true/false, and keys need double quotes)"
+        ) from None
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a JSON {type(out).__name__}, not an object. Fix: pass an object, e.g. '{{\"enable_thinking\": false}}'"
+        )
+    clash = [k for k in RESERVED_CHAT_TEMPLATE_KWARGS if k in out]
+    if clash:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(clash)} is set by rl_plugin itself (the generation prompt is always added and the ids returned). "
+            "Fix: drop it from the object"
+        )
+    return out
+
+
 def validate_engine_installed(args) -> None:
     """Run start-up check (not part of ``validate``: the flag checker also runs on machines
     without the cluster's packages): ``--rollout-engine vllm/sglang`` needs its package here."""
@@ -213,6 +271,16 @@ def validate(args) -> None:
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",
                 "pass --rm-type math_exact or --custom-rm-path module:function",
+            )
+    for flag, attr in (
+        ("--apply-chat-template-kwargs", "apply_chat_template_kwargs"),
+        ("--system-prompt", "system_prompt"),
+    ):
+        if getattr(args, attr) is not None and not args.apply_chat_template:
+            fail(
+                f"{flag} without --apply-chat-template",
+                "it is an input of the chat template, which is off, so it would be silently ignored",
+                "add --apply-chat-template (for an instruction-tuned checkpoint), or drop the flag",
             )
     if args.eval_interval is not None and args.prompt_data is not None and args.eval_prompt_data is None:
         fail(

@@ -20,7 +20,7 @@ def add_arguments(parser):
         "--hf-checkpoint",
         type=str,
         default=None,
-        help="Hugging Face checkpoint directory (config.json + safetensors) to start from. Both backends load it; the Megatron backend converts it with mbridge. Default: the embedded tiny model.",
+        help="Hugging Face checkpoint directory (config.json + safetensors) to start from. Both backends load it; the Megatron backend converts it with mbridge (dense llama, mistral, qwen2, qwen3), fsdp takes any AutoModelForCausalLM; another model is refused at start-up. Default: the embedded tiny model.",
     )
     add_flag(
         g,

@@ -21,18 +21,21 @@ def add_arguments(parser):
             "that rank 0 writes once per sync (created once, reused; no serialisation; two of them, alternating, under "
             "--max-weight-staleness 1, so /dev/shm must hold the weights twice), engines on other nodes read them "
             "from Ray's object store. shared_memory / object_store force one path (shared_memory fails when an engine runs "
-            "on another node or /dev/shm cannot hold the weights). nccl: a GPU broadcast group from rank 0 to the engines "
-            "(slime/verl style), not implemented in this build. Every path sends only the tensors that changed since the "
-            "engine's last sync (frozen ones once) and tied weights once."
+            "on another node or /dev/shm cannot hold the weights). distributed (or nccl, its GPU name): train rank 0 broadcasts "
+            "each bucket to every engine process over a torch.distributed group made for the purpose (gloo on CPU, NCCL on "
+            "GPUs; slime/verl style), every tensor every sync; the engines receive while the trainer publishes. The "
+            "shared-memory and object-store paths send only the tensors that changed since the engine's last sync (frozen "
+            "ones once). Tied weights travel once."
         ),
     )
     return parser
 
 
 def validate(args) -> None:
-    if args.update_weight_transport == "nccl":
+    if args.update_weight_transport in ("distributed", "nccl") and getattr(args, "max_weight_staleness", 0) > 0:
         fail(
-            "--update-weight-transport nccl",
-            "the NCCL weight broadcast (GPU only) is not implemented in this build",
-            "use --update-weight-transport auto (shared memory on the trainer's node, the object store elsewhere)",
+            f"--update-weight-transport {args.update_weight_transport} with --max-weight-staleness {args.max_weight_staleness}",
+            "the broadcast needs the engines inside their load while the trainer publishes, and under overlapped "
+            "training they are generating then: the trainer would wait for every generation",
+            "use --update-weight-transport auto (shared memory / object store) with --max-weight-staleness 1",
         )

@@ -101,8 +101,10 @@ class TrainBackend(abc.ABC):
         """Full (unsharded, TP-gathered) weights under Hugging Face names, on every rank."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Model + optimizer + RNG + step (+ the loop's ``extra`` state); collective."""
+    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
+        """Model + optimizer + RNG + step (+ the loop's ``extra`` state); collective. Returns the
+        files this rank wrote into ``path``, relative to it (``commit_save`` checks the committing
+        process sees them all: ``rl_plugin.backends.written_files``)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, path: str) -> Dict[str, Any]:

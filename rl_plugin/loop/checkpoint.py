@@ -12,9 +12,13 @@ A save is three steps, done by ONE process (the driver; in a test, rank 0 betwee
 
 1. ``begin_save``: a fresh, empty ``iter_*.partial`` (one left by a killed save is removed);
 2. every training rank writes its files into it (``save_checkpoint`` of the backend);
-3. ``commit_save``: ``loop_state.json`` into the staging directory, then the staging directory
-   is renamed to ``iter_*`` (``os.replace`` of a directory is atomic on POSIX file systems),
-   and only then the tracker is moved to the new step.
+3. ``commit_save``: first every rank's files (the list its ``save_checkpoint`` returned) must
+   be visible to the committing process under the staging directory (``missing_files``), else
+   nothing is committed and the error names the rank, its node and the files: a ``--save`` on
+   a node-local disk writes a checkpoint that looks complete and fails on load, so ``--save``
+   must be a file system every node shares. Then ``loop_state.json`` into the staging directory,
+   the staging directory renamed to ``iter_*`` (``os.replace`` of a directory is atomic on
+   POSIX file systems), and only then the tracker moved to the new step.
 
 A process killed at any point therefore leaves either the previous tracker (pointing at a
 complete directory) or the new one: a crash mid-save leaves the previous checkpoint as the
@@ -29,12 +33,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from rl_plugin.arguments.paths import CHECKPOINT_TRACKER as TRACKER
 from rl_plugin.arguments.paths import PARTIAL, STEP_DIR, latest_checkpoint_step
-from rl_plugin.errors import fail
+from rl_plugin.errors import LoopError, fail
 
 LOOP_STATE = "loop_state.json"
 
@@ -110,10 +115,66 @@ def publish(staging: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def commit_save(root, step: int, loop_state: Optional[Dict[str, Any]] = None) -> Path:
+# A shared file system may show another node's new files a moment late (NFS attribute caches):
+# the check looks again for this long before it refuses.
+VISIBILITY_GRACE_S = 5.0
+
+
+def missing_files(staging, written: Sequence[Sequence[str]]) -> Dict[int, List[str]]:
+    """``{rank: [files]}``: the files rank r reported (``written[r]``, relative paths) that are
+    not files under ``staging`` as this process sees it; empty when every one is there."""
+    staging = Path(staging)
+    missing = {r: [f for f in files if not (staging / f).is_file()] for r, files in enumerate(written)}
+    return {r: files for r, files in missing.items() if files}
+
+
+class IncompleteCheckpointError(LoopError):
+    """A rank's checkpoint files are not visible where the checkpoint is committed."""
+
+
+def check_all_written(
+    staging,
+    written: Sequence[Sequence[str]],
+    nodes: Optional[Sequence[str]] = None,
+    grace_s: Optional[float] = None,
+) -> None:
+    """Raise ``IncompleteCheckpointError`` unless every rank's files (``written[r]``) are under
+    ``staging``, looked for again for up to ``grace_s`` seconds; names the first rank missing
+    files, its node (``nodes[r]``), up to five of the files and how many ranks miss some."""
+    deadline = time.monotonic() + (VISIBILITY_GRACE_S if grace_s is None else grace_s)
+    missing = missing_files(staging, written)
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.5)
+        missing = missing_files(staging, written)
+    if not missing:
+        return
+    rank = min(missing)
+    files = missing[rank]
+    node = f" on node {nodes[rank]}" if nodes and rank < len(nodes) else ""
+    others = f"; {len(missing) - 1} other rank(s) miss files too: {sorted(missing)[1:]}" if len(missing) > 1 else ""
+    raise IncompleteCheckpointError(
+        f"checkpoint not committed: training rank {rank}{node} wrote {len(files)} file(s) that this process "
+        f"(the driver, on {os.uname().nodename}) cannot see under {staging}: {files[:5]}"
+        f"{' ...' if len(files) > 5 else ''}{others}. --save must be a file system shared by every training "
+        "node and the driver (a node-local disk makes a checkpoint that fails on load). Fix: point --save at a "
+        "shared file system (NFS, Lustre, a mounted bucket); the previous complete checkpoint stays the resume point"
+    )
+
+
+def commit_save(
+    root,
+    step: int,
+    loop_state: Optional[Dict[str, Any]] = None,
+    written: Optional[Sequence[Sequence[str]]] = None,
+    nodes: Optional[Sequence[str]] = None,
+) -> Path:
     """Step 3 of a save, once every rank has written its files into ``partial_dir(root, step)``:
-    ``loop_state.json``, the rename to ``iter_*``, then the tracker (last). Returns the step dir."""
+    the check that ``written`` (rank r's files, relative paths; None: not checked) are all there
+    (``check_all_written``, naming the rank and its node ``nodes[r]``), then ``loop_state.json``,
+    the rename to ``iter_*``, then the tracker (last). Returns the step dir."""
     staging, final = partial_dir(root, step), Path(step_dir(root, step))
+    if written is not None:
+        check_all_written(staging, written, nodes)
     if loop_state is not None:
         write_loop_state(staging, loop_state)
     publish(staging, final)

@@ -192,6 +192,9 @@ class Driver:
         self.client.on_restart = self.sync_weights
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
+        if self.ledger.distributed:  # train rank 0 hosts the weight group's store
+            host, port, _ = ray.get(self.group.actors[0].address.remote())
+            self.ledger.rendezvous = (host, port)
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -239,20 +242,26 @@ class Driver:
         g = self.group
         request = self.ledger.request(self.client.engine_node_ids)
         refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
-        update = self.client.submit_update(refs[0])
+        announced = self.ledger.announce(request)  # distributed: the engines receive while rank 0 publishes
+        update = self.client.submit_update(refs[0] if announced is None else announced)
         handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
+        load = self._wait_update(update)
+        del refs, update  # the buckets are freed once no one holds their handles
+        if load is not None:
+            self.ledger.synced_fully(handle, load)
+
+    def _wait_update(self, update) -> Optional[Dict[str, Any]]:
+        """The manager's answer to a weight load (bytes, the slowest engine's seconds); None when
+        it died and was replaced (the fresh manager and engines were synced by the restart)."""
         try:
-            load = ray.get(update)  # bytes, slowest engine's load seconds
+            return ray.get(update)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not actor_died(exc):
                 raise LoopError(
                     f"weight sync failed (rollout update): {error_line(exc)}. {self.resume_hint()}"
                 ) from None
-            self.client.restart("update_weights", exc)  # the fresh manager and engines are synced there
-            return
-        finally:
-            del refs, update  # the buckets are freed once no one holds their handles
-        self.ledger.synced_fully(handle, load)
+            self.client.restart("update_weights", exc)
+            return None
 
     def _save(self, k: int) -> None:
         """The checkpoint after rollout k. A save that fails for lack of space says so and removes
@@ -320,8 +329,18 @@ class Driver:
             plans = [by_dp[g.dp_rank(r)] for r in range(g.world_size)]
         request = self.ledger.request(self.client.engine_node_ids) if sync else None
         per_rank = [(plan, request) for plan in plans]  # one RankPlan per rank; every rank exports
-        reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
-        self.ledger.published(handle)
+        announced = self.ledger.announce(request) if request is not None else None
+        if announced is None:
+            reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
+            self.ledger.published(handle)
+            return reports
+        # distributed: the manager receives while rank 0 broadcasts at the end of its train call
+        refs = g.call("train_rollout_and_sync", per_rank, return_refs=True)
+        update = self.client.submit_update(announced)
+        reports, handle = g.wait(refs, "train_rollout_and_sync")[0]
+        load = self._wait_update(update)
+        if load is not None:
+            self.ledger.loaded_while_published(handle, load)
         return reports
 
     def finish_rollout(

@@ -5,12 +5,15 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 
 1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
-   exists, ``--save`` holds no other run's checkpoints);
+   exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
+   backend trains (``rl_plugin.backends.model_families``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir);
 4. the reward function imports (errors at the user's file:line);
-5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` tokenizes and fits the model's
-   context with ``--rollout-max-response-len`` (``rl_plugin.rollout.prompt_check``).
+5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
+   chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
+   few for its text) and fits the model's context with ``--rollout-max-response-len``
+   (``rl_plugin.rollout.prompt_check``).
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -27,6 +30,7 @@ from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.loop.disk_checks import check_output_dirs
+from rl_plugin.loop.model_check import check_model_family
 
 
 @dataclass
@@ -81,7 +85,7 @@ def finished_message(args, step: int) -> str:
 
 
 def check_reward_and_data(args) -> None:
-    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length
+    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length, model_vocab_size
     from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn
     from rl_plugin.rollout.tokenizer import load_tokenizer
 
@@ -96,12 +100,18 @@ def check_reward_and_data(args) -> None:
             "pass package.module:function or path/to/file.py:function",
         )
     try:
-        tokenizer = load_tokenizer(args.hf_checkpoint, apply_chat_template=args.apply_chat_template)
+        tokenizer = load_tokenizer(
+            args.hf_checkpoint,
+            apply_chat_template=args.apply_chat_template,
+            chat_template_kwargs=args.apply_chat_template_kwargs,
+            system_prompt=args.system_prompt,
+        )
     except ValueError as exc:
         fail(
             f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
         )
     context = model_context_length(args.hf_checkpoint)
+    vocab = model_vocab_size(args.hf_checkpoint)
     for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
         if path is not None:
             check_prompt_file(
@@ -110,10 +120,12 @@ def check_reward_and_data(args) -> None:
                 tokenizer,
                 input_key=args.input_key,
                 label_key=args.label_key,
+                metadata_key=args.metadata_key,
                 max_response_len=args.rollout_max_response_len,
                 context_len=context,
                 hf_checkpoint=args.hf_checkpoint,
                 rm_type=args.rm_type,
+                vocab_size=vocab,
             )
 
 
@@ -121,6 +133,7 @@ def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
+    check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
     point = check_resume_point(args)
     check_reward_and_data(args)

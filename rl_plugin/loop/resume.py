@@ -121,7 +121,7 @@ def save_checkpoint(
     which the checkpoint then holds (``pending_rollout.pt``)."""
     extra = {"rollout_id": rollout_id + 1, "rollout_state": dataset_state, "samples_seen": progress.samples_seen}
     staging = begin_save(cfg.save, progress.step)  # the layout: rl_plugin.loop.checkpoint
-    group.call("save", [(str(staging), progress.step, extra)] * group.world_size)
+    written = group.call("save", [(str(staging), progress.step, extra)] * group.world_size)
     state = {
         "step": progress.step,
         "next_rollout": rollout_id + 1,
@@ -132,7 +132,8 @@ def save_checkpoint(
     if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
         write_pending_rollout(staging, *pending)
         state["pending_rollout"] = PENDING_ROLLOUT
-    commit_save(cfg.save, progress.step, state)  # loop_state.json, rename, tracker: once every rank wrote
+    # every rank's files seen by this process, then loop_state.json, rename, tracker
+    commit_save(cfg.save, progress.step, state, written, [i["ip"] for i in group.info])
     deleted = retain(cfg.save, cfg.save_retain, cfg.save_retain_interval)  # only once the new one is complete
     if deleted:
         print(f"--save-retain {cfg.save_retain}: deleted the checkpoints of steps {deleted}", flush=True)

@@ -39,14 +39,39 @@ import torch.distributed as dist
 
 from rl_plugin.loss.logprobs import check_targets_in_vocab, shard_targets
 
-# A chunk's logits block holds at most this many elements (8 MiB in fp32): two such fp32 blocks
-# (and one in the matmul dtype) are the whole workspace of the backward.
+# A chunk's logits block holds at most this many elements: two such fp32 blocks (and one in the
+# matmul dtype) are the whole workspace of the backward. CPU: 8 MiB in fp32 (cache-sized blocks).
+# CUDA: 256 MiB, since each chunk costs one TP all-reduce pair and a kernel launch series: at
+# V_local = 152k, 32k tokens are ~74 chunks instead of ~2.4k (a GPU setting, not measured here).
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
+CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
-def default_chunk_rows(v_local: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    """Tokens per chunk so that a ``[chunk, V_local]`` block has at most ``elements`` entries."""
+def default_chunk_rows(v_local: int, elements: Optional[int] = None, device=None) -> int:
+    """Tokens per chunk so that a ``[chunk, V_local]`` block has at most ``elements`` entries
+    (default: ``CUDA_CHUNK_ELEMENTS`` on a CUDA ``device``, else ``DEFAULT_CHUNK_ELEMENTS``)."""
+    if elements is None:
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        elements = CUDA_CHUNK_ELEMENTS if on_cuda else DEFAULT_CHUNK_ELEMENTS
     return max(1, elements // max(1, v_local))
+
+
+def add_target_term(
+    g: torch.Tensor, local_t: torch.Tensor, a_target: torch.Tensor, v0: int, v1: int, sync_free: bool
+) -> None:
+    """``g[i, local_t[i] - v0] += a_target[i]`` for the rows whose target lies in the vocab block
+    ``[v0, v1)``. ``sync_free`` (CUDA): every row adds, clamped into the block, the rows without a
+    target there adding 0 (no ``nonzero``, so no host sync per block); else only the hit rows
+    (``nonzero``: cheap and synchronous anyway on a CPU). The same values (up to the sign of a zero)."""
+    in_block = (local_t >= v0) & (local_t < v1)
+    if sync_free:
+        rows = torch.arange(g.shape[0], device=g.device)
+        cols = (local_t - v0).clamp(0, v1 - v0 - 1)
+        g.index_put_((rows, cols), torch.where(in_block, a_target, torch.zeros_like(a_target)), accumulate=True)
+        return
+    hit = torch.nonzero(in_block).squeeze(1)  # targets in this block
+    if hit.numel():
+        g.index_put_((hit, local_t[hit] - v0), a_target[hit], accumulate=True)
 
 
 def _dtypes(hidden: torch.Tensor, weight: torch.Tensor, fp32_head: bool):
@@ -144,9 +169,7 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             else:
                 torch.mul(p, neg_a.unsqueeze(-1), out=g)
             del p
-            hit = torch.nonzero((local_t >= v0) & (local_t < v1)).squeeze(1)  # targets in this block
-            if hit.numel():
-                g.index_put_((hit, local_t[hit] - v0), a_target[hit], accumulate=True)
+            add_target_term(g, local_t, a_target, v0, v1, sync_free=g.is_cuda)
             g.mul_(inv_temp)
             g_mm = g.to(mm_dtype)
             del g
@@ -200,7 +223,7 @@ def fused_log_probs_and_entropy(
         raise ValueError(f"expected targets [rows] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (--rollout-temperature), got {temperature}")
-    chunk = default_chunk_rows(weight.shape[0]) if chunk_size is None else int(chunk_size)
+    chunk = default_chunk_rows(weight.shape[0], device=weight.device) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _FusedHeadLogProbs.apply(

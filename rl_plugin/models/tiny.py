@@ -1,7 +1,8 @@
 """A tiny Hugging Face causal LM, written once as an HF checkpoint directory both backends load.
 
-Used by the embedded default run and the tests: real Qwen2 / Llama architectures, shrunk so a
-CPU trains them in seconds. Weights are drawn from a seeded generator, so the same arguments give
+Used by the embedded default run and the tests: real Qwen2 / Llama / Qwen3 (q/k norm) / Mistral /
+Gemma architectures, shrunk so a CPU trains them in seconds (``tests/fast/test_model_families``
+runs each through both backends and both engines). Weights are drawn from a seeded generator, so the same arguments give
 bit-identical checkpoints on every machine.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "gemma")
 
 
 def tiny_config(
@@ -25,8 +26,13 @@ def tiny_config(
     intermediate_size: int = 64,
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
 ):
-    from transformers import LlamaConfig, Qwen2Config
+    """An HF config of ``family``; ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3,
+    Mistral and Gemma carry it explicitly, with large defaults). Mistral without a sliding window
+    (as Mistral 7B v0.2+), Gemma 1 (scaled embedding, (1 + w) RMSNorm, GeGLU; tied by design,
+    here as ``tie_word_embeddings`` says)."""
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -47,6 +53,13 @@ def tiny_config(
         return Qwen2Config(**common, rope_theta=10000.0)
     if family == "llama":
         return LlamaConfig(**common, rope_theta=10000.0, attention_bias=False, mlp_bias=False)
+    head_dim = head_dim or hidden_size // num_heads
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_theta=10000.0, head_dim=head_dim, attention_bias=False)
+    if family == "mistral":
+        return MistralConfig(**common, rope_theta=10000.0, head_dim=head_dim, sliding_window=None)
+    if family == "gemma":
+        return GemmaConfig(**common, rope_theta=10000.0, head_dim=head_dim, hidden_act="gelu_pytorch_tanh")
     raise ValueError(f"unknown tiny model family {family!r}; choose from {FAMILIES}")
 
 

@@ -5,12 +5,19 @@ the CPUs the placement needs) with ``RAY_AUTH_MODE=disabled`` unless the caller 
 watched by ``rl_plugin.ray.reaper`` so that the whole local cluster (its agents included) ends
 with the driver, even when the driver is SIGKILLed.
 
-Placement: one bundle per training rank (``{"GPU": 1, "CPU": 1}``; on a machine without GPUs
-``{"CPU": 1}``, so ``--actor-num-gpus-per-node N`` means N CPU training processes). Disaggregated,
+Placement: one bundle per training rank (``{"GPU": 1, "CPU": 1}``; on a cluster without GPUs
+``{"CPU": 1}``, so ``--actor-num-gpus-per-node N`` means N CPU training processes). GPU or CPU
+bundles follow the Ray cluster's resources (``ray.cluster_resources()``), never the driver's own
+device, unless ``--placement-device`` says (``placement_uses_gpus``). ``--actor-num-nodes N``
+needs N alive nodes with that device. Training rank r runs on the r-th training bundle in
+(node, GPU id) order, and a TP x CP group never spans two nodes (``rl_plugin.ray.bundle_order``);
+an actor on a GPU bundle that sees no CUDA fails loud naming its node
+(``rl_plugin.ray.gpu_check``). Disaggregated,
 the rollout manager gets one bundle, and each engine process (``engine_processes``) one more
 (``--rollout-num-gpus-per-engine`` GPUs, or one CPU). With ``--colocate`` the manager shares
-bundle 0 and engine i bundle ``i % world`` with the training ranks (fractional, time-shared).
+rank 0's bundle and engine i rank ``i % world``'s with the training ranks (fractional, time-shared).
 The ``hf`` engine with a single engine runs inside the manager (it then holds the rollout GPUs).
+Engine bundles are in (node, GPU id) order too.
 """
 
 from __future__ import annotations
@@ -28,6 +35,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rl_plugin.errors import LoopError
+from rl_plugin.ray.bundle_order import (
+    BundleSite,
+    alive_nodes_with,
+    bundle_sites,
+    check_groups_within_nodes,
+    check_node_count,
+    sorted_sites,
+)
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
 # The signals the loop turns into "save, then stop" (rl_plugin.loop.exit_request): SIGTERM
@@ -36,10 +51,27 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
 
-def use_gpus() -> bool:
+def local_machine_has_cuda() -> bool:
+    """The driver's own machine (the local cluster's only node when ``RAY_ADDRESS`` is unset)."""
     import torch
 
     return torch.cuda.is_available()
+
+
+def placement_uses_gpus(device: str, cluster_gpus: float) -> bool:
+    """GPU bundles or CPU bundles: ``--placement-device`` ``gpu`` / ``cpu``, or ``auto``: GPU
+    bundles when the cluster has GPUs (``cluster_gpus``: ``ray.cluster_resources()["GPU"]``)."""
+    if device == "cpu":
+        return False
+    if device == "gpu" and cluster_gpus <= 0:
+        raise LoopError(
+            "--placement-device gpu: the Ray cluster has no GPUs (ray.cluster_resources() lists none). Fix: "
+            "start the GPU nodes' Ray with their GPUs (`ray start --num-gpus N`), or use --placement-device "
+            "auto / cpu"
+        )
+    if device not in ("auto", "gpu"):
+        raise ValueError(f"--placement-device {device!r}: one of auto, gpu, cpu")
+    return cluster_gpus > 0
 
 
 def init_ray(num_cpus: int) -> bool:
@@ -63,7 +95,7 @@ def init_ray(num_cpus: int) -> bool:
     else:
         # CPU runs move tiny weights: a small object store. With GPUs, Ray's default (a share of
         # RAM) holds a full weight export, which travels through the object store at every sync.
-        store = None if use_gpus() else 512 * 1024 * 1024
+        store = None if local_machine_has_cuda() else 512 * 1024 * 1024
         global _REAPER
         before = set(children(os.getpid()))
         # The cluster's processes start with the exit signals blocked (a child inherits the signal
@@ -167,6 +199,8 @@ class Placement:
     rollout_bundle: int
     engine_bundles: List[int] = field(default_factory=list)
     gpus_per_engine: int = 1
+    train_bundles: List[int] = field(default_factory=list)  # rank r's bundle; empty: bundle r
+    train_sites: List[BundleSite] = field(default_factory=list)  # in rank order
 
     @property
     def num_engines(self) -> int:
@@ -175,9 +209,10 @@ class Placement:
     def train_options(self, rank: int) -> Dict[str, Any]:
         share = COLOCATED_TRAIN_SHARE if self.colocate else 1.0
         opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
+        bundle = self.train_bundles[rank] if self.train_bundles else rank
         return {
             **opts,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         }
 
     def rollout_options(self, rollout_num_gpus: int) -> Dict[str, Any]:
@@ -216,7 +251,9 @@ def required_cpus(args) -> int:
 
 
 def create_placement(args) -> Placement:
-    gpus = use_gpus()
+    gpus = placement_uses_gpus(args.placement_device, ray.cluster_resources().get("GPU", 0))
+    device = "GPU" if gpus else "CPU"
+    check_node_count(args.actor_num_nodes, alive_nodes_with(device), device)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     bundles: List[Dict[str, float]] = [{"CPU": 1, "GPU": 1} if gpus else {"CPU": 1} for _ in range(world)]
     rollout_bundle, engines = 0, engine_processes(args)
@@ -232,6 +269,7 @@ def create_placement(args) -> Placement:
     try:
         ray.get(pg.ready(), timeout=300)
     except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
         raise RuntimeError(
             f"Ray could not place {len(bundles)} bundles {bundles} in 300 s: the cluster lacks the resources for "
             f"--actor-num-nodes x --actor-num-gpus-per-node = {world} training ranks"
@@ -243,4 +281,20 @@ def create_placement(args) -> Placement:
             )
             + ". Check `ray status`."
         ) from None
-    return Placement(pg, world, gpus, bool(args.colocate), rollout_bundle, engine_bundles, per_engine)
+    try:
+        train_sites = sorted_sites(bundle_sites(pg, range(world), [1 if gpus else 0] * world))
+        group = args.tensor_model_parallel_size * args.context_parallel_size
+        check_groups_within_nodes(train_sites, group, "a TP x CP")
+        train_bundles = [s.bundle for s in train_sites]
+        if args.colocate:
+            rollout_bundle = train_bundles[0]
+            engine_bundles = [train_bundles[b] for b in engine_bundles]
+        elif engine_bundles:
+            sites = bundle_sites(pg, engine_bundles, [per_engine if gpus else 0] * len(engine_bundles))
+            engine_bundles = [s.bundle for s in sorted_sites(sites)]
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return Placement(
+        pg, world, gpus, bool(args.colocate), rollout_bundle, engine_bundles, per_engine, train_bundles, train_sites
+    )

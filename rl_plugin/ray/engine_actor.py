@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Sequence
 import ray
 
 from rl_plugin.configs import EngineConfig
+from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
@@ -24,6 +25,7 @@ class EngineActor:
     def __init__(self, name: str, checkpoint_dir: str, *, tensor_parallel_size: int, seed: int):
         import torch
 
+        require_cuda(f"rollout engine {name}")  # a GPU bundle without CUDA: fail here, not generate on the CPU
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = make_engine(
             name, checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed

@@ -23,8 +23,10 @@ import torch
 
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import StepBatch, old_log_probs_rule
+from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
+from rl_plugin.weight_sync import node_id
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
@@ -38,6 +40,7 @@ def backend_class(name: str):
 
 class TrainActor:
     def __init__(self, rank: int, world_size: int):
+        require_cuda(f"train rank {rank}")  # a GPU bundle without CUDA: fail here, not train on gloo
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
@@ -79,6 +82,7 @@ class TrainActor:
             "tp_rank": ps.tp_rank,
             "cp_rank": ps.cp_rank,
             "pid": os.getpid(),
+            "node_id": node_id(),  # where rank 0's weight segments live (swept there if it dies)
         }
 
     # -- training -----------------------------------------------------------------------------
@@ -179,8 +183,9 @@ class TrainActor:
         if self.publisher is not None:
             self.publisher.close()
 
-    def save(self, path: str, step: int, extra: Dict[str, Any]) -> None:
-        self.backend.save_checkpoint(path, step=step, extra=extra)
+    def save(self, path: str, step: int, extra: Dict[str, Any]) -> List[str]:
+        """This rank's part of the checkpoint into ``path``; returns the files it wrote (relative)."""
+        return list(self.backend.save_checkpoint(path, step=step, extra=extra))
 
     def load(self, path: str) -> Dict[str, Any]:
         meta = self.backend.load_checkpoint(path)

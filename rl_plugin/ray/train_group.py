@@ -98,7 +98,10 @@ class TrainGroup:
         report a dead actor if there is one (the raised error is kept in the message)."""
         rank = rank_of[ref]
         if isinstance(exc, ray.exceptions.RayActorError):
-            return TrainActorError(rank, method, _cause(exc), died=True, info=self._info(rank))
+            cause = _cause(exc)
+            if "creation task" in cause:  # __init__ raised (e.g. a GPU bundle without CUDA): its error line
+                cause = f"{cause} -> {error_line(exc)}"
+            return TrainActorError(rank, method, cause, died=True, info=self._info(rank))
         raised = TrainActorError(rank, method, str(exc), died=False, info=self._info(rank), error_line=error_line(exc))
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S) if pending else ([], [])
         for other in ready:
@@ -122,16 +125,41 @@ class TrainGroup:
         return info[rank] if info and rank < len(info) else None
 
     def kill(self) -> None:
-        """Unlink rank 0's weight segment (if it still answers), then kill every rank."""
+        """Unlink rank 0's weight segment (if it still answers), then kill every rank; a dead rank
+        0's segments are swept on its node by a task placed there (it may be another machine than
+        the driver's, where the run's reaper does not reach)."""
+        closed = True
         try:
             ray.get(self.actors[0].close_weight_sync.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - a dead rank 0: its segment is swept by the next run or the reaper
-            pass
+        except Exception:  # noqa: BLE001 - a dead rank 0: swept below
+            closed = False
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - best effort on teardown; the actor may be gone
                 pass
+        info = self._info(0)
+        if not closed and info and info.get("node_id") not in (None, "local"):
+            sweep_node_segments(info["node_id"], [info["pid"]])
+
+
+@ray.remote(num_cpus=0)
+def _sweep_segments(pids: List[int]) -> List[str]:
+    from rl_plugin.weight_sync.segment import sweep_stale
+
+    return [str(p) for p in sweep_stale(dead_pids=pids)]
+
+
+def sweep_node_segments(node_id: str, pids: List[int], timeout: float = 30.0) -> List[str]:
+    """Unlink, on Ray node ``node_id``, the weight segments the (dead) processes ``pids`` created;
+    returns the removed paths (best effort: [] when the node does not answer)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        task = _sweep_segments.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        return ray.get(task.remote(list(pids)), timeout=timeout)
+    except Exception:  # noqa: BLE001 - a lost node: its segments go with its /dev/shm (or the next run's sweep)
+        return []
 
 
 def _first_line(exc: Exception) -> str:

@@ -1,11 +1,20 @@
-"""Prompt datasets from JSONL (``--prompt-data``, ``--input-key``, ``--label-key``), with a
-resumable position.
+"""Prompt datasets from JSONL or Parquet (``--prompt-data``, ``--input-key``, ``--label-key``,
+``--metadata-key``), with a resumable position.
 
-The dataset is read once; every line must be a JSON object holding a non-empty input string (and
-the label key, when one is configured); a bad line raises naming the file and line. Lines of
-whitespace only hold no record and are skipped (a trailing newline is common in JSONL tools). Batches are taken in
-order, wrapping around into a new epoch (reshuffled with ``seed + epoch`` when ``shuffle``), so
-the position is just ``(epoch, offset)`` and ``state_dict`` / ``load_state_dict`` restore it.
+The dataset is read once. A file whose name ends in ``.parquet`` is read with pyarrow (one record
+per row, named ``file row N`` in messages); any other file is JSONL (one JSON object per line,
+named ``file:line``; lines of whitespace only hold no record and are skipped, a trailing newline
+is common in JSONL tools). Every record holds under the input key either
+
+- a non-empty prompt string, or
+- a chat as a non-empty list of ``{"role": str, "content": str}`` messages (slime's and verl's
+  convention, e.g. a system and a user turn), which needs ``--apply-chat-template``;
+
+and the label key (when one is configured), and the metadata key (when one is configured: a JSON
+object, handed to a reward function that takes ``metadata``). A bad record raises naming where it
+is. Batches are taken in order, wrapping around into a new epoch (reshuffled with
+``seed + epoch`` when ``shuffle``), so the position is just ``(epoch, offset)`` and
+``state_dict`` / ``load_state_dict`` restore it.
 """
 
 from __future__ import annotations
@@ -14,47 +23,127 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+Messages = List[Dict[str, str]]
+Prompt = Union[str, Messages]
 
 
 @dataclass
 class PromptRecord:
-    prompt: str
+    prompt: Prompt  # the text, or the chat messages
     label: Any
     index: int  # record index in the file (0-based; blank lines are skipped)
-    lineno: int = 0  # line number in the file (1-based), for messages
+    lineno: int = 0  # line (JSONL) or row (Parquet) number in the file (1-based), for messages
+    metadata: Optional[Dict[str, Any]] = None  # the --metadata-key object, when configured
+    where: str = ""  # "file:line" (JSONL) or "file row N" (Parquet), for messages
+
+    @property
+    def text(self) -> str:
+        """The prompt's text: the string, or the messages' contents joined by newlines."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return "\n".join(m["content"] for m in self.prompt)
 
 
-def read_jsonl(path, input_key: str, label_key: Optional[str]) -> List[PromptRecord]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompt-data {path}: no such file")
-    records = []
+def is_parquet(path) -> bool:
+    return str(path).endswith(".parquet")
+
+
+def _jsonl_rows(path: Path) -> Iterator[Tuple[str, int, Any]]:
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield f"{path}:{lineno}", lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            if input_key not in row:
-                raise ValueError(f"{path}:{lineno}: no key {input_key!r} (--input-key); keys are {sorted(row)}")
-            if label_key is not None and label_key not in row:
-                raise ValueError(f"{path}:{lineno}: no key {label_key!r} (--label-key); keys are {sorted(row)}")
-            prompt = row[input_key]
-            if not isinstance(prompt, str):
-                raise ValueError(f"{path}:{lineno}: {input_key!r} must be a string, got {type(prompt).__name__}")
-            if not prompt.strip():
-                raise ValueError(
-                    f"{path}:{lineno}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt"
-                )
-            records.append(PromptRecord(prompt, row.get(label_key) if label_key else None, len(records), lineno))
+
+
+def _parquet_rows(path: Path) -> Iterator[Tuple[str, int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading .parquet needs the pyarrow package (pip install pyarrow, or convert the file to JSONL)"
+        ) from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own errors (ArrowInvalid, ...) name no flag
+        raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    for i, row in enumerate(rows, 1):
+        yield f"{path} row {i}", i, row
+
+
+def check_messages(where: str, key: str, messages: Any) -> Messages:
+    """A chat must be a non-empty list of {"role": str, "content": str} with some content."""
+    if not messages:
+        raise ValueError(f"{where}: {key!r} is an empty list of messages; the model needs a prompt to answer")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(
+                f"{where}: message {j} of {key!r} must be an object with string 'role' and 'content' "
+                f'(e.g. {{"role": "user", "content": "What is 2 + 3?"}}), got {m!r}'
+            )
+        if not m["role"]:
+            raise ValueError(f"{where}: message {j} of {key!r} has an empty 'role'")
+    if not any(m["content"].strip() for m in messages):
+        raise ValueError(f"{where}: every message of {key!r} is empty; the model needs a prompt to answer")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _record(where, lineno, row, index, input_key, label_key, metadata_key) -> PromptRecord:
+    kind = "row" if " row " in where else "JSON object"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a {kind}, got {type(row).__name__}")
+    for key, flag in ((input_key, "--input-key"), (label_key, "--label-key"), (metadata_key, "--metadata-key")):
+        if key is not None and key not in row:
+            raise ValueError(f"{where}: no key {key!r} ({flag}); keys are {sorted(row)}")
+    prompt = row[input_key]
+    if isinstance(prompt, list):
+        prompt = check_messages(where, input_key, prompt)
+    elif not isinstance(prompt, str):
+        raise ValueError(
+            f'{where}: {input_key!r} must be a string or a list of {{"role", "content"}} messages, got {type(prompt).__name__}'
+        )
+    elif not prompt.strip():
+        raise ValueError(
+            f"{where}: {input_key!r} is empty; the model needs a prompt to answer. Fix: remove the line or fill in its prompt"
+        )
+    metadata = None
+    if metadata_key is not None:
+        metadata = row[metadata_key]
+        if isinstance(metadata, str):  # Parquet writers often store a JSON object as a string
+            try:
+                metadata = json.loads(metadata)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(metadata, dict):
+            raise ValueError(
+                f"{where}: {metadata_key!r} (--metadata-key) must be an object, got {type(metadata).__name__}"
+            )
+    label = row.get(label_key) if label_key else None
+    return PromptRecord(prompt, label, index, lineno, metadata, where)
+
+
+def read_prompts(
+    path, input_key: str, label_key: Optional[str], metadata_key: Optional[str] = None
+) -> List[PromptRecord]:
+    """All records of a JSONL or Parquet prompt file (see the module docstring for the rules)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-data {path}: no such file")
+    rows = _parquet_rows(path) if is_parquet(path) else _jsonl_rows(path)
+    records: List[PromptRecord] = []
+    for where, lineno, row in rows:
+        records.append(_record(where, lineno, row, len(records), input_key, label_key, metadata_key))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")
     return records
+
+
+read_jsonl = read_prompts  # the name before Parquet was read too
 
 
 class PromptDataset:
@@ -64,8 +153,17 @@ class PromptDataset:
         self._order = self._epoch_order(0)
 
     @classmethod
-    def from_jsonl(cls, path, input_key: str = "prompt", label_key: Optional[str] = "label", **kw) -> "PromptDataset":
-        return cls(read_jsonl(path, input_key, label_key), **kw)
+    def from_file(
+        cls,
+        path,
+        input_key: str = "prompt",
+        label_key: Optional[str] = "label",
+        metadata_key: Optional[str] = None,
+        **kw,
+    ) -> "PromptDataset":
+        return cls(read_prompts(path, input_key, label_key, metadata_key), **kw)
+
+    from_jsonl = from_file  # the name before Parquet was read too
 
     def __len__(self) -> int:
         return len(self.records)

@@ -8,7 +8,10 @@ For one bucket of equal-length prompts ``x`` ([B, L], no padding) both functions
     s'_t    = s_t with the tokens outside the top-p nucleus set to -inf   (only when top_p < 1)
     y_t     ~ Categorical(softmax(s'_t))       one ``torch.multinomial`` draw for EVERY row
     tok_t   = y_t for an unfinished row, ``pad_token_id`` for a row that already emitted an eos id
-    logp_t  = log_softmax(z_t / T)[tok_t]      (the sampler's log-prob, top-p NOT folded in)
+    logp_t  = log_softmax(s'_t)[tok_t]         (the log-prob under the distribution y_t was drawn
+                                                from: with top_p < 1 the nucleus, renormalised, as
+                                                vLLM's ``processed_logprobs``; with top_p = 1 it is
+                                                log_softmax(z_t / T), what the trainer computes)
 
 and stop after S steps, when every row has emitted one of the eos ids or S = ``max_new_tokens``.
 
@@ -233,7 +236,7 @@ def sample(
         drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
         token = torch.where(unfinished, drawn, pad)  # finished rows drew too (same RNG use), keep pad
         tokens.append(token)
-        log_probs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+        log_probs.append(torch.log_softmax(warped, dim=-1).gather(-1, token[:, None]).squeeze(-1))
         unfinished &= ~torch.isin(token, eos)
         if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
@@ -269,5 +272,8 @@ def sample_with_generate(
     )
     tokens = res.sequences[:, input_ids.shape[1] :]
     logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, S, V]
-    log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    scaled = logits / temperature
+    if top_p < 1.0:  # the sampler's distribution: the nucleus, renormalised (see ``sample``)
+        scaled = _top_p_mask(scaled.reshape(-1, scaled.shape[-1]), top_p).view_as(scaled)
+    log_probs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, log_probs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -63,6 +64,12 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
     return [base + (1 if i < extra else 0) for i in range(num_engines)]
 
 
+def _for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
+    """The handle as engine ``rank - 1`` reads it: its rank in the distributed group (ranks 1..E;
+    train rank 0 broadcasts), unchanged for the other transports."""
+    return replace(handle, group_rank=rank) if handle.group is not None else handle
+
+
 class RolloutManager:
     def __init__(
         self,
@@ -74,16 +81,20 @@ class RolloutManager:
     ):
         torch.set_num_threads(rollout_threads())
         self.config = cfg = config
-        self.tokenizer = load_tokenizer(checkpoint_dir, apply_chat_template=cfg.apply_chat_template)
+        self.tokenizer = load_tokenizer(
+            checkpoint_dir,
+            apply_chat_template=cfg.apply_chat_template,
+            chat_template_kwargs=cfg.apply_chat_template_kwargs,
+            system_prompt=cfg.system_prompt,
+        )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
-        self.train = PromptDataset.from_jsonl(
-            train_data, cfg.input_key, cfg.label_key, shuffle=cfg.rollout_shuffle, seed=cfg.seed
-        )
-        self.eval = PromptDataset.from_jsonl(eval_data, cfg.input_key, cfg.label_key) if eval_data else None
+        keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
+        self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None
         self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
         path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
@@ -154,8 +165,11 @@ class RolloutManager:
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
+        metadata = [r.metadata for r in recs for _ in range(n)]
         t1 = time.perf_counter()
-        rewards = torch.tensor(score_responses(self.reward_fn, prompts, responses, labels), dtype=torch.float32)
+        rewards = torch.tensor(
+            score_responses(self.reward_fn, prompts, responses, labels, metadata), dtype=torch.float32
+        )
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         flat = flatten_generations(gens)
         empty = torch.nonzero(flat.response_lengths == 0).flatten()
@@ -224,8 +238,8 @@ class RolloutManager:
         if handle is None:
             return None
         if self.engine is not None:
-            return [load_sync(self.engine, self.receiver, handle)]
-        return [e.update_weights.remote(handle) for e in self.engines]
+            return [load_sync(self.engine, self.receiver, _for_receiver(handle, 1))]
+        return [e.update_weights.remote(_for_receiver(handle, i + 1)) for i, e in enumerate(self.engines)]
 
     def _finish_load(self, handle: Optional[SyncHandle], loading: Optional[List[Any]]) -> Optional[Dict[str, Any]]:
         """``update_weights``'s answer for a load ``_start_load`` began (None: none was)."""

@@ -1,6 +1,9 @@
 """Reward functions: built-in verifiers by name (``--rm-type``) and user functions (``--custom-rm-path``).
 
-A reward function is ``fn(prompt: str, response: str, label) -> float``. Built-ins:
+A reward function is ``fn(prompt, response: str, label) -> float``; ``prompt`` is the dataset's
+input as it is (a string, or the list of chat messages). A function that also takes a keyword
+``metadata`` (or ``**kwargs``) gets the sample's ``--metadata-key`` object as ``metadata=`` (``{}``
+when no metadata key is configured); the three-argument form is called as before. Built-ins:
 
 - ``digit_match``: the embedded tasks' partial-credit checker (``task.digit_match_reward``): the
   fraction of label positions the response matches.
@@ -20,6 +23,7 @@ label: preflight refuses null or empty ones (``prompt_check.check_labels``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from fractions import Fraction
@@ -99,14 +103,27 @@ class RewardFunctionError(UserCodeError):
     file:line in the user's code, and (when scoring) the sample index and its prompt."""
 
 
+def takes_metadata(fn) -> bool:
+    """True when ``fn`` accepts a ``metadata`` keyword (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return any(
+        (p.name == "metadata" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or p.kind is p.VAR_KEYWORD
+        for p in params
+    )
+
+
 class CustomReward:
     """``--custom-rm-path``'s function, with where it came from (for error messages)."""
 
     def __init__(self, fn: RewardFn, spec: str, source: str | None):
         self.fn, self.spec, self.source = fn, spec, source
+        self.takes_metadata = takes_metadata(fn)
 
-    def __call__(self, prompt: str, response: str, label) -> float:
-        return self.fn(prompt, response, label)
+    def __call__(self, prompt, response: str, label, **kw) -> float:
+        return self.fn(prompt, response, label, **kw)
 
 
 def load_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
@@ -136,24 +153,38 @@ def _describe(fn: RewardFn) -> str:
     return f"--rm-type {name}"
 
 
-def score_responses(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], labels: Sequence) -> List[float]:
-    """Apply ``fn`` to every sample; a reward function that raises, or returns a non-numeric or
-    non-finite reward, stops the rollout naming the first such sample (and, for a raise, the
-    file:line). ``fn`` is called once per sample, in order; the checks run as C-level passes
-    over all rewards, and only a failed one looks for the sample to name."""
+def score_responses(
+    fn: RewardFn,
+    prompts: Sequence,
+    responses: Sequence[str],
+    labels: Sequence,
+    metadata: Sequence | None = None,
+) -> List[float]:
+    """Apply ``fn`` to every sample (with ``metadata=`` when it takes it, ``{}`` for a sample
+    without); a reward function that raises, or returns a non-numeric or non-finite reward, stops
+    the rollout naming the first such sample (and, for a raise, the file:line). ``fn`` is called
+    once per sample, in order; the checks run as C-level passes over all rewards, and only a
+    failed one looks for the sample to name."""
     values: List[object] = []
     call = values.append
+    with_meta = fn.takes_metadata if isinstance(fn, CustomReward) else takes_metadata(fn)
     try:
-        for p, r, lab in zip(prompts, responses, labels):
-            call(fn(p, r, lab))
+        if with_meta:
+            metas = metadata if metadata is not None else [None] * len(prompts)
+            for p, r, lab, m in zip(prompts, responses, labels, metas):
+                call(fn(p, r, lab, metadata={} if m is None else m))
+        else:
+            for p, r, lab in zip(prompts, responses, labels):
+                call(fn(p, r, lab))
     except Exception as exc:  # noqa: BLE001 - re-raised with the user's file:line and the sample
         _checked(values, prompts, responses)  # a bad reward of an earlier sample is named first
         i = len(values)
         p, r, lab = prompts[i], responses[i], labels[i]
         source = fn.source if isinstance(fn, CustomReward) else None
+        form = "fn(prompt, response, label, metadata=...)" if with_meta else "fn(prompt, response, label)"
         raise RewardFunctionError(
             f"{_describe(fn)} raised {describe_exception(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
-            f"label {lab!r}). Fix: make the function return a float for every sample; it is called as fn(prompt, response, label)"
+            f"label {lab!r}). Fix: make the function return a float for every sample; it is called as {form}"
         ) from None
     return _checked(values, prompts, responses)
 

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.rollout.child_process import popen_dying_with_parent
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.rollout.vllm_engine import sample_seed
 
@@ -127,7 +128,7 @@ class SGLangEngine(RolloutEngine):
             str(seed),
             "--skip-tokenizer-init",
         ]
-        proc = subprocess.Popen(cmd)
+        proc = popen_dying_with_parent(cmd)  # a SIGKILLed engine actor takes its server along
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -9,8 +9,10 @@ checkpoint brings its own Hugging Face tokenizer instead (``load_tokenizer``).
 from __future__ import annotations
 
 import json
+import numbers
+from collections.abc import Mapping
 from pathlib import Path
-from typing import List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>")
 FILENAME = "char_tokenizer.json"
@@ -45,6 +47,11 @@ class CharTokenizer:
 
     def prompt_ids(self, text: str) -> List[int]:
         """A prompt as the model sees it: ``<bos>`` + characters."""
+        if not isinstance(text, str):
+            raise PromptFormatError(
+                "the prompt is a list of chat messages, and the checkpoint's character tokenizer has no chat template",
+                "give the prompt as a string",
+            )
         return [self.bos_token_id] + self.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -71,29 +78,91 @@ class CharTokenizer:
         return cls(data["alphabet"])
 
 
-class HFTokenizerAdapter:
-    """A Hugging Face tokenizer behind the same small interface (``prompt_ids``, ``decode``)."""
+class PromptFormatError(ValueError):
+    """A prompt the tokenizer settings cannot turn into ids (e.g. chat messages without
+    ``--apply-chat-template``); ``rule`` says what is wrong, ``fix`` which flag fixes it."""
 
-    def __init__(self, tok, apply_chat_template: bool = False):
+    def __init__(self, rule: str, fix: str):
+        super().__init__(f"{rule}. Fix: {fix}")
+        self.rule, self.fix = rule, fix
+
+
+def _as_ids(out, what: str) -> List[int]:
+    """Token ids as a flat list of Python ints, whatever ``apply_chat_template`` / ``__call__``
+    returned: transformers 5.x gives a ``BatchEncoding`` from ``apply_chat_template(tokenize=True)``
+    unless ``return_dict=False`` (iterating it yields the *keys* ``input_ids``, ``attention_mask``),
+    some versions a tensor or a batch of one. Anything that is not integer ids raises."""
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    out = list(out)
+    if len(out) == 1 and isinstance(out[0], (list, tuple)):
+        out = list(out[0])
+    bad = next((i for i in out if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(f"{what} returned {bad!r} ({type(bad).__name__}) among the token ids; expected integers")
+    return [int(i) for i in out]
+
+
+class HFTokenizerAdapter:
+    """A Hugging Face tokenizer behind the same small interface (``prompt_ids``, ``decode``).
+
+    Without a chat template a prompt must be a string and is encoded with the tokenizer's special
+    tokens (e.g. BOS). With ``apply_chat_template`` a string becomes one user turn, a message list
+    is used as it is; ``system_prompt`` adds a system turn first unless the messages begin with
+    one; ``chat_template_kwargs`` (``--apply-chat-template-kwargs``, e.g. ``enable_thinking``) are
+    passed to the template, and the generation prompt is always added."""
+
+    def __init__(
+        self,
+        tok,
+        apply_chat_template: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        system_prompt: Optional[str] = None,
+    ):
         self.tok = tok
         self.apply_chat_template = apply_chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.system_prompt = system_prompt
         self.eos_token_id = tok.eos_token_id
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def prompt_ids(self, text: str) -> List[int]:
+    def messages(self, prompt) -> List[Dict[str, str]]:
+        """The chat the template renders for ``prompt`` (a string or a message list)."""
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+        return msgs
+
+    def prompt_ids(self, prompt) -> List[int]:
         if self.apply_chat_template:
-            return list(
-                self.tok.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-                )
+            out = self.tok.apply_chat_template(
+                self.messages(prompt),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.chat_template_kwargs,
             )
-        return list(self.tok(text, add_special_tokens=True)["input_ids"])
+            return _as_ids(out, "the tokenizer's apply_chat_template")
+        if not isinstance(prompt, str):
+            raise PromptFormatError(
+                "the prompt is a list of chat messages, which only a chat template turns into tokens",
+                "pass --apply-chat-template (or give the prompt as a string)",
+            )
+        return _as_ids(self.tok(prompt, add_special_tokens=True)["input_ids"], "the tokenizer")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
-def load_tokenizer(checkpoint_dir, *, apply_chat_template: bool = False):
+def load_tokenizer(
+    checkpoint_dir,
+    *,
+    apply_chat_template: bool = False,
+    chat_template_kwargs: Optional[Dict[str, Any]] = None,
+    system_prompt: Optional[str] = None,
+):
     """The char tokenizer when the checkpoint carries one, else its Hugging Face tokenizer."""
     if (Path(checkpoint_dir) / FILENAME).exists():
         if apply_chat_template:
@@ -109,4 +178,9 @@ def load_tokenizer(checkpoint_dir, *, apply_chat_template: bool = False):
         raise ValueError(
             f"--hf-checkpoint {checkpoint_dir}: no tokenizer found ({FILENAME} or Hugging Face tokenizer files): {exc}"
         ) from exc
-    return HFTokenizerAdapter(tok, apply_chat_template)
+    if apply_chat_template and not getattr(tok, "chat_template", None):
+        raise ValueError(
+            f"--apply-chat-template: the tokenizer of {checkpoint_dir} has no chat template (a base model?); "
+            "drop the flag, or add a chat_template.jinja to the checkpoint"
+        )
+    return HFTokenizerAdapter(tok, apply_chat_template, chat_template_kwargs, system_prompt)

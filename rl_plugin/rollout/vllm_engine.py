@@ -6,19 +6,28 @@ weights only, so a rollout split over several engines samples what one engine wo
 batch-dependent rounding of the forward pass). The returned log-prob of token y_t is
 ``log softmax(z_t / T)[y_t]`` (``logprobs_mode="processed_logprobs"``: the temperature-scaled
 distribution the token was drawn from, what the trainer recomputes at ``--rollout-temperature``;
-the default ``raw_logprobs`` would ignore T). Top-p truncation is not folded in (as with ``hf``).
+the default ``raw_logprobs`` would ignore T). With ``--rollout-top-p`` < 1 it is the log-prob under the
+nucleus it was drawn from, renormalised (vLLM applies top-p before ``processed_logprobs``); the
+``hf`` engine returns the same, so the mismatch metrics and ``--use-rollout-logprobs`` mean one
+thing on both engines.
 Stop tokens: the EOS ids of the checkpoint's generation config; the EOS token ends the response
 and is part of it.
 
 Weights in place. ``update_weights(bucket)`` hands a bucket of Hugging Face tensors to vLLM's
 ``reload_weights`` (checkpoint format: vLLM fuses q/k/v and gate/up itself, so a fused group must
 arrive in one bucket), then drops the prefix cache, whose KV entries were computed under the old
-weights. Nothing is restarted and nothing touches the disk.
+weights. Nothing is restarted and nothing touches the disk. Tied embeddings: vLLM's LM head
+shares the embedding's parameter, but its CPU build computes logits with a packed copy made at
+load time, and a reload re-packs only the module the checkpoint names (the embedding): the head
+would keep the old weights (measured: ~0.1 nats per token off after one sync). Every module that
+shares a reloaded parameter is re-packed after the reload (``_repack_shared``).
 
 Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
 repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
 through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
 (each output is one product ``w * 1`` plus exact zeros; only a stored ``-0.0`` reads as ``+0.0``).
+A tied LM head is read through its kernel too: where its packed copy differs from the embedding,
+that copy is reported as the embedding (what the logits use), so the check fails on it.
 Fused parameters are split back into the Hugging Face names by the layer's output sizes, and the
 vocabulary padding of the embedding and LM head is cut off.
 """
@@ -137,6 +146,8 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
         items = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
+        if self.tied:
+            self.llm.collective_rpc(_repack_shared)
         self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
 
     def weights(self) -> Dict[str, torch.Tensor]:
@@ -163,17 +174,36 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
                     value = _probe_linear(module)
                 for name, part in _split_fused(module_name, pname, value, module, packed):
                     out[name] = part.to("cpu").clone()
+        head = getattr(model, "lm_head", None)
+        if tied and head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
+            out["lm_head.weight"] = _probe_linear(head, int(head.weight.shape[1])).to("cpu")
     for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
+    if tied and "lm_head.weight" in out and not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
+        out["model.embed_tokens.weight"] = out["lm_head.weight"]  # the head's copy is what the logits use
     if tied and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
-def _probe_linear(module) -> torch.Tensor:
-    """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact)."""
-    k = int(module.input_size_per_partition)
-    eye = torch.eye(k, dtype=module.params_dtype)
+def _repack_shared(worker) -> int:
+    """Runs inside a vLLM worker after a reload: re-pack the CPU GEMM copy of every module whose
+    parameter another module owns too (the tied LM head); returns how many were re-packed."""
+    owners: Dict[int, list] = {}
+    for module in worker.model_runner.model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    shared = [m for mods in owners.values() if len(mods) > 1 for m in mods if hasattr(m, "cpu_linear")]
+    for module in shared:
+        module.quant_method.process_weights_after_loading(module)
+    return len(shared)
+
+
+def _probe_linear(module, k: Optional[int] = None) -> torch.Tensor:
+    """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact);
+    ``k``: the input size (default the layer's ``input_size_per_partition``)."""
+    k = int(module.input_size_per_partition) if k is None else k
+    eye = torch.eye(k, dtype=module.weight.dtype if module.weight.numel() else module.params_dtype)
     return module.cpu_linear(eye, module.weight, None).t().contiguous()
 
 

@@ -1,36 +1,129 @@
-"""Distributed transport (``--update-weight-transport nccl``): a torch.distributed group between
-train rank 0 and the engines' workers, one broadcast per bucket (NCCL on GPUs, gloo on CPU; vLLM
-through its worker extension / ``collective_rpc``, SGLang through ``/init_weights_update_group`` +
-``/update_weights_from_distributed``, as slime and verl do).
+"""Distributed transport (``--update-weight-transport distributed``; ``nccl`` is the same): train
+rank 0 broadcasts each bucket to every engine process over a torch.distributed group made for the
+purpose (gloo on CPU, NCCL where both sides have CUDA), as slime and verl do on GPUs.
 
-Not implemented in this build: constructing the writer fails loud, naming what to use instead.
-It is the third implementation of ``transport.TransportWriter`` / ``TransportReader``; the
-publisher and receiver need no change to take it.
+The group: rank 0 is train rank 0 (it hosts the ``TCPStore``, at the address the driver got from
+it once), ranks 1..E the engine processes (the rollout manager itself when the engine lives
+there). A fresh set of engines (a restarted rollout manager) is a new ``epoch``: a new group under
+its own store prefix, the old one dropped.
+
+One sync, version v: rank 0 writes the bucket plan (name, dtype, shape of every tensor, bucket by
+bucket; ``plan_buckets``, a fused group whole) into the store under ``plan/v``, then broadcasts
+each bucket as one flat byte tensor. A receiver reads the plan (waiting for it), receives the
+buckets in order and yields views of them, which the engine loads in place. Unlike the other two
+transports the receivers must be inside their load while rank 0 publishes: the driver sends the
+load (a ``SyncHandle`` it announces before the publish, ``WeightLedger.announce``) together with
+the train call. Every tensor travels every sync (no change tracking, as in slime); tied names
+never.
+
+Untested on GPUs (no GPU in CI): NCCL and vLLM's multi-process workers (``collective_rpc``) are
+the GPU path; here the engines run in one process each and receive on the CPU over gloo.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import datetime
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
-from rl_plugin.weight_sync.transport import TransportWriter
+from rl_plugin.weight_sync.buckets import plan_buckets, tensor_bytes
+from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle, SyncRequest
+from rl_plugin.weight_sync.transport import TransportReader, TransportWriter
+
+TIMEOUT_S = float(os.environ.get("RL_PLUGIN_WEIGHT_GROUP_TIMEOUT", "600"))  # a receiver that never comes
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.rsplit(".", 1)[-1])
+
+
+@dataclass
+class _Group:
+    epoch: int
+    store: object  # the epoch's PrefixStore
+    pg: object  # ProcessGroupGloo / ProcessGroupNCCL
+    device: torch.device
+
+
+class _GroupMember:
+    """One process's membership: the TCPStore (hosted by rank 0) and the group of the current epoch."""
+
+    def __init__(self):
+        self.tcp = None
+        self.group: Optional[_Group] = None
+
+    def join(self, spec: GroupSpec, rank: int) -> _Group:
+        if self.group is not None and self.group.epoch == spec.epoch:
+            return self.group
+        from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        if self.tcp is None:
+            self.tcp = TCPStore(
+                spec.host, spec.port, None, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            )
+        store = PrefixStore(f"rl_plugin_weights/{spec.epoch}", self.tcp)
+        if torch.cuda.is_available():  # the GPU path: every member must have CUDA
+            from torch.distributed import ProcessGroupNCCL
+
+            pg, device = ProcessGroupNCCL(store, rank, spec.world, timeout), torch.device("cuda")
+        else:
+            pg, device = ProcessGroupGloo(store, rank, spec.world, timeout), torch.device("cpu")
+        self.group = _Group(spec.epoch, store, pg, device)
+        return self.group
+
+
+Plan = List[List[Tuple[str, str, Tuple[int, ...]]]]  # buckets of (name, dtype, shape)
 
 
 class DistributedWriter(TransportWriter):
-    name = "nccl"
+    name = "distributed"
 
     def __init__(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "--update-weight-transport nccl: the NCCL weight broadcast needs CUDA GPUs on the trainer and the "
-                "rollout engines; on CPU use --update-weight-transport auto (shared memory / object store)"
-            )
-        raise NotImplementedError(
-            "--update-weight-transport nccl: the NCCL weight broadcast between train rank 0 and the rollout "
-            "engines is not implemented yet; use --update-weight-transport auto"
-        )
+        self.member = _GroupMember()
 
-    def write(self, sd: Dict[str, torch.Tensor], handle: SyncHandle, request: SyncRequest) -> None:  # pragma: no cover
-        raise NotImplementedError
+    def write(self, sd: Dict[str, torch.Tensor], handle: SyncHandle, request: SyncRequest) -> None:
+        spec = request.group
+        if spec is None:
+            raise RuntimeError("--update-weight-transport distributed: the request names no group (internal)")
+        group = self.member.join(spec, 0)
+        buckets = plan_buckets({n: tensor_bytes(t) for n, t in sd.items()}, request.buffer_bytes)
+        plan: Plan = [[(n, str(sd[n].dtype), tuple(sd[n].shape)) for n in names] for names in buckets]
+        group.store.set(f"plan/{handle.version}", pickle.dumps(plan))
+        for names in buckets:
+            sizes = [tensor_bytes(sd[n]) for n in names]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+            offset = 0
+            for n, size in zip(names, sizes):
+                buf[offset : offset + size].copy_(sd[n].reshape(-1).view(torch.uint8))
+                offset += size
+            group.pg.broadcast(buf, 0).wait()
+            handle.sent_bytes += offset
+        handle.group = spec
+
+
+class DistributedReader(TransportReader):
+    def __init__(self):
+        self.member = _GroupMember()
+
+    def serves(self, handle: SyncHandle, node: str) -> bool:
+        return handle.group is not None
+
+    def buckets(self, handle: SyncHandle, held: int) -> Iterator[Dict[str, torch.Tensor]]:
+        if handle.group_rank < 1:
+            raise RuntimeError("weight sync: a distributed load needs this engine's rank in the group (internal)")
+        group = self.member.join(handle.group, handle.group_rank)
+        plan: Plan = pickle.loads(group.store.get(f"plan/{handle.version}"))
+        for bucket in plan:
+            sizes = [torch.Size(shape).numel() * _dtype(dtype).itemsize for _, dtype, shape in bucket]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+            group.pg.broadcast(buf, 0).wait()
+            out, offset = {}, 0
+            for (name, dtype, shape), size in zip(bucket, sizes):
+                out[name] = buf[offset : offset + size].view(_dtype(dtype)).view(shape)
+                offset += size
+            yield out

@@ -3,7 +3,8 @@
 - ``SyncRequest``: the driver asks train rank 0 to publish (built by ``WeightLedger.request``).
 - ``SyncHandle``: train rank 0's answer, small enough to pass through Ray: the version, and where
   each transport put the tensors (the shared-memory segment and its layout, the object-store
-  buckets). The rollout manager hands it to every engine, whose ``WeightReceiver`` reads it.
+  buckets, the distributed group). The rollout manager hands it to every engine, whose
+  ``WeightReceiver`` reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ def node_id() -> str:
 
 
 @dataclass(frozen=True)
+class GroupSpec:
+    """The distributed transport's group: train rank 0 hosts the store at ``host:port``; ``world``
+    is 1 + the engine processes; ``epoch`` counts the sets of engines (a restart is a new group)."""
+
+    host: str
+    port: int
+    world: int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class SyncRequest:
     """What the driver asks train rank 0 to publish for one sync."""
 
@@ -31,6 +43,7 @@ class SyncRequest:
     since_version: Optional[int] = None  # the version the object-store engines hold (None: send everything)
     fingerprint: bool = False  # --check-weight-sync
     slots: int = 1  # shared-memory buffers: 2 when an engine may load sync v - 1 while v is published
+    group: Optional[GroupSpec] = None  # the distributed transport's group
 
 
 @dataclass
@@ -45,6 +58,8 @@ class SyncHandle:
     changed_at: Dict[str, int] = field(default_factory=dict)  # name -> version of the sync that last changed it
     object_refs: Optional[List[Any]] = None  # object store: the buckets, tensors changed after object_since
     object_since: Optional[int] = None
+    group: Optional[GroupSpec] = None  # distributed: the group the buckets are broadcast in
+    group_rank: int = 0  # distributed: the receiving engine's rank in it (set by the rollout manager)
     fingerprint: Optional[Dict[str, str]] = None  # --check-weight-sync: the trainer's, of this export
     sent_bytes: int = 0  # bytes written into the segment / put in the object store by rank 0
     publish_seconds: float = 0.0

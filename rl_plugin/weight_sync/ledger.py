@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from rl_plugin.errors import LoopError, WeightSyncError
 from rl_plugin.weight_sync.fingerprint import compare_fingerprints
-from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
+from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle, SyncRequest
+from rl_plugin.weight_sync.transport import DISTRIBUTED
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,14 @@ class WeightLedger:
         self.last_load = {"bytes": 0.0, "seconds": 0.0}  # the last load: bytes, the slowest engine's seconds
         self.load_seconds = 0.0  # engine load time of the calls answered since the last logged rollout
         self.publish_seconds = 0.0  # trainer export + publish time since the last logged rollout
+        self.last_version = 0  # the newest sync train rank 0 published (its publisher counts 1, 2, ...)
+        self.rendezvous: Optional[tuple] = None  # distributed: (host, port) of train rank 0's store
+        self.epoch = 0  # distributed: the set of engines the group is made of (a restart is a new one)
+
+    @property
+    def distributed(self) -> bool:
+        """The distributed transport: the engines receive while rank 0 publishes (``announce``)."""
+        return self.settings.transport in DISTRIBUTED
 
     def request(self, ask_engine_nodes: Callable[[], Sequence[str]]) -> SyncRequest:
         """What train rank 0 publishes: the changes since the version the manager's engines will
@@ -52,6 +61,10 @@ class WeightLedger:
         if self.engine_nodes is None:  # asked once per rollout manager
             self.engine_nodes = tuple(ask_engine_nodes())
         s = self.settings
+        group = None
+        if self.distributed:
+            host, port = self.rendezvous
+            group = GroupSpec(host=host, port=port, world=1 + len(self.engine_nodes), epoch=self.epoch)
         return SyncRequest(
             buffer_bytes=s.buffer_bytes,
             transport=s.transport,
@@ -59,12 +72,28 @@ class WeightLedger:
             since_version=self.engine_version,
             fingerprint=s.check,
             slots=s.slots,
+            group=group,
+        )
+
+    def announce(self, request: SyncRequest) -> Optional[SyncHandle]:
+        """Distributed: the handle the engines load while rank 0 publishes ``request`` (sent with
+        the publishing call, not after it: the broadcast needs both sides); None otherwise."""
+        if not self.distributed:
+            return None
+        return SyncHandle(
+            version=self.last_version + 1,
+            node_id="",
+            buffer_bytes=request.buffer_bytes,
+            group=request.group,
+            # --check-weight-sync: a fingerprint (empty) asks the engines for theirs; the trainer's
+            # comes back with its own handle and is what ``loaded`` compares them with
+            fingerprint={} if request.fingerprint else None,
         )
 
     def published(self, handle: Optional[SyncHandle]) -> None:
         """A train call published ``handle`` (None: it was asked for no sync)."""
         if handle is not None:
-            self.unsent = handle
+            self.unsent, self.last_version = handle, handle.version
             self.publish_seconds += handle.export_seconds + handle.publish_seconds
 
     def give(self) -> Optional[SyncHandle]:
@@ -98,12 +127,21 @@ class WeightLedger:
         """A sync call of its own (start-up, a restarted manager) loaded ``handle``: the engines
         hold it, nothing older is pending, and its load time is not a rollout's cost."""
         self.unsent, self.engine_version, self.loading = None, handle.version, handle
+        self.last_version = handle.version
         self.loaded(load)
         self.load_seconds = 0.0
+
+    def loaded_while_published(self, handle: SyncHandle, load: Dict[str, Any]) -> None:
+        """Distributed: the train call published ``handle`` while the manager loaded it (``announce``):
+        the engines hold it, its load is checked, and its times count towards this rollout."""
+        self.published(handle)
+        self.give()
+        self.loaded(load)
 
     def fresh_engines(self) -> None:
         """A new rollout manager started from the checkpoint: a full sync is due."""
         self.engine_nodes = self.engine_version = self.unsent = self.loading = None
+        self.epoch += 1
 
     def timings(self) -> Dict[str, float]:
         """The weight sync's share of this rollout, measured in the actors: the trainer's export

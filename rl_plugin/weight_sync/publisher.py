@@ -8,7 +8,8 @@ write it (``transport.py``):
 - ``auto``: shared memory for the engines on rank 0's node; the object store for the others (only
   when some engine is elsewhere), or for all when /dev/shm is unusable;
 - ``shared_memory`` / ``object_store``: that one alone (shared memory refuses remote engines);
-- ``nccl``: the distributed transport (fails loud in this build).
+- ``distributed`` (or ``nccl``): a broadcast group from rank 0 to the engine processes; every
+  tensor every sync.
 
 The answer is a ``SyncHandle``; under ``--check-weight-sync`` it carries the export's fingerprint.
 """
@@ -25,15 +26,13 @@ from rl_plugin.weight_sync.fingerprint import weights_fingerprint
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest, node_id
 from rl_plugin.weight_sync.object_store import ObjectStoreWriter
 from rl_plugin.weight_sync.shared_memory import SharedMemoryWriter
-from rl_plugin.weight_sync.transport import TRANSPORTS
+from rl_plugin.weight_sync.transport import DISTRIBUTED, TRANSPORTS
 
 
 class WeightPublisher:
     def __init__(self, transport: str = "auto", *, skip: Sequence[str] = ()):
         if transport not in TRANSPORTS:
             raise ValueError(f"--update-weight-transport {transport!r}: unknown; choose from {', '.join(TRANSPORTS)}")
-        if transport == "nccl":
-            DistributedWriter()  # fails loud: GPU-only and not implemented in this build
         self.transport = transport
         self.skip = set(skip)  # tied names: the engine's tied parameter follows its source
         self.version = 0
@@ -41,6 +40,7 @@ class WeightPublisher:
             SharedMemoryWriter(strict=transport == "shared_memory") if transport in ("auto", "shared_memory") else None
         )
         self.store: Optional[ObjectStoreWriter] = ObjectStoreWriter() if transport in ("auto", "object_store") else None
+        self.dist: Optional[DistributedWriter] = DistributedWriter() if transport in DISTRIBUTED else None
 
     @property
     def changed_at(self) -> Dict[str, int]:
@@ -65,6 +65,8 @@ class WeightPublisher:
             self.shm.write(sd, handle, request)
         if self.store is not None and (handle.segment is None or remote):  # what the segment cannot carry
             self.store.write(sd, handle, request)
+        if self.dist is not None:
+            self.dist.write(sd, handle, request)
         if request.fingerprint:
             handle.fingerprint = weights_fingerprint(state_dict)
         handle.publish_seconds = time.perf_counter() - t0

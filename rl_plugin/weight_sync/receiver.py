@@ -1,7 +1,7 @@
 """An engine's side of a sync: the version it holds and the readers of each transport.
 
 ``WeightReceiver.buckets(handle)`` picks the transport that serves this engine (shared memory on
-train rank 0's node, else the object store) and yields the buckets that take the engine from the
+train rank 0's node, else the object store, or the distributed group it was given a rank in) and yields the buckets that take the engine from the
 version it holds to ``handle.version``; the version is recorded once the last bucket was taken.
 ``load_sync`` loads them in place (``engine.update_weights(bucket)``) and, under
 ``--check-weight-sync``, fingerprints the engine's weights right after.
@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterator
 import torch
 
 from rl_plugin.weight_sync.buckets import tensor_bytes
+from rl_plugin.weight_sync.distributed import DistributedReader
 from rl_plugin.weight_sync.fingerprint import weights_fingerprint
 from rl_plugin.weight_sync.handle import SyncHandle, node_id
 from rl_plugin.weight_sync.object_store import ObjectStoreReader
@@ -25,7 +26,7 @@ class WeightReceiver:
     def __init__(self):
         self.version = 0  # 0: the weights the engine started from (the checkpoint), not a sync
         self.node = node_id()
-        self.readers = (SharedMemoryReader(), ObjectStoreReader())  # in order of preference
+        self.readers = (SharedMemoryReader(), ObjectStoreReader(), DistributedReader())  # in order of preference
 
     def buckets(self, handle: SyncHandle) -> Iterator[Dict[str, torch.Tensor]]:
         """The buckets this engine must load to hold ``handle.version``."""

@@ -18,8 +18,10 @@ import torch
 
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
 
-# --update-weight-transport's choices: auto composes shared memory and the object store
-TRANSPORTS = ("auto", "shared_memory", "object_store", "nccl")
+# --update-weight-transport's choices: auto composes shared memory and the object store; nccl is
+# the distributed transport's other name (what it uses on GPUs)
+TRANSPORTS = ("auto", "shared_memory", "object_store", "distributed", "nccl")
+DISTRIBUTED = ("distributed", "nccl")
 
 
 class TransportWriter(ABC):

@@ -1,8 +1,9 @@
 """Checkpoints of a backend in a test's process group, in the loop's layout.
 
 The loop saves from its driver: ``begin_save`` -> every rank's ``save_checkpoint`` into the
-staging directory -> ``commit_save`` (``rl_plugin.loop.checkpoint``). A test's gloo world has no
-driver, so rank 0 takes its part between barriers; the files and the order are the same.
+staging directory -> ``commit_save`` (``rl_plugin.loop.checkpoint``), which checks every rank's
+reported files are there. A test's gloo world has no driver, so rank 0 takes its part between
+barriers (the file lists gathered to it); the files and the order are the same.
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ def save(
     if _rank() == 0:
         checkpoint.begin_save(root, step)
     _barrier()
-    backend.save_checkpoint(str(checkpoint.partial_dir(root, step)), step=step, extra=extra)
-    _barrier()
+    files = backend.save_checkpoint(str(checkpoint.partial_dir(root, step)), step=step, extra=extra)
+    written = [None] * dist.get_world_size() if dist.is_initialized() else [files]
+    if dist.is_initialized():
+        dist.all_gather_object(written, files)
     if _rank() == 0:
-        checkpoint.commit_save(root, step, loop_state)
+        final = checkpoint.commit_save(root, step, loop_state, written)
+        on_disk = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file()} - {checkpoint.LOOP_STATE}
+        reported = set().union(*map(set, written))
+        assert on_disk == reported, (
+            f"files on disk but not reported: {on_disk - reported}; reported, not on disk: {reported - on_disk}"
+        )
     _barrier()
     return Path(checkpoint.step_dir(root, step))
 

@@ -211,9 +211,9 @@ class FSDPBackend(TrainBackend):
             out_dir, state, self.model.config, source_dir=self.hf_dir, tied_keys=self.tied_names, dtype=self.hf_dtype
         )
 
-    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
+    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         extra = dict(extra or {})
-        ckpt.save(
+        written = ckpt.save(
             path,
             self.model,
             self.optimizer,
@@ -223,6 +223,7 @@ class FSDPBackend(TrainBackend):
         )
         if self.config.model.save_hf:
             self.save_hf(self.config.model.save_hf)
+        return written
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
         meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.checkpoint_compat import check_same_model
 from rl_plugin.backends.rng_state import rng_state, set_rng_state
+from rl_plugin.backends.written_files import RecordingFileSystemWriter
 
 META = "meta.pt"  # rank 0 writes it after its shards
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -46,18 +47,23 @@ def save(
     step: int,
     extra: Optional[Dict[str, Any]] = None,
     backend_state: Optional[Dict[str, Any]] = None,
-) -> None:
+) -> List[str]:
     """Collective: every rank writes its shards and RNG state of ``step`` into ``directory`` (an
-    empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``."""
+    empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``.
+    Returns the files this rank wrote, relative to ``directory`` (``rl_plugin.backends.written_files``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+    writer = RecordingFileSystemWriter(str(directory))  # DCP's default writer for checkpoint_id=directory
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    written = set(writer.written) | {f"rng_rank{_rank()}.pt"}
     torch.save(rng_state(), Path(directory) / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, Path(directory) / META)
+        written.add(META)
+    return sorted(written)
 
 
 def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[str, Any]:

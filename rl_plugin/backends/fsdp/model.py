@@ -177,7 +177,7 @@ class FusedLogProbHead(nn.Module):
             req.targets,
             temperature=req.options.temperature,
             fp32_head=self.fp32,
-            chunk_size=min(req.options.chunk_size, default_chunk_rows(self.weight.shape[0])),
+            chunk_size=min(req.options.chunk_size, default_chunk_rows(self.weight.shape[0], device=self.weight.device)),
             with_entropy=req.options.with_entropy,
         )
         return torch.stack([logp, ent], -1).unsqueeze(0)

@@ -15,7 +15,7 @@ applies exactly dJ/dtheta),
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,8 +110,8 @@ class MegatronBackend(TrainBackend):
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
 
-    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> None:
-        checkpoint.save(
+    def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
+        written = checkpoint.save(
             path,
             step=step,
             model=self.model,
@@ -123,6 +123,7 @@ class MegatronBackend(TrainBackend):
         save_hf = self.config.model.save_hf
         if save_hf:
             self.save_hf(save_hf)
+        return written
 
     def save_hf(self, path: str) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;

@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron-core through mbridge, with every mbridge workaround in this one file.
 
 ``make_bridge(hf_dir, dtype=..., extra_config=...)`` returns an mbridge ``Bridge`` for the
-checkpoint's family (Qwen2, Llama, and whatever else mbridge registers); ``build_gpt_model(bridge)``
+checkpoint's family (Qwen2, Qwen3, Llama, Mistral as Llama, and whatever else mbridge registers,
+see ``supported_model_types``; anything else is refused by ``rl_plugin.backends.model_families``); ``build_gpt_model(bridge)``
 builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_dir)`` loads HF
 tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
 shards gathered, on every rank.
@@ -26,12 +27,23 @@ if a workaround stops being needed or stops working:
    mbridge's own per-parameter conversion (``_weight_name_mapping_mcore_local_to_global``, the TP
    all-gather, ``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters``
    directly; the output equals ``export_weights``' tensor by tensor (the test compares both).
+4. Tied embeddings: Qwen2Bridge (and Qwen3Bridge, its subclass) maps a tied output layer by
+   writing into the CLASS's ``_DIRECT_MAPPING``, so every later untied Qwen2/Qwen3 bridge in the
+   process maps ``output_layer.weight`` to the embedding and fails to load; LLaMABridge does not
+   map a tied output layer at all (a last pipeline stage's ``output_layer.weight`` would look
+   for an absent ``lm_head.weight``). Every bridge here keeps its own copy of the map, with the
+   output layer on ``model.embed_tokens.weight`` exactly when ``tie_word_embeddings``.
+
+Mistral (no sliding window, as Mistral 7B v0.2+) has Llama's layers and weight names; mbridge
+0.15.1 registers no ``mistral`` bridge, so it is converted by the Llama bridge
+(``rl_plugin.backends.model_families.MODEL_TYPE_ALIASES``); a sliding window shorter than the context
+is refused there (megatron's full attention would be another model).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -49,6 +61,45 @@ def fix_rope_theta(hf_config) -> bool:
         raise ValueError(f"{type(hf_config).__name__} has neither rope_theta nor rope_parameters['rope_theta']")
     hf_config.rope_theta = float(params["rope_theta"])
     return True
+
+
+def _registry() -> Dict[str, type]:
+    import mbridge  # noqa: F401  (registers the model families)
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    return _MODEL_REGISTRY
+
+
+def supported_model_types() -> List[str]:
+    """mbridge's text (not vision-language) bridges and the aliases, read from mbridge:
+    ``rl_plugin.backends.model_families`` splits them into the dense types this backend builds and the
+    MoE types it refuses (a test keeps the tables equal to this)."""
+    from mbridge.core.vlm_bridge import VLMBridge
+
+    from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES
+
+    text = [t for t, cls in _registry().items() if not issubclass(cls, VLMBridge)]
+    return sorted(text + [a for a, t in MODEL_TYPE_ALIASES.items() if t in text])
+
+
+def tied_embeddings_bridge_class(base):
+    """Workaround 4: ``base`` with an instance copy of its name map (see the module docstring)."""
+    untied_output = base._DIRECT_MAPPING.get("output_layer.weight", "lm_head.weight")
+
+    class OwnMapBridge(base):
+        def _adjust_mapping_for_shared_weights(self):
+            self._DIRECT_MAPPING = dict(base._DIRECT_MAPPING)
+            tied = getattr(self.hf_config, "tie_word_embeddings", False)
+            embed = self._DIRECT_MAPPING["embedding.word_embeddings.weight"]
+            self._DIRECT_MAPPING["output_layer.weight"] = embed if tied else untied_output
+
+        def _get_hf_shared_weight_keys(self):
+            if getattr(self.hf_config, "tie_word_embeddings", False):
+                return [self._DIRECT_MAPPING["embedding.word_embeddings.weight"]]
+            return []
+
+    OwnMapBridge.__name__ = f"OwnMap{base.__name__}"
+    return OwnMapBridge
 
 
 def local_spec_bridge_class(base):
@@ -86,18 +137,17 @@ def make_bridge(
     use_te: Optional[bool] = None,
 ):
     """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
-    import mbridge  # noqa: F401  (registers the model families)
-    from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
+
+    from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES, megatron_unsupported_reason
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     fix_rope_theta(hf_config)
-    if hf_config.model_type not in _MODEL_REGISTRY:
-        raise ValueError(
-            f"--hf-checkpoint {hf_dir}: model_type {hf_config.model_type!r} has no mbridge bridge; "
-            f"supported: {sorted(_MODEL_REGISTRY)}"
-        )
-    cls = _MODEL_REGISTRY[hf_config.model_type]
+    reason = megatron_unsupported_reason(hf_config.to_dict())
+    if reason is not None:
+        raise ValueError(f"--hf-checkpoint {hf_dir}: {reason}")
+    model_type = MODEL_TYPE_ALIASES.get(hf_config.model_type, hf_config.model_type)
+    cls = tied_embeddings_bridge_class(_registry()[model_type])
     if use_te is None:
         use_te = transformer_engine_available()
     if not use_te:

@@ -27,17 +27,19 @@ The per-rank ``.pt`` format of earlier versions (``rank_*.pt``, nested ``iter_*/
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.checkpoint_compat import check_same_model
 from rl_plugin.backends.rng_state import rng_state, set_rng_state
+from rl_plugin.backends.written_files import RecordingFileSystemWriter, existing
 from rl_plugin.parallel import ParallelState
 
 FORMAT = "rl_plugin/megatron-dist-v1"
 MARKER = "metadata.json"  # dist_checkpointing writes it last (serialization.py, metadata_finalize_fn)
+MEGATRON_COMMON_FILES = ("common.pt", MARKER)  # rank 0's dist_checkpointing files besides DCP's
 # Distributed-optimizer state in model space (per-parameter Adam moments and fp32 main params, the
 # shape of the parameter), gathered over DP on gloo (megatron-core 0.16.1 distrib_optimizer.py
 # ``sharded_param_state_fully_reshardable``; Megatron-LM's --dist-ckpt-optim-fully-reshardable
@@ -145,7 +147,7 @@ def _sharded_state_dict(model, optimizer, *, is_loading: bool) -> Dict[str, Any]
     }
 
 
-def _sync_torch_dist_strategy():
+def _sync_torch_dist_strategy(written: Set[str]):
     """megatron-core's ``torch_dist`` format, written synchronously by this process.
 
     ``TorchDistSaveShardedStrategy.save`` (0.16.1 strategies/torch.py l. 589) always goes through
@@ -153,7 +155,8 @@ def _sync_torch_dist_strategy():
     per save (seconds of start-up, and impossible inside a daemonic process). The bytes on disk
     are plain torch.distributed.checkpoint: the same translation of megatron ShardedTensors
     (``mcore_to_pyt_state_dict``) and the same planner, written with DCP's ``FileSystemWriter``,
-    give a checkpoint the default ``torch_dist`` load strategy reads."""
+    give a checkpoint the default ``torch_dist`` load strategy reads. The DCP files this rank
+    wrote (relative paths) are added to ``written``."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -165,13 +168,15 @@ def _sync_torch_dist_strategy():
     class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            writer = RecordingFileSystemWriter(str(checkpoint_dir), thread_count=1)
             dcp.save(
                 mcore_to_pyt_state_dict(sd, False),
-                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                storage_writer=writer,
                 planner=MCoreSavePlanner(
                     dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
                 ),
             )
+            written.update(writer.written)
 
     return SyncTorchDistSave("torch_dist", 1)
 
@@ -188,9 +193,11 @@ def _without_param_state(common: Dict[str, Any]) -> Dict[str, Any]:
 
 def save(
     directory: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None
-) -> None:
+) -> List[str]:
     """Collective: every rank writes its part of ``step``'s checkpoint into ``directory`` (an
-    empty directory, created if missing: the loop's ``iter_*.partial``)."""
+    empty directory, created if missing: the loop's ``iter_*.partial``). Returns the files this
+    rank wrote, relative to ``directory`` (its DCP shards, its RNG file; rank 0 also
+    dist_checkpointing's ``common.pt`` / ``metadata.json`` and DCP's ``.metadata``)."""
     from megatron.core import dist_checkpointing
 
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -199,13 +206,19 @@ def save(
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
+    written: Set[str] = set()
     dist_checkpointing.save(
         state,
         str(directory),
-        sharded_strategy=_sync_torch_dist_strategy(),
+        sharded_strategy=_sync_torch_dist_strategy(written),
         preprocess_common_before_consistancy_check=_without_param_state,
     )
-    torch.save({"layout": _layout(ps), "rng": _rng_state()}, Path(directory) / f"rng_rank{dist.get_rank()}.pt")
+    rng_file = f"rng_rank{dist.get_rank()}.pt"
+    torch.save({"layout": _layout(ps), "rng": _rng_state()}, Path(directory) / rng_file)
+    written.add(rng_file)
+    if dist.get_rank() == 0:  # dist_checkpointing's own files, written by rank 0
+        written.update(existing(directory, MEGATRON_COMMON_FILES))
+    return sorted(written)
 
 
 def _check_format(src: Path) -> None:

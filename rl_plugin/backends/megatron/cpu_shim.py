@@ -30,6 +30,16 @@ The patches and the megatron-core 0.16.1 lines they cover:
    ``Float16OptimizerWithFloat16Params``, ``optimizer/distrib_optimizer.py`` l. 410-435,
    ``optimizer/clip_grads.py`` l. 167). ``Tensor.type()`` with no argument reports a CPU
    tensor under its CUDA type name; ``Tensor.type(dtype)`` (a conversion) is unchanged.
+
+CPU-only tuning, under the same gate (``cuda_present()`` False), so none of it reaches a GPU,
+where megatron-core's (and mbridge's) defaults stand:
+
+- ``cpu_config_overrides()``: the ``TransformerConfig`` fusions off (masked softmax, bias +
+  activation, bias + dropout, RoPE, gradient-accumulation fusion: CUDA kernels or apex
+  extensions); ``{}`` with CUDA.
+- ``install_cpu_rope()``: ``rope_thd`` (megatron-core's unfused packed RoPE without its
+  per-sample loop, bitwise equal; it keys a cache on ``cu_seqlens`` values, a host sync per call
+  on a GPU); not installed with CUDA.
 """
 
 from __future__ import annotations
@@ -174,6 +184,34 @@ def apply_cpu_shim() -> bool:
         if name not in APPLIED:
             patch()
             APPLIED.append(name)
+    return True
+
+
+# The fusions megatron-core's TransformerConfig would take from the model's bridge (mbridge turns
+# masked_softmax_fusion on): each needs a CUDA kernel or apex extension, so a CPU run turns them off.
+CPU_CONFIG_OVERRIDES = dict(
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+def cpu_config_overrides(cuda: bool | None = None) -> dict:
+    """``CPU_CONFIG_OVERRIDES`` without CUDA, ``{}`` with it (``cuda``: default ``cuda_present()``)."""
+    cuda = cuda_present() if cuda is None else cuda
+    return {} if cuda else dict(CPU_CONFIG_OVERRIDES)
+
+
+def install_cpu_rope(cuda: bool | None = None) -> bool:
+    """Install ``rope_thd`` without CUDA (returns True); with CUDA touch nothing (False)."""
+    cuda = cuda_present() if cuda is None else cuda
+    if cuda:
+        return False
+    from rl_plugin.backends.megatron import rope_thd
+
+    rope_thd.install()
     return True
 
 

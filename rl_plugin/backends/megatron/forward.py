@@ -27,10 +27,12 @@ projects (``response_logits``) and calls ``log_probs_and_entropy``.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional, Tuple
 
 import torch
 
+from rl_plugin.cp import expand_runs, sequence_parallel_padding, zigzag_chunks
 from rl_plugin.loss import (
     ForwardOptions,
     MicroBatchInputs,
@@ -49,14 +51,46 @@ def unwrap(model):
     return model
 
 
-def model_inputs(mb: MicroBatchInputs, qkv_format: str):
-    """``(input_ids, position_ids, packed_seq_params)`` of a micro-batch for GPTModel.forward."""
+def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
+    """``(input_ids, position_ids, packed_seq_params)`` of a micro-batch for GPTModel.forward.
+
+    ``sp_size``: the TP size under ``--sequence-parallel`` (1 otherwise, and then nothing
+    changes). megatron-core's SP scatter splits the sequence dimension over TP, so it must
+    divide by TP: ``thd`` appends one padding segment (``cp.sequence_parallel_padding``: the
+    packed length becomes a multiple of TP*CP; its zigzag share on this CP rank, its own entry in
+    ``cu_seqlens``, so no sample attends to it); ``bshd`` at CP = 1 pads every row at its end
+    (causal: no real token attends to it). Padding rows are never read: ``logit_index`` keeps
+    the real rows (``padded_logit_index``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    layout = mb.layout
     if qkv_format == "bshd":
-        return mb.input_ids, mb.position_ids, None
-    cu = mb.layout.cu_seqlens_padded
-    max_len = int(mb.layout.padded_lengths.max()) if mb.layout.num_samples else 0
+        ids, pos = mb.input_ids, mb.position_ids
+        extra = -ids.shape[-1] % sp_size
+        if extra:
+            if layout.cp_size > 1:
+                raise ValueError(
+                    f"--sequence-parallel with --qkv-format bshd: the rows are {ids.shape[-1]} tokens per CP rank "
+                    f"(--seq-length padded to 2*CP, / CP={layout.cp_size}), not a multiple of "
+                    f"--tensor-model-parallel-size {sp_size}. Fix: a --seq-length that is a multiple of "
+                    f"{math.lcm(2 * layout.cp_size, sp_size * layout.cp_size)}, or --qkv-format thd"
+                )
+            width = ids.shape[-1]
+            ids = torch.nn.functional.pad(ids, (0, extra))
+            more = torch.arange(width, width + extra, dtype=pos.dtype, device=pos.device)
+            pos = torch.cat([pos, more.expand(pos.shape[0], extra)], dim=1)
+        return ids, pos, None
+    cu = layout.cu_seqlens_padded
+    max_len = int(layout.padded_lengths.max()) if layout.num_samples else 0
+    ids, pos = mb.input_ids, mb.position_ids
+    extra = sequence_parallel_padding(int(cu[-1]), sp_size, layout.cp_size) if sp_size > 1 else 0
+    if extra:
+        starts, lengths = zigzag_chunks(torch.tensor([extra]), layout.cp_rank, layout.cp_size)
+        pad_pos = expand_runs(starts.reshape(-1), lengths.reshape(-1)).to(pos.dtype)
+        ids = torch.cat([ids, ids.new_zeros(pad_pos.numel())])
+        pos = torch.cat([pos, pad_pos.to(pos.device)])
+        cu = torch.cat([cu, cu[-1:] + extra])
+        max_len = max(max_len, extra)
     psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -66,7 +100,24 @@ def model_inputs(mb: MicroBatchInputs, qkv_format: str):
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
     )
-    return mb.input_ids.view(1, -1), mb.position_ids.view(1, -1), psp
+    return ids.view(1, -1), pos.view(1, -1), psp
+
+
+def padded_logit_index(mb: MicroBatchInputs, input_ids: torch.Tensor) -> torch.Tensor:
+    """``mb.layout.logit_index`` into the model output of ``input_ids`` (``model_inputs``): the
+    same except for ``bshd`` rows widened under sequence parallelism (``b``-major flattening:
+    row ``i`` moves by ``i * extra``). thd's padding segment sits after every real row."""
+    index = mb.layout.logit_index
+    width = mb.input_ids.shape[-1]
+    if mb.input_ids.dim() == 2 and input_ids.shape[-1] != width:
+        index = index + index // width * (input_ids.shape[-1] - width)
+    return index
+
+
+def sequence_parallel_size(gpt) -> int:
+    """TP size under ``--sequence-parallel``, else 1 (``model_inputs``'s ``sp_size``)."""
+    cfg = gpt.config
+    return int(cfg.tensor_model_parallel_size) if cfg.sequence_parallel else 1
 
 
 @contextlib.contextmanager
@@ -140,9 +191,9 @@ def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summe
     states are indexed first and only the rows upcast (bitwise the same rows and gradients as
     the ``Float16Module``'s fp32 output, without its fp32 ``[s, b, H]`` copy); with it the fp32
     output is gathered as before (the gather's reduce-scatter stays in fp32)."""
-    input_ids, position_ids, psp = model_inputs(mb, qkv_format)
-    device = next(model.parameters()).device
     gpt = unwrap(model)
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt))
+    device = next(model.parameters()).device
     sp = bool(gpt.config.sequence_parallel)
     early = not sp and half_precision_wrapped(model)
     kwargs = {"fp32_output": False} if early else {}
@@ -151,7 +202,11 @@ def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summe
             input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
         )  # [s, b, h]
     rows = response_rows(
-        hidden, mb.layout.logit_index, sequence_parallel=sp, grad_summed_by_caller=grad_summed_by_caller, upcast=early
+        hidden,
+        padded_logit_index(mb, input_ids),
+        sequence_parallel=sp,
+        grad_summed_by_caller=grad_summed_by_caller,
+        upcast=early,
     )
     return rows, gpt
 
@@ -179,13 +234,13 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
     is the fp32 ``[b, s, V/tp]`` copy of every position's logits (and its fp32 gradient buffer
     in the backward), ``benchmarks/megatron_bf16_logits.py``."""
     if not fp32_lm_head:
-        input_ids, position_ids, psp = model_inputs(mb, qkv_format)
+        input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(unwrap(model)))
         device = next(model.parameters()).device
         kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
         logits = model(
             input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
         )  # [b, s, V/tp]
-        return logits.reshape(-1, logits.shape[-1])[mb.layout.logit_index.to(device)]
+        return logits.reshape(-1, logits.shape[-1])[padded_logit_index(mb, input_ids).to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     return fp32_output_projection(rows, output_weight(gpt))
 
@@ -235,7 +290,7 @@ def _response_log_probs(
             vocab_start=ps.tp_rank * weight.shape[0],
             fp32_head=fp32_lm_head,
             with_entropy=options.with_entropy,
-            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0])),
+            chunk_size=min(options.chunk_size, default_chunk_rows(weight.shape[0], device=weight.device)),
             reduce_hidden_grad=not gpt.config.sequence_parallel,
         )
     rows = response_logits(model, mb, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head)

@@ -8,8 +8,9 @@ Each step takes the typed config it needs (``rl_plugin.configs``), never the fla
 2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
-   ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Installs
-   ``rope_thd`` (packed RoPE without megatron-core's per-sample loop; bitwise the same).
+   ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Without CUDA only
+   (``cpu_shim``): the fusions off and ``rope_thd`` (packed RoPE without megatron-core's
+   per-sample loop; bitwise the same); on a GPU megatron-core's defaults stand.
 4. ``build_optimizer(optimizer_cfg, model)``: ``get_megatron_optimizer`` (Adam, ``--clip-grad``,
    ``--use-distributed-optimizer``) and ``OptimizerParamScheduler``.
 """
@@ -24,17 +25,12 @@ from rl_plugin.configs import ModelConfig
 from rl_plugin.configs import OptimizerConfig as RLOptimizerConfig
 from rl_plugin.parallel import ParallelState, cpu_group
 
-# TransformerConfig overrides: no fused CUDA kernels (TE picks its own on GPU), CPU-side init
-# when CUDA is absent. perform_initialization stays True although the checkpoint overwrites the
+# TransformerConfig overrides on every device (the CPU-only ones, fusions off, are
+# cpu_shim.cpu_config_overrides; CPU-side init when CUDA is absent). perform_initialization stays True although the checkpoint overwrites the
 # weights: megatron-core 0.16.1 sets the TP attributes (tensor_model_parallel, partition_dim) only
 # inside _initialize_affine_weight_{cpu,gpu} (tensor_parallel/layers.py l. 244, 855, 877), and
 # without them the grad norm counts TP shards once and mbridge's export does not gather them.
 _CONFIG_OVERRIDES = dict(
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
     perform_initialization=True,
     hidden_dropout=0.0,
     attention_dropout=0.0,
@@ -122,23 +118,34 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     )
 
 
+def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
+    """The ``TransformerConfig`` overrides rl_plugin passes to the bridge: ``_CONFIG_OVERRIDES``,
+    the parallel layout, CPU-side init without CUDA, and (without CUDA only) the fusions off."""
+    from rl_plugin.backends.megatron.cpu_shim import cpu_config_overrides
+
+    overrides = dict(_CONFIG_OVERRIDES)
+    overrides.update(cpu_config_overrides(cuda))
+    overrides.update(
+        sequence_parallel=cfg.sequence_parallel,
+        use_cpu_initialization=not cuda,
+        context_parallel_size=cfg.context_parallel_size,
+    )
+    return overrides
+
+
 def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: bool = False):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from rl_plugin.backends.megatron import rope_thd
+    from rl_plugin.backends.megatron.cpu_shim import install_cpu_rope
 
-    rope_thd.install()  # megatron-core's unfused thd RoPE without its per-sample loop (bitwise equal)
     bf16 = cfg.bf16
     if cfg.fp16:
         raise MegatronSetupError("--fp16 is not supported by rl_plugin's Megatron backend. Fix: use --bf16.")
-    overrides = dict(_CONFIG_OVERRIDES)
-    overrides.update(
-        sequence_parallel=cfg.sequence_parallel,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        context_parallel_size=cfg.context_parallel_size,
-    )
+    cuda = torch.cuda.is_available()
+    install_cpu_rope(cuda)  # CPU only: megatron-core's unfused thd RoPE without its per-sample loop (bitwise equal)
+    overrides = config_overrides(cfg, cuda=cuda)
     bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     model = build_gpt_model(bridge)

@@ -1,7 +1,7 @@
 """Every training shell in examples/ passes the argument checker.
 
 Each script runs under real bash with ``RL_PLUGIN_TRAIN`` pointing at a stub that records the
-expanded argument list; the list then goes through ``python -m rl_plugin.arguments`` (exit 0).
+expanded argument list (and ``PREPARE=0``: no model download or data generation); the list then goes through ``python -m rl_plugin.arguments`` (exit 0).
 """
 
 import subprocess
@@ -30,7 +30,10 @@ def _flags(script: Path, tmp_path: Path):
     stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "{out}"\n')
     stub.chmod(0o755)
     subprocess.run(
-        ["bash", str(script)], check=True, env={"PATH": "/usr/bin:/bin", "RL_PLUGIN_TRAIN": str(stub)}, cwd=tmp_path
+        ["bash", str(script)],
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "RL_PLUGIN_TRAIN": str(stub), "PREPARE": "0"},
+        cwd=tmp_path,
     )
     return [a for a in out.read_text().split("\0") if a]
 

@@ -275,3 +275,32 @@ def test_hf_model_fused_head_equals_its_logits(tiny_checkpoint, tied):
         assert rel_err(lp1, lp0) < FP32_MODEL and rel_err(ent1, ent0) < FP32_MODEL, qkv
         for name, grad in g0.items():
             assert rel_err(g1[name], grad) < FP32_MODEL, (qkv, name, rel_err(g1[name], grad))
+
+
+def test_sync_free_target_term_equals_the_nonzero_path():
+    """The CUDA path of the backward's target term (no ``nonzero`` host sync: every row adds, 0
+    where its target is outside the block) equals the CPU path, block by block, with ids at the
+    block edges and outside every block."""
+    from rl_plugin.loss.fused_head import add_target_term
+
+    g0 = torch.Generator().manual_seed(3)
+    rows, v_local, width = 37, 50, 16
+    local_t = torch.randint(-5, v_local + 5, (rows,), generator=g0)
+    local_t[:4] = torch.tensor([0, 15, 16, v_local - 1])
+    a_target = torch.randn(rows, generator=g0, dtype=torch.float64)
+    for v0 in range(0, v_local, width):
+        v1 = min(v0 + width, v_local)
+        block = torch.randn(rows, v1 - v0, generator=g0, dtype=torch.float64)
+        ref, got = block.clone(), block.clone()
+        add_target_term(ref, local_t, a_target, v0, v1, sync_free=False)
+        add_target_term(got, local_t, a_target, v0, v1, sync_free=True)
+        assert torch.equal(ref, got)
+        assert not torch.equal(ref, block) or not ((local_t >= v0) & (local_t < v1)).any()
+
+
+def test_default_chunk_is_device_aware():
+    from rl_plugin.loss.fused_head import CUDA_CHUNK_ELEMENTS, DEFAULT_CHUNK_ELEMENTS
+
+    assert default_chunk_rows(151_936, device="cpu") == DEFAULT_CHUNK_ELEMENTS // 151_936 == 13
+    assert default_chunk_rows(151_936, device="cuda") == CUDA_CHUNK_ELEMENTS // 151_936 == 441
+    assert default_chunk_rows(151_936) == 13  # no device: the CPU setting, as before

@@ -44,6 +44,9 @@ MEAN_BOUND = 1e-5
 MAX_BOUND = 1e-4
 
 
+TOP_P_CASE = (0.9, 0.7)  # temperature, top_p
+
+
 def _prompts():
     g = torch.Generator().manual_seed(0)
     prompts = [[1] + torch.randint(3, 16, (int(n),), generator=g).tolist() for n in (3, 4, 5, 6, 4, 3, 7, 5)]
@@ -64,6 +67,7 @@ def _vllm_worker(ckpt: str) -> dict:
     prompts = _prompts()
     for t in TEMPERATURES:
         out["gens"][t] = eng.generate(prompts, SamplingParams(t, 1.0, 8), seed=5)
+    out["gens_top_p"] = eng.generate(prompts, SamplingParams(TOP_P_CASE[0], TOP_P_CASE[1], 8), seed=6)
     # several engines: the same rollout in two calls (as two engines would get it)
     params = SamplingParams(1.0, 1.0, 8)
     whole = eng.generate(prompts, params, seed=9)
@@ -131,8 +135,12 @@ def hf_gens(ckpt):
     return {t: eng.generate(_prompts(), SamplingParams(t, 1.0, 8), seed=5) for t in TEMPERATURES}
 
 
-def _hf_reference(ckpt, gens, temperature):
+def _hf_reference(ckpt, gens, temperature, top_p=1.0):
+    """log_softmax(z / T)[y] per response token (with ``top_p`` < 1: of the renormalised nucleus,
+    the distribution the engines sample from and report)."""
     from transformers import AutoModelForCausalLM
+
+    from rl_plugin.rollout.hf_sampler import _top_p_mask
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     refs = []
@@ -140,10 +148,10 @@ def _hf_reference(ckpt, gens, temperature):
         for g in gens:
             ids = torch.tensor([g.prompt_ids + g.response_ids])
             n = len(g.prompt_ids)
-            logits = model(input_ids=ids).logits[0]
-            refs.append(
-                torch.log_softmax(logits[n - 1 : -1] / temperature, -1).gather(-1, ids[0, n:, None]).squeeze(-1)
-            )
+            scaled = model(input_ids=ids).logits[0][n - 1 : -1] / temperature
+            if top_p < 1.0:
+                scaled = _top_p_mask(scaled, top_p)
+            refs.append(torch.log_softmax(scaled, -1).gather(-1, ids[0, n:, None]).squeeze(-1))
     return torch.cat(refs)
 
 
@@ -191,6 +199,21 @@ def test_vllm_log_probs_match_a_transformers_forward(vllm_run, ckpt, temperature
     assert float(err.mean()) < MEAN_BOUND and float(err.max()) < MAX_BOUND, (float(err.mean()), float(err.max()))
     assert all(1 <= len(g.response_ids) <= 8 and len(g.log_probs) == len(g.response_ids) for g in gens)
     assert all(g.finished == (g.response_ids[-1] == EOS) for g in gens)
+
+
+def test_both_engines_report_the_nucleus_log_probs_under_top_p(vllm_run, ckpt):
+    """--rollout-top-p < 1: vLLM (``processed_logprobs``) and hf return a token's log-prob under the
+    renormalised nucleus it was drawn from, so the mismatch metrics mean one thing on both."""
+    from rl_plugin.rollout.engine import SamplingParams, make_engine
+
+    temperature, top_p = TOP_P_CASE
+    hf = make_engine("hf", ckpt).generate(_prompts(), SamplingParams(temperature, top_p, 8), seed=6)
+    for gens in (vllm_run["gens_top_p"], hf):
+        got = torch.tensor([x for g in gens for x in g.log_probs])
+        err = (got - _hf_reference(ckpt, gens, temperature, top_p)).abs()
+        assert float(err.mean()) < MEAN_BOUND and float(err.max()) < MAX_BOUND, (float(err.mean()), float(err.max()))
+        full = _hf_reference(ckpt, gens, temperature)
+        assert float((got - full).max()) > 1e-3  # the truncation shows: not the full distribution's
 
 
 def test_vllm_reads_back_its_weights_bitwise(vllm_run, ckpt):
@@ -248,10 +271,26 @@ def test_vllm_split_over_engines_samples_the_same(vllm_run):
 # -- train-inference agreement at step 0 ------------------------------------------------------
 
 
+def gens_batch(gens, group_size: int = 4):
+    """The engine's samples as the trainer's ``StepBatch`` (every response token in the loss)."""
+    from rl_plugin.loss import StepBatch
+
+    rl = torch.tensor([len(g.response_ids) for g in gens])
+    tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens])
+    return StepBatch(
+        tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]),
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_mask=torch.ones(int(rl.sum())),
+        advantages=torch.zeros(int(rl.sum())),
+        group_ids=torch.arange(len(gens)) // group_size,
+    )
+
+
 def _agreement_worker(rank, world, ckpt, samples):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from rl_plugin.loss import LossConfig, StepBatch
+    from rl_plugin.loss import LossConfig
     from tests.support.megatron_common import make_args
 
     backends = {
@@ -260,16 +299,7 @@ def _agreement_worker(rank, world, ckpt, samples):
     }
     out = {}
     for (engine, t), gens in samples.items():
-        rl = torch.tensor([len(g.response_ids) for g in gens])
-        tl = torch.tensor([len(g.prompt_ids) + len(g.response_ids) for g in gens])
-        batch = StepBatch(
-            tokens=torch.tensor([x for g in gens for x in g.prompt_ids + g.response_ids]),
-            total_lengths=tl,
-            response_lengths=rl,
-            loss_mask=torch.ones(int(rl.sum())),
-            advantages=torch.zeros(int(rl.sum())),
-            group_ids=torch.arange(len(gens)) // 4,
-        )
+        batch = gens_batch(gens)
         engine_logp = torch.tensor([x for g in gens for x in g.log_probs])
         for name, backend in backends.items():
             backend.loss_config = LossConfig.from_args(

@@ -27,7 +27,6 @@ from rl_plugin.weight_sync import (
     weights_fingerprint,
 )
 from rl_plugin.weight_sync.segment import SEGMENT_PREFIX, SharedWeightSegment, WeightLayout, sweep_stale
-from tests.support.flag_rules import assert_refused
 
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -274,7 +273,8 @@ def test_object_store_carries_the_changes_for_an_engine_on_another_node(engine, 
         engine.update_weights(start)
 
 
-def test_nccl_transport_is_refused_with_the_fix():
-    assert_refused("--update-weight-transport nccl", ["--update-weight-transport nccl", "not implemented", "auto"])
-    with pytest.raises((RuntimeError, NotImplementedError), match="--update-weight-transport nccl"):
-        WeightPublisher("nccl")
+def test_nccl_is_the_distributed_transports_other_name():
+    from rl_plugin.arguments import parse_args
+
+    assert parse_args(["--update-weight-transport", "nccl"]).update_weight_transport == "nccl"
+    assert WeightPublisher("nccl").dist is not None and WeightPublisher("nccl").shm is None

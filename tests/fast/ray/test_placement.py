@@ -1,0 +1,143 @@
+"""Placement follows the Ray cluster, not the driver (``rl_plugin.ray.cluster``,
+``rl_plugin.ray.bundle_order``, ``rl_plugin.ray.gpu_check``).
+
+The sort and the group check are pure functions over (bundle, node, GPU ids) sites. The real
+test starts a local multi-node Ray cluster (``ray.cluster_utils.Cluster``): a head without GPUs
+(the driver's node) and two nodes with two LOGICAL GPUs each. Placement must choose GPU bundles
+from the cluster's resources although the driver has no CUDA, put each TP group on one node in
+GPU order, refuse --actor-num-nodes beyond the alive GPU nodes, and a training actor on such a
+GPU bundle (there is no real GPU here) must fail loud naming its node."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+
+from rl_plugin.errors import LoopError
+from rl_plugin.ray.bundle_order import BundleSite, check_groups_within_nodes, check_node_count, sorted_sites
+from rl_plugin.ray.cluster import create_placement, placement_uses_gpus
+
+
+def _site(bundle, node, ip, *gpus):
+    return BundleSite(bundle, node, ip, tuple(gpus))
+
+
+def test_bundles_sort_by_node_then_gpu_id():
+    # PACK's order: bundles alternate nodes, GPU ids out of order; ip 10.0.0.10 > 10.0.0.9 numerically
+    table = [
+        _site(0, "nodeB", "10.0.0.10", 1),
+        _site(1, "nodeA", "10.0.0.9", 3),
+        _site(2, "nodeB", "10.0.0.10", 0),
+        _site(3, "nodeA", "10.0.0.9", 2),
+        _site(4, "nodeA", "10.0.0.9", 10),
+        _site(5, "nodeB", "10.0.0.10", 2),
+    ]
+    order = sorted_sites(table)
+    assert [s.bundle for s in order] == [3, 1, 4, 2, 0, 5]
+    assert [s.node_id for s in order] == ["nodeA"] * 3 + ["nodeB"] * 3
+    assert [s.gpu_ids[0] for s in order] == [2, 3, 10, 0, 1, 2]
+    check_groups_within_nodes(order, 3, "a TP x CP")  # 3 + 3: every group of 3 on one node
+    # nodes sharing one ip (a local test cluster): the node id separates them; no GPUs: bundle order
+    same_ip = [_site(0, "n2", "127.0.0.1"), _site(1, "n1", "127.0.0.1"), _site(2, "n2", "127.0.0.1")]
+    assert [s.bundle for s in sorted_sites(same_ip)] == [1, 0, 2]
+
+
+def test_a_group_across_two_nodes_is_refused_naming_ranks_and_nodes():
+    order = sorted_sites(
+        [_site(b, "nodeA" if b < 3 else "nodeB", "10.0.0.1" if b < 3 else "10.0.0.2", b) for b in range(4)]
+    )
+    check_groups_within_nodes(order, 1, "a TP x CP")
+    with pytest.raises(
+        LoopError,
+        match=r"a TP x CP group of ranks 2-3 would span nodes node 10\.0\.0\.1 \(nodeA\) GPUs \[2\], node 10\.0\.0\.2 \(nodeB\) GPUs \[3\].*node 10\.0\.0\.1 \(nodeA\): 3, node 10\.0\.0\.2 \(nodeB\): 1.*multiple of 2",
+    ):
+        check_groups_within_nodes(order, 2, "a TP x CP")
+
+
+def test_device_choice_and_node_count():
+    assert placement_uses_gpus("auto", 4.0) is True
+    assert placement_uses_gpus("auto", 0) is False
+    assert placement_uses_gpus("cpu", 8.0) is False
+    assert placement_uses_gpus("gpu", 1.0) is True
+    with pytest.raises(LoopError, match=r"--placement-device gpu: the Ray cluster has no GPUs"):
+        placement_uses_gpus("gpu", 0)
+    check_node_count(2, 2, "GPU")
+    with pytest.raises(LoopError, match=r"--actor-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
+        check_node_count(3, 2, "GPU")
+
+
+def _args(**kw):
+    base = dict(
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=2,
+        colocate=True,
+        rollout_engine="hf",
+        rollout_num_gpus=None,
+        rollout_num_gpus_per_engine=1,
+        tensor_model_parallel_size=2,
+        context_parallel_size=1,
+        placement_device="auto",
+    )
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.fixture(scope="module")
+def logical_gpu_cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    store = 80 * 1024 * 1024
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(num_cpus=1, num_gpus=0, object_store_memory=store, include_dashboard=False),
+    )
+    gpu_nodes = [cluster.add_node(num_cpus=2, num_gpus=2, object_store_memory=store) for _ in range(2)]
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster, {n.node_id for n in gpu_nodes}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the driver must have no CUDA (the point of the test)")
+def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
+    from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+
+    _, gpu_nodes = logical_gpu_cluster
+    with pytest.raises(LoopError, match=r"--actor-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
+        create_placement(_args(actor_num_nodes=3))
+
+    p = create_placement(_args())
+    try:
+        assert p.gpus  # from ray.cluster_resources(): the driver itself has no CUDA
+        sites = p.train_sites
+        assert [s.bundle for s in sites] == p.train_bundles and sorted(p.train_bundles) == [0, 1, 2, 3]
+        assert {s.node_id for s in sites} == gpu_nodes  # never the head (no GPUs)
+        # TP = 2: ranks (0, 1) and (2, 3) each on one node, in GPU id order
+        assert sites[0].node_id == sites[1].node_id != sites[2].node_id == sites[3].node_id
+        assert sites == sorted_sites(sites)
+        assert [s.gpu_ids for s in sites[:2]] == [(0,), (1,)] and [s.gpu_ids for s in sites[2:]] == [(0,), (1,)]
+        # the colocated manager and engine share rank 0's bundle
+        assert p.rollout_bundle == p.train_bundles[0]
+
+        with pytest.raises(TrainActorError) as err:  # the loop's own path: the group's first call fails
+            TrainGroup(_args(), p)
+        r, text = err.value.rank, str(err.value)
+        assert f"GPUPlacementError: train rank {r} was placed on a GPU bundle" in text
+        assert f"node id {sites[r].node_id}" in text and "sees no CUDA" in text
+    finally:
+        p.remove()
+
+    cpu = create_placement(_args(placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=2))
+    try:  # CPU bundles on a GPU cluster when asked: no GPU ids, rank order = bundle order on one node
+        assert not cpu.gpus and [s.gpu_ids for s in cpu.train_sites] == [(), ()]
+    finally:
+        cpu.remove()
