@@ -14,7 +14,7 @@ set over the pass (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the
 before it, best (lowest) of ``--repeat`` alternating runs. "before" is the old code path, run here
 in the same process as the baseline.
 
-    python benchmarks/megatron_bf16_logits.py [--vocab 32768] [--prompt 1024] [--samples 4] [--repeat 3]
+    python -m benchmarks.megatron_bf16_logits [--vocab 32768] [--prompt 1024] [--samples 4] [--repeat 3]
 """
 
 from __future__ import annotations
