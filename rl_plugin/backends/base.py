@@ -12,9 +12,10 @@ step's group count.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
@@ -99,6 +100,23 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
         """Full (unsharded, TP-gathered) weights under Hugging Face names, on every rank."""
+
+    def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
+        """What ``stream_hf_weights`` will yield, without materialising it: one meta tensor (shape,
+        dtype) per Hugging Face name, in export order; local (no collective), read on the exporting
+        rank. None when the backend cannot tell before exporting (the weight sync then publishes
+        ``export_hf_state_dict``)."""
+        return None
+
+    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The export as a stream, collective: EVERY rank must exhaust it. Global rank 0 (the
+        exporting rank) gets ``(hf_name, CPU tensor)`` in the order of ``hf_weight_specs``, each
+        materialised only when reached and valid until the weights change; the other ranks get
+        nothing and only take part in the gathers they must. This default materialises
+        ``export_hf_state_dict`` on every rank (a backend without a streaming export)."""
+        sd = self.export_hf_state_dict()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            yield from sd.items()
 
     @abc.abstractmethod
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:

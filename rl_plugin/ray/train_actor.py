@@ -46,6 +46,7 @@ class TrainActor:
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
+        self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
         # 1 by default: 2 keep the embedded run's numbers but cost ~10x per rollout on 2 shared
         # cores (benchmarks/thread_settings.py); a machine with idle cores may set more
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
@@ -161,21 +162,45 @@ class TrainActor:
 
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:
-        """Collective export (each TP shard gathered once); rank 0 publishes it for the engines
+        """Collective export; rank 0 publishes it for the engines
         (``rl_plugin.weight_sync.WeightPublisher``: shared memory on its node, the object
         store for other nodes, only the tensors that changed) and returns the ``SyncHandle``;
-        other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes)."""
+        other ranks None. ``request``: a ``SyncRequest`` (buffer size, transport, engine nodes).
+
+        Streamed (``stream_export``, the default): the backend's ``stream_hf_weights`` runs on
+        every rank (only the ranks that must gather do work) and rank 0 publishes each tensor as
+        it arrives (``publish_stream``), so no rank holds a second copy of the model. With
+        ``stream_export = False``, or a backend without ``hf_weight_specs``, every rank
+        materialises ``export_hf_state_dict`` first (the path before streaming; benchmarks)."""
         from rl_plugin.weight_sync import WeightPublisher
 
         t0 = time.perf_counter()
-        sd = self.backend.export_hf_state_dict()
+        # specs: local and cheap (meta tensors), the same answer on every rank, so all take one path
+        specs = self.backend.hf_weight_specs() if self.stream_export else None
+        streamed = specs is not None
+        if not streamed:
+            sd = self.backend.export_hf_state_dict()
         if self.rank != 0:
+            if streamed:
+                for _ in self.backend.stream_hf_weights():  # this rank's part of the gathers
+                    pass
             return None
         if self.publisher is None:
             self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
-        t1 = time.perf_counter()
-        handle = self.publisher.publish(sd, request)
-        handle.export_seconds = t1 - t0
+        if not streamed:
+            t1 = time.perf_counter()
+            handle = self.publisher.publish(sd, request)
+            handle.export_seconds = t1 - t0
+            return handle
+        stream = _Timed(self.backend.stream_hf_weights())
+        try:
+            handle = self.publisher.publish_stream(specs, stream, request)
+        except Exception:  # a publish error: finish the collectives so the other ranks are not left waiting
+            for _ in stream:
+                pass
+            raise
+        handle.export_seconds = stream.seconds
+        handle.publish_seconds -= stream.seconds
         return handle
 
     def close_weight_sync(self) -> None:
@@ -197,6 +222,23 @@ class TrainActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Timed:
+    """An iterator that counts the seconds spent producing its items (the backend's export)."""
+
+    def __init__(self, it):
+        self.it, self.seconds = iter(it), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def _plain(v):

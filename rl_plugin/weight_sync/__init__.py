@@ -2,8 +2,9 @@
 
 One subsystem with its state inside it. A sync is versioned (1, 2, ...) and has three sides:
 
-- train rank 0's ``WeightPublisher`` (``publisher.py``): every train rank exports (the backend's
-  ``export_hf_state_dict``, each TP shard gathered once), rank 0 publishes the export through the
+- train rank 0's ``WeightPublisher`` (``publisher.py``): the train ranks export (the backend's
+  ``stream_hf_weights``, collective; only the ranks that must gather do, only rank 0 gets the
+  tensors), rank 0 publishes each tensor as it arrives (``publish_stream``) through the
   transports (``transport.py``: shared memory, object store, distributed) into a ``SyncHandle``;
 - each engine's ``WeightReceiver`` (``receiver.py``): reads the handle through the transport that
   serves it and loads the buckets in place (``load_sync``);

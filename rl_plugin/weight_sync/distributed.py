@@ -9,7 +9,8 @@ its own store prefix, the old one dropped.
 
 One sync, version v: rank 0 writes the bucket plan (name, dtype, shape of every tensor, bucket by
 bucket; ``plan_buckets``, a fused group whole) into the store under ``plan/v``, then broadcasts
-each bucket as one flat byte tensor. A receiver reads the plan (waiting for it), receives the
+each bucket as one flat byte tensor as soon as the export stream filled it (rank 0 holds one
+bucket beyond the stream). A receiver reads the plan (waiting for it), receives the
 buckets in order and yields views of them, which the engine loads in place. Unlike the other two
 transports the receivers must be inside their load while rank 0 publishes: the driver sends the
 load (a ``SyncHandle`` it announces before the publish, ``WeightLedger.announce``) together with
@@ -32,7 +33,7 @@ import torch
 
 from rl_plugin.weight_sync.buckets import plan_buckets, tensor_bytes
 from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle, SyncRequest
-from rl_plugin.weight_sync.transport import TransportReader, TransportWriter
+from rl_plugin.weight_sync.transport import TransportReader, TransportWriter, WriteStream, specs_of, write_all
 
 TIMEOUT_S = float(os.environ.get("RL_PLUGIN_WEIGHT_GROUP_TIMEOUT", "600"))  # a receiver that never comes
 
@@ -87,23 +88,51 @@ class DistributedWriter(TransportWriter):
         self.member = _GroupMember()
 
     def write(self, sd: Dict[str, torch.Tensor], handle: SyncHandle, request: SyncRequest) -> None:
+        write_all(self.open(specs_of(sd), handle, request), sd)
+
+    def open(self, specs: Dict[str, torch.Tensor], handle: SyncHandle, request: SyncRequest) -> WriteStream:
+        """The plan (from ``specs``) goes to the store at once; each bucket is broadcast as soon as
+        its last tensor arrived, so rank 0 holds one bucket beyond the stream, never the model."""
         spec = request.group
         if spec is None:
             raise RuntimeError("--update-weight-transport distributed: the request names no group (internal)")
         group = self.member.join(spec, 0)
-        buckets = plan_buckets({n: tensor_bytes(t) for n, t in sd.items()}, request.buffer_bytes)
-        plan: Plan = [[(n, str(sd[n].dtype), tuple(sd[n].shape)) for n in names] for names in buckets]
+        buckets = plan_buckets({n: tensor_bytes(t) for n, t in specs.items()}, request.buffer_bytes)
+        plan: Plan = [[(n, str(specs[n].dtype), tuple(specs[n].shape)) for n in names] for names in buckets]
         group.store.set(f"plan/{handle.version}", pickle.dumps(plan))
-        for names in buckets:
-            sizes = [tensor_bytes(sd[n]) for n in names]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
-            offset = 0
-            for n, size in zip(names, sizes):
-                buf[offset : offset + size].copy_(sd[n].reshape(-1).view(torch.uint8))
-                offset += size
-            group.pg.broadcast(buf, 0).wait()
-            handle.sent_bytes += offset
         handle.group = spec
+        return _BroadcastStream(group, buckets, {n: tensor_bytes(t) for n, t in specs.items()}, handle)
+
+
+class _BroadcastStream(WriteStream):
+    """Tensors in plan order into the current bucket's buffer; a full bucket is broadcast."""
+
+    def __init__(self, group: _Group, buckets: List[List[str]], sizes: Dict[str, int], handle: SyncHandle):
+        self.group, self.buckets, self.sizes, self.handle = group, buckets, sizes, handle
+        self.k, self.i, self.offset, self.buf = 0, 0, 0, None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.k >= len(self.buckets) or name != self.buckets[self.k][self.i]:
+            expected = self.buckets[self.k][self.i] if self.k < len(self.buckets) else "nothing more"
+            raise RuntimeError(f"weight sync (distributed): the export gave {name!r} where the plan has {expected!r}")
+        if self.buf is None:
+            total = sum(self.sizes[n] for n in self.buckets[self.k])
+            self.buf = torch.empty(total, dtype=torch.uint8, device=self.group.device)
+        size = self.sizes[name]
+        self.buf[self.offset : self.offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+        self.offset += size
+        self.i += 1
+        if self.i == len(self.buckets[self.k]):  # the bucket is complete: every engine receives it now
+            self.group.pg.broadcast(self.buf, 0).wait()
+            self.handle.sent_bytes += self.offset
+            self.k, self.i, self.offset, self.buf = self.k + 1, 0, 0, None
+
+    def close(self) -> None:
+        if self.k != len(self.buckets):
+            raise RuntimeError(
+                f"weight sync (distributed): the export ended after {self.k} of {len(self.buckets)} buckets; the engines "
+                "wait for the rest until RL_PLUGIN_WEIGHT_GROUP_TIMEOUT"
+            )
 
 
 class DistributedReader(TransportReader):

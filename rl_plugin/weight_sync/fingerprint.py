@@ -16,13 +16,15 @@ import torch
 from rl_plugin.errors import WeightSyncError
 
 
+def tensor_fingerprint(tensor: torch.Tensor) -> str:
+    """sha256 of one tensor's bytes (fp32, contiguous): a streamed export hashes as it goes."""
+    t = tensor.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
 def weights_fingerprint(state_dict: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """sha256 of every tensor's bytes (fp32, contiguous): equal fingerprints = bitwise-equal weights."""
-    out = {}
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu", torch.float32).contiguous()
-        out[name] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    return out
+    return {name: tensor_fingerprint(state_dict[name]) for name in sorted(state_dict)}
 
 
 def compare_fingerprints(trainer: Dict[str, str], rollout: Dict[str, str]) -> None:

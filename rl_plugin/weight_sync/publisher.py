@@ -12,21 +12,27 @@ write it (``transport.py``):
   tensor every sync.
 
 The answer is a ``SyncHandle``; under ``--check-weight-sync`` it carries the export's fingerprint.
+
+``publish_stream(specs, tensors, request)``: the same from a stream of ``(name, tensor)`` in
+export order (a backend's ``stream_hf_weights``), described up front by ``specs`` (meta tensors,
+``hf_weight_specs``): each tensor is fingerprinted, written into the segment and added to the
+object store's current bucket as it arrives, then dropped, so rank 0 never holds a second copy
+of the model (the peak beyond the model is one bucket). ``publish`` is ``publish_stream`` over a dict.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from rl_plugin.weight_sync.distributed import DistributedWriter
-from rl_plugin.weight_sync.fingerprint import weights_fingerprint
+from rl_plugin.weight_sync.fingerprint import tensor_fingerprint
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest, node_id
 from rl_plugin.weight_sync.object_store import ObjectStoreWriter
 from rl_plugin.weight_sync.shared_memory import SharedMemoryWriter
-from rl_plugin.weight_sync.transport import DISTRIBUTED, TRANSPORTS
+from rl_plugin.weight_sync.transport import DISTRIBUTED, TRANSPORTS, specs_of
 
 
 class WeightPublisher:
@@ -48,9 +54,19 @@ class WeightPublisher:
         return self.shm.changed_at if self.shm is not None else {}
 
     def publish(self, state_dict: Dict[str, torch.Tensor], request: SyncRequest) -> SyncHandle:
+        return self.publish_stream(specs_of(state_dict), state_dict.items(), request)
+
+    def publish_stream(
+        self,
+        specs: Dict[str, torch.Tensor],
+        tensors: Iterable[Tuple[str, torch.Tensor]],
+        request: SyncRequest,
+    ) -> SyncHandle:
+        """Publish sync ``version + 1`` from ``tensors`` (``(name, tensor)`` in the order of
+        ``specs``, tied names included: they are fingerprinted, not sent). The time spent inside
+        ``tensors`` counts as publishing too; the caller may split it off (``export_seconds``)."""
         t0 = time.perf_counter()
         here = node_id()
-        sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in self.skip}
         self.version += 1
         remote = any(n != here for n in request.engine_nodes)
         if self.transport == "shared_memory" and remote:
@@ -61,14 +77,34 @@ class WeightPublisher:
                 "(the object store for the other nodes)"
             )
         handle = SyncHandle(version=self.version, node_id=here, buffer_bytes=request.buffer_bytes)
+        kept = {n: s for n, s in specs.items() if n not in self.skip}
+        streams = []
         if self.shm is not None:
-            self.shm.write(sd, handle, request)
+            streams.append(self.shm.open(kept, handle, request))
         if self.store is not None and (handle.segment is None or remote):  # what the segment cannot carry
-            self.store.write(sd, handle, request)
-        if self.dist is not None:
-            self.dist.write(sd, handle, request)
-        if request.fingerprint:
-            handle.fingerprint = weights_fingerprint(state_dict)
+            streams.append(self.store.open(kept, handle, request))
+        if self.dist is not None:  # collects the stream, then broadcasts bucket by bucket at close
+            streams.append(self.dist.open(kept, handle, request))
+        streams = [s for s in streams if s is not None]
+        fingerprint: Optional[Dict[str, str]] = {} if request.fingerprint else None
+        try:
+            for name, tensor in tensors:
+                if fingerprint is not None:
+                    fingerprint[name] = tensor_fingerprint(tensor)
+                if name in self.skip:
+                    continue
+                tensor = tensor.detach().to("cpu").contiguous()
+                for stream in streams:
+                    stream.add(name, tensor)
+                del tensor  # the streams keep what they still need (one bucket at most)
+            for stream in streams:
+                stream.close()
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        if fingerprint is not None:
+            handle.fingerprint = dict(sorted(fingerprint.items()))
         handle.publish_seconds = time.perf_counter() - t0
         return handle
 

@@ -6,6 +6,10 @@ sync ``v - 1`` is the last sync's weights, so each exported tensor is compared w
 (``changed_bitwise``) and ``changed_at[name]`` becomes the version of the sync that last changed
 it. A fused group travels whole, a tied name never (the publisher drops it).
 
+Streaming (``open``): the layout comes from the export's specs (meta tensors), so each tensor is
+compared and written as the backend's stream yields it; a sync that fails part way leaves its
+slot marked "being written" (version 0) and rewritten whole by the next sync.
+
 Double buffering (``SyncRequest.slots = 2``, overlapped training): sync ``v`` goes into slot
 ``v % 2``, so an engine still loading sync ``v - 1`` from the other slot is never overwritten by
 the publish of ``v``. Each slot remembers the version it holds (``slot_version``); writing ``v``
@@ -28,7 +32,7 @@ import torch
 from rl_plugin.weight_sync.buckets import changed_bitwise, plan_buckets, tensor_bytes, whole_groups
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest
 from rl_plugin.weight_sync.segment import SharedWeightSegment, WeightLayout
-from rl_plugin.weight_sync.transport import TransportReader, TransportWriter
+from rl_plugin.weight_sync.transport import TransportReader, TransportWriter, WriteStream, specs_of, write_all
 
 
 class SharedMemoryWriter(TransportWriter):
@@ -50,27 +54,18 @@ class SharedMemoryWriter(TransportWriter):
         """Write sync ``handle.version`` into its slot (the segments created, or re-created on a new
         layout or slot count) and point ``handle`` at it; ``handle.segment`` stays None when
         /dev/shm is unusable under ``auto``."""
-        if self.failed is not None or not self._ensure_slots(sd, request.slots):
-            return
-        v, slots = handle.version, request.slots
-        prev = (v - 1) % slots  # holds sync v - 1 unless nothing was written yet
-        before = self.slots[prev].views if self.slot_version[prev] == v - 1 else None
-        for name, value in sd.items():
-            if before is None or name not in self.changed_at or changed_bitwise(before[name], value):
-                self.changed_at[name] = v
-        slot = v % slots
-        seg, held = self.slots[slot], self.slot_version[slot]
-        written = [n for n in sd if self.changed_at[n] > held]  # everything the slot missed since it held `held`
-        seg.begin_write()
-        for name in written:
-            seg.views[name].copy_(sd[name])
-        seg.end_write(v)
-        self.slot_version[slot] = v
-        handle.layout, handle.segment, handle.changed_at = self.layout, str(seg.path), dict(self.changed_at)
-        handle.sent_bytes += sum(tensor_bytes(sd[n]) for n in written)
+        write_all(self.open(specs_of(sd), handle, request), sd)
+
+    def open(self, specs: Dict[str, torch.Tensor], handle: SyncHandle, request: SyncRequest) -> Optional[WriteStream]:
+        """``write`` tensor by tensor: the layout comes from ``specs`` (meta tensors), each added
+        tensor is compared with the last sync's and copied into the slot if the slot misses it.
+        None (nothing written) when /dev/shm is unusable under ``auto``."""
+        if self.failed is not None or not self._ensure_slots(specs, request.slots):
+            return None
+        return _SlotStream(self, handle, request.slots)
 
     def _ensure_slots(self, sd: Dict[str, torch.Tensor], slots: int) -> bool:
-        """The segments exist with a layout that fits ``sd``; False when /dev/shm cannot hold them
+        """The segments exist with a layout that fits ``sd`` (tensors or meta specs); False when /dev/shm cannot hold them
         (under ``auto``; raised under ``shared_memory``)."""
         if self.layout is not None and self.layout.fits(sd) and len(self.slots) == slots:
             return True
@@ -101,6 +96,56 @@ class SharedMemoryWriter(TransportWriter):
         for seg in self.slots:
             seg.close()
         self.slots, self.slot_version, self.layout = [], [], None
+
+
+class _SlotStream(WriteStream):
+    """Sync ``v`` written into slot ``v % slots`` as the export streams in (module docstring):
+    each tensor is compared with the slot holding ``v - 1`` before anything overwrites it, and
+    copied when the slot being written holds an older copy (``changed_at > held``)."""
+
+    def __init__(self, writer: SharedMemoryWriter, handle: SyncHandle, slots: int):
+        v = handle.version
+        prev, slot = (v - 1) % slots, v % slots
+        self.writer, self.handle, self.version, self.slot = writer, handle, v, slot
+        self.before = writer.slots[prev].views if writer.slot_version[prev] == v - 1 else None
+        self.seg, self.held = writer.slots[slot], writer.slot_version[slot]
+        self.expected = iter(writer.layout.slots)
+        self.sent = 0
+        self.seg.begin_write()
+        writer.slot_version[slot] = 0  # partly written until close: an aborted sync leaves it to be rewritten whole
+        # The object store's stream reads which tensors changed as they pass (live until close).
+        handle.layout, handle.segment, handle.changed_at = writer.layout, str(self.seg.path), writer.changed_at
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        spec = next(self.expected, None)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if spec is None or spec.name != name or spec.shape != tuple(tensor.shape) or spec.dtype != dtype:
+            raise RuntimeError(
+                f"weight sync: the export streamed {name!r} {tuple(tensor.shape)} {dtype} where the layout expects "
+                f"{'nothing more' if spec is None else (spec.name, spec.shape, spec.dtype)}: the backend's "
+                "hf_weight_specs and its stream_hf_weights disagree"
+            )
+        changed_at = self.writer.changed_at
+        if self.before is None or name not in changed_at or changed_bitwise(self.before[name], tensor):
+            changed_at[name] = self.version
+        if changed_at[name] > self.held:  # everything the slot missed since it held `held`
+            self.seg.views[name].copy_(tensor)
+            self.sent += tensor_bytes(tensor)
+
+    def close(self) -> None:
+        missing = [s.name for s in self.expected]
+        if missing:
+            raise RuntimeError(
+                f"weight sync: the export ended before {len(missing)} tensor(s) of its layout (first {missing[0]!r}): "
+                "the backend's stream_hf_weights yields less than its hf_weight_specs"
+            )
+        self.seg.end_write(self.version)
+        self.writer.slot_version[self.slot] = self.version
+        self.handle.changed_at = dict(self.writer.changed_at)
+        self.handle.sent_bytes += self.sent
+
+    def abort(self) -> None:
+        self.handle.layout = self.handle.segment = None
 
 
 class SharedMemoryReader(TransportReader):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -76,6 +76,38 @@ def _tied_names(model) -> List[str]:
             tied.append(name)
         seen.add(id(p))
     return tied
+
+
+def gather_to_rank0(value: torch.Tensor) -> Optional[torch.Tensor]:
+    """The full tensor of a DTensor on global rank 0 (None elsewhere); a plain tensor as it is.
+
+    FSDP2's placement (one mesh dimension, ``Shard(0)``) cuts dim 0 as ``torch.chunk`` does:
+    chunks of ``c = ceil(n / world)`` rows, the last ones shorter or empty. Each rank pads its
+    shard to ``c`` rows and ``dist.gather`` writes them into row blocks of one buffer on rank 0,
+    whose first ``n`` rows are the tensor (no concatenation copy; no full copy on other ranks).
+    Any other placement: ``DTensor.full_tensor()`` (an all-gather: every rank holds it briefly)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return value
+    exporter = dist.get_rank() == 0
+    mesh, placements = value.device_mesh, value.placements
+    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0):
+        full = value.full_tensor()
+        return full if exporter else None
+    group = mesh.get_group()
+    world = dist.get_world_size(group)
+    n, rest = value.shape[0], tuple(value.shape[1:])
+    rows = -(-n // world)
+    local = value.to_local()
+    if local.shape[0] != rows:
+        pad = local.new_zeros((rows - local.shape[0], *rest))
+        local = torch.cat([local, pad]) if local.shape[0] else pad
+    buf = torch.empty((world * rows, *rest), dtype=local.dtype, device=local.device) if exporter else None
+    dist.gather(
+        local.contiguous(), list(buf.split(rows)) if exporter else None, dst=dist.get_global_rank(group, 0), group=group
+    )
+    return buf[:n] if exporter else None
 
 
 class FSDPBackend(TrainBackend):
@@ -203,6 +235,21 @@ class FSDPBackend(TrainBackend):
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+
+    def hf_weight_specs(self) -> Dict[str, torch.Tensor]:
+        """The state dict's names (tied names included), global shapes and dtypes, as meta tensors."""
+        return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()}
+
+    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """One parameter at a time, every rank joining its gather (``gather_to_rank0``; a tied
+        name is gathered again rather than kept); only rank 0 holds the result, copied to the CPU.
+        The other ranks hold nothing beyond their own shard."""
+        exporter = dist.get_rank() == 0
+        for name, value in self.model.state_dict().items():
+            full = gather_to_rank0(value)
+            if exporter:
+                yield name, full.detach().to("cpu")
+            del full
 
     def save_hf(self, out_dir: str) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""

@@ -4,6 +4,7 @@
     old = backend.compute_log_probs(batch)       # forward only, actor (or role="ref"): the runner
     report = backend.train_step(batch, num_groups=P)   # the runner (rl_plugin.loss.runner)
     hf = backend.export_hf_state_dict()          # TP-gathered, HF names, every rank
+    stream = backend.stream_hf_weights()         # the weight sync's: collective, only rank 0 gets tensors
     backend.save_checkpoint(dir, step=k); backend.load_checkpoint(dir)
 
 See ``setup.py`` (start-up), ``step.py`` (forward, schedule, optimizer step; why the step
@@ -15,14 +16,14 @@ applies exactly dJ/dtheta),
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.megatron import checkpoint, setup, step
-from rl_plugin.backends.megatron.bridge import export_hf
+from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
 from rl_plugin.configs import ModelConfig, TrainConfig
@@ -109,6 +110,14 @@ class MegatronBackend(TrainBackend):
 
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
         return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
+
+    def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
+        return hf_specs(self.bridge, self.model)
+
+    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``)."""
+        ps = self.parallel_state
+        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank)
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         written = checkpoint.save(

@@ -38,6 +38,12 @@ Mistral (no sliding window, as Mistral 7B v0.2+) has Llama's layers and weight n
 0.15.1 registers no ``mistral`` bridge, so it is converted by the Llama bridge
 (``rl_plugin.backends.model_families.MODEL_TYPE_ALIASES``); a sliding window shorter than the context
 is refused there (megatron's full attention would be another model).
+
+Streaming export for the weight sync (``hf_specs`` / ``stream_hf``, one stage only): the same
+conversion, but only the TP group of DP rank 0 (CP rank 0) takes part, its shards are gathered to
+TP rank 0 (global rank 0) alone (``dist.gather``, not ``all_gather``), and that rank yields each
+HF tensor as it is made; every other DP / CP replica returns at once. ``hf_specs`` runs the
+conversion on meta tensors: the names, shapes and dtypes of the export, nothing materialised.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import importlib.util
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 def transformer_engine_available() -> bool:
@@ -170,9 +177,76 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     from mbridge.core.util import unwrap_model
 
     core = unwrap_model(model)
-    if bridge.mpu.pp_size > 1 or bridge.mpu.ep_size > 1 or any("expert_bias" in k for k in core.state_dict()):
+    if not _one_stage(bridge, core):
         return bridge.export_weights([model])
     return _export_one_stage(bridge, core)
+
+
+def _one_stage(bridge, core) -> bool:
+    """One pipeline stage, no expert parallelism, no expert bias: workaround 3 applies."""
+    return not (bridge.mpu.pp_size > 1 or bridge.mpu.ep_size > 1 or any("expert_bias" in k for k in core.state_dict()))
+
+
+def hf_specs(bridge, model) -> Optional[Dict[str, torch.Tensor]]:
+    """The export's names, shapes and dtypes as meta tensors, in export order, from this rank's
+    shards alone (no collective); None beyond one stage (mbridge's own export decides there)."""
+    from mbridge.core.util import unwrap_model
+
+    core = unwrap_model(model)
+    if not _one_stage(bridge, core):
+        return None
+    global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
+    out: Dict[str, torch.Tensor] = {}
+    for local_name, param in core.named_parameters():
+        name = global_name[local_name]
+        tensor = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        if getattr(param, "tensor_model_parallel", False):
+            tensor = bridge._weight_merge_across_tp(name, [tensor] * bridge.mpu.tp_size, param)
+        for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
+            out[hf_name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return out
+
+
+def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The export for the weight sync (module docstring), collective: every rank must exhaust it.
+    Global rank 0 gets ``(hf_name, CPU tensor)`` in the order of ``hf_specs``; the other ranks of
+    its TP group send their shards; every other replica does nothing. Beyond one stage every rank
+    runs mbridge's ``export_weights`` (its collectives span the pipeline) and rank 0 keeps it."""
+    from mbridge.core.util import unwrap_model
+
+    core = unwrap_model(model)
+    if not _one_stage(bridge, core):
+        for name, tensor in bridge.export_weights([model]):
+            if dist.get_rank() == 0:
+                yield name, tensor.detach().to("cpu")
+        return
+    if dp_rank != 0 or cp_rank != 0:
+        return
+    tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
+    exporter = bridge.mpu.tp_rank == 0
+    if exporter and dist.get_rank() != 0:
+        raise RuntimeError(
+            f"weight export: TP rank 0 of DP rank 0 is global rank {dist.get_rank()}, not 0; the weight sync "
+            "publishes from global rank 0"
+        )
+    dst = dist.get_global_rank(tp_group, 0) if tp_size > 1 else 0
+    global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
+    for local_name, param in core.named_parameters():
+        name = global_name[local_name]
+        if getattr(param, "tensor_model_parallel", False):
+            shards = [param]
+            if tp_size > 1:
+                shards = [torch.empty_like(param) for _ in range(tp_size)] if exporter else None
+                dist.gather(param.detach().contiguous(), shards, dst=dst, group=tp_group)
+            if not exporter:
+                continue
+            tensor = bridge._weight_merge_across_tp(name, shards, param)
+        elif not exporter:
+            continue
+        else:
+            tensor = param
+        for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
+            yield hf_name, t.detach().to("cpu")
 
 
 def _export_one_stage(bridge, core) -> Iterator[Tuple[str, torch.Tensor]]:
