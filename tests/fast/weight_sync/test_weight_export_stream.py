@@ -18,8 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fast.harness import run_world
-
 
 def _spec_rows(specs):
     return [(n, tuple(t.shape), t.dtype, t.device.type) for n, t in specs.items()]
@@ -84,7 +82,7 @@ def _export_worker(backend, rank, world):
 
 def _megatron_worker(rank, world, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import make_args
+    from tests.support.megatron_common import make_args
 
     backend = MegatronBackend.from_args(
         make_args("--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", "2", world_size=world)
@@ -95,7 +93,7 @@ def _megatron_worker(rank, world, hf_dir):
 
 def _fsdp_worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
-    from tests.fast.fsdp_common import fsdp_flags, parse
+    from tests.support.fsdp_common import fsdp_flags, parse
 
     backend = FSDPBackend.from_args(parse(fsdp_flags(hf_dir)))
     return dict(_export_worker(backend, rank, world), tied=list(backend.tied_names))
@@ -110,7 +108,7 @@ def _check_rank0(out):
     assert "shared memory reaches one machine only" in out["refused"]
 
 
-def test_megatron_stream_only_dp0_tp_group_gathers(tmp_path):
+def test_megatron_stream_only_dp0_tp_group_gathers(run_world, tmp_path):
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
 
     hf_dir = str(make_tiny_hf_checkpoint(tmp_path / "qwen2", "qwen2"))
@@ -126,8 +124,8 @@ def test_megatron_stream_only_dp0_tp_group_gathers(tmp_path):
     assert results[0]["streamed"] == len(results[0]["full_rows"])
 
 
-def test_fsdp_stream_with_tied_embeddings(tmp_path):
-    from tests.fast.fsdp_common import tiny_checkpoint
+def test_fsdp_stream_with_tied_embeddings(run_world, tmp_path):
+    from tests.support.fsdp_common import tiny_checkpoint
 
     ckpt = tiny_checkpoint(tmp_path, tie_word_embeddings=True, vocab_size=127, intermediate_size=65)
     results = run_world(_fsdp_worker, 2, ckpt)
