@@ -13,22 +13,19 @@ leaves (``rollout_log_prob_diff``). Not a test: timings depend on the machine an
 machine where the engine and the trainer share the same few CPU cores, overlap cannot save much:
 the two halves compete for the cores.
 
-    python benchmarks/async_loop.py [--backends megatron fsdp] [--seeds 1234 1] [--modes sync async async_tis]
+    python -m benchmarks.async_loop [--backends megatron fsdp] [--seeds 1234 1] [--modes sync async async_tis]
                                     [extra rl-plugin-train flags]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, train_run
+
 MODES = {
     "sync": [],
     "async": ["--max-weight-staleness", "1"],
@@ -37,30 +34,9 @@ MODES = {
 
 
 def run(backend: str, mode: str, seed: int, out: Path, extra) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl_plugin.train",
-        "--train-backend",
-        backend,
-        "--output-dir",
-        str(out),
-        "--no-progress-bar",
-        "--seed",
-        str(seed),
-        *MODES[mode],
-        *extra,
-    ]
-    t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"{backend} {mode} seed {seed}: rl-plugin-train exited {rc}; see {out.with_suffix('.log')}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    timings = [json.loads(x) for x in (out / "metrics.timings.jsonl").read_text().splitlines()]
+    flags = ["--train-backend", backend, "--seed", str(seed), *MODES[mode], *extra]
+    done = train_run(flags, out, what=f"{backend} {mode} seed {seed}")
+    rows, timings, wall = done.rows, done.timings, done.wall_s
     per_rollout = [t for t in timings if "time/rollout_total" in t]
     reward, gap = {}, {}
     for r in rows:

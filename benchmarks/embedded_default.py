@@ -5,55 +5,25 @@ the first 10 and the last 10 rollouts, their ratio and difference (target: ratio
 difference >= +0.3), seconds per rollout (generate + train + weight sync, from the timings file)
 and the wall time of the whole job. Not a test: numbers depend on the machine and its load.
 
-    python benchmarks/embedded_default.py [--backends megatron fsdp] [extra rl-plugin-train flags]
+    python -m benchmarks.embedded_default [--backends megatron fsdp] [extra rl-plugin-train flags]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, rewards, train_run
 
 
 def run(backend: str, out: Path, extra) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl_plugin.train",
-        "--train-backend",
-        backend,
-        "--output-dir",
-        str(out),
-        "--no-progress-bar",
-        *extra,
-    ]
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"{backend}: rl-plugin-train exited {rc}; see {out.with_suffix('.log')}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = {}
-    for r in rows:
-        if "reward_mean" in r:
-            rewards[r["rollout_id"]] = r["reward_mean"]
+    done = train_run(["--train-backend", backend, *extra], out, what=backend)
+    rows, wall = done.rows, done.wall_s
     evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
-    per_rollout = [
-        t["time/rollout_total"]
-        for t in map(json.loads, (out / "metrics.timings.jsonl").read_text().splitlines())
-        if "time/rollout_total" in t
-    ]
-    r = list(rewards.values())
+    per_rollout = [t["time/rollout_total"] for t in done.timings if "time/rollout_total" in t]
+    r = list(rewards(rows).values())
     first, last = mean(r[:10]), mean(r[-10:])
     return dict(
         backend=backend,

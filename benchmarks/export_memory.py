@@ -33,7 +33,7 @@ the first sync's freed pages resident and reuse them. A third sync with ``--chec
 fingerprint (not measured) shows both paths publish the same bits. Not a test: RSS depends on the
 allocator and the machine.
 
-    python benchmarks/export_memory.py [--backends megatron fsdp] [--hidden 512] [--layers 8]
+    python -m benchmarks.export_memory [--backends megatron fsdp] [--hidden 512] [--layers 8]
                                        [--vocab 32000] [--intermediate 1536] [--buffer-mb 16]
                                        [--transport shared_memory|object_store]
                                        [--paths old new dcp] [--malloc fixed|glibc]
@@ -69,7 +69,7 @@ def reset_peak() -> None:
 
 
 def build_backend(name: str, hf_dir: str, world: int):
-    from tests.fast.megatron_common import make_args
+    from tests.support.megatron_common import make_args
 
     if name == "megatron":
         from rl_plugin.backends.megatron.backend import MegatronBackend
@@ -174,7 +174,7 @@ def main() -> None:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
 
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from tests.fast.harness import run_world
+    from tests.support.harness import run_world
 
     tmp = Path(tempfile.mkdtemp(prefix="export_memory_"))
     hf_dir = make_tiny_hf_checkpoint(

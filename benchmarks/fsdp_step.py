@@ -6,7 +6,7 @@ from the seeded tiny Qwen2 checkpoint, one warm-up step, then ``--steps`` timed 
 the timed steps of rank 0's wall time between two barriers. The Megatron column is measured
 when ``rl_plugin.backends.megatron`` is importable.
 
-    python benchmarks/fsdp_step.py [--steps 5] [--backends fsdp,megatron]
+    python -m benchmarks.fsdp_step [--steps 5] [--backends fsdp,megatron]
 
 On a 2-core machine DP=2 runs two processes on two cores, so the DP2/DP1 ratio shows the
 communication and per-process overhead more than a speed-up.
@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_batch(num_samples: int = 16, vocab: int = 128, seed: int = 0):
@@ -88,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--backends", default="fsdp,megatron")
     opts = parser.parse_args(argv)
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from tests.fast.harness import run_world
+    from tests.support.harness import run_world
 
     hf_dir = str(make_tiny_hf_checkpoint(Path(tempfile.mkdtemp()) / "tiny-qwen2", "qwen2"))
     names = [n for n in opts.backends.split(",") if n]

@@ -18,7 +18,7 @@ paths gave bitwise the same tokens, log-probs and Generations here (lean vs gene
 lean, which another machine's GEMMs may round differently). One torch thread, as the engine
 actor runs. Not a test: numbers depend on the machine and its load (compare only within one run).
 
-    python benchmarks/hf_generate.py [--rounds 30] [--shapes embedded larger]
+    python -m benchmarks.hf_generate [--rounds 30] [--shapes embedded larger]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ most of the machine's speed drift, which moves the compute phases of a round tog
 ``generate_call_overhead`` = ``time/rollout_call`` minus the engine's generate, the scoring and
 the weight load inside the call: the call's Ray round trip, the rollout's assembly and pickling.
 
-    python benchmarks/loop_phases.py --before main [--backends fsdp megatron] [--rounds 2]
+    python -m benchmarks.loop_phases --before main [--backends fsdp megatron] [--rounds 2]
         [--num-rollout 30] [-- extra rl-plugin-train flags]
 
 Not a test: numbers depend on the machine and its load; compare the per-round medians for the noise.
@@ -25,7 +25,6 @@ Not a test: numbers depend on the machine and its load; compare the per-round me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, train_run
+
 PHASES = (
     "time/rollout_total",
     "time/rollout_call",
@@ -51,21 +51,8 @@ PHASES = (
 
 def run(tree: Path, backend: str, out: Path, num_rollout: int, extra: list) -> list:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl_plugin.train",
-        "--train-backend",
-        backend,
-        "--num-rollout",
-        str(num_rollout),
-        "--output-dir",
-        str(out),
-        "--no-progress-bar",
-        *extra,
-    ]
-    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in open(out / "metrics.timings.jsonl")]
+    flags = ["--train-backend", backend, "--num-rollout", str(num_rollout), *extra]
+    rows = train_run(flags, out, what=f"{backend} in {tree}", cwd=tree, env=env, log=False).timings
     for r in rows:
         r["train_call_overhead"] = (
             r["time/train"] - r["time/log_probs"] - r["time/train_step"] - r.get("time/weight_publish", 0.0)

@@ -18,7 +18,7 @@ pass. "work MiB" subtracts the gradients of hidden and weight, which every path
 returns. Unfused cases whose [T, V] buffers would not fit ``--mem-limit-gib`` are printed as
 skipped with the size of one fp32 [T, V] buffer.
 
-    python benchmarks/loss_core.py [--quick] [--hidden 256] [--mem-limit-gib 6] [--tables 1,2,3]
+    python -m benchmarks.loss_core [--quick] [--hidden 256] [--mem-limit-gib 6] [--tables 1,2,3]
 """
 
 from __future__ import annotations

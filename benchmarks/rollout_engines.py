@@ -11,7 +11,7 @@ small machine; hf gets the same). hf runs in this process, vLLM in a spawned chi
 the best of --repeats after one warm-up call. Responses stop at <eos> like in training, so
 tokens/s counts the tokens actually generated.
 
-    python benchmarks/rollout_engines.py [--batch-sizes 8 64] [--lengths 16 64] [--repeats 3]
+    python -m benchmarks.rollout_engines [--batch-sizes 8 64] [--lengths 16 64] [--repeats 3]
 """
 
 from __future__ import annotations

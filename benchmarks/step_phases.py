@@ -9,8 +9,8 @@ The train step is split by wrapping the functions it calls with ``time.perf_coun
 forward, loss, backward and grad finalisation it calls; ``other`` is the step minus its parts).
 Medians over ``--steps`` steps after ``--warmup``; the spread is the inter-quartile range.
 
-    python benchmarks/step_phases.py [--backend megatron|fsdp] [--steps 30] [--cprofile FILE] [--json F]
-    python benchmarks/step_phases.py --compare 'before-*.json' 'after-*.json'   # table of two sets
+    python -m benchmarks.step_phases [--backend megatron|fsdp] [--steps 30] [--cprofile FILE] [--json F]
+    python -m benchmarks.step_phases --compare 'before-*.json' 'after-*.json'   # table of two sets
 
 Not a test: numbers depend on the machine and its load. Run ``before`` and ``after`` checkouts
 alternately to compare (``--label``), and read the IQR as the noise.
@@ -25,10 +25,6 @@ import sys
 import time
 from collections import defaultdict
 from statistics import median, quantiles
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 class Timers:

@@ -11,7 +11,7 @@ the first setting's (1/1) of the same mode. ``--check-bitwise`` also says whethe
 ``metrics.jsonl`` is byte-identical to the 1/1 run of its mode (thread counts may change
 floating-point reductions).
 
-    python benchmarks/thread_settings.py [--backend megatron] [--rounds 2] [--num-rollout 30]
+    python -m benchmarks.thread_settings [--backend megatron] [--rounds 2] [--num-rollout 30]
         [--settings 1/1 2/2 2/1 1/2] [--modes sync overlapped] [--check-bitwise]
 
 Not a test: numbers depend on the machine and its load.
@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, train_run
+
 MODES = {"sync": [], "overlapped": ["--max-weight-staleness", "1", "--use-tis"]}
 PHASES = ("time/rollout_total", "time/rollout_generate", "time/train_step", "time/train", "time/weight_sync")
 
@@ -42,10 +41,8 @@ def run(setting: str, mode: str, backend: str, out: Path, num_rollout: int) -> l
         "RL_PLUGIN_TRAIN_THREADS": train,
         "RL_PLUGIN_ROLLOUT_THREADS": rollout,
     }
-    cmd = [sys.executable, "-m", "rl_plugin.train", "--train-backend", backend, "--num-rollout", str(num_rollout)]
-    cmd += ["--output-dir", str(out), "--no-progress-bar", *MODES[mode]]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return [json.loads(line) for line in open(out / "metrics.timings.jsonl")]
+    flags = ["--train-backend", backend, "--num-rollout", str(num_rollout), *MODES[mode]]
+    return train_run(flags, out, what=f"{mode} {setting}", env=env, log=False).timings
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ process and as the argument of a Ray actor call (the way a RolloutData, StepBatc
 travels), with a no-op call as the floor. The payload: the six tensors of an embedded-size
 rollout (128 samples of ~9 tokens, ~16 KB).
 
-    python benchmarks/transport_pickle.py [--repeats 300] [--rounds 3]
+    python -m benchmarks.transport_pickle [--repeats 300] [--rounds 3]
 
 Prints the median per round (the machine's speed drifts: compare within a round) and the ratio
 to torch's. Not a test: numbers depend on the machine and its load.
@@ -78,12 +78,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     torch.set_num_threads(1)
-    # the formats' classes by reference from this file as a module (the Ray worker imports it),
-    # not pickled by value from __main__ on every call
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, here)
-    import transport_pickle as formats
+    # the formats' classes by reference from this file as a module (the Ray worker imports it from
+    # the repository root, which its PYTHONPATH names), not pickled by value from __main__ on every call
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    from benchmarks import transport_pickle as formats
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 

@@ -27,7 +27,7 @@ threshold, in how many seeds each side reached it and the median over seeds of t
 and step ratios (``summary.json`` beside the runs). Not a test: numbers depend on the machine and
 its load (this 2-core VM's speed drifts by up to ~1.35x over minutes: compare within a seed).
 
-    python benchmarks/vs_trl.py [--steps 300] [--loss-type grpo] [--thresholds 0.3 0.4 0.5]
+    python -m benchmarks.vs_trl [--steps 300] [--loss-type grpo] [--thresholds 0.3 0.4 0.5]
         [--backend megatron] [--seeds 1 2 3 4 5] [--variant sync= --variant overlap='--max-weight-staleness 1 --use-tis']
         [-- extra rl-plugin-train flags for every variant]
 
@@ -48,7 +48,8 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._runner import ROOT, rewards, train_run
+
 LOSS_TYPES = {
     "grpo": ("sample_mean", []),
     "dapo": ("token_mean", []),
@@ -60,9 +61,6 @@ def run_rl_plugin(a, out: Path, extra: List[str], variant: str = "") -> Dict:
     """``python -m rl_plugin.train`` (what ``rl-plugin-train`` runs) on the embedded task."""
     aggregation, needs_divisor = LOSS_TYPES[a.loss_type]
     cmd = [
-        sys.executable,
-        "-m",
-        "rl_plugin.train",
         "--train-backend",
         a.backend,
         "--rollout-engine",
@@ -103,20 +101,12 @@ def run_rl_plugin(a, out: Path, extra: List[str], variant: str = "") -> Dict:
         str(a.seed),
         "--eval-interval",
         str(a.steps + 1),
-        "--output-dir",
-        str(out),
-        "--no-progress-bar",
     ]
     cmd += [needs_divisor[0], str(a.response_len)] if needs_divisor else []
-    t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
-        rc = subprocess.run([*cmd, *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"rl-plugin-train exited {rc}; see {out.with_suffix('.log')}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    reward = {r["rollout_id"]: r["reward_mean"] for r in rows if "reward_mean" in r}
-    timings = [json.loads(x) for x in (out / "metrics.timings.jsonl").read_text().splitlines()]
+    done = train_run([*cmd, *extra], out, what=f"rl_plugin {variant or a.backend}")
+    wall = done.wall_s
+    reward = rewards(done.rows)
+    timings = done.timings
     step_s = [t["time/rollout_total"] for t in timings if "time/rollout_total" in t]
     phases = {
         k: median(t[k] for t in timings if k in t)
@@ -250,7 +240,8 @@ def run_trl(a, out: Path) -> Dict:
     result = out.with_suffix(".json")
     cmd = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.vs_trl",
         "--trl-worker",
         str(result),
         "--steps",

@@ -21,7 +21,7 @@ Models: the embedded tiny Qwen2 into an HF engine, and a synthetic set of fp32 t
 syncs after one warm-up sync (which creates the segment and maps it). Not a test: numbers depend
 on the machine and its load.
 
-    python benchmarks/weight_sync.py [--synthetic-mb 256] [--tensor-mb 4] [--syncs 5] [--buffer-mb 512]
+    python -m benchmarks.weight_sync [--synthetic-mb 256] [--tensor-mb 4] [--syncs 5] [--buffer-mb 512]
 """
 
 from __future__ import annotations

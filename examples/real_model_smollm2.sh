@@ -9,7 +9,7 @@
 #    (examples/addition_data.py), verified by --rm-type math_exact (the last number = the sum);
 # 3. trains. BACKEND=megatron|fsdp, ENGINE=hf|vllm; extra arguments go to rl-plugin-train, e.g.
 #    `bash examples/real_model_smollm2.sh --num-rollout 2`. PREPARE=0 skips steps 1-2 (the
-#    checkpoint and data already exist; tests/fast/test_examples.py checks the flags this way).
+#    checkpoint and data already exist; tests/fast/cli/test_examples.py checks the flags this way).
 # The reward curve is in $OUT/metrics.jsonl (and plot), per-phase times in the same rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."

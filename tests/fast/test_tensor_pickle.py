@@ -15,7 +15,7 @@ import torch
 from rl_plugin.rollout.rollout_data import RolloutData
 from rl_plugin.step_plan import RankPlan
 from rl_plugin.tensor_pickle import ALIGN, pack_tensors, unpack_tensors
-from tests.fast.fsdp_common import make_step, step_batch
+from tests.support.fsdp_common import make_step, step_batch
 
 TORCH_REBUILD = b"_rebuild_tensor"  # in a pickle only when torch pickled a tensor itself
 

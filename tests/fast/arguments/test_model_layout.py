@@ -1,0 +1,54 @@
+"""Issue 28 #4: a model whose sizes the layout cannot split is refused before anything starts,
+naming the numbers and the sizes that work (``rl_plugin.arguments.model_layout``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rl_plugin.arguments import RLArgumentError
+from rl_plugin.arguments.model_layout import check_model_layout
+from tests.support.flag_rules import parse_args
+
+SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+
+
+def _model(tmp_path, **config):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def _check(flags, model_dir):
+    args = parse_args(flags.split())
+    args.hf_checkpoint = model_dir
+    check_model_layout(args)
+
+
+def test_tp_that_cannot_split_the_heads_names_the_divisors(tmp_path):
+    d = _model(tmp_path, **SMOLLM2)
+    with pytest.raises(RLArgumentError) as err:
+        _check("--tensor-model-parallel-size 2 --actor-num-gpus-per-node 2", d)
+    msg = str(err.value)
+    assert "--tensor-model-parallel-size 2" in msg and "the model has 9 attention heads" in msg, msg
+    assert "one of 1, 3, 9" in msg and "Fix:" in msg
+    _check("--tensor-model-parallel-size 3 --actor-num-gpus-per-node 3", d)  # 9 heads, 3 KV heads: fine
+
+
+def test_kv_heads_are_split_too(tmp_path):
+    d = _model(tmp_path, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)
+    with pytest.raises(RLArgumentError, match="the model has 2 KV heads, which 4 ranks cannot split evenly"):
+        _check("--tensor-model-parallel-size 4 --actor-num-gpus-per-node 4", d)
+
+
+def test_fsdp_has_no_tensor_parallel_rule(tmp_path):
+    _check("--train-backend fsdp", _model(tmp_path, **SMOLLM2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule: a multi-process vLLM engine needs CUDA")
+def test_multi_gpu_vllm_engine_on_a_cpu_is_refused(tmp_path):
+    with pytest.raises(RLArgumentError, match="a multi-GPU vLLM engine .* needs CUDA GPUs"):
+        _check(
+            "--rollout-engine vllm --rollout-num-gpus-per-engine 2 --rollout-num-gpus 2", _model(tmp_path, **SMOLLM2)
+        )

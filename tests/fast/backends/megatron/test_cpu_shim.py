@@ -1,0 +1,86 @@
+"""The CPU shim: each patch is needed on a CPU-only torch (the megatron-core call fails without
+it) and works with it; applied once; never applied when CUDA is present. The shim changes
+process-wide state, so everything that applies it runs in a spawned process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def _failures():
+    """Which megatron-core calls raise, right now, in this process."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    def raises(fn):
+        try:
+            fn()
+            return False
+        except Exception:  # noqa: BLE001 - any failure counts: the call does not work on CPU
+            return True
+
+    return {
+        "rng_tracker": raises(lambda: CudaRNGStatesTracker().add("probe", 123)),
+        "current_device": raises(lambda: torch.empty(1, device=torch.cuda.current_device())),
+        "cuda_device_literals": raises(lambda: get_default_causal_mask(3)),
+        "tensor_type_names": torch.zeros(1).type() != "torch.cuda.FloatTensor",  # megatron's check fails
+    }
+
+
+def _shim_worker(rank, world):
+    import importlib
+
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    from rl_plugin.backends.megatron import cpu_shim
+
+    before = _failures()
+    original_zeros = torch.zeros
+    assert cpu_shim.apply_cpu_shim() is True
+    assert cpu_shim.apply_cpu_shim() is True  # idempotent
+    after = _failures()
+    # RNG fork: its own stream, the default stream restored on exit.
+    tracker = CudaRNGStatesTracker()
+    tracker.add("mp", 7)
+    state = torch.get_rng_state()
+    with tracker.fork("mp"):
+        a = torch.rand(3)
+    restored = torch.equal(torch.get_rng_state(), state)
+    with tracker.fork("mp"):
+        b = torch.rand(3)
+    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    return {
+        "before": before,
+        "after": after,
+        "applied": list(cpu_shim.APPLIED),
+        "rng_restored": restored,
+        "rng_advances": not torch.equal(a, b),
+        "global_torch_untouched": torch.zeros is original_zeros,
+        "module_proxy": schedules.torch is not torch and schedules.torch.zeros(1, device="cuda").device.type == "cpu",
+        "conversion_still_converts": torch.zeros(1).type(torch.float64).dtype == torch.float64,
+    }
+
+
+def test_each_patch_is_needed_and_works_and_applies_once(run_world):
+    out = run_world(_shim_worker, 1)[0]
+    from rl_plugin.backends.megatron.cpu_shim import PATCHES
+
+    names = [n for n, _ in PATCHES]
+    assert out["applied"] == names
+    assert out["before"] == {n: True for n in names}, out["before"]  # each call fails unpatched
+    assert out["after"] == {n: False for n in names}, out["after"]
+    assert out["rng_restored"] and out["rng_advances"]
+    assert out["global_torch_untouched"] and out["module_proxy"] and out["conversion_still_converts"]
+
+
+def test_shim_is_not_applied_when_cuda_is_present(monkeypatch):
+    from rl_plugin.backends.megatron import cpu_shim
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    applied_before = list(cpu_shim.APPLIED)
+    assert cpu_shim.apply_cpu_shim() is False
+    assert cpu_shim.APPLIED == applied_before == []
+    assert not cpu_shim.shim_active()

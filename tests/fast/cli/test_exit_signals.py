@@ -1,0 +1,156 @@
+"""Issue 28 #1: a preempted run saves and says how to resume (``--exit-signal-handler``).
+
+Real processes: run S (embedded task, FSDP, one rank, ``--save-interval`` far away) and its local
+Ray cluster get SIGTERM (to the whole process group)
+after its second step, as Slurm or Kubernetes send it on preemption. It must finish the train call
+in progress, write a checkpoint at the step it reached, print the last checkpoint and the resume
+command, release the output lock and exit 143, leaving no process behind. The printed command
+resumes it to the end, and the resumed run's metrics equal an uninterrupted run's line for line.
+Run R also keeps its checkpoints with ``--save-retain`` / ``--save-retain-interval``, and a run
+resumed from one of them with ``--ckpt-step`` equals R past that step. The second-signal abort and
+``--exit-duration-in-mins`` are checked on ``ExitRequest`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import time
+
+import pytest
+
+from rl_plugin.errors import Interrupted
+from rl_plugin.loop.checkpoint import complete_steps, latest_step
+from rl_plugin.loop.exit_request import ExitRequest
+from tests.fast.cli.test_cli_faults import Proc, _gone, _names
+
+NUM_ROLLOUT = 16  # rollouts take ~0.1 s here: the signal must land well before the last
+
+
+def _argv(d, *extra):
+    return [
+        "--train-backend",
+        "fsdp",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        str(NUM_ROLLOUT),
+        "--output-dir",
+        str(d / "out"),
+        "--no-progress-bar",
+        "--log-interval",
+        "1",
+        *extra,
+    ]
+
+
+def _rows(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run S, SIGTERMed after its second step and resumed with the command it printed; run R,
+    uninterrupted, saving every 4 rollouts with --save-retain 2 --save-retain-interval 8."""
+    tmp = tmp_path_factory.mktemp("exit")
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # each run starts (and must end) its own local cluster
+    env["RL_PLUGIN_CACHE"] = str(tmp / "cache")
+    s_dir, r_dir = tmp / "s", tmp / "r"
+    s = Proc(_argv(s_dir, "--save", str(s_dir / "ckpt"), "--save-interval", "100"), tmp, env)
+    try:
+        s.wait_for(lambda: sum(ln.startswith("step ") for ln in s.out) >= 2, "run S's second step")
+        tree = s.tree()
+        os.killpg(s.p.pid, signal.SIGTERM)  # the whole job, as Slurm does on preemption
+        rc = s.finish(timeout=300)
+    finally:
+        if s.p.poll() is None:
+            os.killpg(s.p.pid, signal.SIGKILL)
+    stopped = {"rc": rc, "err": "".join(s.err), "rows": _rows(s_dir / "out" / "metrics.jsonl"), "left": _gone(tree)}
+    stopped["step"] = latest_step(s_dir / "ckpt")
+    stopped["lock"] = (s_dir / "out" / ".rl_plugin.lock").exists()
+    last = [ln for ln in stopped["err"].splitlines() if ln.strip()][-1]
+    cmd = shlex.split(last.split(f"(last checkpoint: step {stopped['step']}): ", 1)[1])
+    resumed = Proc(cmd[1:], tmp, env)
+    retain = [
+        "--save",
+        str(r_dir / "ckpt"),
+        "--save-interval",
+        "4",
+        "--save-retain",
+        "2",
+        "--save-retain-interval",
+        "8",
+    ]
+    full = Proc(_argv(r_dir, *retain), tmp, env)
+    assert resumed.finish(timeout=900) == 0, "".join(resumed.err)[-3000:]
+    assert full.finish(timeout=900) == 0, "".join(full.err)[-3000:]
+    return {"tmp": tmp, "env": env, "s_dir": s_dir, "r_dir": r_dir, "stopped": stopped, "last": last}
+
+
+def test_sigterm_saves_at_its_step_and_says_how_to_resume(runs):
+    st, s_dir, last = runs["stopped"], runs["s_dir"], runs["last"]
+    assert st["rc"] == 128 + signal.SIGTERM, st["err"][-3000:]
+    assert "received SIGTERM: finishing the optimizer steps in progress, then writing a checkpoint" in st["err"]
+    assert "Traceback" not in st["err"], st["err"][-3000:]
+    rows, step = st["rows"], st["step"]
+    assert step is not None and step == rows[-1]["step"] >= 2, (step, len(rows))  # the signal's step, saved
+    assert last.startswith(f"stopped by SIGTERM after rollout {rows[-1]['rollout_id']} (step {step})"), last
+    assert f"resume with --load {s_dir / 'ckpt'} (last checkpoint: step {step}): rl-plugin-train " in last, last
+    assert not st["lock"], "the output lock outlived the run"
+    assert not st["left"], f"left after SIGTERM: {_names(st['left'])}"
+
+
+def test_the_printed_command_resumes_to_the_uninterrupted_run(runs):
+    assert _rows(runs["s_dir"] / "out" / "metrics.jsonl") == _rows(runs["r_dir"] / "out" / "metrics.jsonl")
+
+
+def test_save_retain_keeps_the_newest_and_every_kth(runs):
+    # saves after rollouts 4, 8, 12, 16 (one step each): newest two, plus the one after 8 rollouts
+    assert complete_steps(runs["r_dir"] / "ckpt") == [8, 12, 16]
+
+
+def test_ckpt_step_resumes_an_earlier_checkpoint_exactly(runs):
+    r_dir, out = runs["r_dir"], runs["tmp"] / "from8"
+    back = Proc(_argv(out, "--load", str(r_dir / "ckpt"), "--ckpt-step", "8"), runs["tmp"], runs["env"])
+    assert back.finish(timeout=900) == 0, "".join(back.err)[-3000:]
+    assert "resumed from " + str(r_dir / "ckpt" / "iter_0000008") in "".join(back.out)
+    full = [r for r in _rows(r_dir / "out" / "metrics.jsonl") if r["step"] > 8]
+    assert _rows(out / "out" / "metrics.jsonl") == full
+
+
+def test_a_second_signal_aborts_at_once():
+    before = signal.getsignal(signal.SIGUSR1)
+    req = ExitRequest(handle_signals=True, duration_mins=None, will_save=True)
+    req.install()
+    try:
+        assert req.reason() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert req.reason() == "stopped by SIGUSR1" and req.exit_code() == 128 + signal.SIGUSR1
+        with pytest.raises(Interrupted, match="aborted by a second signal \\(SIGHUP\\)") as info:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)  # the handler runs between bytecodes
+        assert info.value.exit_code == 128 + signal.SIGHUP
+    finally:
+        req.restore()
+    assert signal.getsignal(signal.SIGUSR1) == before  # the caller's handler is back
+
+
+def test_exit_duration_stops_with_exit_code_0():
+    req = ExitRequest(handle_signals=False, duration_mins=0.5 / 60, will_save=False)
+    assert req.reason() is None
+    time.sleep(0.6)
+    assert req.reason() == "stopped after --exit-duration-in-mins 0.00833333" and req.exit_code() == 0
+
+
+def test_exit_flags_are_validated():
+    from tests.support.flag_rules import assert_refused
+
+    assert_refused("--exit-duration-in-mins 0", ["--exit-duration-in-mins", "positive", "Fix:"])
+    assert_refused("--save-retain 0", ["--save-retain", ">= 1"])
+    assert_refused("--save-retain-interval 4", ["--save-retain-interval", "needs --save-retain"])
+    assert_refused("--ckpt-step 8", ["--ckpt-step", "pass --load DIR"])

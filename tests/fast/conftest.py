@@ -1,0 +1,44 @@
+"""Fixtures shared by the whole suite.
+
+- ``run_world``: ``run_world(fn, world_size, *args)`` of ``tests.support.harness``: ``world_size``
+  spawned processes in one gloo group on a free port; ``fn`` must be module-level (spawn imports
+  it by its module name, e.g. ``tests.fast.loss.test_metrics``).
+- ``free_port``: a function returning a free TCP port on 127.0.0.1.
+- ``tiny_checkpoint``: ``tiny_checkpoint(family="qwen2", **config)`` -> the path of a seeded tiny
+  Hugging Face checkpoint, written once per session (``rl_plugin.models.tiny``); read only.
+- ``tiny_qwen2``: the default tiny Qwen2 checkpoint (``tiny_checkpoint()``).
+
+The flags of exact SGD are ``tests.support.flags.EXACT_SGD`` (``exact_sgd(lr=...)``), a constant
+rather than a fixture: the workers ``run_world`` spawns use them, and fixtures do not reach them.
+
+The helpers themselves live in ``tests/support`` (a package: imported as ``tests.support.X``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import harness
+
+
+@pytest.fixture(scope="session")
+def run_world():
+    return harness.run_world
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    return harness.free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from tests.support.fsdp_common import tiny_checkpoint as make
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return lambda family="qwen2", **config: make(root, family, **config)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_checkpoint):
+    return tiny_checkpoint()
