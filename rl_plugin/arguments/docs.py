@@ -1,7 +1,7 @@
 """Generate ``arguments.md`` from the parser, so the flag reference cannot drift.
 
 ``python -m rl_plugin.arguments.docs`` rewrites the file; ``python -m rl_plugin.arguments.docs
---check`` exits 1 if it is stale. tests/fast/test_arguments_doc.py runs the check.
+--check`` exits 1 if it is stale. tests/fast/arguments/test_arguments.py runs the check.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ second and a message, not a crash inside a train actor.
   a remote-code ``auto_map`` entry for it).
 
 The tables are not mbridge's registry, so this check imports neither mbridge nor megatron
-(seconds); ``tests/fast/test_model_families.py`` fails if they and mbridge's text bridges
+(seconds); ``tests/fast/backends/test_model_families.py`` fails if they and mbridge's text bridges
 (``rl_plugin.backends.megatron.bridge.supported_model_types()``) disagree, and runs every
 supported type (and Gemma on FSDP) through both backends and both engines.
 """

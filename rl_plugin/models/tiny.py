@@ -1,7 +1,7 @@
 """A tiny Hugging Face causal LM, written once as an HF checkpoint directory both backends load.
 
 Used by the embedded default run and the tests: real Qwen2 / Llama / Qwen3 (q/k norm) / Mistral /
-Gemma architectures, shrunk so a CPU trains them in seconds (``tests/fast/test_model_families``
+Gemma architectures, shrunk so a CPU trains them in seconds (``tests/fast/backends/test_model_families``
 runs each through both backends and both engines). Weights are drawn from a seeded generator, so the same arguments give
 bit-identical checkpoints on every machine.
 """

@@ -7,7 +7,7 @@ builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_di
 tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
 shards gathered, on every rank.
 
-Workarounds (mbridge 0.15.1), each pinned by ``tests/fast/test_megatron_bridge.py``, which fails
+Workarounds (mbridge 0.15.1), each pinned by ``tests/fast/backends/megatron/test_bridge.py``, which fails
 if a workaround stops being needed or stops working:
 
 1. ``rope_theta``: transformers >= 5 keeps ``rope_theta`` inside ``config.rope_parameters``;

@@ -166,7 +166,7 @@ def response_rows(
     - sequence parallel: ``hidden`` is this rank's sequence shard; the all-gather's backward
       reduce-scatters, i.e. it already SUMS the partial d(rows) over TP. Nothing on top: an
       all-reduce as well (``copy_to_tensor_model_parallel_region``) multiplied every gradient
-      below the head by tp (the bug pinned by ``test_megatron_fp32_head``'s SP test).
+      below the head by tp (the bug pinned by ``backends/megatron/test_fp32_head``'s SP test).
     - otherwise: identity forward and all-reduce of d(rows) backward (what ColumnParallelLinear
       does for its input), unless ``grad_summed_by_caller`` (the fused head all-reduces itself).
     ``tp_group``: megatron's TP group when None. ``upcast``: the rows (only) are cast to fp32
