@@ -192,7 +192,7 @@ RULES = [
     ),
     (
         "--use-tis --rollout-top-p 0.9",
-        ["--use-tis with --rollout-top-p 0.9", "untruncated distribution", "--rollout-top-p 1.0"],
+        ["--use-tis with --rollout-top-p 0.9", "renormalised distribution", "--rollout-top-p 1.0"],
     ),
     (
         "--use-tis --custom-tis-function-path no_such_mod.fn",
