@@ -43,6 +43,7 @@ from statistics import median
 from typing import Dict, List
 
 from benchmarks._runner import ROOT, train_run
+from benchmarks._trl import matched_grpo_config
 
 PHASES = ("generate", "train", "weight sync", "step")
 
@@ -90,7 +91,7 @@ def trl_worker(a) -> None:
     torch.set_num_threads(a.trl_threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rl_plugin.rollout.rewards import math_exact_reward
 
@@ -134,41 +135,15 @@ def trl_worker(a) -> None:
 
     tok = AutoTokenizer.from_pretrained(a.ckpt)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = GRPOConfig(
-            output_dir=tmp,
-            max_steps=a.rollouts,
-            per_device_train_batch_size=a.prompts * a.samples,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
-            num_generations=a.samples,
-            max_completion_length=a.response_len,
-            learning_rate=a.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=0.9,
-            adam_beta2=0.98,
-            adam_epsilon=1e-8,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            epsilon=0.2,
-            epsilon_high=0.28,
-            loss_type="grpo",
-            scale_rewards="group",
-            num_iterations=1,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            use_vllm=False,
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
+        cfg = matched_grpo_config(
+            tmp,
+            steps=a.rollouts,
+            prompts=a.prompts,
+            samples=a.samples,
+            response_len=a.response_len,
+            lr=a.lr,
             seed=a.seed,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
+            loss_type="grpo",
         )
         model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32)
         clock = Clock()
