@@ -14,6 +14,12 @@ importing each other.
 
 from __future__ import annotations
 
+import signal
+
+# The signals that stop a run on purpose (``Stopped``; ``rl_plugin.loop.exit_request``): SIGTERM
+# (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default), SIGHUP.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
 
 class RLArgumentError(ValueError):
     """A flag combination that would train the wrong objective. The message names the flags,

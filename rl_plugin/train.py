@@ -25,15 +25,14 @@ import signal
 import sys
 from typing import List, Optional
 
+from rl_plugin.errors import EXIT_SIGNALS
+
 
 def _exit_before_start(signum, frame) -> None:
     """SIGTERM / SIGUSR1 / SIGHUP while the flags are parsed and checked: nothing started, nothing
     written; one line and 128 + N. The driver installs its own handler (save, then stop) next."""
     print(f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written", file=sys.stderr)
     raise SystemExit(128 + signum)
-
-
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 def parse_train_args(argv: Optional[List[str]] = None):

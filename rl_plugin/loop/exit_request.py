@@ -19,8 +19,7 @@ import sys
 import time
 from typing import Dict, Optional
 
-from rl_plugin.errors import Interrupted
-from rl_plugin.ray.cluster import EXIT_SIGNALS
+from rl_plugin.errors import EXIT_SIGNALS, Interrupted
 
 
 class ExitRequest:

@@ -34,7 +34,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rl_plugin.errors import LoopError
+from rl_plugin.errors import EXIT_SIGNALS, LoopError  # the exit signals are blocked in the local cluster
 from rl_plugin.ray.bundle_order import (
     BundleSite,
     alive_nodes_with,
@@ -45,9 +45,6 @@ from rl_plugin.ray.bundle_order import (
 )
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
-# The signals the loop turns into "save, then stop" (rl_plugin.loop.exit_request): SIGTERM
-# (preemption), SIGUSR1 (Slurm's --signal default), SIGHUP. Blocked in the local cluster's processes.
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
 
