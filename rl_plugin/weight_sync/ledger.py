@@ -42,7 +42,6 @@ class WeightLedger:
         self.engine_version: Optional[int] = None
         self.unsent: Optional[SyncHandle] = None
         self.loading: Optional[SyncHandle] = None
-        self.last_load = {"bytes": 0.0, "seconds": 0.0}  # the last load: bytes, the slowest engine's seconds
         self.load_seconds = 0.0  # engine load time of the calls answered since the last logged rollout
         self.publish_seconds = 0.0  # trainer export + publish time since the last logged rollout
         self.last_version = 0  # the newest sync train rank 0 published (its publisher counts 1, 2, ...)
@@ -114,7 +113,6 @@ class WeightLedger:
             return
         if load is None:
             raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
-        self.last_load = {"bytes": load["bytes"], "seconds": load["seconds"]}
         self.load_seconds += load["seconds"]
         if self.settings.check:
             for i, rollout in enumerate(load["fingerprints"]):
