@@ -13,6 +13,13 @@ from typing import Optional
 
 from rl_plugin.weight_sync import SyncSettings
 
+DEFAULT_OUTPUT_DIR = "outputs/run"
+
+
+def output_dir_of(args) -> Path:
+    """``--output-dir``, or ``outputs/run`` (the embedded default sets its own before this is read)."""
+    return Path(args.output_dir or DEFAULT_OUTPUT_DIR)
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -41,7 +48,7 @@ class LoopConfig:
 
     @classmethod
     def from_args(cls, args) -> "LoopConfig":
-        output_dir = Path(args.output_dir or "outputs/run")
+        output_dir = output_dir_of(args)
         return cls(
             num_rollout=int(args.num_rollout),
             rollout_batch_size=int(args.rollout_batch_size),

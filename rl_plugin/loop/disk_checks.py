@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from rl_plugin.errors import fail
+from rl_plugin.loop.config import output_dir_of
 
 BYTES_PER_PARAMETER = 12  # fp32 weights + AdamW's exp_avg and exp_avg_sq
 
@@ -67,8 +68,7 @@ def checkpoint_bytes_estimate(hf_checkpoint: str) -> Optional[int]:
 def check_output_dirs(args) -> None:
     """Raise ``RLArgumentError`` naming the flag when a directory is unwritable or ``--save``
     cannot hold one checkpoint."""
-    output_dir = args.output_dir or "outputs/run"
-    _writable("--output-dir", output_dir)
+    _writable("--output-dir", str(output_dir_of(args)))
     if args.save is None:
         return
     _writable("--save", args.save)

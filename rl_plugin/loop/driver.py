@@ -269,7 +269,7 @@ class Driver:
         cfg = self.cfg
         try:
             save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.pending)
-        except (TrainActorError, OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError) as exc:  # a rank that raised (TrainActorError), the driver's own writes
             staging, last = partial_dir(cfg.save, self.progress.step), latest_step(cfg.save)
             remove_partial(staging)
             full = disk_full_message(
