@@ -243,3 +243,20 @@ def test_fresh_run_keeps_an_earlier_metrics_file(tmp_path):
         tmp_path / "metrics.jsonl.prev2"
     ).read_text() == "old 2\n"
     assert (tmp_path / "metrics.timings.jsonl.prev2").read_text() == "old 2\n"
+
+
+def test_ckpt_step_names_the_steps_the_directory_holds(tmp_path):
+    """``--ckpt-step`` of a step without a complete checkpoint is refused, listing those it has;
+    without ``--ckpt-step`` the tracker's step, with it the step asked for."""
+    from rl_plugin.errors import RLArgumentError
+    from rl_plugin.loop.checkpoint import begin_save, commit_save, complete_steps, resume_step, retain
+
+    for step, rollouts in ((4, 4), (8, 8), (12, 12)):
+        begin_save(tmp_path, step)
+        commit_save(tmp_path, step, {"next_rollout": rollouts})
+    (tmp_path / "iter_0000016.partial").mkdir()  # an unfinished save is not a step it holds
+    assert complete_steps(tmp_path) == [4, 8, 12]
+    assert resume_step(tmp_path) == 12 and resume_step(tmp_path, 8) == 8
+    with pytest.raises(RLArgumentError, match=r"--ckpt-step 16: there is no complete checkpoint .* 4, 8, 12"):
+        resume_step(tmp_path, 16)
+    assert retain(tmp_path, keep_last=1, keep_every=8) == [4] and complete_steps(tmp_path) == [8, 12]
