@@ -173,10 +173,10 @@ class SampleScorer:
         return out
 
     async def _score_each(self, samples: Sequence[Sample]) -> List[Any]:
-        fn = self.fn
+        fn = _target(self.fn)
         if self.form == SAMPLE:
             calls = [_call(fn, self.user_args, s) for s in samples]
-        elif takes_metadata(_target(fn)):
+        elif takes_metadata(fn):
             calls = [_call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
         else:
             calls = [_call(fn, s.prompt, s.response, s.label) for s in samples]
@@ -195,7 +195,7 @@ class SampleScorer:
         if len(samples) % size:
             raise ValueError(f"--group-rm: {len(samples)} samples do not split into groups of {size}")
         groups = [samples[i : i + size] for i in range(0, len(samples), size)]
-        calls = [_call(self.fn, self.user_args, list(g)) for g in groups]
+        calls = [_call(_target(self.fn), self.user_args, list(g)) for g in groups]
         results = await asyncio.gather(*calls, return_exceptions=True)
         out: List[Any] = []
         for k, (group, r) in enumerate(zip(groups, results)):
