@@ -1,8 +1,9 @@
-"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward function.
+"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward (``SampleScorer``).
 
 One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
 ``--rollout-batch-size`` prompts, samples ``--n-samples-per-prompt`` responses each (a prompt's
-samples are contiguous and form one group), scores them, and returns a ``RolloutData`` of flat
+samples are contiguous and form one group), scores them (as ``Sample`` objects, built once per
+rollout, through ``sample_rewards.SampleScorer``), and returns a ``RolloutData`` of flat
 tensors. Generation is seeded with ``seed + rollout_id``, so a resumed run regenerates exactly
 what the uninterrupted run would have, whatever happened before.
 
