@@ -203,3 +203,24 @@ def test_score_samples_from_a_thread_and_inside_a_loop(files):
         return await scorer.score(_samples(1))
 
     assert asyncio.run(in_loop()) == [0.5, 1.5, 2.5, 3.5]
+
+
+def test_manager_builds_the_samples_of_a_rollout():
+    from rl_plugin.rollout.dataset import PromptRecord
+    from rl_plugin.rollout.engine import Generation
+    from rl_plugin.rollout.manager import build_samples
+
+    recs = [PromptRecord("12=", "12", 0), PromptRecord([{"role": "user", "content": "hi"}], 7, 1, metadata={"w": 1})]
+    gens = [
+        Generation([1, 5], [6, 2], [-0.1, -0.2], True),
+        Generation([1, 5], [6], [-0.3], False),
+        Generation([1, 9, 9], [4, 4, 2], [-0.1] * 3, True),
+        Generation([1, 9, 9], [3], [-0.5], False),
+    ]
+    samples = build_samples(recs, gens, ["a", "b", "c", "d"], 2)
+    assert [s.group_index for s in samples] == [0, 0, 1, 1] and [s.index for s in samples] == [0, 1, 2, 3]
+    assert [s.tokens for s in samples] == [[1, 5, 6, 2], [1, 5, 6], [1, 9, 9, 4, 4, 2], [1, 9, 9, 3]]
+    assert [s.response_length for s in samples] == [2, 1, 3, 1] and [s.prompt_length for s in samples] == [2, 2, 3, 3]
+    assert [s.status for s in samples] == [Sample.Status.COMPLETED, Sample.Status.TRUNCATED] * 2
+    assert samples[0].metadata == {} and samples[3].metadata == {"w": 1} and samples[2].label == 7
+    assert samples[2].prompt == [{"role": "user", "content": "hi"}] and samples[1].response == "b"
