@@ -8,7 +8,8 @@ without one). The answer is a JSON number, or an object carrying it under ``"rew
 
 Client behaviour (``aiohttp``, one session per rollout):
 
-- at most ``--rm-max-concurrency`` requests in flight (a semaphore and the connector's limit);
+- at most ``--rm-max-concurrency`` requests in flight (a semaphore and the connector's limit),
+  also across concurrent ``score`` calls in one event loop (a hook scoring sample by sample);
 - each attempt times out after ``--rm-timeout`` seconds;
 - a connection error, a timeout, HTTP 408, 429 or 5xx is retried up to ``--rm-max-retries``
   times, attempt ``k`` (0-based) waiting ``backoff * 2**k`` seconds first (capped at
@@ -70,7 +71,8 @@ class RemoteRewardModel:
         url_host_port(url)  # a bad URL fails here, not in the first request
         self.url, self.max_concurrency, self.timeout = url, int(max_concurrency), float(timeout)
         self.max_retries, self.backoff = int(max_retries), float(backoff)
-        self.retries = 0  # retried attempts of the last ``score`` call (a metric)
+        self.retries = 0  # retried attempts since the last ``score`` call began
+        self._limit = (None, None)  # (event loop, its semaphore): concurrent ``score`` calls share the bound
 
     @classmethod
     def from_args(cls, args) -> "RemoteRewardModel":
@@ -94,7 +96,10 @@ class RemoteRewardModel:
         self.retries = 0
         if not samples:
             return []
-        limit = asyncio.Semaphore(self.max_concurrency)
+        loop = asyncio.get_running_loop()
+        if self._limit[0] is not loop:
+            self._limit = (loop, asyncio.Semaphore(self.max_concurrency))
+        limit = self._limit[1]
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

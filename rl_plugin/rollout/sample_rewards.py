@@ -20,8 +20,9 @@ function's required positional parameters (``metadata`` not counted):
 - ``--rm-type remote_rm``: every sample POSTed to ``--rm-url`` (``rl_plugin.rollout.remote_rm``)
   in one HTTP session, at most ``--rm-max-concurrency`` at a time.
 
-A reward is a number or a dict holding it under ``--reward-key`` (default ``"reward"``); the dict
-is kept whole as ``sample.reward`` and the number is returned. A function that raises stops the
+In slime's forms and from the server, a reward is a number or a dict holding it under
+``--reward-key`` (default ``"reward"``); the dict is kept whole as ``sample.reward`` and the number
+is returned (the sync three-argument form returns a float, as ``score_responses`` checks). A function that raises stops the
 rollout naming the flag, the user's file:line and the first such sample (index, prompt,
 response, label); a reward that is not a number or not finite names the sample too.
 """

@@ -2,7 +2,8 @@
 
 ``RewardServer(score=...)`` answers ``POST /`` with ``score(payload)`` as JSON (``payload`` is the
 request's decoded JSON). It records what it answered (``answers``: ``(payload, answer)`` in
-arrival order) and the most requests it held at once (``max_in_flight``). Knobs:
+arrival order) and the most requests it held at once (``max_in_flight``: received and not yet
+answered; a request leaves flight just before its answer is sent). Knobs:
 
 - ``delay``: seconds each request takes (an artificial model latency);
 - ``fail_first``: the first N requests are answered ``fail_status`` (a flaky server);
@@ -74,16 +75,19 @@ class RewardServer:
                     if server.delay:
                         time.sleep(server.delay)
                     if number <= server.fail_first:
-                        self._send(server.fail_status, b"server busy")
-                        return
-                    payload = json.loads(body)
-                    answer = server.score(payload)
-                    with server._lock:
-                        server.answers.append((payload, answer))
-                    self._send(200, json.dumps(answer).encode())
+                        status, data = server.fail_status, b"server busy"
+                    else:
+                        payload = json.loads(body)
+                        answer = server.score(payload)
+                        with server._lock:
+                            server.answers.append((payload, answer))
+                        status, data = 200, json.dumps(answer).encode()
                 finally:
+                    # out of flight BEFORE the answer leaves: the client may send its next request as
+                    # soon as it reads this one, so a later decrement would count both at once
                     with server._lock:
                         server.in_flight -= 1
+                self._send(status, data)
 
             def _send(self, status: int, data: bytes):
                 self.send_response(status)

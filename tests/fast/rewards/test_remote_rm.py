@@ -160,3 +160,15 @@ def test_trainer_refuses_a_dead_server_before_ray(monkeypatch, tmp_path, capsys)
     assert main([*argv, "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert f"--rm-url {url}" in err and "not reachable" in err and "Fix:" in err
+
+
+def test_concurrent_score_calls_share_the_bound():
+    """A generate hook may score sample by sample as they finish: the bound is the scorer's."""
+    with RewardServer(lambda p: 1.0, delay=0.05) as server:
+        scorer = SampleScorer(_args(server.url, rm_max_concurrency=2))
+
+        async def one_by_one():
+            return await asyncio.gather(*(scorer.score([s]) for s in _samples(8)))
+
+        assert asyncio.run(one_by_one()) == [[1.0]] * 8
+    assert server.requests == 8 and 1 < server.max_in_flight <= 2
