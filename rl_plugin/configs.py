@@ -177,6 +177,12 @@ class RolloutConfig:
     n_samples_per_eval: int = 1
     rm_type: Optional[str] = None
     custom_rm_path: Optional[str] = None
+    group_rm: bool = False
+    reward_key: Optional[str] = None
+    rm_url: Optional[str] = None  # --rm-type remote_rm; the three below: None = remote_rm's defaults
+    rm_max_concurrency: Optional[int] = None
+    rm_timeout: Optional[float] = None
+    rm_max_retries: Optional[int] = None
     dynamic_sampling_filter_path: Optional[str] = None
     dynamic_sampling_max_rounds: int = DYNAMIC_SAMPLING_MAX_ROUNDS
     over_sampling_batch_size: Optional[int] = None
@@ -206,6 +212,12 @@ class RolloutConfig:
             n_samples_per_eval=int(args.n_samples_per_eval),
             rm_type=args.rm_type,
             custom_rm_path=args.custom_rm_path,
+            group_rm=bool(args.group_rm),
+            reward_key=args.reward_key,
+            rm_url=args.rm_url,
+            rm_max_concurrency=args.rm_max_concurrency,
+            rm_timeout=args.rm_timeout,
+            rm_max_retries=args.rm_max_retries,
             dynamic_sampling_filter_path=args.dynamic_sampling_filter_path,
             dynamic_sampling_max_rounds=int(args.dynamic_sampling_max_rounds),
             over_sampling_batch_size=args.over_sampling_batch_size,

@@ -8,7 +8,7 @@ module imports no torch: the flag layer (``rl_plugin.arguments``) reads ``names(
 - ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages``
 - ``LOSS_AGGREGATIONS``: ``--loss-aggregation``; ``rl_plugin.loss.aggregation``
 - ``KL_ESTIMATORS``: ``--kl-loss-type``; ``rl_plugin.loss.kl``
-- ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards``
+- ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards``, ``rl_plugin.rollout.remote_rm``
 - ``ROLLOUT_ENGINES``: ``--rollout-engine``; ``rl_plugin.rollout.{hf,vllm,sglang}_engine``
 - ``TRAIN_BACKENDS``: ``--train-backend``; ``rl_plugin.backends.{megatron,fsdp}``
 
@@ -53,6 +53,7 @@ KL_ESTIMATORS.register_lazy("low_var_kl", "rl_plugin.loss.kl:low_var_kl")
 REWARDS = Registry("reward", "--rm-type")
 REWARDS.register_lazy("digit_match", "rl_plugin.rollout.rewards:digit_match")
 REWARDS.register_lazy("math_exact", "rl_plugin.rollout.rewards:math_exact_reward")
+REWARDS.register_lazy("remote_rm", "rl_plugin.rollout.remote_rm:remote_rm")  # POSTs to --rm-url (slime's)
 
 ROLLOUT_ENGINES = Registry("rollout engine", "--rollout-engine")
 ROLLOUT_ENGINES.register_lazy("hf", "rl_plugin.rollout.hf_engine:HFEngine")

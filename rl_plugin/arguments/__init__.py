@@ -30,6 +30,7 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "rollout",
+    "rewards",
     "weight_sync",
     "off_policy",
     "cluster",

@@ -126,14 +126,14 @@ def add_arguments(parser):
         type=rm_type,
         choices=REWARDS.names(),
         default=None,
-        help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task. slime's --rm-type math is accepted as math_exact (the same check of the final \\boxed{} answer against the label, by normalised string equality where slime also tries sympy equivalence); slime's other verifiers (deepscaler, dapo, f1, gpqa, ifbench, random, remote_rm, boxed_*) are refused with how to port them as --custom-rm-path.",
+        help="Built-in verifier: digit_match (the embedded task's partial credit: matching positions / label length) or math_exact (final answer, \\boxed{} or last number, equals the label). Default: digit_match for the embedded task. slime's --rm-type math is accepted as math_exact (the same check of the final \\boxed{} answer against the label, by normalised string equality where slime also tries sympy equivalence); remote_rm (slime's): each sample is scored by the HTTP server at --rm-url (see the rewards flags). slime's other verifiers (deepscaler, dapo, f1, gpqa, ifbench, random, boxed_*) are refused with how to port them as --custom-rm-path.",
     )
     add_flag(
         g,
         "--custom-rm-path",
         type=str,
         default=None,
-        help="Your reward function, 'package.module:function' or 'file.py:function', called as fn(prompt, response, label) -> float. Replaces --rm-type.",
+        help="Your reward function, 'package.module:function' or 'file.py:function', in one of two forms told apart by its required positional parameters: fn(prompt, response, label) -> float (with a `metadata` keyword it also gets --metadata-key's object), or slime's `async def rm(args, sample)` returning a number or a dict (--reward-key), all samples scored concurrently; with --group-rm, `async def rm(args, samples) -> list[float]` per group. Replaces --rm-type.",
     )
     add_flag(
         g,
@@ -162,7 +162,7 @@ def add_arguments(parser):
 # slime's --rm-type values (slime/rollout/rm_hub/__init__.py: async_rm) -> ours. Only `math`
 # checks what one of our built-ins checks; the others are refused by ``rm_type`` below.
 SLIME_RM_TYPES = {"math": "math_exact"}
-SLIME_ONLY_RM_TYPES = ("deepscaler", "dapo", "f1", "gpqa", "ifbench", "random", "remote_rm")
+SLIME_ONLY_RM_TYPES = ("deepscaler", "dapo", "f1", "gpqa", "ifbench", "random")
 
 
 def rm_type(value: str) -> str:
@@ -174,8 +174,8 @@ def rm_type(value: str) -> str:
     if value in SLIME_ONLY_RM_TYPES or value.startswith("boxed_"):
         raise argparse.ArgumentTypeError(
             f"{value!r} is one of slime's verifiers and has no rl_plugin built-in (built-ins: {', '.join(REWARDS.names())}; "
-            f"slime's 'math' is accepted as math_exact). Fix: write it as fn(prompt, response, label) -> float and pass "
-            "--custom-rm-path package.module:function (or file.py:function) instead of --rm-type"
+            f"slime's 'math' is accepted as math_exact). Fix: write it as fn(prompt, response, label) -> float or slime's "
+            "`async def rm(args, sample)` and pass --custom-rm-path package.module:function (or file.py:function) instead of --rm-type"
         )
     return value
 

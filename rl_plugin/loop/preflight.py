@@ -9,7 +9,8 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
    backend trains (``rl_plugin.backends.model_families``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir);
-4. the reward function imports (errors at the user's file:line);
+4. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
+   with ``--rm-type remote_rm``, the server at ``--rm-url`` accepts connections;
 5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
@@ -86,11 +87,12 @@ def finished_message(args, step: int) -> str:
 
 def check_reward_and_data(args) -> None:
     from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length, model_vocab_size
-    from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn
+    from rl_plugin.rollout.rewards import RewardFunctionError
+    from rl_plugin.rollout.sample_rewards import SampleScorer
     from rl_plugin.rollout.tokenizer import load_tokenizer
 
     try:
-        load_reward_fn(args.rm_type, args.custom_rm_path)
+        scorer = SampleScorer(args)  # loads the function and checks its form against --group-rm
     except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
@@ -99,6 +101,8 @@ def check_reward_and_data(args) -> None:
             str(exc),
             "pass package.module:function or path/to/file.py:function",
         )
+    if scorer.remote is not None:
+        check_reward_server(scorer.remote.url)
     try:
         tokenizer = load_tokenizer(
             args.hf_checkpoint,
@@ -127,6 +131,20 @@ def check_reward_and_data(args) -> None:
                 rm_type=args.rm_type,
                 vocab_size=vocab,
             )
+
+
+def check_reward_server(url: str) -> None:
+    """``--rm-type remote_rm``: something accepts connections at ``--rm-url`` (a TCP connect, a few
+    seconds at most), so a server that is down is named before Ray starts."""
+    from rl_plugin.rollout.remote_rm import PROBE_TIMEOUT_S, probe
+
+    why = probe(url)
+    if why is not None:
+        fail(
+            f"--rm-type remote_rm --rm-url {url}",
+            f"the reward server is not reachable ({why}; probed for {PROBE_TIMEOUT_S:g} s before starting Ray)",
+            "start the reward server first, or correct the host and port of --rm-url",
+        )
 
 
 def preflight(args) -> Optional[ResumePoint]:

@@ -1,8 +1,9 @@
-"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward function.
+"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward (``SampleScorer``).
 
 One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
 ``--rollout-batch-size`` prompts, samples ``--n-samples-per-prompt`` responses each (a prompt's
-samples are contiguous and form one group), scores them, and returns a ``RolloutData`` of flat
+samples are contiguous and form one group), scores them (as ``Sample`` objects, built once per
+rollout, through ``sample_rewards.SampleScorer``), and returns a ``RolloutData`` of flat
 tensors. Generation is seeded with ``seed + rollout_id``, so a resumed run regenerates exactly
 what the uninterrupted run would have, whatever happened before.
 
@@ -35,8 +36,9 @@ from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
-from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, rollout_stats
+from rl_plugin.rollout.sample import Sample
+from rl_plugin.rollout.sample_rewards import SampleScorer
 from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
@@ -62,6 +64,26 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
     """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
     base, extra = divmod(num_groups, num_engines)
     return [base + (1 if i < extra else 0) for i in range(num_engines)]
+
+
+def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n: int) -> List[Sample]:
+    """The rollout's ``Sample`` objects (once per rollout, for the reward): group ``g`` is record
+    ``g``'s ``n`` contiguous samples; ``tokens`` are the engine's prompt + response ids."""
+    done, cut = Sample.Status.COMPLETED, Sample.Status.TRUNCATED
+    return [
+        Sample(
+            group_index=i // n,
+            index=i,
+            prompt=recs[i // n].prompt,
+            tokens=g.prompt_ids + g.response_ids,
+            response=responses[i],
+            response_length=len(g.response_ids),
+            label=recs[i // n].label,
+            metadata={} if recs[i // n].metadata is None else recs[i // n].metadata,
+            status=done if g.finished else cut,
+        )
+        for i, g in enumerate(gens)
+    ]
 
 
 def _for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
@@ -91,7 +113,7 @@ class RolloutManager:
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
-        self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
+        self.scorer = SampleScorer(cfg)  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
         self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None
@@ -165,11 +187,9 @@ class RolloutManager:
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
         prompts = [r.prompt for r in recs for _ in range(n)]
         labels = [r.label for r in recs for _ in range(n)]
-        metadata = [r.metadata for r in recs for _ in range(n)]
+        samples = build_samples(recs, gens, responses, n)
         t1 = time.perf_counter()
-        rewards = torch.tensor(
-            score_responses(self.reward_fn, prompts, responses, labels, metadata), dtype=torch.float32
-        )
+        rewards = torch.tensor(self.scorer.score_samples(samples, group_size=n), dtype=torch.float32)
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         flat = flatten_generations(gens)
         empty = torch.nonzero(flat.response_lengths == 0).flatten()

@@ -18,7 +18,10 @@ partial credit against the number's shortest text (7.0 -> "7", never "7.0"). The
 label: preflight refuses null or empty ones (``prompt_check.check_labels``).
 
 ``--custom-rm-path`` is ``package.module:function``, ``package.module.function`` or
-``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``.
+``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``. The rollout
+scores through ``rl_plugin.rollout.sample_rewards.SampleScorer``, which also takes slime's
+``rm(args, sample)`` / ``--group-rm`` forms and ``--rm-type remote_rm`` (``remote_rm.py``) and
+calls ``score_responses`` below for this module's form.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_slime_spelling_sets_the_same_setting(slime, ours, dest, value):
     assert vars(a) == vars(b)
 
 
-@pytest.mark.parametrize("rm", ["deepscaler", "dapo", "f1", "gpqa", "ifbench", "random", "remote_rm", "boxed_math"])
+@pytest.mark.parametrize("rm", ["deepscaler", "dapo", "f1", "gpqa", "ifbench", "random", "boxed_math"])
 def test_slime_only_verifier_is_refused_with_the_port(rm, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--rm-type", rm])

@@ -1,0 +1,265 @@
+"""Scoring a rollout's ``Sample`` objects: the one seam between generation and rewards.
+
+``SampleScorer(args)`` is built from the run's flags (an ``argparse.Namespace`` or the
+``RolloutConfig``: ``rm_type``, ``custom_rm_path``, ``group_rm``, ``reward_key``, ``rm_url``,
+``rm_max_concurrency``, ``rm_timeout``, ``rm_max_retries``, ``n_samples_per_prompt``).
+``await scorer.score(samples)`` sets every ``sample.reward`` and returns the rewards as floats, in
+order; ``scorer.score_samples(samples)`` is the same from synchronous code (it runs its own event
+loop, so it refuses to run inside one: await ``score`` there). The reward forms, chosen by the
+function's required positional parameters (``metadata`` not counted):
+
+- three, ``fn(prompt, response, label)``, optionally with a ``metadata`` keyword
+  (``rl_plugin.rollout.rewards``: the built-ins and today's ``--custom-rm-path``): a sync
+  function runs through ``rewards.score_responses`` unchanged (same calls, same checks, same
+  errors); an ``async`` one is awaited for all samples concurrently;
+- two, slime's ``rm(args, sample) -> reward`` (``async`` or not): called once per sample, all
+  samples concurrently; ``args`` is the object the scorer was built from (or ``user_args``);
+- with ``--group-rm``, slime's ``rm(args, samples) -> list of rewards``: called once per
+  contiguous group of ``group_size`` samples (``--n-samples-per-prompt`` by default), all groups
+  concurrently; it must return one reward per sample of its group;
+- ``--rm-type remote_rm``: every sample POSTed to ``--rm-url`` (``rl_plugin.rollout.remote_rm``)
+  in one HTTP session, at most ``--rm-max-concurrency`` at a time.
+
+In slime's forms and from the server, a reward is a number or a dict holding it under
+``--reward-key`` (default ``"reward"``); the dict is kept whole as ``sample.reward`` and the number
+is returned (the sync three-argument form returns a float, as ``score_responses`` checks). A function that raises stops the
+rollout naming the flag, the user's file:line and the first such sample (index, prompt,
+response, label); a reward that is not a number or not finite names the sample too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from typing import Any, List, Optional, Sequence
+
+from rl_plugin.rollout.remote_rm import RemoteRewardModel
+from rl_plugin.rollout.rewards import (
+    CustomReward,
+    RewardFunctionError,
+    _describe,
+    load_reward_fn,
+    score_responses,
+    takes_metadata,
+)
+from rl_plugin.rollout.sample import Sample
+from rl_plugin.user_code import describe_exception, where
+
+PROMPT_RESPONSE_LABEL = "fn(prompt, response, label)"
+SAMPLE = "rm(args, sample)"
+GROUP = "rm(args, samples)"
+REMOTE = "remote_rm"
+
+
+def required_positionals(fn) -> Optional[int]:
+    """Required positional parameters of ``fn`` (a ``metadata`` one not counted); None when it
+    takes ``*args`` or has no signature."""
+    target = fn.fn if isinstance(fn, CustomReward) else fn
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty and p.name != "metadata"
+        for p in params
+    )
+
+
+def is_async(fn) -> bool:
+    """An ``async def`` function (or a callable object whose ``__call__`` is one)."""
+    target = _target(fn)
+    return inspect.iscoroutinefunction(target if inspect.isroutine(target) else type(target).__call__)
+
+
+def reward_form(fn, *, group_rm: bool, spec: str = "") -> str:
+    """The form ``fn`` is called in (see the module docstring); ``--group-rm`` with a function
+    that does not take ``(args, samples)`` is refused naming both flags and the fix."""
+    n = required_positionals(fn)
+    if group_rm:
+        if n != 2:
+            raise RewardFunctionError(
+                f"--group-rm with --custom-rm-path {spec}: the function at {where(_target(fn))} takes {_params(fn)}, but "
+                "--group-rm calls rm(args, samples) once per group of --n-samples-per-prompt samples and needs one reward "
+                "per sample back. Fix: write it as `async def rm(args, samples) -> list[float]`, or drop --group-rm to "
+                "score one sample per call"
+            )
+        return GROUP
+    return SAMPLE if n == 2 else PROMPT_RESPONSE_LABEL
+
+
+def _target(fn):
+    return fn.fn if isinstance(fn, CustomReward) else fn
+
+
+def _params(fn) -> str:
+    try:
+        return f"{getattr(_target(fn), '__name__', 'fn')}{inspect.signature(_target(fn))}"
+    except (TypeError, ValueError):
+        return "an unknown signature"
+
+
+async def _call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, awaited when it returns an awaitable (a sync function's raise is
+    then the coroutine's, so ``gather`` collects it with the others)."""
+    value = fn(*args, **kwargs)
+    return await value if inspect.isawaitable(value) else value
+
+
+class SampleScorer:
+    """The rollout's reward: see the module docstring."""
+
+    def __init__(self, args, *, user_args: Any = None):
+        self.user_args = args if user_args is None else user_args
+        self.group_rm = bool(getattr(args, "group_rm", False))
+        self.group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+        self.reward_key = getattr(args, "reward_key", None) or "reward"
+        rm_type, custom = getattr(args, "rm_type", None), getattr(args, "custom_rm_path", None)
+        self.remote: Optional[RemoteRewardModel] = None
+        self.fn = None
+        if rm_type == REMOTE and not custom:
+            self.remote = RemoteRewardModel.from_args(args)
+            self.form = REMOTE
+            self.who = f"--rm-url {self.remote.url}"
+        else:
+            self.fn = load_reward_fn(rm_type, custom)
+            self.form = reward_form(self.fn, group_rm=self.group_rm, spec=custom or "")
+            self.who = _describe(self.fn)
+        self.source = self.fn.source if isinstance(self.fn, CustomReward) else None
+        self.sync = self.form == PROMPT_RESPONSE_LABEL and not is_async(self.fn)
+
+    # -- entry points -------------------------------------------------------------------------
+    def score_samples(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
+        """``score`` from synchronous code (a thread with no running event loop)."""
+        if self.sync:
+            return self._score_sync(samples)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.score(samples, group_size=group_size))
+        raise RuntimeError(
+            "SampleScorer.score_samples was called inside a running event loop, which it cannot block; "
+            "use `await scorer.score(samples)` there"
+        )
+
+    async def score(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
+        """Set every ``sample.reward``; return the rewards as floats, in order."""
+        if self.sync:
+            return self._score_sync(samples)
+        if self.form == REMOTE:
+            values = await self.remote.score(samples)
+        elif self.form == GROUP:
+            values = await self._score_groups(samples, group_size or self.group_size)
+        else:
+            values = await self._score_each(samples)
+        out = self._floats(values, samples)
+        for s, v in zip(samples, values):
+            s.reward = v
+        return out
+
+    # -- the forms ----------------------------------------------------------------------------
+    def _score_sync(self, samples: Sequence[Sample]) -> List[float]:
+        prompts = [s.prompt for s in samples]
+        out = score_responses(
+            self.fn,
+            prompts,
+            [s.response for s in samples],
+            [s.label for s in samples],
+            [s.metadata for s in samples],
+        )
+        for s, v in zip(samples, out):
+            s.reward = v
+        return out
+
+    async def _score_each(self, samples: Sequence[Sample]) -> List[Any]:
+        fn = _target(self.fn)
+        if self.form == SAMPLE:
+            calls = [_call(fn, self.user_args, s) for s in samples]
+        elif takes_metadata(fn):
+            calls = [_call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
+        else:
+            calls = [_call(fn, s.prompt, s.response, s.label) for s in samples]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        bad = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
+        if bad is not None:
+            s = samples[bad]
+            raise RewardFunctionError(
+                f"{self.who} raised {describe_exception(results[bad], self.source)} on sample {bad} of the rollout "
+                f"(prompt {s.prompt!r}, response {s.response!r}, label {s.label!r}). Fix: make the function return a "
+                f"reward for every sample; it is called as {self.form}"
+            )
+        return results
+
+    async def _score_groups(self, samples: Sequence[Sample], size: int) -> List[Any]:
+        if len(samples) % size:
+            raise ValueError(f"--group-rm: {len(samples)} samples do not split into groups of {size}")
+        groups = [samples[i : i + size] for i in range(0, len(samples), size)]
+        calls = [_call(_target(self.fn), self.user_args, list(g)) for g in groups]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        out: List[Any] = []
+        for k, (group, r) in enumerate(zip(groups, results)):
+            first = k * size
+            if isinstance(r, BaseException):
+                raise RewardFunctionError(
+                    f"{self.who} (--group-rm) raised {describe_exception(r, self.source)} on group {k} of the rollout "
+                    f"(samples {first}..{first + size - 1}, prompt {group[0].prompt!r}). Fix: make the function return one "
+                    f"reward per sample of the group; it is called as {GROUP}"
+                )
+            try:
+                got = list(r)
+            except TypeError:
+                got = None
+            if got is None or len(got) != size:
+                what = f"{len(got)} rewards" if got is not None else repr(r)
+                raise RewardFunctionError(
+                    f"{self.who} (--group-rm, defined at {where(_target(self.fn))}) returned {what} for group {k} of the "
+                    f"rollout (samples {first}..{first + size - 1}, prompt {group[0].prompt!r}); it must return a list of "
+                    f"{size} rewards, one per sample of the group, in order"
+                )
+            out.extend(got)
+        return out
+
+    # -- checks -------------------------------------------------------------------------------
+    def _floats(self, values: Sequence[Any], samples: Sequence[Sample]) -> List[float]:
+        """The numbers of ``values`` (a dict's under the reward key); ``ValueError`` naming the
+        first sample whose reward is not a number or not finite."""
+        key = self.reward_key
+        if any(isinstance(v, dict) for v in values):
+            values = [v.get(key, _MISSING) if isinstance(v, dict) else v for v in values]
+        try:
+            out = list(map(_number, values))
+        except (TypeError, ValueError):
+            out = None
+        if out is not None and all(map(math.isfinite, out)):
+            return out
+        for i, v in enumerate(values):
+            s = samples[i]
+            if v is _MISSING:
+                raise ValueError(
+                    f"{self.who} returned a dict without the key {key!r} for sample {i} (prompt {s.prompt!r}); a dict "
+                    f"reward holds the number under {key!r} (set the key with --reward-key)"
+                )
+            try:
+                x = _number(v)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{self.who} returned {v!r} for sample {i} (prompt {s.prompt!r}); a reward is a number or a dict "
+                    f"with the number under {key!r}"
+                ) from None
+            if not math.isfinite(x):
+                raise ValueError(
+                    f"{self.who} returned {x} for sample {i} (prompt {s.prompt!r}, response {s.response!r}); "
+                    "rewards must be finite"
+                )
+        raise AssertionError("unreachable: a failed conversion names its sample")
+
+
+_MISSING = object()
+
+
+def _number(v) -> float:
+    if v is _MISSING or v is None:
+        raise TypeError("no reward")
+    return float(v)
