@@ -30,6 +30,7 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "rollout",
+    "custom_rollout",
     "weight_sync",
     "off_policy",
     "cluster",

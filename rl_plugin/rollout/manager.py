@@ -19,10 +19,18 @@ rewards; the first ``--rollout-batch-size`` passing groups, in generation order,
 and the rest are dropped (as slime does); every round after the first prints one progress line
 (at most ``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
 penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
+
+Custom generation (``custom_rollout``): with ``--custom-generate-function-path`` the samples of a
+rollout (or of a dynamic-sampling round) go through the user's hook instead of one engine call,
+its ``generate_tokens`` requests batched to the engines (``generate.EngineRouter``, seeded from the
+rollout's seed); with ``--rollout-function-path`` the user's function makes the whole rollout.
+Either way the returned samples are checked (``sample_check``), scored, and flattened with their
+loss masks; over-long shaping then counts the model's tokens (the mask's sum).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import replace
@@ -31,12 +39,25 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import RolloutConfig
+from rl_plugin.rollout.custom_rollout import (
+    GENERATE_FLAG,
+    ROLLOUT_FLAG,
+    DataSource,
+    Hook,
+    check_groups,
+    default_sampling_params,
+    fresh_samples,
+    multi_turn_stats,
+    run_generate_hook,
+    run_rollout_function,
+)
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, rollout_stats
+from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, flatten_samples, rollout_stats
+from rl_plugin.rollout.sample_check import check_samples
 from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
@@ -78,9 +99,13 @@ class RolloutManager:
         train_data: str,
         eval_data: Optional[str],
         engines: Optional[Sequence[Any]] = None,
+        args: Any = None,
     ):
         torch.set_num_threads(rollout_threads())
         self.config = cfg = config
+        self.checkpoint_dir = checkpoint_dir
+        # handed to the user's rollout hooks as slime's ``args`` (the run's parsed flags), never read here
+        self.hook_args = args if args is not None else config
         self.tokenizer = load_tokenizer(
             checkpoint_dir,
             apply_chat_template=cfg.apply_chat_template,
@@ -98,6 +123,10 @@ class RolloutManager:
         self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
         path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
+        hook, fn = cfg.custom_generate_function_path, cfg.rollout_function_path
+        self.generate_hook = Hook.load(hook, GENERATE_FLAG) if hook else None
+        self.rollout_fn = Hook.load(fn, ROLLOUT_FLAG) if fn else None
+        self._vocab_size: Optional[int] = None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
@@ -108,7 +137,9 @@ class RolloutManager:
         in order."""
         loading = self._start_load(handle)
         cfg = self.config
-        if self.group_filter is None:
+        if self.rollout_fn is not None:
+            data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
+        elif self.group_filter is None:
             recs = self.train.next_batch(cfg.rollout_batch_size)
             data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
@@ -125,7 +156,7 @@ class RolloutManager:
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths,
+                data.model_token_counts(),  # the model's tokens: tool output is not its length
                 max_len=cfg.engine.max_response_len,
                 buffer_len=cfg.overlong_buffer_len,
                 factor=cfg.overlong_penalty_factor,
@@ -158,6 +189,8 @@ class RolloutManager:
         return out
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
+        if self.generate_hook is not None:
+            return self._hook_rollout(recs, n, seed=seed, with_samples=with_samples)
         t0 = time.perf_counter()
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
         gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
@@ -201,6 +234,90 @@ class RolloutManager:
             for i in range(len(gens))
         ]
         return data, samples
+
+    # -- custom generation (custom_rollout) ----------------------------------------------------
+    def _hook_rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
+        """``_rollout`` through ``--custom-generate-function-path``: every sample through the hook."""
+        t0 = time.perf_counter()
+        samples = fresh_samples(self.tokenizer, recs, n)
+        hook, params = self.generate_hook, default_sampling_params(self.params)
+        out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch, seed, self.params)
+        return self._sample_data(out, len(recs), time.perf_counter() - t0, hook, with_samples)
+
+    def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
+        """The whole rollout from ``--rollout-function-path``."""
+        cfg, t0 = self.config, time.perf_counter()
+        source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
+        fn = self.rollout_fn
+        groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch, seed, self.params)
+        samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, self.rollout_fn, rollout_id)
+        return self._sample_data(samples, len(groups), time.perf_counter() - t0, self.rollout_fn)
+
+    def _sample_data(self, out, num_groups: int, gen_time: float, hook: Hook, with_samples: bool = False):
+        """Checked, scored and flattened hook samples (groups contiguous) as ``RolloutData``."""
+        samples = check_samples(out, hook.describe(), self.vocab_size)
+        for s in samples:
+            if not s.response:  # the hook left the text to us: every response id, tool output included
+                s.response = self.tokenizer.decode(s.tokens[len(s.tokens) - s.response_length :])
+        t1 = time.perf_counter()
+        rewards = torch.tensor(self._score_samples(samples), dtype=torch.float32)
+        reward_time = time.perf_counter() - t1
+        flat = flatten_samples(samples)
+        rl = flat.response_lengths
+        stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
+        stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
+        data = RolloutData(
+            tokens=flat.tokens,
+            total_lengths=flat.total_lengths,
+            response_lengths=rl,
+            rollout_log_probs=flat.log_probs,
+            rewards=rewards,
+            group_ids=torch.arange(num_groups).repeat_interleave(len(samples) // max(num_groups, 1)),
+            num_groups=num_groups,
+            stats=stats,
+            examples=[
+                {"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], rewards)
+            ],
+            loss_mask=flat.loss_mask,
+        )
+        if not with_samples:
+            return data
+        flags = [s.status == s.Status.TRUNCATED for s in samples]
+        return data, [
+            FilterSample(s.prompt, s.response, s.label, float(r), s.response_length, t)
+            for s, r, t in zip(samples, rewards.tolist(), flags)
+        ]
+
+    def _score_samples(self, samples) -> List[float]:
+        """The rewards of hook-filled samples (the run's reward on prompt text, response, label,
+        metadata); sets ``sample.reward``. One call, so a sample-level scorer can replace it."""
+        rewards = score_responses(self.reward_fn, *zip(*((s.prompt, s.response, s.label, s.metadata) for s in samples)))
+        for s, r in zip(samples, rewards):
+            s.reward = r
+        return rewards
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config's), the bound of every id a hook returns."""
+        if self._vocab_size is None:
+            from transformers import AutoConfig
+
+            self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
+        return self._vocab_size
+
+    async def _dispatch(self, prompts: List[List[int]], params: SamplingParams, seed: int) -> List[Generation]:
+        """One batch of ``generate_tokens`` requests on the engines: the in-process engine in a
+        worker thread (the hooks' event loop stays free), or contiguous shares over the engine
+        actors, one call each, gathered in order."""
+        if self.engine is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, lambda: self.engine.generate(prompts, params, seed=seed))
+        refs, start = [], 0
+        for engine, count in zip(self.engines, group_shares(len(prompts), len(self.engines))):
+            if count:
+                refs.append(engine.generate.remote(prompts[start : start + count], params, seed, start))
+            start += count
+        return [g for part in await asyncio.gather(*refs) for g in part]
 
     def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
         """All samples (``n`` per group, groups contiguous), spread over the engines by whole
