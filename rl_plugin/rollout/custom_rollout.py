@@ -35,7 +35,7 @@ import asyncio
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from rl_plugin.rollout.engine import SamplingParams
+from rl_plugin.rollout.engine import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.user_code import describe_exception, load_function, where
@@ -66,6 +66,27 @@ class Hook:
             return inspect.getsourcefile(inspect.unwrap(self.fn))
         except TypeError:
             return None
+
+
+def engine_dispatch(engine, engine_actors: Sequence[Any]) -> Dispatch:
+    """One batch of ``generate_tokens`` requests on the run's engines: the in-process ``engine``
+    in a worker thread (the hooks' event loop stays free for their tools), or contiguous shares
+    over the ``engine_actors``, one call each, awaited together and gathered in order."""
+
+    async def dispatch(prompts: List[List[int]], params: SamplingParams, seed: int) -> List[Generation]:
+        if engine is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, lambda: engine.generate(prompts, params, seed=seed))
+        base, extra = divmod(len(prompts), len(engine_actors))
+        refs, start = [], 0
+        for i, actor in enumerate(engine_actors):
+            count = base + (1 if i < extra else 0)
+            if count:
+                refs.append(actor.generate.remote(prompts[start : start + count], params, seed, start))
+            start += count
+        return [g for part in await asyncio.gather(*refs) for g in part]
+
+    return dispatch
 
 
 def default_sampling_params(params: SamplingParams) -> Dict[str, Any]:

@@ -30,7 +30,6 @@ loss masks; over-long shaping then counts the model's tokens (the mask's sum).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from dataclasses import replace
@@ -46,6 +45,7 @@ from rl_plugin.rollout.custom_rollout import (
     Hook,
     check_groups,
     default_sampling_params,
+    engine_dispatch,
     fresh_samples,
     multi_turn_stats,
     run_generate_hook,
@@ -241,7 +241,7 @@ class RolloutManager:
         t0 = time.perf_counter()
         samples = fresh_samples(self.tokenizer, recs, n)
         hook, params = self.generate_hook, default_sampling_params(self.params)
-        out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch, seed, self.params)
+        out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch(), seed, self.params)
         return self._sample_data(out, len(recs), time.perf_counter() - t0, hook, with_samples)
 
     def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
@@ -249,7 +249,7 @@ class RolloutManager:
         cfg, t0 = self.config, time.perf_counter()
         source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
         fn = self.rollout_fn
-        groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch, seed, self.params)
+        groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch(), seed, self.params)
         samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, self.rollout_fn, rollout_id)
         return self._sample_data(samples, len(groups), time.perf_counter() - t0, self.rollout_fn)
 
@@ -305,19 +305,10 @@ class RolloutManager:
             self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
         return self._vocab_size
 
-    async def _dispatch(self, prompts: List[List[int]], params: SamplingParams, seed: int) -> List[Generation]:
-        """One batch of ``generate_tokens`` requests on the engines: the in-process engine in a
-        worker thread (the hooks' event loop stays free), or contiguous shares over the engine
-        actors, one call each, gathered in order."""
-        if self.engine is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, lambda: self.engine.generate(prompts, params, seed=seed))
-        refs, start = [], 0
-        for engine, count in zip(self.engines, group_shares(len(prompts), len(self.engines))):
-            if count:
-                refs.append(engine.generate.remote(prompts[start : start + count], params, seed, start))
-            start += count
-        return [g for part in await asyncio.gather(*refs) for g in part]
+    def _dispatch(self):
+        """``generate_tokens``' way to the engines (``custom_rollout.engine_dispatch``). Built per
+        call: a Ray actor class with an ``async def`` method would become an async actor."""
+        return engine_dispatch(self.engine, self.engines)
 
     def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
         """All samples (``n`` per group, groups contiguous), spread over the engines by whole

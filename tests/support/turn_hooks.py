@@ -65,3 +65,9 @@ async def rollout_fn(args, rollout_id, data_source, evaluation=False):
     params = {"max_new_tokens": args.rollout_max_response_len}
     await asyncio.gather(*(two_turn(args, s, params) for g in groups for s in g))
     return groups
+
+
+def first_digit_reward(prompt, response, label) -> float:
+    """A reward that varies within a group (so every step has a gradient): the response's first
+    digit / 9 (0 without one)."""
+    return int(response[0]) / 9 if response[:1].isdigit() else 0.0
