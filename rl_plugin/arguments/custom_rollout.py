@@ -5,7 +5,7 @@ way to the engines)."""
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail
-from rl_plugin.user_code import FORMS, check_source
+from rl_plugin.user_code import FORMS
 
 
 def add_arguments(parser):
@@ -42,9 +42,8 @@ def add_arguments(parser):
 
 
 def validate(args) -> None:
+    """The combinations; the files themselves are checked with the other paths (``paths.py``)."""
     gen, fn = args.custom_generate_function_path, args.rollout_function_path
-    check_source(gen, "--custom-generate-function-path")
-    check_source(fn, "--rollout-function-path")
     if gen and fn:
         fail(
             "--custom-generate-function-path with --rollout-function-path",
