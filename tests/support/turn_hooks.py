@@ -71,3 +71,13 @@ def first_digit_reward(prompt, response, label) -> float:
     """A reward that varies within a group (so every step has a gradient): the response's first
     digit / 9 (0 without one)."""
     return int(response[0]) / 9 if response[:1].isdigit() else 0.0
+
+
+_seen = [0]
+
+
+def every_other_group(args, samples) -> bool:
+    """A dynamic-sampling filter that keeps every other group it is asked about (so a rollout
+    needs two rounds)."""
+    _seen[0] += 1
+    return _seen[0] % 2 == 0

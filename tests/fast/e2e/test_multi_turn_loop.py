@@ -5,7 +5,8 @@ masked tool turn, model turn) on the embedded task, real Ray actors, DP=2, both 
 Asserted: the runs train; the masked tool ids are in every count's complement: each step's
 ``tokens`` metric (the step's global count of trained tokens) adds up, per rollout, to the
 rollout's loss-mask sum (``multi_turn/model_tokens``), exactly, with one step per rollout
-(Megatron) and two (FSDP); some tokens are masked; the two backends train on the same first
+(Megatron) and two (FSDP); some tokens are masked; the engine-trainer mismatch and the TIS weights
+(``--use-tis`` on Megatron) see the model's tokens only; the two backends train on the same first
 rollout; the rollout actor SIGKILLed mid-rollout is restarted, its hook re-run for the lost
 samples, and the run's metrics equal the uninterrupted run's; the FSDP run uses the overlapped
 loop (``--max-weight-staleness 1``); and the ``vllm`` engine serves the hook.
@@ -20,6 +21,7 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
+from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 
 HOOKS = Path(__file__).resolve().parents[2] / "support" / "turn_hooks.py"
@@ -47,7 +49,8 @@ FLAGS = [
 RUNS = {
     # FSDP runs the overlapped loop: rollout k+1 generated (through the hook) while k trains
     "fsdp": ["--train-backend", "fsdp", "--global-batch-size", "8", "--max-weight-staleness", "1"],
-    "megatron": ["--train-backend", "megatron", "--global-batch-size", "16"],
+    # Megatron with TIS: the masked tool ids (engine log-prob 0.0) must stay out of the mismatch terms
+    "megatron": ["--train-backend", "megatron", "--global-batch-size", "16", "--use-tis"],
 }
 
 
@@ -88,7 +91,12 @@ def _check_counts(rows, steps_per_rollout):
 
 @pytest.mark.parametrize("backend, steps", [("fsdp", 2), ("megatron", 1)])
 def test_two_turn_hook_trains_with_masked_tokens_out_of_every_count(runs, backend, steps):
-    _check_counts(_rows(runs[backend]), steps)
+    rows = _rows(runs[backend])
+    _check_counts(rows, steps)
+    for r in rows:  # trainer and engine agree on the model's tokens; a tool id (0.0 vs ~-2.7) would show
+        assert r["rollout_log_prob_diff"] < MEAN_BOUND, r
+    if backend == "megatron":
+        assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 for r in rows)
 
 
 def test_both_backends_train_on_the_same_first_rollout(runs):

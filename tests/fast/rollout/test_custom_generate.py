@@ -112,6 +112,25 @@ def test_overlong_shaping_counts_model_tokens(tmp_path):
     assert float(overlong_penalty(torch.tensor([9]), max_len=4, buffer_len=2, factor=1.0)) == -1.0  # capped at -f
 
 
+def test_dynamic_sampling_runs_rounds_through_the_hook(tmp_path):
+    m, calls = _manager(
+        tmp_path,
+        "--dynamic-sampling-filter-path",
+        f"{HOOKS}:every_other_group",
+        "--custom-rm-path",
+        f"{HOOKS}:first_digit_reward",
+        "--over-sampling-batch-size",
+        "4",
+    )
+    data = m.generate(0)
+    assert data.num_groups == 4 and data.stats["dynamic_sampling/rounds"] >= 2, data.stats
+    assert len(calls) >= 2 * data.stats["dynamic_sampling/rounds"] - 1  # every round through the hook's turns
+    masks = _per_sample(data.loss_mask, data.response_lengths)
+    assert data.stats["multi_turn/model_tokens"] == float(data.loss_mask.sum())
+    assert all(mk.tolist()[:4] == [1, 1, 0, 0] for mk in masks if (mk == 0).any())
+    assert data.stats["dynamic_sampling/groups_generated"] == 8 and data.stats["dynamic_sampling/groups_kept"] == 4
+
+
 @pytest.mark.parametrize(
     "hook, words",
     [
