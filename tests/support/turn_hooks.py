@@ -81,3 +81,29 @@ def every_other_group(args, samples) -> bool:
     needs two rounds)."""
     _seen[0] += 1
     return _seen[0] % 2 == 0
+
+
+async def _one_token(sample: Sample, token=5, mask=(1,), lps=(0.0,)) -> Sample:
+    sample.tokens = sample.tokens + [token]
+    sample.response_length = 1
+    sample.loss_mask = None if mask is None else list(mask)
+    sample.rollout_log_probs = None if lps is None else list(lps)
+    return sample
+
+
+async def float_token(args, sample, sampling_params):
+    return await _one_token(sample, token=5.0)
+
+
+async def mask_value_two(args, sample, sampling_params):
+    return await _one_token(sample, mask=(2,))
+
+
+async def no_log_probs(args, sample, sampling_params):
+    return await _one_token(sample, lps=None)
+
+
+async def aborted(args, sample, sampling_params):
+    sample = await _one_token(sample)
+    sample.status = Sample.Status.ABORTED
+    return sample

@@ -137,6 +137,10 @@ def test_dynamic_sampling_runs_rounds_through_the_hook(tmp_path):
         ("bad_mask", ["loss_mask has", "for response_length", "sample 0 (group 0"]),
         ("out_of_vocab", ["tokens[", "10000", "vocabulary [0, 16)"]),
         ("not_a_sample", ["returned builtins.dict for sample 0"]),
+        ("float_token", ["tokens must be ints", "float64"]),
+        ("mask_value_two", ["loss_mask holds 2"]),
+        ("no_log_probs", ["rollout_log_probs is None for response_length 1"]),
+        ("aborted", ["status ABORTED"]),
     ],
 )
 def test_bad_hook_output_names_hook_and_sample(tmp_path, hook, words):
