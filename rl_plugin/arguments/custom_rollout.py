@@ -36,7 +36,8 @@ def add_arguments(parser):
             f"Replace the whole rollout with your function ({FORMS}), slime's signature: [async] def fn(args, "
             "rollout_id, data_source, evaluation=False) -> list[list[Sample]]; data_source.get_samples(k) hands out "
             "the next k prompt groups; return --rollout-batch-size groups of --n-samples-per-prompt filled-in samples "
-            "(a sample whose reward is None is scored by the run's reward)."
+            "(scored afterwards by the run's reward, --rm-type or --custom-rm-path). Evaluation (--eval-interval) keeps the plain "
+            "rollout."
         ),
     )
 

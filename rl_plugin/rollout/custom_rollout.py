@@ -22,7 +22,8 @@ fresh samples each, filled in as above); the function returns ``--rollout-batch-
 ``--n-samples-per-prompt`` samples (or an object whose ``samples`` holds them, as slime's
 ``RolloutFnTrainOutput``), each sample filled in as a generate hook fills it. It can call
 ``generate_tokens`` (an ``async def`` in the manager's event loop; a plain ``def`` through its own
-``asyncio.run``). A sample whose ``reward`` is None is scored by the run's reward.
+``asyncio.run``). The samples are then scored by the run's reward, as a hook's are. Evaluation
+(``--eval-interval``) keeps the plain rollout (or the generate hook, when one is set).
 
 What the hooks return is checked (``sample_check``) and flattened into ``RolloutData`` with its
 per-token loss mask. An exception in a hook is re-raised naming the flag, the hook's file:line and
