@@ -93,7 +93,9 @@ def _check_counts(rows, steps_per_rollout):
 def test_two_turn_hook_trains_with_masked_tokens_out_of_every_count(runs, backend, steps):
     rows = _rows(runs[backend])
     _check_counts(rows, steps)
-    for r in rows:  # trainer and engine agree on the model's tokens; a tool id (0.0 vs ~-2.7) would show
+    # trainer and engine agree on the model's tokens (a tool id's 0.0 against ~-2.7 would show); the
+    # overlapped FSDP run samples rollout 1 with the weights one step behind, so only its rollout 0
+    for r in rows if backend == "megatron" else rows[:steps]:
         assert r["rollout_log_prob_diff"] < MEAN_BOUND, r
     if backend == "megatron":
         assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 for r in rows)
