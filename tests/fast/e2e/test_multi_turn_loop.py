@@ -9,7 +9,8 @@ rollout's loss-mask sum (``multi_turn/model_tokens``), exactly, with one step pe
 (``--use-tis`` on Megatron) see the model's tokens only; the two backends train on the same first
 rollout; the rollout actor SIGKILLed mid-rollout is restarted, its hook re-run for the lost
 samples, and the run's metrics equal the uninterrupted run's; the FSDP run uses the overlapped
-loop (``--max-weight-staleness 1``); and the ``vllm`` engine serves the hook.
+loop (``--max-weight-staleness 1``); two ``hf`` engine processes serve the hooks' batched requests
+(split over both, one call each), and a ``vllm`` engine serves them too.
 """
 
 import json
@@ -45,6 +46,8 @@ FLAGS = [
     "--no-progress-bar",
     "--lr",
     "1e-3",
+    "--rollout-num-gpus",  # two hf engine processes: each batch of the hooks' requests split over both
+    "2",
 ]
 RUNS = {
     # FSDP runs the overlapped loop: rollout k+1 generated (through the hook) while k trains
@@ -56,7 +59,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    with local_ray_cluster(tmp_path_factory.mktemp("cache")):
+    with local_ray_cluster(tmp_path_factory.mktemp("cache"), num_cpus=5):  # 2 trainers, manager, 2 engines
         yield
 
 
@@ -119,7 +122,7 @@ def test_engine_restart_reruns_the_hook(runs, tmp_path, monkeypatch, capsys):
 def test_vllm_engine_serves_the_hook(ray_cluster, tmp_path):
     pytest.importorskip("vllm")
     d = tmp_path / "vllm"
-    assert _run(d, *RUNS["megatron"], "--rollout-engine", "vllm") == 0
+    assert _run(d, *RUNS["megatron"], "--rollout-engine", "vllm", "--rollout-num-gpus", "1") == 0
     rows = _rows(d)
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for r in rows:
