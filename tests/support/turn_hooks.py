@@ -107,3 +107,15 @@ async def aborted(args, sample, sampling_params):
     sample = await _one_token(sample)
     sample.status = Sample.Status.ABORTED
     return sample
+
+
+def rollout_fn_sync(args, rollout_id, data_source, evaluation=False):
+    """The same as a plain ``def``: it runs its own event loop (``generate_tokens`` still batches)."""
+    import asyncio
+
+    return asyncio.run(rollout_fn(args, rollout_id, data_source, evaluation))
+
+
+def rollout_fn_short(args, rollout_id, data_source, evaluation=False):
+    """Returns one group too few (the trainer needs --rollout-batch-size groups)."""
+    return data_source.get_samples(args.rollout_batch_size - 1)

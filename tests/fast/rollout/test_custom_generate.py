@@ -86,6 +86,19 @@ def test_same_seed_same_tokens_and_the_rollout_function_form(tmp_path):
     assert (data.loss_mask == 0).any() and calls[0] == 16
 
 
+def test_plain_def_rollout_function_and_a_short_rollout(tmp_path):
+    async_form = _manager(tmp_path / "a", hook="rollout_fn", flag="--rollout-function-path")[0].generate(2)
+    m, calls = _manager(tmp_path / "s", hook="rollout_fn_sync", flag="--rollout-function-path")
+    sync_form = m.generate(2)
+    assert torch.equal(sync_form.tokens, async_form.tokens) and calls[0] == 16
+    short = _manager(tmp_path / "x", hook="rollout_fn_short", flag="--rollout-function-path")[0]
+    with pytest.raises(
+        HookError,
+        match=r"returned 3 groups of sizes \[4, 4, 4\] for rollout 0; the trainer needs --rollout-batch-size 4",
+    ):
+        short.generate(0)
+
+
 def test_pending_rollout_and_group_selection_keep_the_mask(tmp_path):
     data = _manager(tmp_path)[0].generate(0)
     write_pending_rollout(tmp_path, 1, data, 1)
