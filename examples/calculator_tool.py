@@ -24,6 +24,7 @@ has a gradient at every stage (make a call, call the right expression, use the r
     + 0.2  the answer repeats the tool's value v
     + 0.4  the answer equals the label         (without a call: only this part)
 
+(with the real model's tags the answer is the last integer of the text after the tool turn).
 so a model that answers right without the tool gets 0.4 and one that uses it well 1.0.
 
 ``python examples/calculator_tool.py prepare OUT [--model tiny|smollm2]`` writes ``train.jsonl``
@@ -118,8 +119,11 @@ def split_response(text: str, tags):
 
 def reward(prompt, response, label) -> float:
     """The module docstring's reward; ``response`` is the whole response text (tool turn included)."""
-    tags = CHAR_TAGS if "<calc>" not in response else TEXT_TAGS
+    tags = TEXT_TAGS if "<calc>" in str(prompt) + response else CHAR_TAGS  # the real model's prompt names the tag
     value, called, answer = split_response(response, tags)
+    if tags is TEXT_TAGS:  # a real model answers in words: its last integer is the answer
+        numbers = re.findall(r"-?\d+", answer)
+        answer = numbers[-1] if numbers else ""
     right = answer == str(label)
     if not called or value is None:
         return ANSWER_RIGHT if right else 0.0

@@ -14,8 +14,10 @@ import torch
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout.manager import RolloutManager
+from tests.support import real_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "calculator_tool.py"
+smollm2_tokenizer_dir = real_tokenizer.smollm2_tokenizer_dir  # the session fixture
 spec = importlib.util.spec_from_file_location("calculator_tool", EXAMPLE)
 calc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(calc)
@@ -91,3 +93,21 @@ def test_hook_rollout_on_the_tiny_model(tmp_path):
         assert mask.tolist() == [1] * start + [0] * len(tool) + [1] * (len(mask) - start - len(tool))
     assert called >= 1 and data.stats["multi_turn/tool_calls_mean"] == called / 256
     assert torch.isfinite(data.rewards).all()
+
+
+def test_real_tokenizer_call_is_cut_after_the_closing_tag(smollm2_tokenizer_dir):
+    """The BPE path: the call turn's ids are cut after the token that completes ``</calc>`` (no
+    re-tokenisation), the tool turn is the tokenizer's ids of ``<result>v</result>``."""
+    from rl_plugin.rollout.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_tokenizer_dir)
+    ids = tok.tok.encode("<calc>3 + 4</calc> so the answer", add_special_tokens=False)
+    k = calc._cut_after(tok, ids, "</calc>")
+    assert tok.decode(ids[:k]).endswith("</calc>") and not tok.decode(ids[: k - 1]).endswith("</calc>")
+    call = calc.parse_call(tok.decode(ids[:k]), calc.TEXT_TAGS)
+    assert call[1] == "3 + 4" and calc.safe_eval(call[1]) == 7
+    tool = calc._encode(tok, calc.tool_text(7, calc.TEXT_TAGS))
+    assert tok.decode(tool) == "<result>7</result>"
+    prompt = calc.SYSTEM
+    assert calc.reward(prompt, "<calc>3 + 4</calc><result>7</result>It is 7.", "7") == pytest.approx(1.0)
+    assert calc.reward(prompt, "3 + 4 is 7", "7") == pytest.approx(0.4)
