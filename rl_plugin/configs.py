@@ -190,6 +190,8 @@ class RolloutConfig:
     overlong_penalty_factor: float = 1.0  # DAPO's default, used only with overlong_buffer_len
     debug_rollout_logprob_shift: float = 0.0
     seed: int = 1234
+    custom_generate_function_path: Optional[str] = None
+    rollout_function_path: Optional[str] = None
 
     @property
     def rollout_max_response_len(self) -> Optional[int]:  # slime's name, for filters written against slime's args
@@ -225,6 +227,8 @@ class RolloutConfig:
             overlong_penalty_factor=1.0 if factor is None else float(factor),
             debug_rollout_logprob_shift=float(args.debug_rollout_logprob_shift),
             seed=int(args.seed),
+            custom_generate_function_path=getattr(args, "custom_generate_function_path", None),
+            rollout_function_path=getattr(args, "rollout_function_path", None),
         )
 
 

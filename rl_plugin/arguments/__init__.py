@@ -31,6 +31,7 @@ FLAG_MODULES = (
     "fsdp_backend",
     "rollout",
     "rewards",
+    "custom_rollout",
     "weight_sync",
     "off_policy",
     "cluster",

@@ -135,5 +135,7 @@ def validate_paths(args) -> None:
     _hf_checkpoint(args.hf_checkpoint)
     check_model_layout(args)
     check_source(args.custom_rm_path, "--custom-rm-path")
+    check_source(args.custom_generate_function_path, "--custom-generate-function-path")
+    check_source(args.rollout_function_path, "--rollout-function-path")
     _load(args)
     _save(args)

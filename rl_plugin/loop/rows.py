@@ -20,7 +20,7 @@ from rl_plugin.loop.resume import Progress
 from rl_plugin.rollout.rollout_data import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
-ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean")
+ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean", "multi_turn/")
 
 
 def keep_previous(metrics_file: Path) -> None:

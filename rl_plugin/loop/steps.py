@@ -4,15 +4,14 @@ then cuts it into each rank's optimizer steps."""
 
 from __future__ import annotations
 
-import torch
-
 from rl_plugin.loss import StepBatch, compute_advantages, to_tokens
 from rl_plugin.rollout.rollout_data import RolloutData
 
 
 def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
-    """The whole rollout as one StepBatch with advantages (group ids: rollout prompt index)."""
-    loss_mask = torch.ones(int(data.response_lengths.sum()), dtype=torch.float32)
+    """The whole rollout as one StepBatch with advantages (group ids: rollout prompt index) and
+    the rollout's loss mask (0 on the tokens a custom generate hook appended: tool output)."""
+    loss_mask = data.loss_mask.float()
     adv = compute_advantages(
         estimator, data.rewards, data.group_ids, response_lengths=data.response_lengths, loss_mask=loss_mask
     )

@@ -15,7 +15,8 @@ from rl_plugin.rollout.manager import RolloutManager
 def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str, eval_data):
     """The engine actors (if any, see ``rl_plugin.ray.cluster.engine_processes``), then the
     manager that drives them. Returns ``(manager, engines)``. The flags become the typed
-    ``RolloutConfig`` here, once; the manager and the engines receive it, not ``args``."""
+    ``RolloutConfig`` here, once; the manager and the engines receive it; ``args`` travels to the
+    manager only for the user's rollout hooks (slime's ``fn(args, ...)``)."""
     config = RolloutConfig.from_args(args)
     engines = []
     try:
@@ -24,7 +25,7 @@ def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str
         actor = (
             ray.remote(RolloutManager)
             .options(**opts, max_restarts=0)
-            .remote(config, checkpoint_dir, train_data, eval_data, engines or None)
+            .remote(config, checkpoint_dir, train_data, eval_data, engines or None, args=args)
         )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:

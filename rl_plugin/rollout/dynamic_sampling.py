@@ -42,6 +42,7 @@ def dynamic_rollout(
     kept: List[RolloutData] = []
     generated = passed = 0
     gen_time, reward_time, raw_rewards, truncated = 0.0, 0.0, [], 0.0
+    turn_stats: List[dict] = []  # custom generation's per-round multi_turn/* means
     for r in range(max_rounds):
         recs = next_batch(per_round)
         data, samples = generate(recs, n, seed=cfg.seed + rollout_id + r * round_seed_stride, with_samples=True)
@@ -49,6 +50,7 @@ def dynamic_rollout(
         reward_time += data.stats["rollout_reward_time"]
         truncated += data.stats["truncated_frac"] * data.num_groups
         raw_rewards.append(data.rewards)
+        turn_stats.append({k: v for k, v in data.stats.items() if k.endswith(("turns_mean", "tool_calls_mean"))})
         keep = [g for g in range(data.num_groups) if group_filter.keep(cfg, samples[g * n : (g + 1) * n])]
         generated += data.num_groups
         passed += len(keep)
@@ -80,5 +82,11 @@ def dynamic_rollout(
             "dynamic_sampling/reward_mean_generated": float(torch.cat(raw_rewards).mean()),
         }
     )
+    if "multi_turn/model_tokens" in data.stats:  # custom generation: the kept samples' mask, the rounds' means
+        kept_tokens = float(out.loss_mask.sum())
+        out.stats["multi_turn/model_tokens"] = kept_tokens
+        out.stats["multi_turn/masked_token_frac"] = 1.0 - kept_tokens / max(int(out.response_lengths.sum()), 1)
+        for key in set.intersection(*(set(t) for t in turn_stats)):
+            out.stats[key] = sum(t[key] for t in turn_stats) / len(turn_stats)
     out.examples = data.examples
     return out

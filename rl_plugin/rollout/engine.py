@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,9 +34,15 @@ class Generation:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One engine call's sampling settings. ``stop_token_ids``: ids that end a response besides
+    the checkpoint's EOS ids (SGLang's meaning; the stop id is part of the response);
+    ``top_k``: -1 or 0 for none (the ``hf`` engine supports only none)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    top_k: int = -1
+    stop_token_ids: Tuple[int, ...] = ()
 
 
 class RolloutEngine(abc.ABC):

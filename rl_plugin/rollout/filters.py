@@ -18,7 +18,9 @@ Over-long shaping (DAPO, sec. 3.4, "soft overlong punishment"), with L_max =
     R_len(y) = 0                                   if |y| <= L_max - L_cache
              = f * ((L_max - L_cache) - |y|) / L_cache    if L_max - L_cache < |y| <= L_max
 
-(reaching -f at |y| = L_max; the engine never returns |y| > L_max, the paper's -1 branch).
+(reaching -f at |y| = L_max, and -f beyond it, the paper's -1 branch: a multi-turn response's
+model tokens can exceed L_max, each turn having its own budget). |y| counts the model's tokens
+(the loss mask's sum): tool output a custom generate hook appended is not the model's length.
 """
 
 from __future__ import annotations
@@ -115,5 +117,5 @@ def keep_decision(
 def overlong_penalty(response_lengths: torch.Tensor, *, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
     """DAPO's soft over-long punishment per response (<= 0, float32, vectorised)."""
     expected = max_len - buffer_len
-    over = (response_lengths.to(torch.float64) - expected).clamp_min(0.0)
+    over = (response_lengths.to(torch.float64) - expected).clamp(0.0, float(buffer_len))
     return (-factor * over / buffer_len).to(torch.float32)

@@ -61,7 +61,12 @@ class HFEngine(RolloutEngine):
             if not p:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
             buckets[len(p)].append(i)
-        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        if params.top_k > 0:
+            raise ValueError(
+                f"top_k={params.top_k}: the hf engine samples without top-k; pass top_k -1 (or use --rollout-engine vllm)"
+            )
+        stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
+        eos = torch.tensor(stop_ids, device=self.device)
         blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
         sampler = sample_with_generate if blocker else partial(sample, share_prompt_prefill=self.share_prompt_prefill)
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
@@ -78,7 +83,7 @@ class HFEngine(RolloutEngine):
                 temperature=params.temperature,
                 top_p=params.top_p,
                 max_new_tokens=params.max_new_tokens,
-                eos_token_ids=self.eos_token_ids,
+                eos_token_ids=stop_ids,
                 pad_token_id=self.pad_token_id,
             )
             for i, generation in zip(idx, bucket_generations(bucket, tokens, log_probs, eos)):

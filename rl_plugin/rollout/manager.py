@@ -20,6 +20,13 @@ rewards; the first ``--rollout-batch-size`` passing groups, in generation order,
 and the rest are dropped (as slime does); every round after the first prints one progress line
 (at most ``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
 penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
+
+Custom generation (``custom_rollout``): with ``--custom-generate-function-path`` the samples of a
+rollout (or of a dynamic-sampling round) go through the user's hook instead of one engine call,
+its ``generate_tokens`` requests batched to the engines (``generate.EngineRouter``, seeded from the
+rollout's seed); with ``--rollout-function-path`` the user's function makes the whole rollout.
+Either way the returned samples are checked (``sample_check``), scored, and flattened with their
+loss masks; over-long shaping then counts the model's tokens (the mask's sum).
 """
 
 from __future__ import annotations
@@ -32,12 +39,26 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import RolloutConfig
+from rl_plugin.rollout.custom_rollout import (
+    GENERATE_FLAG,
+    ROLLOUT_FLAG,
+    DataSource,
+    Hook,
+    check_groups,
+    default_sampling_params,
+    engine_dispatch,
+    fresh_samples,
+    multi_turn_stats,
+    run_generate_hook,
+    run_rollout_function,
+)
 from rl_plugin.rollout.dataset import PromptDataset
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, rollout_stats
+from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, flatten_samples, rollout_stats
 from rl_plugin.rollout.sample import Sample
+from rl_plugin.rollout.sample_check import check_samples
 from rl_plugin.rollout.sample_rewards import SampleScorer
 from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
@@ -100,9 +121,13 @@ class RolloutManager:
         train_data: str,
         eval_data: Optional[str],
         engines: Optional[Sequence[Any]] = None,
+        args: Any = None,
     ):
         torch.set_num_threads(rollout_threads())
         self.config = cfg = config
+        self.checkpoint_dir = checkpoint_dir
+        # handed to the user's rollout hooks as slime's ``args`` (the run's parsed flags), never read here
+        self.hook_args = args if args is not None else config
         self.tokenizer = load_tokenizer(
             checkpoint_dir,
             apply_chat_template=cfg.apply_chat_template,
@@ -113,13 +138,17 @@ class RolloutManager:
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
-        self.scorer = SampleScorer(cfg)  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
+        self.scorer = SampleScorer(cfg, user_args=self.hook_args)  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
         self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None
         self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
         path = cfg.dynamic_sampling_filter_path
         self.group_filter = load_filter(path) if path else None
+        hook, fn = cfg.custom_generate_function_path, cfg.rollout_function_path
+        self.generate_hook = Hook.load(hook, GENERATE_FLAG) if hook else None
+        self.rollout_fn = Hook.load(fn, ROLLOUT_FLAG) if fn else None
+        self._vocab_size: Optional[int] = None
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
@@ -130,7 +159,9 @@ class RolloutManager:
         in order."""
         loading = self._start_load(handle)
         cfg = self.config
-        if self.group_filter is None:
+        if self.rollout_fn is not None:
+            data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
+        elif self.group_filter is None:
             recs = self.train.next_batch(cfg.rollout_batch_size)
             data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
@@ -147,7 +178,7 @@ class RolloutManager:
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
             penalty = overlong_penalty(
-                data.response_lengths,
+                data.model_token_counts(),  # the model's tokens: tool output is not its length
                 max_len=cfg.engine.max_response_len,
                 buffer_len=cfg.overlong_buffer_len,
                 factor=cfg.overlong_penalty_factor,
@@ -180,6 +211,8 @@ class RolloutManager:
         return out
 
     def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
+        if self.generate_hook is not None:
+            return self._hook_rollout(recs, n, seed=seed, with_samples=with_samples)
         t0 = time.perf_counter()
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
         gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
@@ -221,6 +254,74 @@ class RolloutManager:
             for i in range(len(gens))
         ]
         return data, samples
+
+    # -- custom generation (custom_rollout) ----------------------------------------------------
+    def _hook_rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
+        """``_rollout`` through ``--custom-generate-function-path``: every sample through the hook."""
+        t0 = time.perf_counter()
+        samples = fresh_samples(self.tokenizer, recs, n)
+        hook, params = self.generate_hook, default_sampling_params(self.params)
+        out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch(), seed, self.params)
+        return self._sample_data(out, len(recs), time.perf_counter() - t0, hook, with_samples)
+
+    def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
+        """The whole rollout from ``--rollout-function-path``."""
+        cfg, t0 = self.config, time.perf_counter()
+        source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
+        fn = self.rollout_fn
+        groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch(), seed, self.params)
+        samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, self.rollout_fn, rollout_id)
+        return self._sample_data(samples, len(groups), time.perf_counter() - t0, self.rollout_fn)
+
+    def _sample_data(self, out, num_groups: int, gen_time: float, hook: Hook, with_samples: bool = False):
+        """Checked, scored and flattened hook samples (groups contiguous) as ``RolloutData``."""
+        samples = check_samples(out, hook.describe(), self.vocab_size)
+        for s in samples:
+            if not s.response:  # the hook left the text to us: every response id, tool output included
+                s.response = self.tokenizer.decode(s.tokens[len(s.tokens) - s.response_length :])
+        t1 = time.perf_counter()
+        group_size = len(samples) // max(num_groups, 1)
+        rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
+        reward_time = time.perf_counter() - t1
+        flat = flatten_samples(samples)
+        rl = flat.response_lengths
+        stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
+        stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
+        data = RolloutData(
+            tokens=flat.tokens,
+            total_lengths=flat.total_lengths,
+            response_lengths=rl,
+            rollout_log_probs=flat.log_probs,
+            rewards=rewards,
+            group_ids=torch.arange(num_groups).repeat_interleave(len(samples) // max(num_groups, 1)),
+            num_groups=num_groups,
+            stats=stats,
+            examples=[
+                {"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], rewards)
+            ],
+            loss_mask=flat.loss_mask,
+        )
+        if not with_samples:
+            return data
+        flags = [s.status == s.Status.TRUNCATED for s in samples]
+        return data, [
+            FilterSample(s.prompt, s.response, s.label, float(r), s.response_length, t)
+            for s, r, t in zip(samples, rewards.tolist(), flags)
+        ]
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config's), the bound of every id a hook returns."""
+        if self._vocab_size is None:
+            from transformers import AutoConfig
+
+            self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
+        return self._vocab_size
+
+    def _dispatch(self):
+        """``generate_tokens``' way to the engines (``custom_rollout.engine_dispatch``). Built per
+        call: a Ray actor class with an ``async def`` method would become an async actor."""
+        return engine_dispatch(self.engine, self.engines)
 
     def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
         """All samples (``n`` per group, groups contiguous), spread over the engines by whole

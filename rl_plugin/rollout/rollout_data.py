@@ -2,7 +2,9 @@
 
 ``RolloutData``: samples ordered by prompt group (a group's ``--n-samples-per-prompt`` samples
 contiguous); ``tokens`` holds prompt + response of every sample back to back (``[sum T_i]``),
-``rollout_log_probs`` the sampler's log-prob of each response token (``[sum R_i]``). It travels
+``rollout_log_probs`` the sampler's log-prob of each response token and ``loss_mask`` its 0/1
+trained flag (``[sum R_i]`` each; 0 for the ids a custom generate hook appended, tool output:
+conditioned on, in no loss term and in no count). It travels
 from the rollout manager to the driver (pickled with its tensors in one buffer), into a
 checkpoint under overlapped training (``loop.pending_rollout``), and becomes the step batch
 (``loop.steps.rollout_batch``).
@@ -11,14 +13,14 @@ checkpoint under overlapped training (``loop.pending_rollout``), and becomes the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-from rl_plugin.cp import exclusive_cumsum, expand_runs
+from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
 from rl_plugin.rollout.engine import Generation
 from rl_plugin.tensor_pickle import reduce_dataclass
 
@@ -26,7 +28,9 @@ from rl_plugin.tensor_pickle import reduce_dataclass
 @dataclass
 class RolloutData:
     """One rollout, samples ordered by prompt group. ``tokens``: prompt + response of every sample
-    (``[sum T_i]``); ``rollout_log_probs``: the sampler's log-prob of each response token."""
+    (``[sum T_i]``); ``rollout_log_probs``: the sampler's log-prob of each response token;
+    ``loss_mask``: 1 for a token the policy produced, 0 for one it only conditions on (fp32,
+    ``[sum R_i]``; None at construction means every response token is trained)."""
 
     tokens: torch.Tensor
     total_lengths: torch.Tensor
@@ -39,6 +43,18 @@ class RolloutData:
     examples: List[Dict[str, object]] = field(default_factory=list)
     dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
     weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
+    loss_mask: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = torch.ones(int(self.response_lengths.sum()), dtype=torch.float32)
+
+    def model_token_counts(self) -> torch.Tensor:
+        """Per sample, its trained (model-produced) response tokens: the loss mask's sum (``[S]``,
+        int64); equal to ``response_lengths`` without a custom generate hook."""
+        rl = self.response_lengths.long()
+        sums = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, segment_ids(rl), self.loss_mask.double())
+        return sums.round().long()
 
     def __reduce_ex__(self, protocol):
         """Pickled (Ray's transport from the rollout manager to the driver) with its tensors in
@@ -52,19 +68,29 @@ class RolloutData:
         groups = torch.as_tensor(groups, dtype=torch.long)
         idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
         tl, rl = self.total_lengths, self.response_lengths
+        resp = expand_runs(exclusive_cumsum(rl)[idx], rl[idx])
         return RolloutData(
             tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
             total_lengths=tl[idx],
             response_lengths=rl[idx],
-            rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
+            rollout_log_probs=self.rollout_log_probs[resp],
             rewards=self.rewards[idx],
             group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
             num_groups=int(groups.numel()),
+            loss_mask=self.loss_mask[resp],
         )
 
 
 # the fields that travel in one buffer when pickled (``tensor_pickle.reduce_dataclass``)
-RolloutData.TENSOR_FIELDS = ("tokens", "total_lengths", "response_lengths", "rollout_log_probs", "rewards", "group_ids")
+RolloutData.TENSOR_FIELDS = (
+    "tokens",
+    "total_lengths",
+    "response_lengths",
+    "rollout_log_probs",
+    "rewards",
+    "group_ids",
+    "loss_mask",
+)
 
 
 _PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
@@ -81,6 +107,34 @@ class FlatGenerations:
     response_lengths: torch.Tensor
     log_probs: torch.Tensor
     truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
+    loss_mask: Optional[torch.Tensor] = None  # [sum R_i] fp32 (``flatten_samples``); None: all ones
+
+
+_TOKENS, _RLEN = attrgetter("tokens"), attrgetter("response_length")
+_MASK, _ROLLOUT_LP = attrgetter("loss_mask"), attrgetter("rollout_log_probs")
+
+
+def flatten_samples(samples: Sequence[Any]) -> FlatGenerations:
+    """Checked ``Sample``s (``sample_check``) as flat tensors, in C-level passes like
+    ``flatten_generations``: ``tokens`` exactly as the hook left them (token in, token out), the
+    response lengths, the rollout log-probs and the loss mask (a None mask: all ones); a sample
+    is truncated when its status is ``TRUNCATED``."""
+    n = len(samples)
+    tl = np.fromiter(map(len, map(_TOKENS, samples)), np.int64, n)
+    rl = np.fromiter(map(_RLEN, samples), np.int64, n)
+    tokens = np.fromiter(chain.from_iterable(map(_TOKENS, samples)), np.int64, int(tl.sum()))
+    log_probs = np.fromiter(chain.from_iterable(map(_ROLLOUT_LP, samples)), np.float32, int(rl.sum()))
+    masks = [m if m is not None else repeat(1, r) for m, r in zip(map(_MASK, samples), rl.tolist())]
+    mask = np.fromiter(chain.from_iterable(masks), np.float32, int(rl.sum()))
+    truncated = sum(s.status.name == "TRUNCATED" for s in samples)
+    return FlatGenerations(
+        tokens=torch.from_numpy(tokens),
+        total_lengths=torch.from_numpy(tl),
+        response_lengths=torch.from_numpy(rl),
+        log_probs=torch.from_numpy(log_probs),
+        truncated_frac=float(truncated / max(n, 1)),
+        loss_mask=torch.from_numpy(mask),
+    )
 
 
 def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
@@ -116,6 +170,7 @@ def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
         rewards=torch.cat([p.rewards for p in parts]),
         group_ids=torch.arange(num_groups).repeat_interleave(group_size),
         num_groups=num_groups,
+        loss_mask=torch.cat([p.loss_mask for p in parts]),
     )
 
 

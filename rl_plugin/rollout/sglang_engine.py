@@ -153,8 +153,9 @@ class SGLangEngine(RolloutEngine):
                     params.temperature,
                     params.top_p,
                     params.max_new_tokens,
-                    self.eos,
+                    self.eos + [t for t in params.stop_token_ids if t not in self.eos],
                     sample_seed(seed, first_sample + i),
+                    params.top_k if params.top_k > 0 else -1,
                 )
             )
             for i in range(len(prompts))

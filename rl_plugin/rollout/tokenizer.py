@@ -54,6 +54,11 @@ class CharTokenizer:
             )
         return [self.bos_token_id] + self.encode(text)
 
+    def prompt_text(self, text: str) -> str:
+        """The prompt as text (a custom generate hook's ``sample.prompt``): the string itself."""
+        self.prompt_ids(text)  # the same checks
+        return text
+
     def decode(self, ids: Sequence[int]) -> str:
         """Ids to text; generation stops at ``<eos>``, other specials are dropped."""
         chars = []
@@ -151,6 +156,16 @@ class HFTokenizerAdapter:
                 "pass --apply-chat-template (or give the prompt as a string)",
             )
         return _as_ids(self.tok(prompt, add_special_tokens=True)["input_ids"], "the tokenizer")
+
+    def prompt_text(self, prompt) -> str:
+        """The prompt as text after the chat template (a custom generate hook's ``sample.prompt``);
+        without a template, the string itself."""
+        if self.apply_chat_template:
+            return self.tok.apply_chat_template(
+                self.messages(prompt), add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        self.prompt_ids(prompt)  # the same checks
+        return prompt
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -125,9 +125,9 @@ class VLLMEngine(RolloutEngine):
             VSamplingParams(
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=0,
+                top_k=params.top_k if params.top_k > 0 else 0,
                 max_tokens=params.max_new_tokens,
-                stop_token_ids=self.eos,
+                stop_token_ids=self.eos + [t for t in params.stop_token_ids if t not in self.eos],
                 logprobs=0,
                 seed=sample_seed(seed, first_sample + i),
                 detokenize=False,

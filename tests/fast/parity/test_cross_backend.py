@@ -3,7 +3,8 @@
 Same tiny HF checkpoint, same global batch, DP=2 on both (real gloo, fp32, rollout temperature
 0.9). For every --loss-aggregation mode x {PPO clip, GSPO}, PPO dual clip with the KL
 (reference pass) and entropy terms, and TIS (token truncate, sequence mask, geometric with GSPO)
-against engine log-probs that differ from the old ones: the per-token log-probs of the forward-only
+against engine log-probs that differ from the old ones, with masked tool turns in the middle of the
+responses (issue 27; each step's ``tokens`` is the mask's sum): the per-token log-probs of the forward-only
 pass, the step-1 loss J, the grad norm and the weight update agree within ``tolerance.FP32_MODEL``
 (fp32 rounding; scalars that cancel, J and the loss terms, against the magnitude of the log-probs
 and advantages). With plain SGD (lr 1, no
@@ -110,6 +111,14 @@ def _worker(rank, world, hf_dir):
     ps = backends["fsdp"].parallel_state
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
     batch.tokens[::5] = PAD_ID  # the pad id as a real token: both backends must train its embedding row
+    # a tool turn in the middle of every response of 4+ tokens (a custom generate hook's masked ids,
+    # issue 27): positions 1 and 2 are in the forward, in no loss term and in no count
+    pos = torch.arange(int(batch.response_lengths.sum())) - torch.repeat_interleave(
+        torch.cumsum(batch.response_lengths, 0) - batch.response_lengths, batch.response_lengths
+    )
+    long_enough = torch.repeat_interleave(batch.response_lengths >= 4, batch.response_lengths)
+    tool = long_enough & (pos >= 1) & (pos < 3)
+    batch.loss_mask[tool] = 0.0
     local0 = dp_shard(batch, ps.dp_size, ps.dp_rank)
     plan = plan_micro_batches(local0, micro_batch_size=1, max_tokens_per_gpu=24, dp_group=ps.dp_group)
     root = [tempfile.mkdtemp(prefix="xbackend_") if rank == 0 else None]
@@ -144,6 +153,8 @@ def _worker(rank, world, hf_dir):
     scale = max_abs(local.old_log_probs, local.advantages, *(r["logp"] for c in out.values() for r in c.values()))
     return dict(
         out=out,
+        mask_sum=float(batch.loss_mask.sum()),
+        tool_tokens=int(tool.sum()),
         scale=scale,
         keys={n: sorted(w) for n, w in w0.items()},
         w0_diff=max(float((w0["fsdp"][k] - w0["megatron"][k]).abs().max()) for k in w0["fsdp"]),
@@ -205,6 +216,15 @@ def test_backends_agree(results, case):
     for key, err in errs.items():
         if key != "loss":  # checked above against the scale of its terms
             assert err < TOL, (case, key, err)
+
+
+def test_step_tokens_are_the_loss_mask_sum(results):
+    """Masked tokens (the tool turns above among them) are out of the step's count on both backends."""
+    r = results[0]
+    assert r["tool_tokens"] >= 6
+    for case, res in r["out"].items():
+        for name, run in res.items():
+            assert run["report"]["tokens"] == r["mask_sum"], (case, name)
 
 
 def test_pad_token_embedding_row_is_trained(results):

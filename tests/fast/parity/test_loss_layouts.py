@@ -57,6 +57,8 @@ def make_step(seed: int = 0):
     sid = torch.repeat_interleave(torch.arange(n), resp)
     mask[sid == 2] = 0.0  # an empty sample (M_i = 0)
     mask[(sid >= 11)] = 0.0  # group 3 entirely masked
+    pos = torch.arange(r) - (torch.cumsum(resp, 0) - resp)[sid]
+    mask[(resp[sid] >= 6) & (pos >= 2) & (pos < 5)] = 0.0  # a tool turn in the middle (issue 27)
     rewards = torch.randn(n, generator=g, dtype=torch.float64)
     adv = rewards[sid]
     logp = -torch.rand(r, generator=g, dtype=torch.float64) * 3

@@ -1,0 +1,195 @@
+"""``generate_tokens``: one generation on the run's engines, from inside a custom rollout hook.
+
+A ``--custom-generate-function-path`` hook (or a ``--rollout-function-path`` function) runs as
+many asyncio tasks, one per sample; each ``await generate_tokens(args, input_ids, sampling_params)``
+is one request. Token in, token out: ``input_ids`` are the ids to condition on (prompt, earlier
+turns, tool output), the answer is
+
+    {"output_ids": [int], "output_log_probs": [float], "finish_reason": "stop" | "length"}
+
+one log-prob per output id, what the engine returns for a plain rollout (the log-prob under the
+distribution the token was drawn from, at the request's temperature); "stop" when the response
+ends on an EOS id or one of ``stop_token_ids`` (that id is the last output id), "length" when it
+hit ``max_new_tokens``.
+
+``sampling_params`` is a dict in SGLang's spelling, as slime passes it: ``max_new_tokens``,
+``temperature``, ``top_p``, ``top_k`` (-1: none), ``stop_token_ids`` (besides EOS); an absent key
+takes the run's flag (``--rollout-max-response-len``, ``--rollout-temperature``,
+``--rollout-top-p``; the router's ``defaults``). ``args`` is accepted for slime's signature and
+not read. SGLang's detokenisation switches (``skip_special_tokens``,
+``no_stop_trim``, ``spaces_between_special_tokens``) change nothing here (no text is produced) and
+are accepted; any other key, and a non-empty ``stop`` (stop *strings*: the engines stop on ids),
+is refused naming the key.
+
+Batching (``EngineRouter``): a request is queued and the queue is flushed when the event loop
+has run every task that was ready, so the requests that arrive together (every sample's first
+turn, then every second turn that the same engine call made ready) go out as one engine call per
+distinct sampling setting, cut into contiguous shares over the engines (one call per engine).
+While a call is in flight, new requests queue for the next flush. A flush's requests with
+different ``max_new_tokens`` share one call at the largest and each answer is cut to its own
+limit (a cut answer is "length"): the first k tokens of an autoregressive sample are a sample of
+k tokens. Every flush is seeded ``seed_of(rollout seed, flush index)``: the same hooks on the same
+weights sample the same tokens, so a restarted rollout regenerates what the lost one would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+
+from rl_plugin.rollout.engine import Generation, SamplingParams
+
+# the router of the rollout being generated (set by ``EngineRouter.bind`` in the rollout's event loop)
+_ROUTER: contextvars.ContextVar[Optional["EngineRouter"]] = contextvars.ContextVar("rl_plugin_router", default=None)
+
+# SGLang keys that only shape the detokenised text (none is produced here): accepted, no effect
+TEXT_ONLY_KEYS = frozenset({"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"})
+KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop"}) | TEXT_ONLY_KEYS
+
+DEFAULTS = SamplingParams()  # an engine's defaults when a router is given none
+
+# dispatch(prompts, params, seed) -> one Generation per prompt, in order (the manager's engines)
+Dispatch = Callable[[List[List[int]], SamplingParams, int], Awaitable[List[Generation]]]
+
+
+def seed_of(seed: int, flush: int) -> int:
+    """The engine seed of flush ``flush`` of a rollout seeded ``seed`` (a 62-bit hash)."""
+    digest = hashlib.blake2b(f"{int(seed)}/flush/{int(flush)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def sampling_params_of(
+    sampling_params: Optional[Dict[str, Any]], defaults: SamplingParams = DEFAULTS
+) -> SamplingParams:
+    """The engine's ``SamplingParams`` of an SGLang-style dict, absent keys from ``defaults`` (the
+    run's flags, module docstring); a bad key or value raises ``ValueError`` naming it."""
+    sp = dict(sampling_params or {})
+    unknown = sorted(set(sp) - KEYS)
+    if unknown:
+        raise ValueError(
+            f"generate_tokens: sampling_params has unknown key(s) {unknown}; accepted: {sorted(KEYS)} (SGLang's spelling)"
+        )
+    if sp.get("stop"):
+        raise ValueError(
+            f"generate_tokens: sampling_params['stop'] = {sp['stop']!r}: stop strings are not supported (the engines "
+            "stop on ids); pass stop_token_ids, or cut the output where the text ends in the hook"
+        )
+    max_new = sp.get("max_new_tokens", defaults.max_new_tokens)
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"generate_tokens: max_new_tokens must be an int >= 1, got {max_new!r}")
+    temperature = float(sp.get("temperature", defaults.temperature))
+    top_p = float(sp.get("top_p", defaults.top_p))
+    top_k = int(sp.get("top_k", defaults.top_k))
+    if not temperature > 0:
+        raise ValueError(f"generate_tokens: temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate_tokens: top_p must be in (0, 1], got {top_p}")
+    stop = sp.get("stop_token_ids") or ()
+    if isinstance(stop, int) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        raise ValueError(f"generate_tokens: stop_token_ids must be a list of ints, got {stop!r}")
+    return SamplingParams(temperature, top_p, int(max_new), top_k, tuple(sorted(set(stop))))
+
+
+def _check_ids(input_ids) -> List[int]:
+    ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
+    if not ids:
+        raise ValueError("generate_tokens: input_ids is empty; a generation needs at least one token to condition on")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"generate_tokens: input_ids holds {bad!r} ({type(bad).__name__}); expected ids >= 0")
+    return ids
+
+
+async def generate_tokens(
+    args, input_ids: Sequence[int], sampling_params: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """One generation on the run's engines (module docstring): ``output_ids``,
+    ``output_log_probs``, ``finish_reason``. Only inside a rollout: a custom generate hook or a
+    ``--rollout-function-path`` function that the rollout manager runs."""
+    router = _ROUTER.get()
+    if router is None:
+        raise RuntimeError(
+            "generate_tokens runs inside a rollout: call it from a --custom-generate-function-path hook or a "
+            "--rollout-function-path function, which the rollout manager runs with its engines"
+        )
+    params = sampling_params_of(sampling_params, router.defaults)
+    gen = await router.submit(_check_ids(input_ids), params)
+    return {
+        "output_ids": list(gen.response_ids),
+        "output_log_probs": list(gen.log_probs),
+        "finish_reason": "stop" if gen.finished else "length",
+    }
+
+
+def cut(gen: Generation, max_new_tokens: int) -> Generation:
+    """``gen`` limited to ``max_new_tokens`` output ids (a cut answer did not stop: "length")."""
+    if len(gen.response_ids) <= max_new_tokens:
+        return gen
+    return Generation(gen.prompt_ids, gen.response_ids[:max_new_tokens], gen.log_probs[:max_new_tokens], False)
+
+
+class EngineRouter:
+    """Queues ``generate_tokens`` requests and sends them to the engines in batches (module
+    docstring). One per rollout, used from one event loop; ``calls`` counts the engine calls."""
+
+    def __init__(self, dispatch: Dispatch, seed: int, defaults: SamplingParams = DEFAULTS):
+        self.dispatch, self.seed, self.defaults = dispatch, int(seed), defaults
+        self.queue: List[Tuple[List[int], SamplingParams, asyncio.Future]] = []
+        self.flushes = self.calls = self.requests = 0
+        self.busy = False
+        self.scheduled = False
+
+    def bind(self) -> contextvars.Token:
+        """Make this router the one ``generate_tokens`` uses in the current context (tasks
+        created afterwards inherit it)."""
+        return _ROUTER.set(self)
+
+    def submit(self, ids: List[int], params: SamplingParams) -> "asyncio.Future[Generation]":
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.queue.append((ids, params, fut))
+        self.requests += 1
+        self._schedule()
+        return fut
+
+    def _schedule(self) -> None:
+        if not self.busy and not self.scheduled and self.queue:
+            self.scheduled = True
+            # after every task made ready before this point has run (and queued its request)
+            asyncio.get_running_loop().call_soon(self._start)
+
+    def _start(self) -> None:
+        self.scheduled = False
+        if self.busy or not self.queue:
+            return
+        batch, self.queue = self.queue, []
+        self.busy = True
+        asyncio.get_running_loop().create_task(self._flush(batch))
+
+    async def _flush(self, batch) -> None:
+        seed = seed_of(self.seed, self.flushes)
+        self.flushes += 1
+        try:
+            groups: Dict[SamplingParams, List[int]] = {}
+            for i, (_, params, _) in enumerate(batch):
+                key = SamplingParams(params.temperature, params.top_p, 1, params.top_k, params.stop_token_ids)
+                groups.setdefault(key, []).append(i)
+            for g, (key, idx) in enumerate(groups.items()):
+                longest = max(batch[i][1].max_new_tokens for i in idx)
+                params = SamplingParams(key.temperature, key.top_p, longest, key.top_k, key.stop_token_ids)
+                self.calls += 1
+                try:
+                    gens = await self.dispatch([batch[i][0] for i in idx], params, seed + g)
+                except Exception as exc:  # noqa: BLE001 - every waiting request gets the engine's error
+                    for i in idx:
+                        if not batch[i][2].done():
+                            batch[i][2].set_exception(exc)
+                    continue
+                for i, gen in zip(idx, gens):
+                    if not batch[i][2].done():
+                        batch[i][2].set_result(cut(gen, batch[i][1].max_new_tokens))
+        finally:
+            self.busy = False
+            self._schedule()
