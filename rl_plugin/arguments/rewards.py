@@ -6,29 +6,14 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
+from rl_plugin.rollout.remote_rm import DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, url_host_port
 
-# the remote client's defaults (rl_plugin.rollout.remote_rm reads them here; an unset flag is None)
-DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = 32, 60.0, 3
+# the remote client's flags (their defaults live in rl_plugin.rollout.remote_rm; an unset flag is None)
 REMOTE_FLAGS = (
     ("--rm-max-concurrency", "rm_max_concurrency"),
     ("--rm-timeout", "rm_timeout"),
     ("--rm-max-retries", "rm_max_retries"),
 )
-
-
-def url_host_port(url: str):
-    """``(host, port)`` of an http(s) URL (the scheme's port when none is given); ``ValueError``
-    saying why for anything else."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-    try:
-        port = parts.port
-    except ValueError as exc:  # not a number, or outside 0..65535
-        raise ValueError(f"{url!r} has a bad port ({exc})") from None
-    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
 def url_problem(url: str):

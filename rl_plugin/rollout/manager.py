@@ -138,7 +138,9 @@ class RolloutManager:
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
         self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
         self.receiver = WeightReceiver() if self.engine is not None else None
-        self.scorer = SampleScorer(cfg, user_args=self.hook_args)  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
+        self.scorer = SampleScorer(
+            cfg, user_args=self.hook_args
+        )  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
         self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None

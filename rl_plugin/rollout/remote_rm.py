@@ -27,11 +27,25 @@ import asyncio
 import socket
 from typing import Any, List, Optional, Sequence
 
-from rl_plugin.arguments.rewards import DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, url_host_port
-
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 MAX_BACKOFF_S = 30.0
 PROBE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = 32, 60.0, 3  # the flags' defaults
+
+
+def url_host_port(url: str):
+    """``(host, port)`` of an http(s) URL (the scheme's port when none is given); ``ValueError``
+    saying why for anything else."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    try:
+        port = parts.port
+    except ValueError as exc:  # not a number, or outside 0..65535
+        raise ValueError(f"{url!r} has a bad port ({exc})") from None
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
 class RemoteRewardError(RuntimeError):
