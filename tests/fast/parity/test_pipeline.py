@@ -1,0 +1,167 @@
+"""Megatron pipeline parallelism: PP = 2 trains exactly what PP = 1 trains.
+
+One spawn per layout (PP1 on one rank, PP2 on two ranks; the tied model at PP1 and PP2 as well);
+inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``)
+runs from the same starting state (reloaded from a dist_checkpointing checkpoint, itself written
+by that layout) on several micro-batches, so the 1F1B schedule really interleaves forward and
+backward passes across the stages and exchanges differently shaped thd micro-batches. The old
+log-probs come from the forward-only pass, which at PP = 2 runs through the same pipeline and is
+broadcast from the last stage. With plain SGD (lr 1, no momentum, no clipping) the weight update
+IS the applied gradient, so J, the grad norm and every updated weight must agree with PP = 1
+within ``tolerance.FP32_MODEL`` (relative for the grad norm and the update; J against the
+magnitude of its per-token terms, as in ``tests/fast/backends/megatron/test_parity.py``).
+
+The tied model (``tie_word_embeddings``) puts the embedding on the first stage and its copy, the
+output layer, on the last: the two gradients meet through megatron's embedding group
+(``finalize_model_grads``), and a missed all-reduce changes the embedding's update by the whole
+head gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import pytest
+import torch
+
+from tests.support.flags import EXACT_SGD
+from tests.support.tolerance import FP32_MODEL, max_abs, within
+
+MODES = [("sample_mean",), ("token_mean",), ("prompt_mean",), ("constant", "--loss-aggregation-divisor", "8")]
+CASES = [(m, p, ()) for m in MODES for p in ("grpo", "gspo")] + [
+    (("token_mean",), "grpo", ("--disable-fused-lm-head",)),
+    (("sample_mean",), "grpo", ("--fp32-lm-head",)),
+]
+TIED_CASES = [(("sample_mean",), "grpo", ()), (("token_mean",), "gspo", ("--disable-fused-lm-head",))]
+
+
+def _case_flags(mode, policy, extra):
+    return [
+        "--loss-aggregation",
+        *mode,
+        "--advantage-estimator",
+        policy,
+        "--eps-clip",
+        "0.2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-temperature",
+        "0.9",
+        *extra,
+    ]
+
+
+def _key(case):
+    mode, policy, extra = case
+    return (mode[0], policy, *extra)
+
+
+def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
+    """Every case from the same checkpointed start: (report, {hf name: update}) per case, and the
+    forward-only log-probs of the start, from global rank 0 (every rank checks it holds the same)."""
+    from dataclasses import replace
+
+    from rl_plugin.backends.megatron.backend import MegatronBackend
+    from rl_plugin.loss import LossConfig
+    from rl_plugin.loss.micro_batch_plan import plan_micro_batches
+    from tests.support.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
+
+    base = [
+        "--hf-checkpoint",
+        hf_dir,
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        *EXACT_SGD,
+    ]
+    backend = MegatronBackend.from_args(make_args(*base, world_size=world))
+    ps = backend.parallel_state
+    batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
+    local0 = dp_shard(batch, ps.dp_size, ps.dp_rank)
+    w0 = backend.export_hf_state_dict()
+    box = [tempfile.mkdtemp(prefix="mgt_pp_") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    backend.save_checkpoint(box[0], step=0)
+    logp0 = backend.compute_log_probs(local0)
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, logp0)
+    assert all(torch.equal(g, logp0) for g in gathered), "the forward-only log-probs differ between stages"
+    # several micro-batches of different packed lengths: 1F1B with variable shapes
+    split = plan_micro_batches(local0, micro_batch_size=1, max_tokens_per_gpu=24, dp_group=ps.dp_group)
+    assert len(split) >= 4, len(split)
+    out = {}
+    for case in cases:
+        cfg = LossConfig.from_args(make_args(*base, *_case_flags(*case), world_size=world))
+        backend.load_checkpoint(box[0])
+        backend.loss_config = cfg
+        local = with_old_log_probs(local0, backend.compute_log_probs(local0))
+        report = backend.train_step(replace(local), num_groups=num_groups, micro_batches=split)
+        w1 = backend.export_hf_state_dict()
+        out[_key(case)] = (report, {k: w1[k] - w0[k] for k in w0})
+    return (out, logp0, max_abs(local0.advantages) * max(1.0, max_abs(logp0))) if rank == 0 else None
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _update_diff(da, db):
+    """(relative L2 error of the update, max abs elementwise difference)."""
+    num = math.sqrt(sum(float(((da[k] - db[k]) ** 2).sum()) for k in db))
+    den = math.sqrt(sum(float((db[k] ** 2).sum()) for k in db))
+    return num / den, max(float((da[k] - db[k]).abs().max()) for k in db)
+
+
+def compare(got, want, scale):
+    """Per case: |dJ|, rel grad-norm error, (rel, max abs) update error; asserts the tolerance."""
+    assert set(got) == set(want)
+    worst = {}
+    for key, (report, upd) in want.items():
+        r2, u2 = got[key]
+        assert set(u2) == set(upd), key
+        dj = abs(r2["loss"] - report["loss"])
+        dg = _rel(r2["grad_norm"], report["grad_norm"])
+        du, du_abs = _update_diff(u2, upd)
+        worst[key] = (dj, abs(r2["grad_norm"] - report["grad_norm"]), du_abs)
+        assert within(r2["loss"], report["loss"], rtol=FP32_MODEL, scale=scale), (key, r2["loss"], report["loss"])
+        assert dg < FP32_MODEL and du < FP32_MODEL, (key, dg, du)
+        for name in ("pg_clipfrac", "ppo_kl", "entropy"):
+            if name in report:
+                assert within(r2[name], report[name], rtol=FP32_MODEL, scale=1.0), (key, name)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def untied(run_world, tiny_qwen2):
+    return {pp: run_world(pipeline_worker, pp, pp, 1, tiny_qwen2, CASES)[0] for pp in (1, 2)}
+
+
+def test_pp2_equals_pp1(untied):
+    (want, logp1, scale), (got, logp2, _) = untied[1], untied[2]
+    assert torch.allclose(logp2, logp1, rtol=0, atol=FP32_MODEL * max(1.0, max_abs(logp1)))
+    worst = compare(got, want, scale)
+    print(
+        "\nPP2 vs PP1 max |dJ|, |d grad norm|, max |d weight|:",
+        max(v[0] for v in worst.values()),
+        max(v[1] for v in worst.values()),
+        max(v[2] for v in worst.values()),
+    )
+
+
+def test_cases_are_distinguishable(untied):
+    """The comparison can fail: the cases give different J, and the update is not small."""
+    want = untied[1][0]
+    losses = [want[_key(c)][0]["loss"] for c in CASES[:8]]
+    assert len({round(x, 7) for x in losses}) == len(losses), losses
+    assert want[_key(CASES[0])][0]["grad_norm"] > 1e-3
+
+
+def test_tied_embeddings_pp2_equals_pp1(run_world, tiny_checkpoint):
+    hf = tiny_checkpoint(tie_word_embeddings=True, num_layers=4)
+    (want, _, scale), (got, _, _) = (run_world(pipeline_worker, pp, pp, 1, str(hf), TIED_CASES)[0] for pp in (1, 2))
+    compare(got, want, scale)
+    # the embedding's update carries the head's gradient (tied): it is not the untied model's
+    upd = want[_key(TIED_CASES[0])][1]
+    assert "lm_head.weight" not in upd or torch.equal(upd["lm_head.weight"], upd["model.embed_tokens.weight"])
