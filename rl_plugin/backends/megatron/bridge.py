@@ -181,9 +181,12 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     One pipeline stage and no expert parallelism: workaround 3; else mbridge's ``export_weights``."""
     from mbridge.core.util import unwrap_model
 
+    from rl_plugin.backends.megatron.pipeline_export import _no_grad
+
     core = unwrap_model(model)
     if not _one_stage(bridge, core):
-        return bridge.export_weights([model])
+        # no_grad: mbridge broadcasts each parameter itself across the pipeline (in place)
+        return _no_grad(bridge.export_weights([model]))
     return _export_one_stage(bridge, core)
 
 
