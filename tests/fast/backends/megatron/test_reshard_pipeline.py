@@ -16,8 +16,6 @@ state (see ``test_reshard``'s docstring for why that step is the sensitive one).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
