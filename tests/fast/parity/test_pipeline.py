@@ -1,7 +1,7 @@
 """Megatron pipeline parallelism: PP = 2 trains exactly what PP = 1 trains.
 
-One spawn per layout (PP1 on one rank, PP2 on two ranks; the tied model at PP1 and PP2 as well);
-inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``)
+One spawn per layout (PP1 on one rank, PP2 on two, PP2 x DP2 and PP2 x TP2 on four), on a tied
+4-layer model; inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``)
 runs from the same starting state (reloaded from a dist_checkpointing checkpoint, itself written
 by that layout) on several micro-batches, so the 1F1B schedule really interleaves forward and
 backward passes across the stages and exchanges differently shaped thd micro-batches. The old
@@ -33,7 +33,6 @@ CASES = [(m, p, ()) for m in MODES for p in ("grpo", "gspo")] + [
     (("token_mean",), "grpo", ("--disable-fused-lm-head",)),
     (("sample_mean",), "grpo", ("--fp32-lm-head",)),
 ]
-TIED_CASES = [(("sample_mean",), "grpo", ()), (("token_mean",), "gspo", ("--disable-fused-lm-head",))]
 
 
 def _case_flags(mode, policy, extra):
@@ -85,12 +84,13 @@ def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
     torch.distributed.broadcast_object_list(box, src=0)
     backend.save_checkpoint(box[0], step=0)
     logp0 = backend.compute_log_probs(local0)
-    gathered = [None] * world
-    torch.distributed.all_gather_object(gathered, logp0)
-    assert all(torch.equal(g, logp0) for g in gathered), "the forward-only log-probs differ between stages"
+    if ps.pp_size > 1:  # every stage of the replica holds the last stage's result
+        gathered = [None] * ps.pp_size
+        torch.distributed.all_gather_object(gathered, logp0, group=ps.pp_cpu_group)
+        assert all(torch.equal(g, logp0) for g in gathered), "the forward-only log-probs differ between stages"
     # several micro-batches of different packed lengths: 1F1B with variable shapes
     split = plan_micro_batches(local0, micro_batch_size=1, max_tokens_per_gpu=24, dp_group=ps.dp_group)
-    assert len(split) >= 4, len(split)
+    assert len(split) >= 6 // ps.dp_size, len(split)
     out = {}
     for case in cases:
         cfg = LossConfig.from_args(make_args(*base, *_case_flags(*case), world_size=world))
@@ -100,6 +100,16 @@ def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
         report = backend.train_step(replace(local), num_groups=num_groups, micro_batches=split)
         w1 = backend.export_hf_state_dict()
         out[_key(case)] = (report, {k: w1[k] - w0[k] for k in w0})
+    # one sample in the whole step: at DP2 the second replica has none and runs an idle micro-batch
+    # through both stages (its loss x 0), so the update is the first replica's alone
+    cfg = LossConfig.from_args(make_args(*base, *_case_flags(*CASES[0]), world_size=world))
+    backend.load_checkpoint(box[0])
+    backend.loss_config = cfg
+    one = dp_shard(batch.select(torch.tensor([0])), ps.dp_size, ps.dp_rank)
+    one = replace(one, old_log_probs=backend.compute_log_probs(one))  # ratio 1: nothing clipped
+    report = backend.train_step(one, num_groups=1)
+    w1 = backend.export_hf_state_dict()
+    out[("one_sample",)] = (report, {k: w1[k] - w0[k] for k in w0})
     return (out, logp0, max_abs(local0.advantages) * max(1.0, max_abs(logp0))) if rank == 0 else None
 
 
@@ -134,34 +144,50 @@ def compare(got, want, scale):
 
 
 @pytest.fixture(scope="module")
-def untied(run_world, tiny_qwen2):
-    return {pp: run_world(pipeline_worker, pp, pp, 1, tiny_qwen2, CASES)[0] for pp in (1, 2)}
+def tied_model(tiny_checkpoint):
+    return str(tiny_checkpoint(tie_word_embeddings=True, num_layers=4))
 
 
-def test_pp2_equals_pp1(untied):
-    (want, logp1, scale), (got, logp2, _) = untied[1], untied[2]
+@pytest.fixture(scope="module")
+def runs(run_world, tied_model):
+    return {pp: run_world(pipeline_worker, pp, pp, 1, tied_model, CASES)[0] for pp in (1, 2)}
+
+
+# four ranks: two cases and the one-sample step (the full set runs at PP2 x TP1 above)
+FOUR_RANK_CASES = [CASES[3], CASES[8]]
+
+
+def _subset(out, cases):
+    keys = {_key(c) for c in cases} | {("one_sample",)}
+    return {k: v for k, v in out.items() if k in keys}
+
+
+def test_pp2_equals_pp1(runs):
+    (want, logp1, scale), (got, logp2, _) = runs[1], runs[2]
     assert torch.allclose(logp2, logp1, rtol=0, atol=FP32_MODEL * max(1.0, max_abs(logp1)))
     worst = compare(got, want, scale)
-    print(
-        "\nPP2 vs PP1 max |dJ|, |d grad norm|, max |d weight|:",
-        max(v[0] for v in worst.values()),
-        max(v[1] for v in worst.values()),
-        max(v[2] for v in worst.values()),
-    )
+    print("\nPP2 vs PP1 max |dJ|, |d grad norm|, max |d weight|:", *map(max, zip(*worst.values())))
 
 
-def test_cases_are_distinguishable(untied):
-    """The comparison can fail: the cases give different J, and the update is not small."""
-    want = untied[1][0]
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2_dp2", "pp2_tp2"])
+def test_four_ranks_equal_pp1(runs, run_world, tied_model, tp):
+    """PP2 x DP2 (each stage's gradients all-reduced over DP; the one-sample step leaves the
+    second replica an idle micro-batch) and PP2 x TP2 (vocab-parallel head on the last stage,
+    both TP ranks of a stage exchanging activations with the other stage): J, grad norm and
+    updates equal PP1's (TP2 = TP1 is ``backends/megatron/test_parity``'s)."""
+    want, _, scale = runs[1]
+    got = run_world(pipeline_worker, 4, 2, tp, tied_model, FOUR_RANK_CASES)[0][0]
+    worst = compare(got, _subset(want, FOUR_RANK_CASES), scale)
+    print(f"\n{tp=} four ranks vs PP1 max |dJ|, |d grad norm|, max |d weight|:", *map(max, zip(*worst.values())))
+
+
+def test_cases_are_distinguishable(runs):
+    """The comparison can fail: the cases give different J, the update is not small, and the
+    embedding's update carries the head's gradient (tied: one tensor, both uses)."""
+    want = runs[1][0]
     losses = [want[_key(c)][0]["loss"] for c in CASES[:8]]
     assert len({round(x, 7) for x in losses}) == len(losses), losses
     assert want[_key(CASES[0])][0]["grad_norm"] > 1e-3
-
-
-def test_tied_embeddings_pp2_equals_pp1(run_world, tiny_checkpoint):
-    hf = tiny_checkpoint(tie_word_embeddings=True, num_layers=4)
-    (want, _, scale), (got, _, _) = (run_world(pipeline_worker, pp, pp, 1, str(hf), TIED_CASES)[0] for pp in (1, 2))
-    compare(got, want, scale)
-    # the embedding's update carries the head's gradient (tied): it is not the untied model's
-    upd = want[_key(TIED_CASES[0])][1]
-    assert "lm_head.weight" not in upd or torch.equal(upd["lm_head.weight"], upd["model.embed_tokens.weight"])
+    assert want[("one_sample",)][0]["grad_norm"] > 1e-3
+    upd = want[_key(CASES[0])][1]
+    assert "lm_head.weight" not in upd and float(upd["model.embed_tokens.weight"].abs().max()) > 0
