@@ -55,6 +55,7 @@ class MegatronBackend(TrainBackend):
         self.fp32_lm_head = config.model.fp32_lm_head
         self.fused_lm_head = use_fused_head(config.model, model)
         self._ref_model = None
+        self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
         self.runner = StepRunner(
             self,
@@ -113,9 +114,17 @@ class MegatronBackend(TrainBackend):
 
     def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
         ps = self.parallel_state
-        if ps.pp_size > 1:  # collective over the pipeline (pipeline_export)
-            return pipeline_export.pipeline_specs(self.bridge, unwrap(self.model), ps.pp_cpu_group)
+        if ps.pp_size > 1:
+            return pipeline_export.pipeline_specs(self._stage_specs())
         return hf_specs(self.bridge, self.model)
+
+    def _stage_specs(self):
+        """Every pipeline stage's export layout (``pipeline_export.all_stage_specs``): collective
+        over the pipeline the first time, then kept (the layout never changes)."""
+        if self._pipeline_specs is None:
+            ps = self.parallel_state
+            self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, unwrap(self.model), ps.pp_cpu_group)
+        return self._pipeline_specs
 
     def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
@@ -126,9 +135,9 @@ class MegatronBackend(TrainBackend):
             return pipeline_export.stream_gathered_to_rank0(
                 self.bridge,
                 unwrap(self.model),
+                self._stage_specs(),
                 dp_rank=ps.dp_rank,
                 cp_rank=ps.cp_rank,
-                pp_cpu_group=ps.pp_cpu_group,
                 pp_group=ps.pp_group,
             )
         return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank)

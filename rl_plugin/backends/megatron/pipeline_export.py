@@ -6,9 +6,9 @@ HF names (``_weight_name_mapping_mcore_local_to_global``). A tied model's last s
 copy of the embedding as ``output_layer.weight`` (kept equal through megatron's embedding
 group); it is left out, since the first stage exports the embedding under the same HF name.
 
-- ``pipeline_specs``: the export's names, shapes and dtypes as meta tensors, stage after stage
-  (collective over the pipeline: one ``all_gather_object`` of each stage's list, on the gloo
-  ``pp_cpu_group``), the same answer on every rank.
+- ``all_stage_specs`` / ``pipeline_specs``: the export's names, shapes and dtypes, stage after
+  stage (collective over the pipeline, once per run: one ``all_gather_object`` of each stage's
+  list, on the gloo ``pp_cpu_group``), as meta tensors; the same answer on every rank.
 - ``stream_gathered_to_rank0`` (the weight sync's stream): FALLBACK, NOT a per-stage publish.
   Only the DP rank 0 / CP rank 0 replica takes part. On each stage the TP group gathers a
   parameter's shards to its TP rank 0 (as at one stage, ``bridge.stream_hf``), which converts it
@@ -52,19 +52,17 @@ def _stage_specs(bridge, core) -> List[Spec]:
     return out
 
 
-def _all_stage_specs(bridge, core, pp_cpu_group) -> List[List[Spec]]:
+def all_stage_specs(bridge, core, pp_cpu_group) -> List[List[Spec]]:
+    """Every stage's ``_stage_specs``, in stage order; collective over the pipeline. The layout
+    never changes during a run, so a backend asks once and passes the answer to the two below."""
     stages: List = [None] * dist.get_world_size(pp_cpu_group)
     dist.all_gather_object(stages, _stage_specs(bridge, core), group=pp_cpu_group)
     return stages
 
 
-def pipeline_specs(bridge, core, pp_cpu_group) -> Dict[str, torch.Tensor]:
-    """Meta tensors of the whole export in stream order (module docstring); collective over PP."""
-    return {
-        name: torch.empty(shape, dtype=dtype, device="meta")
-        for stage in _all_stage_specs(bridge, core, pp_cpu_group)
-        for name, shape, dtype in stage
-    }
+def pipeline_specs(stages: List[List[Spec]]) -> Dict[str, torch.Tensor]:
+    """Meta tensors of the whole export in stream order (module docstring)."""
+    return {name: torch.empty(shape, dtype=dtype, device="meta") for stage in stages for name, shape, dtype in stage}
 
 
 def _stage_tensors(bridge, core, *, exporter: bool) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -87,13 +85,13 @@ def _stage_tensors(bridge, core, *, exporter: bool) -> Iterator[Tuple[str, torch
         yield from zip(*bridge._weight_to_hf_format(name, tensor))
 
 
-def stream_gathered_to_rank0(bridge, core, *, dp_rank: int, cp_rank: int, pp_cpu_group, pp_group):
+def stream_gathered_to_rank0(bridge, core, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group):
     """The weight sync's export of a pipelined model (module docstring: the fallback through
-    global rank 0). Collective: every rank must exhaust it; global rank 0 gets ``(hf_name, CPU
-    tensor)`` in ``pipeline_specs`` order, every other rank nothing."""
+    global rank 0), ``stages`` from ``all_stage_specs``. Collective: every rank must exhaust it;
+    global rank 0 gets ``(hf_name, CPU tensor)`` in ``pipeline_specs`` order, every other rank
+    nothing."""
     if dp_rank != 0 or cp_rank != 0:
         return
-    stages = _all_stage_specs(bridge, core, pp_cpu_group)
     exporter = bridge.mpu.tp_rank == 0
     with torch.no_grad():
         tensors = _stage_tensors(bridge, core, exporter=exporter)

@@ -1,7 +1,8 @@
 """Megatron pipeline parallelism: PP = 2 trains exactly what PP = 1 trains.
 
 One spawn per layout (PP1 on one rank, PP2 on two, PP2 x DP2 and PP2 x TP2 on four), on a tied
-4-layer model; inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``)
+4-layer model; inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``,
+the KL loss against the reference model's forward-only pass)
 runs from the same starting state (reloaded from a dist_checkpointing checkpoint, itself written
 by that layout) on several micro-batches, so the 1F1B schedule really interleaves forward and
 backward passes across the stages and exchanges differently shaped thd micro-batches. The old
@@ -32,6 +33,7 @@ MODES = [("sample_mean",), ("token_mean",), ("prompt_mean",), ("constant", "--lo
 CASES = [(m, p, ()) for m in MODES for p in ("grpo", "gspo")] + [
     (("token_mean",), "grpo", ("--disable-fused-lm-head",)),
     (("sample_mean",), "grpo", ("--fp32-lm-head",)),
+    (("token_mean",), "grpo", ("--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", "k1")),
 ]
 
 
@@ -97,6 +99,8 @@ def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
         backend.load_checkpoint(box[0])
         backend.loss_config = cfg
         local = with_old_log_probs(local0, backend.compute_log_probs(local0))
+        if cfg.use_kl_loss:  # the frozen reference model, through the same pipeline
+            local = replace(local, ref_log_probs=backend.compute_log_probs(local0, role="ref") + 0.1)
         report = backend.train_step(replace(local), num_groups=num_groups, micro_batches=split)
         w1 = backend.export_hf_state_dict()
         out[_key(case)] = (report, {k: w1[k] - w0[k] for k in w0})
