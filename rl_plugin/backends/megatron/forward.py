@@ -319,7 +319,7 @@ def stage_output(model, mb: MicroBatchInputs, qkv_format: str) -> torch.Tensor:
     return model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)
 
 
-def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str, max_seq_len: Optional[int]) -> MicroBatchInputs:
+def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str) -> MicroBatchInputs:
     """A one-sample micro-batch of pad tokens (id 0; a one-token prompt and response, padded to the
     CP chunking) that a pipelined DP rank with no sample runs in place of an empty micro-batch:
     the stages must exchange real activations and gradients, and its loss is multiplied by 0."""
@@ -334,6 +334,4 @@ def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str, max_seq_len: Opt
         advantages=torch.zeros(1),
         group_ids=torch.zeros(1, dtype=torch.long),
     )
-    return MicroBatchInputs.build(
-        batch, cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format, max_seq_len=max_seq_len
-    )
+    return MicroBatchInputs.build(batch, cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format, max_seq_len=total)

@@ -88,7 +88,7 @@ def _pipelined_forward(model, inputs, options, ps, *, qkv_format, fp32_lm_head, 
     idle = inputs.layout.num_samples == 0
     if idle:
         layout = inputs.layout
-        inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format, max_seq_len=None)
+        inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
     if not ps.is_last_stage:
         return stage_output(model, inputs, qkv_format)
     logp, ent = response_log_probs(

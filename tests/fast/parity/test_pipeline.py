@@ -2,7 +2,7 @@
 
 One spawn per layout (PP1 on one rank, PP2 on two, PP2 x DP2 and PP2 x TP2 on four), on a tied
 4-layer model; inside it every case (4 aggregation modes x PPO clip / GSPO, the unfused head, ``--fp32-lm-head``,
-the KL loss against the reference model's forward-only pass)
+the KL loss against the reference model's forward-only pass, padded ``bshd`` rows)
 runs from the same starting state (reloaded from a dist_checkpointing checkpoint, itself written
 by that layout) on several micro-batches, so the 1F1B schedule really interleaves forward and
 backward passes across the stages and exchanges differently shaped thd micro-batches. The old
@@ -34,6 +34,7 @@ CASES = [(m, p, ()) for m in MODES for p in ("grpo", "gspo")] + [
     (("token_mean",), "grpo", ("--disable-fused-lm-head",)),
     (("sample_mean",), "grpo", ("--fp32-lm-head",)),
     (("token_mean",), "grpo", ("--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", "k1")),
+    (("sample_mean",), "gspo", ("--qkv-format", "bshd", "--seq-length", "16")),
 ]
 
 
