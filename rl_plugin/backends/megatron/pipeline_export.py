@@ -13,21 +13,25 @@ group); it is left out, since the first stage exports the embedding under the sa
   Only the DP rank 0 / CP rank 0 replica takes part. On each stage the TP group gathers a
   parameter's shards to its TP rank 0 (as at one stage, ``bridge.stream_hf``), which converts it
   to HF tensors; stage 0's TP rank 0 (global rank 0) yields its own, then receives every later
-  stage's tensors in ``pipeline_specs`` order, one at a time (``dist.send`` / ``dist.recv`` on
-  the default group: gloo on CPU, NCCL on GPU), and yields them. So global rank 0 alone publishes
-  (every transport works unchanged), its peak is one tensor, and no rank gathers the whole model;
+  stage's tensors in ``pipeline_specs`` order (``dist.send`` / ``dist.recv`` on the default
+  group: gloo on CPU, NCCL on GPU; consecutive tensors of one dtype packed into messages of at
+  most ``MESSAGE_BYTES``, ``message_groups``, so a small model is one message per stage, not one
+  per tensor), and yields them. So global rank 0 alone publishes (every transport works
+  unchanged), its peak is one message, and no rank gathers the whole model;
   what a per-stage publish would add is that the stages' exporters write their own buckets in
   parallel instead of sending them through rank 0.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 Spec = Tuple[str, Tuple[int, ...], torch.dtype]
+MESSAGE_BYTES = 32 << 20  # the most a stage sends rank 0 in one message (a larger tensor goes alone)
 
 
 def _stage_params(bridge, core) -> Iterator[Tuple[str, torch.nn.Parameter]]:
@@ -93,25 +97,58 @@ def stream_gathered_to_rank0(bridge, core, stages: List[List[Spec]], *, dp_rank:
     if dp_rank != 0 or cp_rank != 0:
         return
     exporter = bridge.mpu.tp_rank == 0
-    with torch.no_grad():
-        tensors = _stage_tensors(bridge, core, exporter=exporter)
-        if dist.get_rank() != 0:
-            for _, t in tensors:  # a later stage's TP rank 0 sends to rank 0; its TP peers only gather
-                dist.send(t.detach().contiguous(), dst=0)
-            return
+    tensors = _stage_tensors(bridge, core, exporter=exporter)
+    if dist.get_rank() != 0:  # a later stage's TP rank 0 sends to rank 0; its TP peers only gather
+        with torch.no_grad():
+            _send_stage(tensors, stages[bridge.mpu.pp_rank] if exporter else [])
+        return
     yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), core)
 
 
+def message_groups(stage: List[Spec], budget: int = MESSAGE_BYTES) -> List[List[int]]:
+    """The stage's specs cut into messages: runs of consecutive tensors of one dtype of at most
+    ``budget`` bytes together (a larger tensor alone). Both ends compute it from the same specs."""
+    groups: List[List[int]] = []
+    size, dtype = 0, None
+    for i, (_, shape, dt) in enumerate(stage):
+        nbytes = math.prod(shape) * dt.itemsize
+        if not groups or dt != dtype or size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+        dtype = dt
+    return groups
+
+
+def _send_stage(tensors, stage: List[Spec]) -> None:
+    """A later stage's exporter: its HF tensors to rank 0, one message per ``message_groups``."""
+    it = iter(tensors)
+    for group in message_groups(stage):
+        flat = []
+        for i in group:
+            name, t = next(it)
+            if name != stage[i][0]:
+                raise RuntimeError(f"pipeline export: stage tensor {name!r} where its layout expects {stage[i][0]!r}")
+            flat.append(t.detach().reshape(-1))
+        dist.send(torch.cat(flat) if len(flat) > 1 else flat[0].contiguous(), dst=0)
+    for _ in it:  # a TP peer (empty ``stage``): its share of the gathers, nothing to send
+        pass
+
+
 def _stream_rank0(own, stages, exporters, core):
-    """Rank 0: its own stage's tensors, then each later stage's, received in spec order."""
+    """Rank 0: its own stage's tensors, then each later stage's, received message by message."""
     for name, t in _no_grad(own):
         yield name, t.detach().to("cpu")
     device = next(core.parameters()).device
     for stage, src in zip(stages[1:], exporters[1:]):
-        for name, shape, dtype in stage:
-            buf = torch.empty(shape, dtype=dtype, device=device)
+        for group in message_groups(stage):
+            numels = [math.prod(stage[i][1]) for i in group]
+            buf = torch.empty(sum(numels), dtype=stage[group[0]][2], device=device)
             dist.recv(buf, src=src)
-            yield name, buf.to("cpu")
+            for i, piece in zip(group, buf.split(numels)):
+                name, shape, _ = stage[i]
+                yield name, piece.view(shape).to("cpu")
 
 
 def _no_grad(gen):
