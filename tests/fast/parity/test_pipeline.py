@@ -59,9 +59,11 @@ def _key(case):
     return (mode[0], policy, *extra)
 
 
-def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
-    """Every case from the same checkpointed start: (report, {hf name: update}) per case, and the
-    forward-only log-probs of the start, from global rank 0 (every rank checks it holds the same)."""
+def pipeline_worker(rank, world, pp, tp, hf_dir, cases, export_check=False):
+    """Every case from the same checkpointed start: (report, {hf name: update}) per case, the
+    forward-only log-probs of the start and J's scale, from global rank 0 (None elsewhere; every
+    rank checks it holds the same log-probs); with ``export_check``, every rank's part of the
+    weight sync's streamed export (``test_weight_export_stream._export_worker``) last."""
     from dataclasses import replace
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
@@ -115,7 +117,14 @@ def pipeline_worker(rank, world, pp, tp, hf_dir, cases):
     report = backend.train_step(one, num_groups=1)
     w1 = backend.export_hf_state_dict()
     out[("one_sample",)] = (report, {k: w1[k] - w0[k] for k in w0})
-    return (out, logp0, max_abs(local0.advantages) * max(1.0, max_abs(logp0))) if rank == 0 else None
+    export = None
+    if export_check:
+        from tests.fast.weight_sync.test_weight_export_stream import _export_worker
+
+        export = dict(_export_worker(backend, rank, world), pp_rank=ps.pp_rank, tp_rank=ps.tp_rank)
+    if rank:
+        return None, None, None, export
+    return out, logp0, max_abs(local0.advantages) * max(1.0, max_abs(logp0)), export
 
 
 def _rel(a, b):
@@ -167,21 +176,27 @@ def _subset(out, cases):
     return {k: v for k, v in out.items() if k in keys}
 
 
+@pytest.fixture(scope="module")
+def four_ranks(run_world, tied_model):
+    """PP2 x DP2 and PP2 x TP2 (every rank's answer); the latter also streams the weight export."""
+    return {tp: run_world(pipeline_worker, 4, 2, tp, tied_model, FOUR_RANK_CASES, tp == 2) for tp in (1, 2)}
+
+
 def test_pp2_equals_pp1(runs):
-    (want, logp1, scale), (got, logp2, _) = runs[1], runs[2]
+    (want, logp1, scale, _), (got, logp2, _, _) = runs[1], runs[2]
     assert torch.allclose(logp2, logp1, rtol=0, atol=FP32_MODEL * max(1.0, max_abs(logp1)))
     worst = compare(got, want, scale)
     print("\nPP2 vs PP1 max |dJ|, |d grad norm|, max |d weight|:", *map(max, zip(*worst.values())))
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["pp2_dp2", "pp2_tp2"])
-def test_four_ranks_equal_pp1(runs, run_world, tied_model, tp):
+def test_four_ranks_equal_pp1(runs, four_ranks, tp):
     """PP2 x DP2 (each stage's gradients all-reduced over DP; the one-sample step leaves the
     second replica an idle micro-batch) and PP2 x TP2 (vocab-parallel head on the last stage,
     both TP ranks of a stage exchanging activations with the other stage): J, grad norm and
     updates equal PP1's (TP2 = TP1 is ``backends/megatron/test_parity``'s)."""
-    want, _, scale = runs[1]
-    got = run_world(pipeline_worker, 4, 2, tp, tied_model, FOUR_RANK_CASES)[0][0]
+    want, _, scale, _ = runs[1]
+    got = four_ranks[tp][0][0]
     worst = compare(got, _subset(want, FOUR_RANK_CASES), scale)
     print(f"\n{tp=} four ranks vs PP1 max |dJ|, |d grad norm|, max |d weight|:", *map(max, zip(*worst.values())))
 
@@ -196,3 +211,23 @@ def test_cases_are_distinguishable(runs):
     assert want[("one_sample",)][0]["grad_norm"] > 1e-3
     upd = want[_key(CASES[0])][1]
     assert "lm_head.weight" not in upd and float(upd["model.embed_tokens.weight"].abs().max()) > 0
+
+
+def test_pp2_tp2_weight_sync_stream_reaches_rank0(four_ranks):
+    """The weight sync's export at PP2 x TP2, tied: each stage's TP pair gathers its own layers;
+    the last stage's TP rank 0 sends its HF tensors to global rank 0 (the fallback through rank 0,
+    ``backends/megatron/pipeline_export.py``), which streams the whole export in spec order, bit
+    for bit with ``export_hf_state_dict``, the tied copy on the last stage left out, and publishes
+    it (fingerprint equal, an engine reads it exactly); no other rank gets a tensor."""
+    from tests.fast.weight_sync.test_weight_export_stream import _check_rank0
+
+    results = [r[3] for r in four_ranks[2]]
+    _check_rank0(results[0])
+    assert [(r["pp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    names = results[0]["stream_names"]
+    assert names.count("model.embed_tokens.weight") == 1 and "lm_head.weight" not in names
+    assert [n for n in names if ".layers." in n][-1].startswith("model.layers.3.")  # the last stage's layers
+    assert results[0]["gathers"] == results[1]["gathers"] > 0  # stage 0's TP pair
+    assert results[2]["gathers"] == results[3]["gathers"] > 0  # stage 1's TP pair
+    assert [r["streamed"] for r in results[1:]] == [0, 0, 0]
+    assert [r["refused"] for r in results[1:]] == [None, None, None]

@@ -5,8 +5,8 @@ publish (``WeightPublisher.publish_stream``), in real gloo worlds:
   bit for bit, with the shapes and dtypes ``hf_weight_specs`` announced (meta, nothing
   materialised); the other ranks get nothing; only TP rank 1 of DP rank 0 takes part in a gather
   (DP rank 1's TP group does none);
-- Megatron PP2 x TP2 with tied embeddings: the same through global rank 0 (each later stage's
-  TP rank 0 sends its tensors there), the last stage's tied copy left out;
+- Megatron PP2 x TP2 with tied embeddings: ``tests/fast/parity/test_pipeline.py`` runs
+  ``_export_worker`` in its four-rank world (one spawn for both checks);
 - FSDP DP2 with tied embeddings and dims that do not divide by 2 (uneven shards): the same,
   tied names included; rank 1 gets nothing;
 - the train actor's ``export_weight_buckets`` streamed and not streamed publish the same
@@ -93,16 +93,6 @@ def _megatron_worker(rank, world, hf_dir):
     return dict(_export_worker(backend, rank, world), dp_rank=ps.dp_rank, tp_rank=ps.tp_rank)
 
 
-def _megatron_pp_worker(rank, world, hf_dir):
-    from rl_plugin.backends.megatron.backend import MegatronBackend
-    from tests.support.megatron_common import make_args
-
-    flags = ["--hf-checkpoint", hf_dir, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    backend = MegatronBackend.from_args(make_args(*flags, world_size=world))
-    ps = backend.parallel_state
-    return dict(_export_worker(backend, rank, world), pp_rank=ps.pp_rank, tp_rank=ps.tp_rank)
-
-
 def _fsdp_worker(rank, world, hf_dir):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from tests.support.fsdp_common import fsdp_flags, parse
@@ -134,26 +124,6 @@ def test_megatron_stream_only_dp0_tp_group_gathers(run_world, tmp_path):
     assert [r["streamed"] for r in results[1:]] == [0, 0, 0]
     assert [r["refused"] for r in results[1:]] == [None, None, None]
     assert results[0]["streamed"] == len(results[0]["full_rows"])
-
-
-def test_megatron_pipeline_stream_reaches_rank0_one_tensor_at_a_time(run_world, tmp_path):
-    """PP2 x TP2, tied embeddings: each stage's TP pair gathers its own layers; the last stage's
-    TP rank 0 sends its HF tensors to global rank 0 (the fallback through rank 0,
-    ``pipeline_export``), which streams the whole export in spec order, bit for bit, with the
-    tied copy on the last stage left out; no other rank gets a tensor."""
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = str(make_tiny_hf_checkpoint(tmp_path / "tied", "qwen2", num_layers=4, tie_word_embeddings=True))
-    results = run_world(_megatron_pp_worker, 4, hf_dir)
-    _check_rank0(results[0])
-    assert [(r["pp_rank"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    names = results[0]["stream_names"]
-    assert names.count("model.embed_tokens.weight") == 1 and "lm_head.weight" not in names
-    assert [n for n in names if ".layers." in n][-1].startswith("model.layers.3.")  # the last stage's layers
-    assert results[0]["gathers"] == results[1]["gathers"] > 0  # stage 0's TP pair
-    assert results[2]["gathers"] == results[3]["gathers"] > 0  # stage 1's TP pair
-    assert [r["streamed"] for r in results[1:]] == [0, 0, 0]
-    assert [r["refused"] for r in results[1:]] == [None, None, None]
 
 
 def test_fsdp_stream_with_tied_embeddings(run_world, tmp_path):
