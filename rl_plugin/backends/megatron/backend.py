@@ -128,7 +128,7 @@ class MegatronBackend(TrainBackend):
 
     def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
-        pipelined, each stage's TP rank 0 sends its tensors on to global rank 0, one at a time
+        pipelined, each stage's TP rank 0 sends its tensors on to global rank 0 in bounded messages
         (``pipeline_export.stream_gathered_to_rank0``: the fallback, not a per-stage publish)."""
         ps = self.parallel_state
         if ps.pp_size > 1:
