@@ -14,6 +14,11 @@ Groups and what crosses them:
   log-prob / entropy scalars cross it.
 - ``dp_cp_group``: the union of DP and CP (Megatron's ``with_context_parallel=True``). The
   step's loss contributions and metric sums are summed over it; TP ranks hold replicas.
+- ``pp_group``: ranks holding *different layers* (pipeline stages) of the same samples. Only the
+  last stage computes log-probs and the loss; its per-token results (forward-only log-probs) are
+  broadcast to the other stages over ``pp_group`` (loss-device tensors) and its step report over
+  ``pp_cpu_group`` (its gloo twin: a pickled dict). ``pp_last_rank``: the last stage's global
+  rank (the broadcasts' source).
 
 A group of size 1 may be ``None``; every collective helper here is a no-op then.
 
@@ -46,9 +51,21 @@ class ParallelState:
     cp_group: ProcessGroup = None
     tp_group: ProcessGroup = None
     dp_cp_group: ProcessGroup = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: ProcessGroup = None
+    pp_cpu_group: ProcessGroup = None
+    pp_last_rank: int = 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the model's last layers (the head): the loss runs here."""
+        return self.pp_rank == self.pp_size - 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "cp", "tp"):
+        if self.pp_size > 1 and (self.pp_group is None or self.pp_cpu_group is None):
+            raise ValueError(f"ParallelState: pp_size={self.pp_size} > 1 needs a pp_group and a pp_cpu_group")
+        for name in ("dp", "cp", "tp", "pp"):
             size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"ParallelState: {name}_rank={rank} is outside [0, {name}_size={size})")
@@ -132,3 +149,21 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=None) -> torch.Tens
     if group is not None:
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """``tensor`` as the last pipeline stage holds it, on every stage (in place; a no-op at one
+    stage). Every stage passes a tensor of the same shape and dtype (on the loss device)."""
+    if ps.pp_size > 1:
+        dist.broadcast(tensor, src=ps.pp_last_rank, group=ps.pp_group)
+    return tensor
+
+
+def broadcast_object_from_last_stage(obj, ps: ParallelState):
+    """The last pipeline stage's ``obj`` (a small picklable value) on every stage, over the gloo
+    ``pp_cpu_group``; ``obj`` itself at one stage."""
+    if ps.pp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=ps.pp_last_rank, group=ps.pp_cpu_group)
+    return box[0]

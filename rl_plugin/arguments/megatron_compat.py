@@ -28,7 +28,10 @@ def add_arguments(parser):
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
-        help="Pipeline parallel size (Megatron-LM). Only 1 is supported by rl_plugin today.",
+        help=(
+            "Pipeline parallel size (Megatron-LM): the layers split evenly over this many stages, trained "
+            "through megatron-core's 1F1B schedule with the loss on the last stage (--train-backend megatron)."
+        ),
     )
     add_flag(
         g,

@@ -42,13 +42,6 @@ def validate(args) -> None:
             "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant",
         )
     if args.train_backend == "megatron":
-        pp = getattr(args, "pipeline_model_parallel_size", 1)  # getattr: a foreign (Megatron-LM) parser may lack it
-        if pp is not None and pp > 1:
-            fail(
-                f"--train-backend megatron with --pipeline-model-parallel-size {pp}",
-                "rl_plugin's Megatron backend has no pipeline schedule for the RL step yet",
-                "use --pipeline-model-parallel-size 1 and shard with TP / CP / DP instead",
-            )
         if getattr(args, "fp16", False):
             fail(
                 "--train-backend megatron with --fp16",

@@ -15,6 +15,13 @@ A train step::
     grad_norm, lr = backend.optimizer_step()
     report = ctx.finish()                             # J and metrics, identical on every rank
 
+Pipeline parallelism (``ps.pp_size > 1``): every stage runs the same plan and ``prepare_step``
+(its own copy of the counts and weights, once per step); ``backend.forward`` returns the stage's
+output activations on every stage but the last, and the backend's schedule calls ``loss(i, out)``
+on the last stage only. So J and the metrics (``finish``) and the forward-only log-probs are the
+last stage's, broadcast over the pipeline group once per step / pass
+(``parallel.broadcast_object_from_last_stage`` / ``broadcast_from_last_stage``).
+
 The forward-only pass is the same runner without backward: the same plan, the same
 ``backend.schedule(..., forward_only=True)`` under ``torch.no_grad`` with the model in eval mode;
 ``loss(i, out)`` gathers the micro-batch's CP chunks back into full responses
@@ -74,7 +81,7 @@ from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches
 from rl_plugin.loss.off_policy_step import old_from_forward_unsupported
 from rl_plugin.loss.step import prepare_step
-from rl_plugin.parallel import ParallelState
+from rl_plugin.parallel import ParallelState, broadcast_from_last_stage, broadcast_object_from_last_stage
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
@@ -160,8 +167,12 @@ class StepRunner:
         with_entropy = cfg.needs_entropy
         options = ForwardOptions.of(cfg, with_entropy=with_entropy)
 
+        last = self.ps.is_last_stage  # pipeline: only the last stage calls loss(i, out)
+
         def forward(i: int) -> torch.Tensor:
-            mb = pending[i] = ctx.micro_batch(plan[i] if i < len(plan) else _EMPTY)
+            mb = ctx.micro_batch(plan[i] if i < len(plan) else _EMPTY)
+            if last:
+                pending[i] = mb
             return backend.forward(model, mb, options)
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
@@ -174,7 +185,8 @@ class StepRunner:
         model.train()
         passes = backend.schedule(model, len(plan), forward, loss, forward_only=False)
         grad_norm, lr = backend.optimizer_step()
-        report = ctx.finish()
+        # J and the metrics are the last stage's (the loss ran there); one broadcast per step
+        report = broadcast_object_from_last_stage(ctx.finish() if last else None, self.ps)
         report.update(grad_norm=grad_norm, lr=lr, num_micro_batches=float(passes))
         return report
 
@@ -193,6 +205,7 @@ class StepRunner:
         result = torch.zeros(int(rl.sum()), dtype=torch.float32, device=device)
         pending = {}
         options = ForwardOptions.of(cfg, with_entropy=False)
+        last = ps.is_last_stage
 
         def forward(i: int) -> torch.Tensor:
             idx = plan[i] if i < len(plan) else _EMPTY
@@ -200,7 +213,8 @@ class StepRunner:
             inputs = MicroBatchInputs.build(
                 sub, cp_rank=ps.cp_rank, cp_size=ps.cp_size, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len
             )
-            pending[i] = (idx, sub, inputs)
+            if last:
+                pending[i] = (idx, sub, inputs)
             return backend.forward(model, inputs, options)
 
         def loss(i: int, out: torch.Tensor) -> torch.Tensor:
@@ -219,4 +233,4 @@ class StepRunner:
                 backend.schedule(model, len(plan), forward, loss, forward_only=True)
         finally:
             model.train(was_training)
-        return result.cpu()
+        return broadcast_from_last_stage(result, ps).cpu()  # pipeline: the last stage computed it

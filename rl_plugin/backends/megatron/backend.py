@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
-from rl_plugin.backends.megatron import checkpoint, setup, step
+from rl_plugin.backends.megatron import checkpoint, pipeline_export, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
-from rl_plugin.backends.megatron.forward import fused_head_unsupported
+from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
 from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
@@ -55,6 +55,7 @@ class MegatronBackend(TrainBackend):
         self.fp32_lm_head = config.model.fp32_lm_head
         self.fused_lm_head = use_fused_head(config.model, model)
         self._ref_model = None
+        self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
         self.runner = StepRunner(
             self,
@@ -112,11 +113,33 @@ class MegatronBackend(TrainBackend):
         return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
 
     def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
+        ps = self.parallel_state
+        if ps.pp_size > 1:
+            return pipeline_export.pipeline_specs(self._stage_specs())
         return hf_specs(self.bridge, self.model)
 
+    def _stage_specs(self):
+        """Every pipeline stage's export layout (``pipeline_export.all_stage_specs``): collective
+        over the pipeline the first time, then kept (the layout never changes)."""
+        if self._pipeline_specs is None:
+            ps = self.parallel_state
+            self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, unwrap(self.model), ps.pp_cpu_group)
+        return self._pipeline_specs
+
     def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``)."""
+        """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
+        pipelined, each stage's TP rank 0 sends its tensors on to global rank 0 in bounded messages
+        (``pipeline_export.stream_gathered_to_rank0``: the fallback, not a per-stage publish)."""
         ps = self.parallel_state
+        if ps.pp_size > 1:
+            return pipeline_export.stream_gathered_to_rank0(
+                self.bridge,
+                unwrap(self.model),
+                self._stage_specs(),
+                dp_rank=ps.dp_rank,
+                cp_rank=ps.cp_rank,
+                pp_group=ps.pp_group,
+            )
         return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank)
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
@@ -136,8 +159,9 @@ class MegatronBackend(TrainBackend):
 
     def save_hf(self, path: str) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
-        collective (TP shards are gathered)."""
-        self.bridge.save_weights([self.model], path)
+        collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
+        with torch.no_grad():
+            self.bridge.save_weights([self.model], path)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:

@@ -166,9 +166,14 @@ def make_bridge(
 
 
 def build_gpt_model(bridge):
-    """The bare GPTModel (pre and post process, PP = 1) described by the bridge."""
-    model = bridge._model_provider([])(pre_process=True, post_process=True)
-    return model
+    """The bare GPTModel of this rank's pipeline stage described by the bridge: the embedding on
+    the first stage (``pre_process``), the final norm and output layer on the last
+    (``post_process``), this stage's share of the layers (megatron-core splits them evenly)."""
+    from megatron.core import parallel_state as mpu
+
+    return bridge._model_provider([])(
+        pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage()
+    )
 
 
 def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -176,9 +181,12 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     One pipeline stage and no expert parallelism: workaround 3; else mbridge's ``export_weights``."""
     from mbridge.core.util import unwrap_model
 
+    from rl_plugin.backends.megatron.pipeline_export import _no_grad
+
     core = unwrap_model(model)
     if not _one_stage(bridge, core):
-        return bridge.export_weights([model])
+        # no_grad: mbridge broadcasts each parameter itself across the pipeline (in place)
+        return _no_grad(bridge.export_weights([model]))
     return _export_one_stage(bridge, core)
 
 

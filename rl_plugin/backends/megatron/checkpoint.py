@@ -5,8 +5,9 @@ What Megatron-LM writes with ``--ckpt-format torch_dist`` (slime/miles' default)
 and the optimizer's (Adam moments and fp32 main params keyed by the same global tensors;
 the distributed optimizer in ``fully_reshardable`` form, i.e. per-parameter state in model
 space, not its internal DP buckets), saved by the torch_dist (DCP) strategy. On load each rank
-asks for the slices its own TP x DP layout needs, so a checkpoint written at TP2 x DP1 resumes at
-TP1 x DP2, DP2 at DP1, with or without the distributed optimizer.
+asks for the slices its own TP x DP x PP layout needs, so a checkpoint written at TP2 x DP1 resumes at
+TP1 x DP2, DP2 at DP1, PP2 at PP1 (each stage saves its layers under their global layer number,
+megatron-core's ``sharded_state_dict`` offsets), with or without the distributed optimizer.
 
 Files of one step directory (the loop owns the layout around it, ``rl_plugin.loop.checkpoint``:
 ``iter_*.partial`` while being written, renamed to ``iter_*`` when complete, tracker last)::
@@ -67,7 +68,12 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _layout(ps: ParallelState) -> Dict[str, int]:
-    return {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size}
+    return {"tp": ps.tp_size, "cp": ps.cp_size, "dp": ps.dp_size, "pp": ps.pp_size}
+
+
+def _same_layout(saved: Dict[str, int], ps: ParallelState) -> bool:
+    """Whether a saved layout is this run's (checkpoints from before PP carry no ``pp``: 1)."""
+    return {"pp": 1, **saved} == _layout(ps)
 
 
 def _unwrap(model):
@@ -242,10 +248,11 @@ def _check_format(src: Path) -> None:
         )
 
 
-def _model_shapes(src: Path, model) -> tuple:
+def _model_shapes(src: Path, model, ps: ParallelState) -> tuple:
     """``(saved, current)``: global tensor shapes by dist-checkpoint key, of the checkpoint's
-    model (its DCP metadata, optimizer entries left out) and of this run's model. Global shapes
-    do not depend on the layout, so this compares models, not TP x DP splits."""
+    model (its DCP metadata, optimizer entries left out) and of this run's model (every pipeline
+    stage's keys: each stage holds its own layers, keyed by their global layer number). Global
+    shapes do not depend on the layout, so this compares models, not TP x DP x PP splits."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -255,6 +262,10 @@ def _model_shapes(src: Path, model) -> tuple:
     sd = _unwrap(model).sharded_state_dict()
     apply_factories(sd)  # e.g. the fused gate/up (SwiGLU) weight under TP: the tensors it is saved as
     current = {t.key: tuple(t.global_shape) for t in nested_values(sd) if isinstance(t, ShardedTensor)}
+    if ps.pp_size > 1:  # collective over the pipeline: the union of the stages' tensors
+        stages = [None] * ps.pp_size
+        dist.all_gather_object(stages, current, group=ps.pp_cpu_group)
+        current = {k: v for stage in stages for k, v in stage.items()}
     return saved, current
 
 
@@ -274,7 +285,7 @@ def load(
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )
-    check_same_model(str(src), hf_dir, *_model_shapes(src, model))
+    check_same_model(str(src), hf_dir, *_model_shapes(src, model, ps))
     _allocate_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
     _unwrap(model).load_state_dict(state["model"])
@@ -284,6 +295,6 @@ def load(
     rng_file = src / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, map_location="cpu", weights_only=False)
-        if rng["layout"] == _layout(ps):
+        if _same_layout(rng["layout"], ps):
             _set_rng_state(rng["rng"])
     return {"step": int(state["step"]), "extra": state["extra"]}

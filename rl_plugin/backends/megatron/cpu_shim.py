@@ -31,6 +31,16 @@ The patches and the megatron-core 0.16.1 lines they cover:
    ``optimizer/clip_grads.py`` l. 167). ``Tensor.type()`` with no argument reports a CPU
    tensor under its CUDA type name; ``Tensor.type(dtype)`` (a conversion) is unchanged.
 
+5. ``cuda_synchronize``: ``torch.cuda.synchronize()`` after the pipeline's P2P ops
+   (``pipeline_parallel/p2p_communication.py`` l. 242 ``_communicate_shapes``, l. 398
+   ``_communicate`` with ``batch_p2p_sync``). Without CUDA there is nothing to synchronise: a
+   no-op (gloo's ``isend`` / ``irecv`` are complete once ``wait()`` returns, which megatron calls).
+6. ``embedding_group_copy``: ``LanguageModule.setup_embeddings_and_output_layer``
+   (``models/common/language_module/language_module.py`` l. 244: ``weight.data =
+   weight.data.cuda()`` before the all-reduce that copies the tied embedding from the first
+   pipeline stage to the last). During that call only, ``Tensor.cuda()`` returns the tensor
+   itself (it is on the CPU already; the gloo all-reduce that follows is megatron's own).
+
 CPU-only tuning, under the same gate (``cuda_present()`` False), so none of it reaches a GPU,
 where megatron-core's (and mbridge's) defaults stand:
 
@@ -168,11 +178,38 @@ def _patch_tensor_type_names() -> None:
     torch.Tensor.type = type_
 
 
+# -- 5. torch.cuda.synchronize ----------------------------------------------------------------
+def _patch_cuda_synchronize() -> None:
+    _ORIGINALS["cuda_synchronize"] = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+
+
+# -- 6. Tensor.cuda() inside the tied embedding's first-to-last-stage copy ---------------------
+def _patch_embedding_group_copy() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    orig = LanguageModule.setup_embeddings_and_output_layer
+    _ORIGINALS["setup_embeddings_and_output_layer"] = orig
+
+    @functools.wraps(orig)
+    def setup(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup
+
+
 PATCHES = (
     ("rng_tracker", _patch_rng_tracker),
     ("current_device", _patch_current_device),
     ("cuda_device_literals", _patch_cuda_device_literals),
     ("tensor_type_names", _patch_tensor_type_names),
+    ("cuda_synchronize", _patch_cuda_synchronize),
+    ("embedding_group_copy", _patch_embedding_group_copy),
 )
 
 

@@ -141,8 +141,11 @@ def output_weight(gpt) -> torch.Tensor:
 
 
 def fused_head_unsupported(model) -> Optional[str]:
-    """Why the fused head cannot stand in for this model's output layer, or None."""
+    """Why the fused head cannot stand in for this model's output layer, or None (also on a
+    pipeline stage without the output layer: only the last stage runs the head)."""
     gpt = unwrap(model)
+    if not gpt.post_process:
+        return None
     if getattr(gpt.output_layer, "bias", None) is not None:
         return "the output layer has a bias"
     if getattr(gpt.config, "mtp_num_layers", None):
@@ -303,3 +306,32 @@ def _response_log_probs(
         chunk_size=options.chunk_size,
         with_entropy=options.with_entropy,
     )
+
+
+def stage_output(model, mb: MicroBatchInputs, qkv_format: str) -> torch.Tensor:
+    """A pipeline stage before the last: its output activations ``[s, b, h]`` for the micro-batch
+    (the schedule sends them to the next stage; on a stage after the first the model reads its
+    input from the previous stage, ``set_input_tensor``, and ``input_ids`` only shape the call).
+    Every stage builds the same ``position_ids`` and ``PackedSeqParams`` (RoPE, thd attention)."""
+    gpt = unwrap(model)
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt))
+    device = next(model.parameters()).device
+    return model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)
+
+
+def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str) -> MicroBatchInputs:
+    """A one-sample micro-batch of pad tokens (id 0; a one-token prompt and response, padded to the
+    CP chunking) that a pipelined DP rank with no sample runs in place of an empty micro-batch:
+    the stages must exchange real activations and gradients, and its loss is multiplied by 0."""
+    from rl_plugin.loss import StepBatch
+
+    total = 2 * cp_size
+    batch = StepBatch(
+        tokens=torch.zeros(total, dtype=torch.long),
+        total_lengths=torch.tensor([total]),
+        response_lengths=torch.tensor([1]),
+        loss_mask=torch.zeros(1),
+        advantages=torch.zeros(1),
+        group_ids=torch.zeros(1, dtype=torch.long),
+    )
+    return MicroBatchInputs.build(batch, cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format, max_seq_len=total)

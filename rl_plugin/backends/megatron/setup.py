@@ -4,8 +4,8 @@ Order (every rank, collectively; torch.distributed is already initialised):
 
 Each step takes the typed config it needs (``rl_plugin.configs``), never the flags' namespace.
 
-1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1.
-2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
+1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine.
+2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
    ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Without CUDA only
@@ -56,18 +56,14 @@ def check_supported(cfg: ModelConfig) -> None:
             "megatron-core does not support under sequence parallelism (torch_norm.py asserts). Fix: install "
             "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
-    if cfg.pipeline_model_parallel_size != 1:
-        raise MegatronSetupError(
-            "--pipeline-model-parallel-size > 1 is not supported by rl_plugin's Megatron backend yet. "
-            "Fix: use --pipeline-model-parallel-size 1 (TP / CP / DP instead)."
-        )
 
 
-def check_world(world: int, tp: int, cp: int) -> None:
-    if world % (tp * cp):
+def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:
+    if world % (tp * cp * pp):
         raise MegatronSetupError(
             f"world size {world} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--context-parallel-size {cp}. Fix: launch a multiple of {tp * cp} training processes."
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}. Fix: launch a multiple of "
+            f"{tp * cp * pp} training processes."
         )
 
 
@@ -84,7 +80,7 @@ def _group_or_none(group):
 
 
 def init_parallel(cfg: ModelConfig) -> ParallelState:
-    """Megatron-core parallel state for (TP, CP) with DP = world / (TP x CP); returns ours.
+    """Megatron-core parallel state for (TP, CP, PP) with DP = world / (TP x CP x PP); returns ours.
 
     Devices (``rl_plugin.loss.runner``): the loss runs on the model's device, so the TP and CP
     groups are megatron's own (they carry device tensors: vocab-parallel scalars, GSPO sums, the
@@ -93,18 +89,25 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    tp, cp = cfg.tensor_model_parallel_size, cfg.context_parallel_size
-    check_world(dist.get_world_size(), tp, cp)
+    tp, cp, pp = cfg.tensor_model_parallel_size, cfg.context_parallel_size, cfg.pipeline_model_parallel_size
+    check_world(dist.get_world_size(), tp, cp, pp)
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     dp_g = cpu_group(mpu.get_data_parallel_group())  # the group itself under gloo
     cp_g = mpu.get_context_parallel_group()
     dp_cp_g = cpu_group(mpu.get_data_parallel_group(with_context_parallel=True))
+    pp_g = mpu.get_pipeline_model_parallel_group()
+    pp_cpu_g = cpu_group(pp_g)
     return ParallelState(
+        pp_size=mpu.get_pipeline_model_parallel_world_size(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        pp_group=_group_or_none(pp_g),
+        pp_cpu_group=_group_or_none(pp_cpu_g),
+        pp_last_rank=mpu.get_pipeline_model_parallel_last_rank(),
         dp_size=mpu.get_data_parallel_world_size(),
         dp_rank=mpu.get_data_parallel_rank(),
         cp_size=mpu.get_context_parallel_world_size(),
@@ -126,6 +129,8 @@ def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
     overrides = dict(_CONFIG_OVERRIDES)
     overrides.update(cpu_config_overrides(cuda))
     overrides.update(
+        # pipeline: thd micro-batches differ in length, so the P2P ops exchange shapes first
+        variable_seq_lengths=True,
         sequence_parallel=cfg.sequence_parallel,
         use_cpu_initialization=not cuda,
         context_parallel_size=cfg.context_parallel_size,

@@ -21,7 +21,20 @@ So the applied gradient is ``sum_ranks d(returned)/dtheta * cp / (M * dp * cp)``
 rank's OWN micro-batch count, so DP ranks may run different counts (uneven shards, a rank with no
 sample: it runs one empty micro-batch); with PP = 1 nothing else requires equal counts. The
 reported loss is the runner's J (``ctx.finish()``), never the schedule's (divided, in-place) loss
-tensor. The forward-only pass needs no gradient synchronisation, so it is a plain loop.
+tensor. The forward-only pass needs no gradient synchronisation, so at one pipeline stage it is a
+plain loop.
+
+Pipeline parallelism (``--pipeline-model-parallel-size`` > 1): the same ``get_forward_backward_func``
+(1F1B without interleaving) over the stages; every stage of a DP replica holds the same samples and
+plan, so M is equal along the pipeline. ``forward(i)`` returns the stage's output activations
+(``forward.stage_output``) on every stage but the last, where it returns the log-probs and the
+schedule calls ``loss_func``; megatron sends activations and gradients over the pipeline group,
+shapes first (``variable_seq_lengths``: thd micro-batches differ in length). The loss is scaled as
+above, on the last stage only, and the gradient reaches the earlier stages through the P2P
+backward, so the cancel factor is unchanged. ``finalize_model_grads`` all-reduces the tied
+embedding's gradient over megatron's embedding group (first and last stage). The forward-only
+pass runs the same pipelined schedule with ``forward_only=True``. A DP rank with no sample runs an
+idle micro-batch through every stage (``_pipelined_forward``).
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from typing import Callable, Tuple
 
 import torch
 
-from rl_plugin.backends.megatron.forward import response_log_probs
+from rl_plugin.backends.megatron.forward import idle_inputs, response_log_probs, stage_output
 from rl_plugin.loss import ForwardOptions, MicroBatchInputs
 from rl_plugin.parallel import ParallelState
 
@@ -51,7 +64,12 @@ def micro_batch_forward(
     fp32_lm_head: bool,
     fused: bool,
 ) -> torch.Tensor:
-    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's)."""
+    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's); on a
+    pipeline stage before the last, the stage's output activations (``forward.stage_output``)."""
+    if ps.pp_size > 1:
+        return _pipelined_forward(
+            model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+        )
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
@@ -60,6 +78,24 @@ def micro_batch_forward(
         model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
     )
     return torch.stack([logp, ent], 1)
+
+
+def _pipelined_forward(model, inputs, options, ps, *, qkv_format, fp32_lm_head, fused) -> torch.Tensor:
+    """``micro_batch_forward`` under pipeline parallelism. An empty micro-batch (a DP rank with no
+    sample) runs ``forward.idle_inputs`` instead: the stages still exchange activations and
+    gradients, and the last stage returns a ``[0, 2]`` slice of the idle log-probs, so the loss
+    (``out.sum() * 0``) backpropagates exact zeros through every stage."""
+    idle = inputs.layout.num_samples == 0
+    if idle:
+        layout = inputs.layout
+        inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
+    if not ps.is_last_stage:
+        return stage_output(model, inputs, qkv_format)
+    logp, ent = response_log_probs(
+        model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+    )
+    out = torch.stack([logp, ent], 1)
+    return out[:0] if idle else out
 
 
 def run_schedule(
@@ -72,30 +108,32 @@ def run_schedule(
     *,
     forward_only: bool,
 ) -> int:
-    """Megatron's schedule over this rank's micro-batches (module docstring); returns M."""
-    if forward_only:
+    """Megatron's schedule over this rank's micro-batches (module docstring); returns M.
+    Forward only: a plain loop at one pipeline stage, megatron's pipelined schedule beyond."""
+    if forward_only and ps.pp_size == 1:
         for i in range(num_micro_batches):
             loss(i, forward(i))
         return num_micro_batches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     m = max(num_micro_batches, 1)  # a rank with no sample runs one empty micro-batch
-    scale = cancel_factor(m, ps)
+    scale = 1.0 if forward_only else cancel_factor(m, ps)
 
     def forward_step(data_iterator, model_chunk):
         i = next(data_iterator)
         return forward(i), (lambda out: (loss(i, out) * scale, {}))
 
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
+    if not forward_only:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
     get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(range(m)),
         model=[model],
         num_microbatches=m,
-        seq_length=1,
+        seq_length=1,  # shapes travel with each P2P message (variable_seq_lengths)
         micro_batch_size=1,
-        forward_only=False,
+        forward_only=forward_only,
     )
     return m
 

@@ -129,14 +129,6 @@ RULES = [
     ),
     ("--lr-decay-style cosine", ["--lr-decay-style cosine", "needs its length", "pass --lr-decay-iters N"]),
     ("--train-backend fsdp --lr-decay-style linear", ["--lr-decay-style linear", "needs its length"]),
-    (
-        "--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2",
-        [
-            "--train-backend megatron with --pipeline-model-parallel-size 2",
-            "no pipeline schedule",
-            "--pipeline-model-parallel-size 1",
-        ],
-    ),
     ("--fp16", ["--train-backend megatron with --fp16", "use --bf16"]),
 ]
 

@@ -27,7 +27,35 @@ def _failures():
         "current_device": raises(lambda: torch.empty(1, device=torch.cuda.current_device())),
         "cuda_device_literals": raises(lambda: get_default_causal_mask(3)),
         "tensor_type_names": torch.zeros(1).type() != "torch.cuda.FloatTensor",  # megatron's check fails
+        "cuda_synchronize": raises(torch.cuda.synchronize),
+        "embedding_group_copy": raises(_tied_embedding_first_stage_setup),
     }
+
+
+def _tied_embedding_first_stage_setup():
+    """``LanguageModule.setup_embeddings_and_output_layer`` as the first stage of a pipelined model
+    with tied embeddings runs it (the copy to the last stage; a one-rank embedding group here)."""
+    import types
+
+    import torch.distributed as dist
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    stub = types.SimpleNamespace(
+        pre_process=True,
+        post_process=False,
+        share_embeddings_and_output_weights=True,
+        config=types.SimpleNamespace(pipeline_model_parallel_size=2, mtp_num_layers=0),
+        embedding=types.SimpleNamespace(word_embeddings=types.SimpleNamespace(weight=weight)),
+        vp_stage=None,
+        vp_size=None,
+        pp_group=dist.group.WORLD,
+        embd_group=dist.group.WORLD,
+    )
+    stub._is_in_embd_group = types.MethodType(LanguageModule._is_in_embd_group, stub)
+    stub.shared_embedding_or_output_weight = types.MethodType(LanguageModule.shared_embedding_or_output_weight, stub)
+    LanguageModule.setup_embeddings_and_output_layer(stub)
+    assert torch.equal(weight.data, torch.ones(2))
 
 
 def _shim_worker(rank, world):

@@ -35,11 +35,12 @@ def test_context_parallel_one_is_fine():
     setup.check_supported(model_config())
 
 
-def test_pipeline_parallel_is_rejected():
-    """The flag rule refuses it at parse time (arguments/test_arguments); the backend refuses a config built without the CLI."""
-    args = ModelConfig(pipeline_model_parallel_size=2)
-    with pytest.raises(MegatronSetupError, match=r"--pipeline-model-parallel-size > 1 is not supported.*Fix"):
-        setup.check_supported(args)
+def test_pipeline_parallel_is_supported():
+    """PP > 1 runs (tests/fast/parity/test_pipeline.py); the world must be a multiple of TP x CP x PP."""
+    setup.check_supported(ModelConfig(pipeline_model_parallel_size=2))
+    setup.check_world(4, 1, 1, 2)
+    with pytest.raises(MegatronSetupError, match=r"world size 3 .*--pipeline-model-parallel-size 2.*multiple of 2"):
+        setup.check_world(3, 1, 1, 2)
 
 
 def test_fp16_is_rejected_before_building():
@@ -73,6 +74,7 @@ def test_cpu_tuning_stays_off_gpus():
         perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        variable_seq_lengths=True,
         sequence_parallel=False,
         use_cpu_initialization=True,
         context_parallel_size=1,
@@ -82,6 +84,7 @@ def test_cpu_tuning_stays_off_gpus():
         perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        variable_seq_lengths=True,
         sequence_parallel=False,
         use_cpu_initialization=False,
         context_parallel_size=1,
