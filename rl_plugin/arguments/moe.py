@@ -31,7 +31,7 @@ def add_arguments(parser):
         "--expert-tensor-parallel-size",
         type=int,
         default=None,
-        help="Tensor parallelism inside each expert (Megatron-LM; default: --tensor-model-parallel-size). rl_plugin supports 1 or the TP size.",
+        help="Tensor parallelism inside each expert (Megatron-LM; default: --tensor-model-parallel-size). rl_plugin supports 1 or the TP size; an MoE model under TP > 1 needs --sequence-parallel (transformer-engine).",
     )
     add_flag(
         g,

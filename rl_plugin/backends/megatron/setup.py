@@ -4,7 +4,8 @@ Order (every rank, collectively; torch.distributed is already initialised):
 
 Each step takes the typed config it needs (``rl_plugin.configs``), never the flags' namespace.
 
-1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1.
+1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine; PP = 1;
+   an MoE model under TP > 1 needs sequence parallelism (megatron-core).
 2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP = 1, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
@@ -56,11 +57,30 @@ def check_supported(cfg: ModelConfig) -> None:
             "megatron-core does not support under sequence parallelism (torch_norm.py asserts). Fix: install "
             "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
+    tp = cfg.tensor_model_parallel_size
+    if tp > 1 and not cfg.sequence_parallel and _is_moe_checkpoint(cfg.hf_checkpoint):
+        raise MegatronSetupError(
+            f"--tensor-model-parallel-size {tp} with the mixture-of-experts model {cfg.hf_checkpoint}: megatron-core "
+            "0.16.1 does not train an MoE layer under tensor parallelism without sequence parallelism "
+            "(transformer/moe/moe_layer.py l. 379-383). Fix: --tensor-model-parallel-size 1 with "
+            "--expert-model-parallel-size for the experts, or --sequence-parallel (needs transformer-engine)."
+        )
     if cfg.pipeline_model_parallel_size != 1:
         raise MegatronSetupError(
             "--pipeline-model-parallel-size > 1 is not supported by rl_plugin's Megatron backend yet. "
             "Fix: use --pipeline-model-parallel-size 1 (TP / CP / DP instead)."
         )
+
+
+def _is_moe_checkpoint(hf_dir) -> bool:
+    import json
+    from pathlib import Path
+
+    path = Path(hf_dir) / "config.json" if hf_dir else None
+    if path is None or not path.is_file():
+        return False
+    cfg = json.loads(path.read_text())
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
 def check_world(world: int, tp: int, cp: int) -> None:
