@@ -65,6 +65,12 @@ def check_supported(cfg: ModelConfig) -> None:
             "(transformer/moe/moe_layer.py l. 379-383). Fix: --tensor-model-parallel-size 1 with "
             "--expert-model-parallel-size for the experts, or --sequence-parallel (needs transformer-engine)."
         )
+    ep = cfg.moe.expert_model_parallel_size
+    if ep > 1 and cfg.hf_checkpoint and not _is_moe_checkpoint(cfg.hf_checkpoint):
+        raise MegatronSetupError(
+            f"--expert-model-parallel-size {ep} with {cfg.hf_checkpoint}: the model has no experts to split. "
+            "Fix: drop --expert-model-parallel-size (data parallelism covers those ranks)."
+        )
     if cfg.pipeline_model_parallel_size != 1:
         raise MegatronSetupError(
             "--pipeline-model-parallel-size > 1 is not supported by rl_plugin's Megatron backend yet. "

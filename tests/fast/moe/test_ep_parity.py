@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, max_abs, within
@@ -53,6 +54,11 @@ def _worker(rank, world, ep, hf_dir):
             assert all(t.shape == specs[n].shape for n, t in streamed), label
         local = dp_shard(batch, ps.dp_size, ps.dp_rank)
         w0 = backend.export_hf_state_dict()
+        if rank == 0:  # HF -> megatron-core (EP = 2: half the experts per rank) -> HF, bit-exact
+            from safetensors.torch import load_file
+
+            disk = load_file(f"{hf_dir}/model.safetensors")
+            assert sorted(w0) == sorted(disk) and all(torch.equal(w0[k], disk[k]) for k in disk), label
         logp = backend.compute_log_probs(local)
         report = backend.train_step(with_old_log_probs(local, logp), num_groups=num_groups)
         w1 = backend.export_hf_state_dict()
