@@ -17,10 +17,15 @@ mbridge 0.15.1 converts Qwen3-MoE, Qwen2-MoE and Mixtral for transformer-engine'
   expert-TP 1 is whole on every TP rank, so ``_weight_split_across_tp`` hands each TP rank the
   whole tensor.
 
-The export with expert parallelism (``bridge.stream_hf`` / ``export_hf``) gathers each local
-expert over the EP group (``expert_shards``) and names the pieces by global expert.
+The export (``bridge.export_hf`` / ``stream_hf`` / ``hf_specs``) gathers each local expert over
+expert-TP, then over EP (``bridge._experts_to_all`` / ``_experts_to_root``), and names the pieces by
+global expert (``expert_global_name``), in EP-rank order, as mbridge's ``export_weights`` does.
 
-``moe_config_overrides(cfg, cuda=...)`` is what the flags set on the ``TransformerConfig``
+mbridge's MoE configs need two corrections (``FAMILY_FIXES``, each pinned by
+``tests/fast/moe/test_megatron_moe.py``). The router-loss metrics: ``aux_loss_metrics``; idle
+passes leave megatron-core's loss tracker as it was (``untracked``).
+
+``moe_config_overrides(moe, use_te=...)`` is what the flags set on the ``TransformerConfig``
 (Megatron-LM's spellings): ``--moe-router-load-balancing-type``, ``--moe-aux-loss-coeff``,
 ``--moe-z-loss-coeff``, ``--moe-token-dispatcher-type``; plus, without transformer-engine, the
 sequential experts (``moe_grouped_gemm`` False) and no ``persist_layer_norm`` (a TE / apex
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -100,13 +105,6 @@ def moe_config_overrides(moe, *, use_te: bool) -> dict:
 # never sets ``moe_shared_expert_gate``, so megatron-core builds the shared expert without its
 # sigmoid gate and the HF ``shared_expert_gate`` weight is neither loaded nor exported.
 FAMILY_FIXES = {"mixtral": dict(moe_router_pre_softmax=False), "qwen2_moe": dict(moe_shared_expert_gate=True)}
-
-
-def moe_unsupported_reason(hf_config, *, tp: int, etp: Optional[int]) -> Optional[str]:
-    """Why this MoE layout cannot run here, or None (expert-TP must be 1 or equal TP)."""
-    if etp not in (None, 1, tp):
-        return f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: use 1 or {tp}"
-    return None
 
 
 # -- aux-loss metrics ---------------------------------------------------------------------------
