@@ -29,6 +29,7 @@ FLAG_MODULES = (
     "batching",
     "metrics",
     "fsdp_backend",
+    "moe",
     "rollout",
     "rewards",
     "custom_rollout",

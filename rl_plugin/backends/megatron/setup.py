@@ -4,8 +4,9 @@ Order (every rank, collectively; torch.distributed is already initialised):
 
 Each step takes the typed config it needs (``rl_plugin.configs``), never the flags' namespace.
 
-1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine.
-2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP, DP = the rest), the
+1. ``check_supported(model_cfg)``: CP > 1 and sequence parallelism need transformer-engine; an
+   MoE model under TP > 1 needs sequence parallelism (megatron-core), and PP = 1 here.
+2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP, EP, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
 3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
    ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Without CUDA only
@@ -56,6 +57,39 @@ def check_supported(cfg: ModelConfig) -> None:
             "megatron-core does not support under sequence parallelism (torch_norm.py asserts). Fix: install "
             "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
+    tp = cfg.tensor_model_parallel_size
+    if tp > 1 and not cfg.sequence_parallel and _is_moe_checkpoint(cfg.hf_checkpoint):
+        raise MegatronSetupError(
+            f"--tensor-model-parallel-size {tp} with the mixture-of-experts model {cfg.hf_checkpoint}: megatron-core "
+            "0.16.1 does not train an MoE layer under tensor parallelism without sequence parallelism "
+            "(transformer/moe/moe_layer.py l. 379-383). Fix: --tensor-model-parallel-size 1 with "
+            "--expert-model-parallel-size for the experts, or --sequence-parallel (needs transformer-engine)."
+        )
+    ep = cfg.moe.expert_model_parallel_size
+    if ep > 1 and cfg.hf_checkpoint and not _is_moe_checkpoint(cfg.hf_checkpoint):
+        raise MegatronSetupError(
+            f"--expert-model-parallel-size {ep} with {cfg.hf_checkpoint}: the model has no experts to split. "
+            "Fix: drop --expert-model-parallel-size (data parallelism covers those ranks)."
+        )
+    pp = cfg.pipeline_model_parallel_size
+    if pp > 1 and _is_moe_checkpoint(cfg.hf_checkpoint):
+        raise MegatronSetupError(
+            f"--pipeline-model-parallel-size {pp} with the mixture-of-experts model {cfg.hf_checkpoint}: rl_plugin's "
+            "Megatron backend does not yet run MoE layers inside a pipeline (the router losses are read on one "
+            "stage, and the idle passes that keep expert parallelism's all-to-alls matched run on one stage "
+            "only). Fix: --pipeline-model-parallel-size 1, with --expert-model-parallel-size for the experts."
+        )
+
+
+def _is_moe_checkpoint(hf_dir) -> bool:
+    import json
+    from pathlib import Path
+
+    path = Path(hf_dir) / "config.json" if hf_dir else None
+    if path is None or not path.is_file():
+        return False
+    cfg = json.loads(path.read_text())
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
 def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:
@@ -94,7 +128,11 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=cfg.moe.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.moe.expert_tensor_parallel_size,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     dp_g = cpu_group(mpu.get_data_parallel_group())  # the group itself under gloo
@@ -151,7 +189,7 @@ def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: boo
     cuda = torch.cuda.is_available()
     install_cpu_rope(cuda)  # CPU only: megatron-core's unfused thd RoPE without its per-sample loop (bitwise equal)
     overrides = config_overrides(cfg, cuda=cuda)
-    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
+    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides, moe=cfg.moe)
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     model = build_gpt_model(bridge)
     if torch.cuda.is_available():

@@ -71,6 +71,7 @@ def test_cpu_tuning_stays_off_gpus():
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        moe_shared_expert_overlap=False,  # a CUDA side stream; read by MoE models with a shared expert only
         perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
