@@ -54,6 +54,13 @@ def check_model_layout(args) -> None:
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         if experts:
             _split("--expert-model-parallel-size", ep, "experts", experts, path)
+            if args.pipeline_model_parallel_size > 1:
+                fail(
+                    f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with {path}",
+                    f"the model has {experts} experts, and the Megatron backend does not yet run MoE layers inside a "
+                    "pipeline",
+                    "use --pipeline-model-parallel-size 1 (--expert-model-parallel-size splits the experts)",
+                )
     if args.rollout_engine == "vllm" and args.rollout_num_gpus_per_engine > 1:
         import torch
 

@@ -52,3 +52,14 @@ def test_multi_gpu_vllm_engine_on_a_cpu_is_refused(tmp_path):
         _check(
             "--rollout-engine vllm --rollout-num-gpus-per-engine 2 --rollout-num-gpus 2", _model(tmp_path, **SMOLLM2)
         )
+
+
+def test_an_moe_model_inside_a_pipeline_is_refused_naming_both(tmp_path):
+    d = _model(tmp_path, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, num_experts=4)
+    with pytest.raises(RLArgumentError) as err:
+        _check("--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", d)
+    msg = str(err.value)
+    assert "--pipeline-model-parallel-size 2" in msg and "the model has 4 experts" in msg and "Fix:" in msg, msg
+    _check("--expert-model-parallel-size 2 --actor-num-gpus-per-node 2", d)  # experts split over EP instead: fine
+    dense = _model(tmp_path, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    _check("--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", dense)  # a dense model: fine
