@@ -32,6 +32,7 @@ FLAG_MODULES = (
     "rollout",
     "weight_sync",
     "off_policy",
+    "routing_replay",
     "cluster",
     "logging",
     "checkpointing",

@@ -89,7 +89,13 @@ class RolloutManager:
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
+        self.engine = (
+            None
+            if self.engines
+            else make_engine(
+                cfg.engine.engine, checkpoint_dir, device=device, record_routed_experts=cfg.engine.record_routed_experts
+            )
+        )
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
@@ -188,6 +194,7 @@ class RolloutManager:
             rewards=rewards,
             group_ids=torch.arange(len(recs)).repeat_interleave(n),
             num_groups=len(recs),
+            routed_experts=flat.routed_experts,
             stats=stats,
             examples=[
                 {"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])}

@@ -5,7 +5,11 @@ contiguous); ``tokens`` holds prompt + response of every sample back to back (``
 ``rollout_log_probs`` the sampler's log-prob of each response token (``[sum R_i]``). It travels
 from the rollout manager to the driver (pickled with its tensors in one buffer), into a
 checkpoint under overlapped training (``loop.pending_rollout``), and becomes the step batch
-(``loop.steps.rollout_batch``).
+(``loop.steps.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
+per token of ``tokens``, per MoE layer, the ``top_k`` experts the engine routed it to
+(``[sum T_i, num_moe_layers, top_k]`` int16; ``rl_plugin.routing``); the last token of each sample
+never ran through the engine and holds experts ``0..top_k-1`` (its hidden state reaches no
+log-prob: causal attention, and its logits predict past the sample).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class RolloutData:
     examples: List[Dict[str, object]] = field(default_factory=list)
     dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
     weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
+    routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
 
     def __reduce_ex__(self, protocol):
         """Pickled (Ray's transport from the rollout manager to the driver) with its tensors in
@@ -52,19 +57,29 @@ class RolloutData:
         groups = torch.as_tensor(groups, dtype=torch.long)
         idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
         tl, rl = self.total_lengths, self.response_lengths
+        token_idx = expand_runs(exclusive_cumsum(tl)[idx], tl[idx])
         return RolloutData(
-            tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
+            tokens=self.tokens[token_idx],
             total_lengths=tl[idx],
             response_lengths=rl[idx],
             rollout_log_probs=self.rollout_log_probs[expand_runs(exclusive_cumsum(rl)[idx], rl[idx])],
             rewards=self.rewards[idx],
             group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
             num_groups=int(groups.numel()),
+            routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
         )
 
 
 # the fields that travel in one buffer when pickled (``tensor_pickle.reduce_dataclass``)
-RolloutData.TENSOR_FIELDS = ("tokens", "total_lengths", "response_lengths", "rollout_log_probs", "rewards", "group_ids")
+RolloutData.TENSOR_FIELDS = (
+    "tokens",
+    "total_lengths",
+    "response_lengths",
+    "rollout_log_probs",
+    "rewards",
+    "group_ids",
+    "routed_experts",
+)
 
 
 _PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
@@ -81,6 +96,7 @@ class FlatGenerations:
     response_lengths: torch.Tensor
     log_probs: torch.Tensor
     truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
+    routed_experts: Optional[torch.Tensor] = None  # [sum T_i, layers, top_k] when the engine recorded them
 
 
 def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
@@ -102,7 +118,24 @@ def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
         response_lengths=torch.from_numpy(rl),
         log_probs=torch.from_numpy(log_probs),
         truncated_frac=float(unfinished / n),
+        routed_experts=flat_routed_experts(gens),
     )
+
+
+def flat_routed_experts(gens: Sequence[Generation]) -> Optional[torch.Tensor]:
+    """``[sum T_i, layers, top_k]`` int16: each generation's ``routed_experts`` (``[T_i - 1, ...]``)
+    followed by one row ``0..top_k-1`` for its last token (module docstring); one ``torch.cat``.
+    None when no generation carries them; all or none must."""
+    routed = list(map(attrgetter("routed_experts"), gens))
+    missing = sum(r is None for r in routed)
+    if missing == len(routed):
+        return None
+    if missing:
+        i = next(i for i, r in enumerate(routed) if r is None)
+        raise ValueError(f"rollout sample {i} carries no routed experts while others do (--use-rollout-routing-replay)")
+    layers, top_k = routed[0].shape[1:]
+    last = torch.arange(top_k, dtype=torch.int16).expand(1, layers, top_k)
+    return torch.cat([t for r in routed for t in (r.to(torch.int16), last)])
 
 
 def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
@@ -116,6 +149,7 @@ def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
         rewards=torch.cat([p.rewards for p in parts]),
         group_ids=torch.arange(num_groups).repeat_interleave(group_size),
         num_groups=num_groups,
+        routed_experts=None if parts[0].routed_experts is None else torch.cat([p.routed_experts for p in parts]),
     )
 
 

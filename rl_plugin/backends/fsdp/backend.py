@@ -23,6 +23,7 @@ the device mesh's group (``parallel.cpu_group``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -195,8 +196,15 @@ class FSDPBackend(TrainBackend):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             logits = model(input_ids=ids, use_cache=False).logits
             return (logits.float().sum() * 0.0).expand(0, 2)
-        logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
+        routing = self.routing_pass
+        with routing.context(model, inputs) if routing is not None else contextlib.nullcontext():
+            logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
         return torch.stack([logp, ent], 1)
+
+    def new_routing_pass(self, action: str):
+        from rl_plugin.backends.fsdp.routing_replay import RoutingPass
+
+        return RoutingPass(action, self.attn_implementation)
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
         """Every DP rank runs the largest micro-batch count over DP (FSDP is collective); the

@@ -26,6 +26,7 @@ tensor. The forward-only pass needs no gradient synchronisation, so it is a plai
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Tuple
 
 import torch
@@ -50,15 +51,18 @@ def micro_batch_forward(
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
+    routing=None,
 ) -> torch.Tensor:
-    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's)."""
+    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's);
+    ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely)."""
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
         return torch.zeros((0, 2), device=device, requires_grad=torch.is_grad_enabled())
-    logp, ent = response_log_probs(
-        model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
-    )
+    with routing.context(model, inputs, qkv_format) if routing is not None else contextlib.nullcontext():
+        logp, ent = response_log_probs(
+            model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+        )
     return torch.stack([logp, ent], 1)
 
 

