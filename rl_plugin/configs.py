@@ -5,7 +5,8 @@ backends, train actors and the rollout side receive them and never see the ``Nam
 value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
 default)`` below the CLI); a value derived from several flags is computed here, once.
 
-- ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed
+- ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed,
+  ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
 - ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
 - ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
 - ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
@@ -28,6 +29,31 @@ from rl_plugin.registries import DYNAMIC_SAMPLING_MAX_ROUNDS
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings (``rl_plugin.arguments.moe``; ignored by dense models)."""
+
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: the TP size (Megatron-LM)
+    router_load_balancing_type: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: Optional[float] = None
+    token_dispatcher_type: str = "alltoall"
+    router_dtype: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args) -> "MoEConfig":
+        return cls(
+            expert_model_parallel_size=int(args.expert_model_parallel_size),
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            router_load_balancing_type=args.moe_router_load_balancing_type,
+            aux_loss_coeff=float(args.moe_aux_loss_coeff),
+            z_loss_coeff=args.moe_z_loss_coeff,
+            token_dispatcher_type=args.moe_token_dispatcher_type,
+            router_dtype=args.moe_router_dtype,
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     hf_checkpoint: Optional[str] = None  # None: the embedded tiny model
     save_hf: Optional[str] = None
@@ -41,6 +67,7 @@ class ModelConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     seed: int = 1234
+    moe: MoEConfig = MoEConfig()
 
     @classmethod
     def from_args(cls, args) -> "ModelConfig":
@@ -57,6 +84,7 @@ class ModelConfig:
             pipeline_model_parallel_size=int(args.pipeline_model_parallel_size),
             sequence_parallel=bool(args.sequence_parallel),
             seed=int(args.seed),
+            moe=MoEConfig.from_args(args),
         )
 
 

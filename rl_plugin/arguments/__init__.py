@@ -29,6 +29,7 @@ FLAG_MODULES = (
     "batching",
     "metrics",
     "fsdp_backend",
+    "moe",
     "rollout",
     "weight_sync",
     "off_policy",

@@ -5,9 +5,10 @@ second and a message, not a crash inside a train actor.
 - Both backends: a checkpoint whose ``architectures`` are all something other than a causal LM
   (a ``...ForSequenceClassification`` reward model, an encoder) is refused: ``AutoModelForCausalLM``
   would load it with a freshly initialised LM head and train noise.
-- ``--train-backend megatron``: the ``model_type`` must be a dense model mbridge 0.15.1 converts
-  to a megatron-core GPT model (``MEGATRON_MODEL_TYPES``: Llama, Qwen2, Qwen3, and Mistral
-  through the Llama bridge); its mixture-of-experts and vision-language bridges and unknown types
+- ``--train-backend megatron``: the ``model_type`` must be one mbridge 0.15.1 converts
+  to a megatron-core GPT model (``MEGATRON_MODEL_TYPES``: Llama, Qwen2, Qwen3, Mistral
+  through the Llama bridge, and the MoE Qwen2-MoE, Qwen3-MoE, Mixtral); its other
+  mixture-of-experts bridges (DeepSeek-V3, GLM-4-MoE, MiMo), vision-language bridges and unknown types
   are refused naming the model type, the architecture and the supported types. Mistral with a sliding window shorter than its
   context is refused (megatron's attention here is full attention).
 - ``--train-backend fsdp``: any ``model_type`` transformers' ``AutoModelForCausalLM`` maps (or
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-MEGATRON_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# mbridge's mixture-of-experts bridges: converted by mbridge, refused here (their layer spec does
-# not build without transformer-engine, e.g. a tiny qwen3_moe: "persist_layer_norm not supported
-# by torch LayerNorm"; MoE routing, aux losses and expert parallelism are untested in this plugin)
-MBRIDGE_MOE_TYPES = ("deepseek_v3", "glm4_moe", "mimo", "mixtral", "qwen2_moe", "qwen3_moe")
+# dense, and the mixture-of-experts models megatron-core builds here with sequential experts
+# (``rl_plugin.backends.megatron.moe``; tested on both backends, with expert parallelism)
+MEGATRON_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# mbridge's other mixture-of-experts bridges: converted by mbridge, refused here (multi-latent
+# attention, expert bias and MTP layers are untested in this plugin)
+MBRIDGE_MOE_TYPES = ("deepseek_v3", "glm4_moe", "mimo")
 # model types converted by another type's mbridge bridge (same layers, same Hugging Face names)
 MODEL_TYPE_ALIASES = {"mistral": "llama"}
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -54,8 +56,8 @@ def megatron_unsupported_reason(hf_config: Dict) -> Optional[str]:
     model_type = hf_config.get("model_type")
     if model_type in MBRIDGE_MOE_TYPES:
         return (
-            f"{_describe(hf_config)} is a mixture-of-experts model: mbridge converts it, but the megatron backend "
-            f"here builds dense models only; it supports model types: {', '.join(MEGATRON_MODEL_TYPES)}"
+            f"{_describe(hf_config)} is a mixture-of-experts model mbridge converts, but the megatron backend "
+            f"here does not build it (untested); it supports model types: {', '.join(MEGATRON_MODEL_TYPES)}"
         )
     if model_type not in MEGATRON_MODEL_TYPES:
         return (

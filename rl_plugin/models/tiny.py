@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "gemma")
+from rl_plugin.models.tiny_moe import MOE_FAMILIES, tiny_moe_config
+
+DENSE_FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "gemma")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 
 def tiny_config(
@@ -27,11 +30,13 @@ def tiny_config(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     head_dim: int | None = None,
+    **moe_kwargs,
 ):
     """An HF config of ``family``; ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3,
     Mistral and Gemma carry it explicitly, with large defaults). Mistral without a sliding window
     (as Mistral 7B v0.2+), Gemma 1 (scaled embedding, (1 + w) RMSNorm, GeGLU; tied by design,
-    here as ``tie_word_embeddings`` says)."""
+    here as ``tie_word_embeddings`` says). The MoE families (``tiny_moe``) take ``moe_kwargs``
+    (``num_experts``, ``top_k``, ``moe_intermediate_size``)."""
     from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -49,6 +54,10 @@ def tiny_config(
         eos_token_id=2,
         pad_token_id=0,
     )
+    if family in MOE_FAMILIES:
+        return tiny_moe_config(family, common, head_dim=head_dim, **moe_kwargs)
+    if moe_kwargs:
+        raise ValueError(f"{family} is a dense family: {sorted(moe_kwargs)} apply to {MOE_FAMILIES}")
     if family == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0)
     if family == "llama":

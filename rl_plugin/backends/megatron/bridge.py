@@ -128,7 +128,12 @@ def local_spec_bridge_class(base):
             from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
 
             self.has_vp_stage = False
-            spec = get_gpt_layer_local_spec(qk_layernorm=self.config.qk_layernorm, normalization="RMSNorm")
+            spec = get_gpt_layer_local_spec(
+                num_experts=self.config.num_moe_experts,  # MoE: megatron-core's SequentialMLP (moe.py)
+                moe_grouped_gemm=False,
+                qk_layernorm=self.config.qk_layernorm,
+                normalization="RMSNorm",
+            )
             spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
             return spec
 
@@ -142,11 +147,21 @@ def make_bridge(
     dtype: torch.dtype = torch.float32,
     extra_config: Optional[Dict] = None,
     use_te: Optional[bool] = None,
+    moe=None,
 ):
-    """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``)."""
+    """An mbridge bridge for ``hf_dir`` (config only; weights are loaded by ``load_weights``).
+    A mixture-of-experts checkpoint also gets ``moe.moe_config_overrides(moe)`` (``moe``: a
+    ``configs.MoEConfig``, default its defaults) and, without transformer-engine, sequential experts."""
     from transformers import AutoConfig
 
+    from rl_plugin.backends.megatron.moe import (
+        FAMILY_FIXES,
+        is_moe_config,
+        moe_config_overrides,
+        sequential_experts_bridge_class,
+    )
     from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES, megatron_unsupported_reason
+    from rl_plugin.configs import MoEConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     fix_rope_theta(hf_config)
@@ -159,6 +174,12 @@ def make_bridge(
         use_te = transformer_engine_available()
     if not use_te:
         cls = local_spec_bridge_class(cls)
+    extra_config = dict(extra_config or {})
+    if is_moe_config(hf_config):
+        if not use_te:
+            cls = sequential_experts_bridge_class(cls)
+        extra_config.update(FAMILY_FIXES.get(model_type, {}))
+        extra_config.update(moe_config_overrides(moe or MoEConfig(), use_te=use_te))
     bridge = cls(hf_config, dtype=dtype)
     if extra_config:
         bridge.set_extra_args(**extra_config)

@@ -31,12 +31,25 @@ The patches and the megatron-core 0.16.1 lines they cover:
    ``optimizer/clip_grads.py`` l. 167). ``Tensor.type()`` with no argument reports a CPU
    tensor under its CUDA type name; ``Tensor.type(dtype)`` (a conversion) is unchanged.
 
+5. ``moe_dispatcher_stream``: ``MoEAlltoAllTokenDispatcher.__init__``
+   (``transformer/moe/token_dispatcher.py`` l. 444-445) creates a class-level
+   ``torch.cuda.Stream()`` for its device-to-host copies of the split sizes, and
+   ``_maybe_dtoh_and_synchronize`` (l. 862-900) copies on it and waits on its event. On CPU every
+   tensor is on the host already (``maybe_move_tensor_to_cpu`` returns a CPU tensor unchanged), so
+   the stream is a placeholder and the method returns ``tokens_per_expert`` as it is.
+
+6. ``router_gemm_name``: ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when
+   transformer-engine imports (l. 22-39), but ``RouterGatingLinearFunction`` (l. 1192, 1225)
+   reads it unconditionally: without transformer-engine every router forward raises NameError.
+   The name is bound to None, which selects the function's own ``torch.mm`` branch. (A GPU
+   machine without transformer-engine would need it too; GPU runs here have transformer-engine.)
+
 CPU-only tuning, under the same gate (``cuda_present()`` False), so none of it reaches a GPU,
 where megatron-core's (and mbridge's) defaults stand:
 
 - ``cpu_config_overrides()``: the ``TransformerConfig`` fusions off (masked softmax, bias +
   activation, bias + dropout, RoPE, gradient-accumulation fusion: CUDA kernels or apex
-  extensions); ``{}`` with CUDA.
+  extensions) and the shared-expert overlap (a ``torch.cuda.Stream``) off; ``{}`` with CUDA.
 - ``install_cpu_rope()``: ``rope_thd`` (megatron-core's unfused packed RoPE without its
   per-sample loop, bitwise equal; it keys a cache on ``cu_seqlens`` values, a host sync per call
   on a GPU); not installed with CUDA.
@@ -168,11 +181,39 @@ def _patch_tensor_type_names() -> None:
     torch.Tensor.type = type_
 
 
+# -- 5. the MoE all-to-all dispatcher's device-to-host stream --------------------------------
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream`` as the dispatcher's class-level D2H stream (never used)."""
+
+
+def _patch_moe_dispatcher_stream() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as cls
+
+    _ORIGINALS["moe_dtoh_stream"] = cls.cuda_dtoh_stream
+    _ORIGINALS["moe_dtoh_and_synchronize"] = cls._maybe_dtoh_and_synchronize
+    cls.cuda_dtoh_stream = _NoStream()
+
+    def dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        return tokens_per_expert  # every tensor is already on the host: nothing to copy or wait for
+
+    cls._maybe_dtoh_and_synchronize = dtoh_and_synchronize
+
+
+# -- 6. the router's gating GEMM without transformer-engine ----------------------------------
+def _patch_router_gemm_name() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # only bound when transformer-engine imports
+        moe_utils.te_general_gemm = None
+
+
 PATCHES = (
     ("rng_tracker", _patch_rng_tracker),
     ("current_device", _patch_current_device),
     ("cuda_device_literals", _patch_cuda_device_literals),
     ("tensor_type_names", _patch_tensor_type_names),
+    ("moe_dispatcher_stream", _patch_moe_dispatcher_stream),
+    ("router_gemm_name", _patch_router_gemm_name),
 )
 
 
@@ -195,6 +236,7 @@ CPU_CONFIG_OVERRIDES = dict(
     bias_dropout_fusion=False,
     apply_rope_fusion=False,
     gradient_accumulation_fusion=False,
+    moe_shared_expert_overlap=False,  # a CUDA side stream (SharedExpertMLP); MoE models with a shared expert
 )
 
 

@@ -98,7 +98,11 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=cp,
+        expert_model_parallel_size=cfg.moe.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.moe.expert_tensor_parallel_size,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     dp_g = cpu_group(mpu.get_data_parallel_group())  # the group itself under gloo
@@ -152,7 +156,7 @@ def build_model(
     overrides = config_overrides(cfg, cuda=cuda)
     if routing_replay:
         overrides["moe_enable_routing_replay"] = True
-    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides)
+    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides, moe=cfg.moe)
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     model = build_gpt_model(bridge)
     if torch.cuda.is_available():

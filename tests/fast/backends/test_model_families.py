@@ -316,7 +316,7 @@ def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_
             "no mbridge",
         ),
         ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "megatron", "no mbridge"),
-        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "megatron", "mixture-of-experts"),
+        ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "megatron", "mixture-of-experts"),
         (
             {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
             "megatron",
