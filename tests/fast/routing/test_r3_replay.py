@@ -5,7 +5,8 @@ The engine's routers are made to disagree on purpose: a forward hook on each of 
 routers sends about a third of the tokens to their 1st and 3rd choice instead of its top-2 (the
 mixing weights recomputed at those experts, as a router that had chosen them would), the way a
 different kernel or a near tie flips a real engine's top-k. The engine records the experts it used.
-The FSDP trainer (the same weights, HF routers) then computes the old log-probs of that rollout:
+Each trainer (FSDP: the HF routers; Megatron: megatron-core's ``RouterReplay``; the same weights)
+then computes the old log-probs of that rollout and takes a train step:
 
 - without R3 its routers pick their own top-2: log-probs differ from the engine's by O(0.1);
 - with R3 they take the recorded experts: the log-probs equal the engine's to fp32 rounding
@@ -20,6 +21,7 @@ import torch
 
 from tests.support.tolerance import FP32_MODEL
 
+BACKENDS = ("fsdp", "megatron")
 LOGP_SCALE = 8.0  # |log-prob| of the tiny model's tokens (vocab 128: ~ -5), rounded up
 
 
@@ -36,9 +38,9 @@ def _flip_every_third(module, args, output):
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    from tests.support.tiny_moe import make_tiny_qwen3_moe
+    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
 
-    return str(make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe"))
+    return str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe"))
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +78,20 @@ def _batch(flat):
 
 def _worker(rank, world, ckpt, flat):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.support.megatron_common import make_args
 
     out = {}
-    for r3 in (False, True):
-        flags = ["--train-backend", "fsdp", "--hf-checkpoint", ckpt, "--lr", "1e-3"]
-        flags += ["--use-rollout-routing-replay"] if r3 else []
-        backend = FSDPBackend.from_args(make_args(*flags, world_size=world))
-        batch = _batch(flat)
-        old = backend.compute_log_probs(batch)
-        batch.old_log_probs = old
-        report = backend.train_step(batch, num_groups=3)
-        out[r3] = dict(logp=old, report=report)
+    for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):
+        for r3 in (False, True):
+            flags = ["--train-backend", name, "--hf-checkpoint", ckpt, "--lr", "1e-3"]
+            flags += ["--use-rollout-routing-replay"] if r3 else []
+            backend = cls.from_args(make_args(*flags, world_size=world))
+            batch = _batch(flat)
+            old = backend.compute_log_probs(batch)
+            batch.old_log_probs = old
+            report = backend.train_step(batch, num_groups=3)
+            out[name, r3] = dict(logp=old, report=report)
     return out
 
 
@@ -101,20 +105,28 @@ def test_engine_records_every_token_it_ran(rollout):
     assert rollout.routed_experts.dtype == torch.int16
 
 
-def test_without_r3_the_routers_disagree_and_log_probs_differ(trained, rollout):
-    diff = (trained[False]["logp"] - rollout.log_probs).abs()
-    print(f"without R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_r3_the_routers_disagree_and_log_probs_differ(trained, rollout, backend):
+    diff = (trained[backend, False]["logp"] - rollout.log_probs).abs()
+    print(
+        f"{backend} without R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}"
+    )
     assert float(diff.max()) > 1e-2
-    assert "routing/topk_agree_frac" not in trained[False]["report"]
+    assert "routing/topk_agree_frac" not in trained[backend, False]["report"]
 
 
-def test_with_r3_trainer_log_probs_equal_the_engines(trained, rollout):
-    diff = (trained[True]["logp"] - rollout.log_probs).abs()
-    print(f"with R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_with_r3_trainer_log_probs_equal_the_engines(trained, rollout, backend):
+    diff = (trained[backend, True]["logp"] - rollout.log_probs).abs()
+    print(f"{backend} with R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
     assert float(diff.max()) <= FP32_MODEL * LOGP_SCALE, float(diff.max())
 
 
 def test_r3_reports_the_engine_trainer_topk_agreement(trained):
-    frac = trained[True]["report"]["routing/topk_agree_frac"]
-    print(f"routing/topk_agree_frac with R3 (a third of the engine's tokens flipped): {frac:.3f}")
-    assert 0.45 < frac < 0.9, frac
+    """Both backends count the same (token, layer) pairs on the same routing: the same fraction."""
+    fsdp, megatron = (trained[b, True]["report"]["routing/topk_agree_frac"] for b in BACKENDS)
+    print(
+        f"routing/topk_agree_frac with R3 (about a third of the engine's tokens flipped): fsdp {fsdp:.4f} megatron {megatron:.4f}"
+    )
+    assert 0.45 < fsdp < 0.9, fsdp
+    assert megatron == fsdp
