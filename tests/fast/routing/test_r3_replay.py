@@ -82,16 +82,20 @@ def _worker(rank, world, ckpt, flat):
     from tests.support.megatron_common import make_args
 
     out = {}
-    for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):
-        for r3 in (False, True):
-            flags = ["--train-backend", name, "--hf-checkpoint", ckpt, "--lr", "1e-3"]
-            flags += ["--use-rollout-routing-replay"] if r3 else []
-            backend = cls.from_args(make_args(*flags, world_size=world))
-            batch = _batch(flat)
-            old = backend.compute_log_probs(batch)
-            batch.old_log_probs = old
-            report = backend.train_step(batch, num_groups=3)
-            out[name, r3] = dict(logp=old, report=report)
+    bshd = ["--qkv-format", "bshd", "--seq-length", "16"]
+    runs = [(b, mode, []) for b in BACKENDS for mode in (None, "r3", "r2")] + [("megatron", "r3", bshd)]
+    for name, mode, extra in runs:
+        flags = ["--train-backend", name, "--hf-checkpoint", ckpt, "--lr", "1e-3", *extra]
+        flags += {None: [], "r3": ["--use-rollout-routing-replay"], "r2": ["--use-routing-replay"]}[mode]
+        cls = FSDPBackend if name == "fsdp" else MegatronBackend
+        backend = cls.from_args(make_args(*flags, world_size=world))
+        batch = _batch(flat)
+        if mode != "r3":
+            batch.routed_experts = None  # only R3 reads the engine's record
+        old = backend.compute_log_probs(batch)  # R2: records the trainer's own routing into the batch
+        batch.old_log_probs = old
+        report = backend.train_step(batch, num_groups=3)
+        out[name, mode, bool(extra)] = dict(logp=old, report=report, recorded=batch.routed_experts)
     return out
 
 
@@ -107,26 +111,61 @@ def test_engine_records_every_token_it_ran(rollout):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_r3_the_routers_disagree_and_log_probs_differ(trained, rollout, backend):
-    diff = (trained[backend, False]["logp"] - rollout.log_probs).abs()
+    diff = (trained[backend, None, False]["logp"] - rollout.log_probs).abs()
     print(
         f"{backend} without R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}"
     )
     assert float(diff.max()) > 1e-2
-    assert "routing/topk_agree_frac" not in trained[backend, False]["report"]
+    assert "routing/topk_agree_frac" not in trained[backend, None, False]["report"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_with_r3_trainer_log_probs_equal_the_engines(trained, rollout, backend):
-    diff = (trained[backend, True]["logp"] - rollout.log_probs).abs()
-    print(f"{backend} with R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}")
+@pytest.mark.parametrize("backend,bshd", [("fsdp", False), ("megatron", False), ("megatron", True)])
+def test_with_r3_trainer_log_probs_equal_the_engines(trained, rollout, backend, bshd):
+    diff = (trained[backend, "r3", bshd]["logp"] - rollout.log_probs).abs()
+    layout = "bshd" if bshd else "thd"
+    print(
+        f"{backend} ({layout}) with R3: |trainer - engine| log-prob mean {float(diff.mean()):.3e} max {float(diff.max()):.3e}"
+    )
     assert float(diff.max()) <= FP32_MODEL * LOGP_SCALE, float(diff.max())
 
 
 def test_r3_reports_the_engine_trainer_topk_agreement(trained):
-    """Both backends count the same (token, layer) pairs on the same routing: the same fraction."""
-    fsdp, megatron = (trained[b, True]["report"]["routing/topk_agree_frac"] for b in BACKENDS)
-    print(
-        f"routing/topk_agree_frac with R3 (about a third of the engine's tokens flipped): fsdp {fsdp:.4f} megatron {megatron:.4f}"
-    )
-    assert 0.45 < fsdp < 0.9, fsdp
-    assert megatron == fsdp
+    """Every backend and layout counts the same (token, layer) pairs on the same routing."""
+    fracs = {k: v["report"]["routing/topk_agree_frac"] for k, v in trained.items() if k[1] == "r3"}
+    print(f"routing/topk_agree_frac with R3 (about a third of the engine's tokens flipped): {fracs}")
+    frac = fracs["fsdp", "r3", False]
+    assert 0.45 < frac < 0.9, frac
+    assert set(fracs.values()) == {frac}
+
+
+@pytest.fixture(scope="module")
+def natural_routing(moe_ckpt, rollout):
+    """The HF model's own top-k of every token of the rollout (no engine hook), sample by sample."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_plugin.routing.hf import hf_routers
+
+    model = AutoModelForCausalLM.from_pretrained(moe_ckpt, dtype=torch.float32)
+    seen = []
+    handles = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in hf_routers(model)]
+    with torch.no_grad():
+        for ids in rollout.tokens.split(rollout.total_lengths.tolist()):
+            model(input_ids=ids[None])
+    for h in handles:
+        h.remove()
+    layers = len(handles)
+    per_sample = [torch.stack(seen[i : i + layers], dim=1) for i in range(0, len(seen), layers)]
+    return torch.cat(per_sample)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_r2_records_the_trainers_own_routing_and_replays_it(trained, natural_routing, backend):
+    """R2: the old pass routes freely (the same log-probs as without replay) and records its
+    routing (the HF model's own top-k of every token, engine disagreement or not); the training
+    pass replays it at the same weights, so the routers' own top-k agrees everywhere (1.0)."""
+    from rl_plugin.routing.hf import same_sets
+
+    r2 = trained[backend, "r2", False]
+    assert torch.equal(r2["logp"], trained[backend, None, False]["logp"])
+    assert bool(same_sets(r2["recorded"].long(), natural_routing).all())
+    assert r2["report"]["routing/topk_agree_frac"] == 1.0
