@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
-from rl_plugin.backends.megatron import checkpoint, setup, step
+from rl_plugin.backends.megatron import checkpoint, moe, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported
@@ -67,7 +67,11 @@ class MegatronBackend(TrainBackend):
 
         config.no_sync_func = model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = optimizer.scale_loss
+        config.grad_scale_func = step.PassScale(optimizer.scale_loss)
+        # expert parallelism: every rank runs the same number of passes (step.py)
+        self.pass_scale = config.grad_scale_func if config.expert_model_parallel_size > 1 else None
+        self.moe_layers = moe.num_moe_layers(model)
+        self._real_micro_batches = 0
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> "MegatronBackend":
@@ -100,6 +104,7 @@ class MegatronBackend(TrainBackend):
             qkv_format=self.loss_config.qkv_format,
             fp32_lm_head=self.fp32_lm_head,
             fused=self.fused_lm_head,
+            idle_passes=self.pass_scale is not None,
             routing=self.routing_pass,
         )
 
@@ -111,9 +116,31 @@ class MegatronBackend(TrainBackend):
             action, tp_rank=ps.tp_rank, tp_size=ps.tp_size, sequence_parallel=self.config.model.sequence_parallel
         )
 
+    def train_step(self, batch, *, num_groups: int, micro_batches=None, old_from_forward: bool = False):
+        """The base step, plus the MoE router losses of the step (``moe_<name>``, ``moe.aux_loss_metrics``)."""
+        if self.moe_layers:
+            moe.clear_tracker()
+        report = super().train_step(
+            batch, num_groups=num_groups, micro_batches=micro_batches, old_from_forward=old_from_forward
+        )
+        if self.moe_layers:
+            report.update(
+                moe.aux_loss_metrics(self.bridge.config, self.moe_layers, self._real_micro_batches, self.parallel_state)
+            )
+        return report
+
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
+        if not forward_only:
+            self._real_micro_batches = num_micro_batches
         return step.run_schedule(
-            model, self.optimizer, self.parallel_state, num_micro_batches, forward, loss, forward_only=forward_only
+            model,
+            self.optimizer,
+            self.parallel_state,
+            num_micro_batches,
+            forward,
+            loss,
+            forward_only=forward_only,
+            pass_scale=self.pass_scale,
         )
 
     def optimizer_step(self) -> Tuple[float, float]:

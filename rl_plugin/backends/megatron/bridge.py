@@ -23,10 +23,12 @@ if a workaround stops being needed or stops working:
 3. Export at PP = 1: mbridge's ``export_weights`` runs three PP-group object collectives per
    parameter (``all_gather_object`` of its name and tensor spec, ``broadcast_object_list``) to
    find which stage holds it, even with one stage (~7 ms per export of the tiny model on CPU).
-   With one stage and no expert parallelism every parameter is local, so ``export_hf`` runs
-   mbridge's own per-parameter conversion (``_weight_name_mapping_mcore_local_to_global``, the TP
-   all-gather, ``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters``
-   directly; the output equals ``export_weights``' tensor by tensor (the test compares both).
+   With one stage every parameter is local, so ``export_hf`` runs mbridge's own per-parameter
+   conversion (``_weight_name_mapping_mcore_local_to_global``, the TP all-gather,
+   ``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters`` directly; the
+   output equals ``export_weights``' tensor by tensor (the test compares both). A mixture-of-experts
+   layer's local experts are gathered over expert-TP, then over EP, and named by global expert
+   (``moe.expert_global_name``), in EP-rank order, as ``export_weights`` does.
 4. Tied embeddings: Qwen2Bridge (and Qwen3Bridge, its subclass) maps a tied output layer by
    writing into the CLASS's ``_DIRECT_MAPPING``, so every later untied Qwen2/Qwen3 bridge in the
    process maps ``output_layer.weight`` to the embedding and fails to load; LLaMABridge does not
@@ -193,8 +195,9 @@ def build_gpt_model(bridge):
 
 
 def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every weight, TP shards gathered; collective over TP (and PP).
-    One pipeline stage and no expert parallelism: workaround 3; else mbridge's ``export_weights``."""
+    """``(hf_name, tensor)`` for every weight, TP shards gathered and every expert of every EP rank;
+    collective over TP, expert-TP and EP. One pipeline stage: workaround 3; else mbridge's
+    ``export_weights``."""
     from mbridge.core.util import unwrap_model
 
     core = unwrap_model(model)
@@ -204,14 +207,20 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 def _one_stage(bridge, core) -> bool:
-    """One pipeline stage, no expert parallelism, no expert bias: workaround 3 applies."""
-    return not (bridge.mpu.pp_size > 1 or bridge.mpu.ep_size > 1 or any("expert_bias" in k for k in core.state_dict()))
+    """One pipeline stage, no expert bias: workaround 3 applies (with or without expert parallelism)."""
+    return not (bridge.mpu.pp_size > 1 or any("expert_bias" in k for k in core.state_dict()))
+
+
+def _num_local_experts(bridge) -> int:
+    return bridge.config.num_moe_experts // bridge.mpu.ep_size
 
 
 def hf_specs(bridge, model) -> Optional[Dict[str, torch.Tensor]]:
     """The export's names, shapes and dtypes as meta tensors, in export order, from this rank's
     shards alone (no collective); None beyond one stage (mbridge's own export decides there)."""
     from mbridge.core.util import unwrap_model
+
+    from rl_plugin.backends.megatron.moe import expert_global_name, is_expert_param
 
     core = unwrap_model(model)
     if not _one_stage(bridge, core):
@@ -221,19 +230,73 @@ def hf_specs(bridge, model) -> Optional[Dict[str, torch.Tensor]]:
     for local_name, param in core.named_parameters():
         name = global_name[local_name]
         tensor = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        if getattr(param, "tensor_model_parallel", False):
-            tensor = bridge._weight_merge_across_tp(name, [tensor] * bridge.mpu.tp_size, param)
-        for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
-            out[hf_name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if is_expert_param(name):
+            if bridge.mpu.etp_size > 1:
+                tensor = bridge._weight_merge_across_tp(name, [tensor] * bridge.mpu.etp_size, param)
+            named = [
+                (expert_global_name(name, r, _num_local_experts(bridge)), tensor) for r in range(bridge.mpu.ep_size)
+            ]
+        else:
+            if getattr(param, "tensor_model_parallel", False):
+                tensor = bridge._weight_merge_across_tp(name, [tensor] * bridge.mpu.tp_size, param)
+            named = [(name, tensor)]
+        for name, tensor in named:
+            for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
+                out[hf_name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return out
+
+
+def _experts_to_all(bridge, name: str, param) -> List[Tuple[str, torch.Tensor]]:
+    """Every EP rank's copy of the local expert ``name`` (expert-TP shards merged), on every rank:
+    ``[(global expert name, tensor)]`` in EP-rank order; collective over expert-TP and EP."""
+    from rl_plugin.backends.megatron.moe import expert_global_name
+
+    mpu = bridge.mpu
+    tensor = param.detach().contiguous()
+    if mpu.etp_size > 1:
+        shards = [torch.empty_like(tensor) for _ in range(mpu.etp_size)]
+        dist.all_gather(shards, tensor, group=mpu.etp_group)
+        tensor = bridge._weight_merge_across_tp(name, shards, param)
+    pieces = [tensor]
+    if mpu.ep_size > 1:
+        pieces = [torch.empty_like(tensor) for _ in range(mpu.ep_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=mpu.ep_group)
+    return [(expert_global_name(name, r, _num_local_experts(bridge)), t) for r, t in enumerate(pieces)]
+
+
+def _experts_to_root(bridge, name: str, param) -> Optional[List[Tuple[str, torch.Tensor]]]:
+    """``_experts_to_all`` gathered to the first rank of the expert-TP and EP groups alone
+    (``dist.gather``); None on every other rank."""
+    from rl_plugin.backends.megatron.moe import expert_global_name
+
+    mpu = bridge.mpu
+    tensor = param.detach().contiguous()
+    if mpu.etp_size > 1:
+        shards = [torch.empty_like(tensor) for _ in range(mpu.etp_size)] if mpu.etp_rank == 0 else None
+        dist.gather(tensor, shards, dst=dist.get_global_rank(mpu.etp_group, 0), group=mpu.etp_group)
+        if mpu.etp_rank != 0:
+            return None
+        tensor = bridge._weight_merge_across_tp(name, shards, param)
+    pieces = [tensor]
+    if mpu.ep_size > 1:
+        pieces = [torch.empty_like(tensor) for _ in range(mpu.ep_size)] if mpu.ep_rank == 0 else None
+        dist.gather(tensor.contiguous(), pieces, dst=dist.get_global_rank(mpu.ep_group, 0), group=mpu.ep_group)
+        if mpu.ep_rank != 0:
+            return None
+    return [(expert_global_name(name, r, _num_local_experts(bridge)), t) for r, t in enumerate(pieces)]
 
 
 def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[str, torch.Tensor]]:
     """The export for the weight sync (module docstring), collective: every rank must exhaust it.
     Global rank 0 gets ``(hf_name, CPU tensor)`` in the order of ``hf_specs``; the other ranks of
-    its TP group send their shards; every other replica does nothing. Beyond one stage every rank
-    runs mbridge's ``export_weights`` (its collectives span the pipeline) and rank 0 keeps it."""
+    its TP group send their dense shards, the ranks of expert-data-parallel rank 0 (rank 0's EP
+    group and their expert-TP peers) their experts; every other rank does nothing. Beyond one
+    stage every rank runs mbridge's ``export_weights`` (its collectives span the pipeline) and
+    rank 0 keeps it."""
     from mbridge.core.util import unwrap_model
+    from megatron.core import parallel_state as mpu
+
+    from rl_plugin.backends.megatron.moe import is_expert_param
 
     core = unwrap_model(model)
     if not _one_stage(bridge, core):
@@ -241,10 +304,12 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
             if dist.get_rank() == 0:
                 yield name, tensor.detach().to("cpu")
         return
-    if dp_rank != 0 or cp_rank != 0:
+    dense_part = dp_rank == 0 and cp_rank == 0
+    expert_part = bridge.config.num_moe_experts is not None and mpu.get_expert_data_parallel_rank() == 0
+    if not (dense_part or expert_part):
         return
     tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
-    exporter = bridge.mpu.tp_rank == 0
+    exporter = dense_part and bridge.mpu.tp_rank == 0
     if exporter and dist.get_rank() != 0:
         raise RuntimeError(
             f"weight export: TP rank 0 of DP rank 0 is global rank {dist.get_rank()}, not 0; the weight sync "
@@ -254,34 +319,47 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
     global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
     for local_name, param in core.named_parameters():
         name = global_name[local_name]
-        if getattr(param, "tensor_model_parallel", False):
+        if is_expert_param(name):
+            named = _experts_to_root(bridge, name, param) if expert_part else None
+            if named is None:
+                continue
+        elif not dense_part:
+            continue
+        elif getattr(param, "tensor_model_parallel", False):
             shards = [param]
             if tp_size > 1:
                 shards = [torch.empty_like(param) for _ in range(tp_size)] if exporter else None
                 dist.gather(param.detach().contiguous(), shards, dst=dst, group=tp_group)
             if not exporter:
                 continue
-            tensor = bridge._weight_merge_across_tp(name, shards, param)
+            named = [(name, bridge._weight_merge_across_tp(name, shards, param))]
         elif not exporter:
             continue
         else:
-            tensor = param
-        for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
-            yield hf_name, t.detach().to("cpu")
+            named = [(name, param)]
+        for name, tensor in named:
+            for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
+                yield hf_name, t.detach().to("cpu")
 
 
 def _export_one_stage(bridge, core) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Workaround 3: mbridge's ``export_weights`` loop (0.15.1) minus its PP-stage collectives."""
+    """Workaround 3: mbridge's ``export_weights`` loop (0.15.1) minus its PP-stage collectives;
+    experts gathered over expert-TP and EP (``_experts_to_all``)."""
+    from rl_plugin.backends.megatron.moe import is_expert_param
+
     global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
     tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
     for local_name, param in core.named_parameters():
         name = global_name[local_name]
-        if getattr(param, "tensor_model_parallel", False):
+        if is_expert_param(name):
+            named = _experts_to_all(bridge, name, param)
+        elif getattr(param, "tensor_model_parallel", False):
             shards = [param]
             if tp_size > 1:
                 shards = [torch.empty_like(param) for _ in range(tp_size)]
                 torch.distributed.all_gather(shards, param, group=tp_group)
-            tensor = bridge._weight_merge_across_tp(name, shards, param)
+            named = [(name, bridge._weight_merge_across_tp(name, shards, param))]
         else:
-            tensor = param
-        yield from zip(*bridge._weight_to_hf_format(name, tensor))
+            named = [(name, param)]
+        for name, tensor in named:
+            yield from zip(*bridge._weight_to_hf_format(name, tensor))

@@ -35,8 +35,10 @@ The patches and the megatron-core 0.16.1 lines they cover:
    (``transformer/moe/token_dispatcher.py`` l. 444-445) creates a class-level
    ``torch.cuda.Stream()`` for its device-to-host copies of the split sizes, and
    ``_maybe_dtoh_and_synchronize`` (l. 862-900) copies on it and waits on its event. On CPU every
-   tensor is on the host already (``maybe_move_tensor_to_cpu`` returns a CPU tensor unchanged), so
-   the stream is a placeholder and the method returns ``tokens_per_expert`` as it is.
+   tensor is on the host already, so the stream is a placeholder and the method only does what its
+   copies do besides moving: the split sizes (``input_splits``, ``output_splits``,
+   ``output_splits_tp``) become numpy arrays (``maybe_move_tensor_to_cpu(as_numpy=True)`` does
+   that only for CUDA tensors; gloo's ``all_to_all_single`` refuses tensor split sizes).
 
 6. ``router_gemm_name``: ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when
    transformer-engine imports (l. 22-39), but ``RouterGatingLinearFunction`` (l. 1192, 1225)
@@ -194,7 +196,14 @@ def _patch_moe_dispatcher_stream() -> None:
     cls.cuda_dtoh_stream = _NoStream()
 
     def dtoh_and_synchronize(self, point, tokens_per_expert=None):
-        return tokens_per_expert  # every tensor is already on the host: nothing to copy or wait for
+        # every tensor is on the host already: no copy, no wait; the split sizes become numpy
+        # arrays at the same point as on a GPU (the all-to-all takes a sequence of ints)
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
 
     cls._maybe_dtoh_and_synchronize = dtoh_and_synchronize
 

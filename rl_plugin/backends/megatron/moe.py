@@ -31,8 +31,11 @@ objective is the one the command line states.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+import torch
 
 SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -104,3 +107,77 @@ def moe_unsupported_reason(hf_config, *, tp: int, etp: Optional[int]) -> Optiona
     if etp not in (None, 1, tp):
         return f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: use 1 or {tp}"
     return None
+
+
+# -- aux-loss metrics ---------------------------------------------------------------------------
+# megatron-core's tracker names of the losses a config adds (router.py): load-balancing type ->
+# name, and the z-loss
+TRACKER_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
+
+def tracked_losses(config) -> List[str]:
+    """The tracker names this ``TransformerConfig`` records in a training forward (fixed per run,
+    so every rank reduces the same list)."""
+    names = []
+    kind = config.moe_router_load_balancing_type
+    kinds = kind if isinstance(kind, list) else [kind]
+    for k in kinds:
+        if k in TRACKER_NAMES and (config.moe_aux_loss_coeff or 0) > 0:
+            names.append(TRACKER_NAMES[k])
+    if config.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def num_moe_layers(model) -> int:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return sum(isinstance(m, MoELayer) for m in model.modules())
+
+
+@contextlib.contextmanager
+def untracked():
+    """Leave megatron-core's aux-loss tracker as it was (an idle pass's token is no sample)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    saved = {k: v["values"].clone() for k, v in tracker.items() if "values" in v}
+    try:
+        yield
+    finally:
+        for k, v in tracker.items():
+            if "values" in v:
+                v["values"] = saved[k] if k in saved else torch.zeros_like(v["values"])
+
+
+def clear_tracker() -> None:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def aux_loss_metrics(config, num_layers: int, num_micro_batches: int, ps) -> Dict[str, float]:
+    """``moe_<name>``: each tracked loss (without its coefficient), averaged over MoE layers and
+    this rank's micro-batches, summed over CP and averaged over DP (Megatron-LM's
+    ``track_moe_metrics`` reduction); clears the tracker. Collective over DP x CP."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from rl_plugin.parallel import all_reduce
+
+    names = tracked_losses(config)
+    if not names:
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    local = torch.zeros(len(names), dtype=torch.float64)
+    for j, name in enumerate(names):
+        if name in tracker and "values" in tracker[name]:
+            local[j] = float(tracker[name]["values"].double().sum()) / max(num_layers, 1) / max(num_micro_batches, 1)
+    all_reduce(local, ps.cp_group)
+    all_reduce(local, ps.dp_group)
+    local /= ps.dp_size
+    clear_tracker()
+    return {f"moe_{name}": float(v) for name, v in zip(names, local.tolist())}

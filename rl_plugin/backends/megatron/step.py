@@ -22,12 +22,24 @@ rank's OWN micro-batch count, so DP ranks may run different counts (uneven shard
 sample: it runs one empty micro-batch); with PP = 1 nothing else requires equal counts. The
 reported loss is the runner's J (``ctx.finish()``), never the schedule's (divided, in-place) loss
 tensor. The forward-only pass needs no gradient synchronisation, so it is a plain loop.
+
+Expert parallelism (EP > 1): every forward is collective over the EP group (the token
+dispatcher's all-to-alls), so every rank runs the same number of passes P = the largest
+micro-batch count over DP x CP, a rank past its own M running idle passes (one token through the
+model, output times 0, as the FSDP backend does). megatron-core then divides by P, not M, and
+scales the MoE aux / z losses' gradient by ``grad_scale_func(1) * cp / P`` (``schedules.py``
+l. 281-292); ``PassScale`` (the model config's ``grad_scale_func``) multiplies both the main loss
+(``backward_step`` l. 477) and that scale by ``w = P / M`` on a real pass and by 0 on an idle one,
+and ``CANCEL = M * dp_size`` as before: the applied gradient is again dJ/dtheta, the aux losses'
+share is their mean over this rank's M micro-batches (Megatron-LM's), and an idle pass adds
+exactly nothing, so EP = 2 gives EP = 1's step. Without expert parallelism P = M, w = 1 and
+nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -41,6 +53,37 @@ def cancel_factor(num_microbatches: int, ps: ParallelState) -> float:
     return float(num_microbatches * ps.dp_size)
 
 
+class PassScale:
+    """The model config's ``grad_scale_func``: the optimizer's loss scale times this pass's ``w``
+    (module docstring); ``w`` is 1 outside an expert-parallel train step."""
+
+    def __init__(self, scale_loss: Callable[[torch.Tensor], torch.Tensor]):
+        self.scale_loss, self.w = scale_loss, 1.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = self.scale_loss(x)
+        return scaled if self.w == 1.0 else scaled * self.w
+
+
+def idle_forward(model, device: torch.device) -> torch.Tensor:
+    """An idle pass (EP > 1, module docstring): one token through the model so this rank joins its
+    EP peers' all-to-alls; ``[0, 2]``, carrying the graph so the backward joins them too."""
+    from rl_plugin.backends.megatron.moe import untracked
+
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with untracked():  # its router losses are no sample's: not logged (their gradient: w = 0)
+        logits = model(ids, torch.zeros_like(ids), None)
+    return (logits.float().sum() * 0.0).expand(0, 2)
+
+
+def passes_over(num_micro_batches: int, ps: ParallelState) -> int:
+    """P: the largest micro-batch count (at least 1) over DP x CP (CPU group; collective)."""
+    from rl_plugin.parallel import all_reduce
+
+    n = torch.tensor([max(num_micro_batches, 1)], dtype=torch.long)
+    return int(all_reduce(n, ps.dp_cp_group, torch.distributed.ReduceOp.MAX).item())
+
+
 def micro_batch_forward(
     model,
     inputs: MicroBatchInputs,
@@ -51,10 +94,14 @@ def micro_batch_forward(
     qkv_format: str,
     fp32_lm_head: bool,
     fused: bool,
+    idle_passes: bool = False,
     routing=None,
 ) -> torch.Tensor:
     """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's);
-    ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely)."""
+    ``idle_passes`` (EP > 1): an empty micro-batch runs ``idle_forward``; ``routing``: the pass's
+    ``routing_replay.RoutingPass`` (None: the routers route freely; an idle pass always does)."""
+    if inputs.layout.num_samples == 0 and idle_passes:
+        return idle_forward(model, device)
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
@@ -75,33 +122,43 @@ def run_schedule(
     loss: Callable[[int, torch.Tensor], torch.Tensor],
     *,
     forward_only: bool,
+    pass_scale: Optional[PassScale] = None,
 ) -> int:
-    """Megatron's schedule over this rank's micro-batches (module docstring); returns M."""
+    """Megatron's schedule over this rank's micro-batches (module docstring); returns the passes
+    run (M; P with expert parallelism, signalled by ``pass_scale``)."""
+    m = max(num_micro_batches, 1)  # a rank with no sample runs one empty micro-batch
+    passes = passes_over(num_micro_batches, ps) if pass_scale is not None else m
     if forward_only:
-        for i in range(num_micro_batches):
+        n = passes if pass_scale is not None else num_micro_batches
+        for i in range(n):
             loss(i, forward(i))
-        return num_micro_batches
+        return n
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    m = max(num_micro_batches, 1)  # a rank with no sample runs one empty micro-batch
     scale = cancel_factor(m, ps)
 
     def forward_step(data_iterator, model_chunk):
         i = next(data_iterator)
+        if pass_scale is not None:
+            pass_scale.w = passes / num_micro_batches if i < num_micro_batches else 0.0
         return forward(i), (lambda out: (loss(i, out) * scale, {}))
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(range(m)),
-        model=[model],
-        num_microbatches=m,
-        seq_length=1,
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    return m
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(passes)),
+            model=[model],
+            num_microbatches=passes,
+            seq_length=1,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+    finally:
+        if pass_scale is not None:
+            pass_scale.w = 1.0
+    return passes
 
 
 def optimizer_step(optimizer, scheduler) -> Tuple[float, float]:

@@ -12,8 +12,23 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CP
 
 def _failures():
     """Which megatron-core calls raise, right now, in this process."""
+    import types
+
+    import numpy as np
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as dispatcher
     from megatron.core.transformer.utils import get_default_causal_mask
+
+    def dispatcher_dtoh():
+        dispatcher.cuda_dtoh_stream or torch.cuda.Stream()  # the dispatcher's __init__ (l. 444-445)
+        d = types.SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="p", cuda_sync_point="p", num_local_experts=1)
+        d.cuda_dtoh_stream = dispatcher.cuda_dtoh_stream
+        d.input_splits, d.output_splits, d.output_splits_tp = torch.tensor([1, 2]), torch.tensor([3]), None
+        d.num_out_tokens = torch.tensor(3)
+        tokens = torch.tensor([4])
+        assert dispatcher._maybe_dtoh_and_synchronize(d, "p", tokens) is tokens
+        assert isinstance(d.input_splits, np.ndarray) and d.input_splits.tolist() == [1, 2]
 
     def raises(fn):
         try:
@@ -27,6 +42,10 @@ def _failures():
         "current_device": raises(lambda: torch.empty(1, device=torch.cuda.current_device())),
         "cuda_device_literals": raises(lambda: get_default_causal_mask(3)),
         "tensor_type_names": torch.zeros(1).type() != "torch.cuda.FloatTensor",  # megatron's check fails
+        "moe_dispatcher_stream": raises(dispatcher_dtoh),
+        "router_gemm_name": raises(
+            lambda: RouterGatingLinearFunction.apply(torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)
+        ),
     }
 
 
