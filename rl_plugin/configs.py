@@ -180,6 +180,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # --rollout-num-gpus-per-engine
     seed: int = 1234
     record_routed_experts: bool = False  # --use-rollout-routing-replay: the engine records each token's experts
+    debug_routing_flip: float = 0.0  # --debug-engine-routing-flip (hf engine test hook)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -191,6 +192,7 @@ class EngineConfig:
             tensor_parallel_size=int(args.rollout_num_gpus_per_engine),
             seed=int(args.seed),
             record_routed_experts=bool(args.use_rollout_routing_replay),
+            debug_routing_flip=float(args.debug_engine_routing_flip),
         )
 
 

@@ -49,6 +49,19 @@ def add_arguments(parser):
         ),
     )
 
+    add_flag(
+        g,
+        "--debug-engine-routing-flip",
+        type=float,
+        default=0.0,
+        help=(
+            "Test hook: the hf engine sends about this fraction of the tokens in every MoE layer to their top k-1 "
+            "and (k+1)-th expert instead of the top k (as another kernel or a near tie flips a real engine's "
+            "choice), so its routing disagrees with the trainer's on purpose; the mismatch/* metrics with and "
+            "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
+        ),
+    )
+
 
 def routing_replay_mode(args):
     """``"rollout"`` (R3, with or without R2), ``"old"`` (R2 alone) or None."""
@@ -76,6 +89,13 @@ def checkpoint_num_experts(hf_checkpoint) -> int:
 
 
 def validate(args):
+    flip = args.debug_engine_routing_flip
+    if not 0.0 <= flip <= 1.0:
+        fail(f"--debug-engine-routing-flip {flip}: a fraction of tokens, in [0, 1]")
+    if flip and args.rollout_engine != "hf":
+        fail(
+            f"--debug-engine-routing-flip is a hook of the hf engine's routers; --rollout-engine is {args.rollout_engine}"
+        )
     mode = routing_replay_mode(args)
     if mode is None:
         return

@@ -38,6 +38,7 @@ from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalt
 from rl_plugin.rollout.rewards import load_reward_fn, score_responses
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, rollout_stats
 from rl_plugin.rollout.tokenizer import load_tokenizer
+from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -96,6 +97,8 @@ class RolloutManager:
                 cfg.engine.engine, checkpoint_dir, device=device, record_routed_experts=cfg.engine.record_routed_experts
             )
         )
+        if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
+            install_routing_flip(self.engine.model, cfg.engine.debug_routing_flip)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)

@@ -11,6 +11,8 @@ transformers 5 routes with one router module per MoE layer (``Qwen3MoeTopKRouter
 
 - ``RoutingRecorder`` (the ``hf`` engine): forward hooks that keep every call's ``indices`` and the
   ``[rows, seq]`` of the model input, assembled into ``[B, S, num_layers, k]`` per sampled row.
+- ``install_routing_flip`` (``--debug-engine-routing-flip``, tests): an engine whose routers
+  disagree with the trainer's on purpose.
 - ``replay_routing`` (the FSDP backend, tests): forward hooks that replace each router's
   ``indices`` by given ones and recompute ``weights`` by the formula above at those indices, so
   the experts' inputs and mixing weights are what the router would give had it chosen them; they
@@ -168,3 +170,28 @@ def replay_routing(routers: Sequence[torch.nn.Module], targets: Sequence[torch.T
     finally:
         for h in handles:
             h.remove()
+
+
+def install_routing_flip(model, frac: float) -> None:
+    """Make ``model``'s routers disagree with an exact router on about ``frac`` of the tokens: such
+    a token goes to its top ``k - 1`` and its ``(k + 1)``-th choice instead of its top-k (the
+    mixing weights ``router_weights`` at those experts), as another kernel or a near tie would
+    flip a real engine's choice. The tokens are picked pseudo-randomly by their own first logit
+    (``frac(1000 |z_0|) < frac``), so every call of every layer flips about ``frac`` of its rows."""
+    routers = hf_routers(model)
+    if not routers:
+        raise ValueError(f"--debug-engine-routing-flip: {type(model).__name__} has no mixture-of-experts router")
+    top_k, experts = int(routers[0].top_k), int(routers[0].weight.shape[0])
+    if experts <= top_k:
+        raise ValueError(f"--debug-engine-routing-flip needs more experts ({experts}) than top_k ({top_k})")
+
+    def flip(module, args, output):
+        logits, _, own = output
+        ranked = torch.softmax(logits.float(), dim=-1).argsort(dim=-1, descending=True)
+        choice = torch.cat([ranked[:, : top_k - 1], ranked[:, top_k : top_k + 1]], dim=1)
+        flipped = (torch.frac(logits[:, :1].float().abs() * 1e3) < frac).detach()
+        chosen = torch.where(flipped, choice, own)
+        return logits, router_weights(module, logits, chosen), chosen
+
+    for r in routers:
+        r.register_forward_hook(flip)

@@ -1,10 +1,11 @@
 """R3 (``--use-rollout-routing-replay``): the trainer routes every token to the experts the engine
 routed it to, so its step-0 log-probs equal the engine's even where the routers disagree.
 
-The engine's routers are made to disagree on purpose: a forward hook on each of the hf engine's
-routers sends about a third of the tokens to their 1st and 3rd choice instead of its top-2 (the
-mixing weights recomputed at those experts, as a router that had chosen them would), the way a
-different kernel or a near tie flips a real engine's top-k. The engine records the experts it used.
+The engine's routers are made to disagree on purpose (``routing.hf.install_routing_flip``, the
+hook of ``--debug-engine-routing-flip``): about a third of the tokens go to their 1st and 3rd
+choice instead of their top-2 (the mixing weights recomputed at those experts, as a router that
+had chosen them would), the way a different kernel or a near tie flips a real engine's top-k.
+The engine records the experts it used.
 Each trainer (FSDP: the HF routers; Megatron: megatron-core's ``RouterReplay``; the same weights)
 then computes the old log-probs of that rollout and takes a train step:
 
@@ -25,17 +26,6 @@ BACKENDS = ("fsdp", "megatron")
 LOGP_SCALE = 8.0  # |log-prob| of the tiny model's tokens (vocab 128: ~ -5), rounded up
 
 
-def _flip_every_third(module, args, output):
-    from rl_plugin.routing.hf import router_weights
-
-    logits, _, own = output
-    ranked = torch.softmax(logits.float(), dim=-1).argsort(dim=-1, descending=True)
-    # about a third of the tokens, pseudo-randomly by their own logits (a decode call's rows are samples)
-    flip = (torch.frac(logits[:, :1].float().abs() * 1e3) < 1 / 3).detach()
-    chosen = torch.where(flip, ranked[:, [0, 2]], own)
-    return logits, router_weights(module, logits, chosen), chosen
-
-
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
     from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
@@ -49,12 +39,11 @@ def rollout(moe_ckpt):
     from rl_plugin.rollout.engine import SamplingParams
     from rl_plugin.rollout.hf_engine import HFEngine
     from rl_plugin.rollout.rollout_data import flatten_generations
-    from rl_plugin.routing.hf import hf_routers
+    from rl_plugin.routing.hf import install_routing_flip
 
     torch.manual_seed(0)
     engine = HFEngine(moe_ckpt, record_routed_experts=True)
-    for router in hf_routers(engine.model):
-        router.register_forward_hook(_flip_every_third)
+    install_routing_flip(engine.model, 1 / 3)
     prompts = [p for p in ([5, 6, 7], [9, 10, 11, 12], [20, 21]) for _ in range(2)]
     gens = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10), seed=3)
     return flatten_generations(gens)
