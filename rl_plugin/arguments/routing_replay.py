@@ -17,7 +17,7 @@ import json
 import os
 
 from rl_plugin.arguments._util import add_flag, fail
-from rl_plugin.routing.engines import ENGINE_REFUSALS
+from rl_plugin.routing.engines import ENGINE_REFUSALS, flags_of
 
 
 def add_arguments(parser):
@@ -91,29 +91,37 @@ def checkpoint_num_experts(hf_checkpoint) -> int:
 def validate(args):
     flip = args.debug_engine_routing_flip
     if not 0.0 <= flip <= 1.0:
-        fail(f"--debug-engine-routing-flip {flip}: a fraction of tokens, in [0, 1]")
+        fail(f"--debug-engine-routing-flip {flip}", "it is a fraction of tokens, in [0, 1]", "e.g. 0.3, or 0 (off)")
     if flip and args.rollout_engine != "hf":
         fail(
-            f"--debug-engine-routing-flip is a hook of the hf engine's routers; --rollout-engine is {args.rollout_engine}"
+            f"--debug-engine-routing-flip with --rollout-engine {args.rollout_engine}",
+            "the hook flips the hf engine's routers",
+            "--rollout-engine hf",
         )
     mode = routing_replay_mode(args)
     if mode is None:
         return
     flag = "--use-rollout-routing-replay" if mode == "rollout" else "--use-routing-replay"
     if mode == "rollout" and args.rollout_engine in ENGINE_REFUSALS:
-        fail(ENGINE_REFUSALS[args.rollout_engine])
+        fail(flags_of(args.rollout_engine), *ENGINE_REFUSALS[args.rollout_engine])
     if not args.hf_checkpoint:
-        fail(f"{flag} needs a mixture-of-experts --hf-checkpoint; the embedded default model is dense")
+        fail(
+            flag,
+            "routing replay needs a mixture-of-experts model; the embedded default model is dense",
+            "pass an MoE --hf-checkpoint",
+        )
     if os.path.exists(os.path.join(str(args.hf_checkpoint), "config.json")) and not checkpoint_num_experts(
         args.hf_checkpoint
     ):
         fail(
-            f"{flag}: --hf-checkpoint {args.hf_checkpoint} is a dense model (its config.json names no experts: "
-            "num_experts / num_local_experts / n_routed_experts); routing replay needs a mixture-of-experts model"
+            f"{flag} with --hf-checkpoint {args.hf_checkpoint}",
+            "it is a dense model (its config.json names no num_experts / num_local_experts / n_routed_experts)",
+            "pass a mixture-of-experts --hf-checkpoint, or drop the flag",
         )
     if mode == "old" and args.use_rollout_logprobs:
         fail(
-            "--use-routing-replay records the routing of the trainer's old-log-prob pass, and --use-rollout-logprobs "
-            "skips that pass (the engine's log-probs are the old ones). Fix: drop one, or use "
-            "--use-rollout-routing-replay (R3: the engine's routing)"
+            "--use-routing-replay with --use-rollout-logprobs",
+            "R2 records the routing of the trainer's old-log-prob pass, which --use-rollout-logprobs skips "
+            "(the engine's log-probs are the old ones)",
+            "drop one, or use --use-rollout-routing-replay (R3: the engine's routing)",
         )

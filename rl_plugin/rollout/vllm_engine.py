@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
-from rl_plugin.routing.engines import ENGINE_REFUSALS
+from rl_plugin.routing.engines import refusal
 
 BLOCK_SIZE = 32  # KV block size: vLLM's CPU attention needs a multiple of 32
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE default for the rollout engine on CPU
@@ -75,7 +75,7 @@ class VLLMEngine(RolloutEngine):
     ) -> "VLLMEngine":
         require_package("vllm")
         if record_routed_experts:
-            raise RuntimeError(ENGINE_REFUSALS["vllm"])
+            raise RuntimeError(refusal("vllm"))
         return cls(
             checkpoint_dir,
             device=device,
