@@ -158,3 +158,34 @@ def test_r2_records_the_trainers_own_routing_and_replays_it(trained, natural_rou
     assert torch.equal(r2["logp"], trained[backend, None, False]["logp"])
     assert bool(same_sets(r2["recorded"].long(), natural_routing).all())
     assert r2["report"]["routing/topk_agree_frac"] == 1.0
+
+
+def _ep_worker(rank, world, ckpt, flat):
+    from rl_plugin.backends.megatron.backend import MegatronBackend
+    from tests.support.megatron_common import dp_shard, make_args
+
+    flags = [
+        "--hf-checkpoint",
+        ckpt,
+        "--lr",
+        "1e-3",
+        "--use-rollout-routing-replay",
+        "--expert-model-parallel-size",
+        "2",
+    ]
+    backend = MegatronBackend.from_args(make_args(*flags, world_size=world))
+    ps = backend.parallel_state
+    local = dp_shard(_batch(flat), ps.dp_size, ps.dp_rank)  # each rank replays the tokens it holds
+    local.old_log_probs = backend.compute_log_probs(local)
+    report = backend.train_step(local, num_groups=3)
+    return local.old_log_probs, local.rollout_log_probs, report["routing/topk_agree_frac"]
+
+
+def test_r3_at_expert_parallel_2(run_world, moe_ckpt, rollout, trained):
+    """EP = 2 (DP = 2): each rank replays its own samples' experts through the all-to-all
+    dispatcher; the log-probs equal the engine's and the agreement (summed over DP) is EP = 1's."""
+    for old, engine, frac in run_world(_ep_worker, 2, moe_ckpt, rollout):
+        diff = float((old - engine).abs().max())
+        print(f"megatron EP=2 with R3: max |trainer - engine| {diff:.3e}, topk_agree_frac {frac:.4f}")
+        assert diff <= FP32_MODEL * LOGP_SCALE
+        assert frac == trained["megatron", "r3", False]["report"]["routing/topk_agree_frac"]
