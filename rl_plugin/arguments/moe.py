@@ -5,8 +5,8 @@ Expert parallelism (``--expert-model-parallel-size``, Megatron backend) places e
 experts on EP ranks carved out of the data-parallel ranks: the world must be a multiple of
 TP x EP (with expert-TP 1) and the experts a multiple of EP (``model_layout`` checks the
 checkpoint). The router and aux-loss flags set megatron-core's ``TransformerConfig``; the FSDP
-backend reads ``--moe-aux-loss-coeff`` (the HF model's load-balancing loss) and refuses the
-others unless they are left at their defaults.
+backend trains the HF MoE layer without router losses and refuses these flags unless they are left
+at their defaults.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def add_arguments(parser):
         "--moe-aux-loss-coeff",
         type=float,
         default=0.0,
-        help="Coefficient of the load-balancing loss added to the objective (Megatron-LM; 0 = off). On --train-backend fsdp: the HF model's router aux loss times this coefficient.",
+        help="Coefficient of the load-balancing loss added to the objective (Megatron-LM; 0 = off). Megatron backend only.",
     )
     add_flag(
         g,
@@ -88,14 +88,15 @@ def validate(args) -> None:
         for flag, value, default in (
             ("--expert-model-parallel-size", ep, 1),
             ("--expert-tensor-parallel-size", etp, None),
+            ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0),
             ("--moe-z-loss-coeff", args.moe_z_loss_coeff, None),
             ("--moe-router-dtype", args.moe_router_dtype, None),
         ):
             if value != default:
                 fail(
                     f"--train-backend fsdp with {flag} {value}",
-                    "the FSDP backend runs the Hugging Face MoE layer (experts sharded by FSDP, no expert "
-                    "parallelism, no z-loss, the model's router dtype)",
+                    "the FSDP backend runs the Hugging Face MoE layer as it is (experts sharded by FSDP, no expert "
+                    "parallelism, no router aux / z losses, the model's router dtype)",
                     f"drop {flag} or use --train-backend megatron",
                 )
         return

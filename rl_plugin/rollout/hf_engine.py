@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
 from rl_plugin.rollout.hf_sampler import distinct_prompts, model_blocker, sample, sample_with_generate, values_blocker
 from rl_plugin.routing.hf import RoutingRecorder, routing_shape
@@ -100,22 +101,29 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        """A bucket (any subset of the tensors): copied in place; unknown names are rejected."""
+        """A bucket (any subset of the tensors, checkpoint names): copied in place, an MoE expert
+        into its slice of the model's fused expert parameter (``models.moe_names``); unknown
+        names are rejected."""
         own = self.model.state_dict()
-        unexpected = sorted(set(state_dict) - set(own))
+        model_type = self.model.config.model_type
+        slots = {name: checkpoint_slot(name, model_type, own) for name in state_dict}
+        unexpected = sorted(name for name, (_, view) in slots.items() if view is None)
         if unexpected:
             raise ValueError(
                 f"weight sync: the trainer's export does not match the rollout model: unexpected {unexpected[:5]}"
             )
         for name, value in state_dict.items():
-            if own[name].shape != value.shape:
+            target = slots[name][1]
+            if target.shape != value.shape:
                 raise ValueError(
-                    f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(own[name].shape)} in the rollout model"
+                    f"weight sync: {name} has shape {tuple(value.shape)} from the trainer, {tuple(target.shape)} in the rollout model"
                 )
-            own[name].copy_(value.to(own[name].dtype))
+            target.copy_(value.to(target.dtype))
 
     def weights(self) -> Dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """The weights under checkpoint names (MoE experts one tensor each)."""
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return model_to_checkpoint(state, self.model.config.model_type)
 
 
 def bucket_generations(

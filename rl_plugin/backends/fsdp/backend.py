@@ -46,6 +46,7 @@ from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megat
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
+from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
 from rl_plugin.models.tiny import default_tiny_checkpoint
 from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 
@@ -131,6 +132,7 @@ class FSDPBackend(TrainBackend):
         np.random.seed(config.model.seed)
         torch.manual_seed(config.model.seed)
         self.model = self._build_model()
+        self.model_type = self.model.config.model_type  # MoE export names (models.moe_names)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
@@ -242,11 +244,17 @@ class FSDPBackend(TrainBackend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        return {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+        return model_to_checkpoint(sd, self.model_type)  # MoE: one tensor per expert (models.moe_names)
 
     def hf_weight_specs(self) -> Dict[str, torch.Tensor]:
-        """The state dict's names (tied names included), global shapes and dtypes, as meta tensors."""
-        return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()}
+        """The state dict's names (tied names included; MoE experts split as the checkpoint names
+        them), global shapes and dtypes, as meta tensors."""
+        return {
+            n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for k, v in self.model.state_dict().items()
+            for n, t in to_checkpoint(k, torch.empty(v.shape, dtype=v.dtype, device="meta"), self.model_type)
+        }
 
     def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """One parameter at a time, every rank joining its gather (``gather_to_rank0``; a tied
@@ -256,7 +264,8 @@ class FSDPBackend(TrainBackend):
         for name, value in self.model.state_dict().items():
             full = gather_to_rank0(value)
             if exporter:
-                yield name, full.detach().to("cpu")
+                for hf_name, t in to_checkpoint(name, full.detach().to("cpu"), self.model_type):
+                    yield hf_name, t.contiguous()
             del full
 
     def save_hf(self, out_dir: str) -> None:

@@ -8,6 +8,8 @@ micro-batches: at EP = 2 the second rank runs one idle pass (``backends/megatron
 which must add exactly nothing, to the gradient or to the logged router losses. The aux losses
 must change the update (else the test would not see them).
 
+The FSDP backend (the HF model's own MoE layer, DP = 2) trains the same step as Megatron at EP = 2.
+
 Tolerance: ``tolerance.FP32_MODEL`` (the all-to-all reorders the experts' inputs, so sums round
 differently), relative for the update (l2 over all weights) and J against the magnitude of its
 terms max|A| * max(1, max|logp|), as ``tests/fast/backends/megatron/test_parity.py``.
@@ -29,12 +31,24 @@ def _worker(rank, world, ep, hf_dir):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.support.megatron_common import dp_shard, make_args, synthetic_batch, with_old_log_probs
 
-    base = ["--hf-checkpoint", hf_dir, "--expert-model-parallel-size", str(ep), "--micro-batch-size", "2"]
+    common = ["--hf-checkpoint", hf_dir, "--micro-batch-size", "2", *EXACT_SGD]
+    base = [*common, "--expert-model-parallel-size", str(ep)]
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=3, old_noise=0.3)
     out = {}
-    for label, extra in (("plain", ()), ("aux", AUX)):
-        backend = MegatronBackend.from_args(make_args(*base, *EXACT_SGD, *extra, world_size=world))
+    runs = [("plain", ()), ("aux", AUX)] + ([("fsdp", ("--train-backend", "fsdp"))] if ep == 2 else [])
+    for label, extra in runs:
+        if label == "fsdp":
+            from rl_plugin.backends.fsdp.backend import FSDPBackend
+
+            backend = FSDPBackend.from_args(make_args(*common, *extra, world_size=world))
+        else:
+            backend = MegatronBackend.from_args(make_args(*base, *extra, world_size=world))
         ps = backend.parallel_state
+        # the weight sync's contract: the stream yields what the specs announce, in their order
+        specs, streamed = backend.hf_weight_specs(), list(backend.stream_hf_weights())
+        if rank == 0:
+            assert [n for n, _ in streamed] == list(specs), label
+            assert all(t.shape == specs[n].shape for n, t in streamed), label
         local = dp_shard(batch, ps.dp_size, ps.dp_rank)
         w0 = backend.export_hf_state_dict()
         logp = backend.compute_log_probs(local)
@@ -79,6 +93,18 @@ def test_ep2_equals_ep1(results, label):
             assert within(r2[name], r1[name], rtol=FP32_MODEL), (name, r2[name], r1[name])
     else:
         assert not any(k.startswith("moe_") for k in r1)
+
+
+def test_fsdp_equals_megatron_ep2(results):
+    """The FSDP backend on the HF MoE model (fused experts, exported one tensor per expert) trains
+    the step Megatron trains at EP = 2: same names, J, grad norm and update."""
+    (rm, dm, scale), (rf, df, _) = results[2]["plain"], results[2]["fsdp"]
+    assert sorted(dm) == sorted(df)
+    assert within(rf["loss"], rm["loss"], rtol=FP32_MODEL, scale=scale), (rf["loss"], rm["loss"])
+    assert within(rf["grad_norm"], rm["grad_norm"], rtol=FP32_MODEL), (rf["grad_norm"], rm["grad_norm"])
+    rel = _update_rel(df, dm)
+    print(f"Megatron EP=2 vs FSDP: update max|diff| {_max_abs_diff(df, dm):.3g}, rel l2 {rel:.3g}")
+    assert rel < FP32_MODEL, rel
 
 
 def test_aux_losses_change_the_update(results):
