@@ -136,3 +136,28 @@ def test_a_rollout_with_some_samples_unrecorded_is_refused():
     gens[2].routed_experts = None
     with pytest.raises(ValueError, match="rollout sample 2 carries no routed experts"):
         flatten_generations(gens)
+
+
+@pytest.mark.parametrize("sampler", ["lean", "generate"])
+def test_hf_engine_records_the_routing_of_a_full_forward(moe_dir, sampler):
+    """Both samplers (the lean loop with its shared prefill, and model.generate) record, per
+    sample, the top-k one forward over prompt + response[:-1] routes every token to."""
+    from rl_plugin.rollout.engine import SamplingParams
+    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.routing.hf import hf_routers, same_sets
+
+    engine = HFEngine(moe_dir, record_routed_experts=True)
+    if sampler == "generate":
+        engine.lean_blocker = "forced by the test"
+    gens = engine.generate([[5, 6, 7], [5, 6, 7], [9, 10, 11, 12]], SamplingParams(max_new_tokens=8), seed=1)
+    seen = []
+    handles = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in hf_routers(engine.model)]
+    for g in gens:
+        seen.clear()
+        with torch.no_grad():
+            engine.model(input_ids=torch.tensor([g.prompt_ids + g.response_ids[:-1]]))
+        full = torch.stack(seen, dim=1)
+        assert g.routed_experts.shape == full.shape
+        assert bool(same_sets(g.routed_experts.long(), full).all())
+    for h in handles:
+        h.remove()
