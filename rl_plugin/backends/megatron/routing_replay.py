@@ -52,6 +52,14 @@ def replays_of(model) -> list:
     replays = [r.router_replay for r in routers]
     if any(r is None for r in replays):
         raise ValueError("routing replay: the Megatron model was built without moe_enable_routing_replay")
+    config = routers[0].config
+    if config.moe_router_fusion:  # topk_routing_with_score_function returns the fused kernel's top-k first
+        raise ValueError(
+            "routing replay: megatron-core's fused router (moe_router_fusion) never consults RouterReplay; "
+            "build the model without it"
+        )
+    if config.recompute_granularity is not None:  # the recompute would need REPLAY_BACKWARD, not driven here
+        raise ValueError("routing replay: activation recompute re-routes in the backward; run without recompute")
     return replays
 
 
