@@ -98,6 +98,11 @@ class RolloutManager:
             )
         )
         if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
+            if self.engine is None:
+                raise ValueError(
+                    "--debug-engine-routing-flip hooks the hf engine of the rollout manager's process; with engine "
+                    "actors (--rollout-num-gpus) there is none. Fix: drop --rollout-num-gpus or the hook"
+                )
             install_routing_flip(self.engine.model, cfg.engine.debug_routing_flip)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.reward_fn = load_reward_fn(cfg.rm_type, cfg.custom_rm_path)
