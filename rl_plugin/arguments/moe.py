@@ -5,8 +5,8 @@ Expert parallelism (``--expert-model-parallel-size``, Megatron backend) places e
 experts on EP ranks carved out of the data-parallel ranks: the world must be a multiple of
 TP x EP (with expert-TP 1) and the experts a multiple of EP (``model_layout`` checks the
 checkpoint). The router and aux-loss flags set megatron-core's ``TransformerConfig``; the FSDP
-backend trains the HF MoE layer without router losses and refuses these flags unless they are left
-at their defaults.
+backend adds the same aux (``aux_loss`` type) and z losses to the HF MoE model
+(``backends/fsdp/router_losses.py``) and refuses expert parallelism and the router dtype.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ def add_arguments(parser):
         "--moe-aux-loss-coeff",
         type=float,
         default=0.0,
-        help="Coefficient of the load-balancing loss added to the objective (Megatron-LM; 0 = off). Megatron backend only.",
+        help="Coefficient of the load-balancing loss added to the objective (Megatron-LM; 0 = off). Both backends (FSDP: the aux_loss type only).",
     )
     add_flag(
         g,
         "--moe-z-loss-coeff",
         type=float,
         default=None,
-        help="Coefficient of the router z-loss (mean squared logsumexp of the router logits; Megatron-LM; default off). Megatron backend only.",
+        help="Coefficient of the router z-loss (mean squared logsumexp of the router logits; Megatron-LM; default off). Both backends.",
     )
     add_flag(
         g,
@@ -88,17 +88,23 @@ def validate(args) -> None:
         for flag, value, default in (
             ("--expert-model-parallel-size", ep, 1),
             ("--expert-tensor-parallel-size", etp, None),
-            ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0),
-            ("--moe-z-loss-coeff", args.moe_z_loss_coeff, None),
             ("--moe-router-dtype", args.moe_router_dtype, None),
         ):
             if value != default:
                 fail(
                     f"--train-backend fsdp with {flag} {value}",
                     "the FSDP backend runs the Hugging Face MoE layer as it is (experts sharded by FSDP, no expert "
-                    "parallelism, no router aux / z losses, the model's router dtype)",
+                    "parallelism, the model's router dtype)",
                     f"drop {flag} or use --train-backend megatron",
                 )
+        kind = args.moe_router_load_balancing_type
+        if args.moe_aux_loss_coeff > 0 and kind != "aux_loss":
+            fail(
+                f"--train-backend fsdp with --moe-router-load-balancing-type {kind} --moe-aux-loss-coeff "
+                f"{args.moe_aux_loss_coeff}",
+                "the FSDP backend computes Megatron-LM's per-micro-batch aux_loss only",
+                "use --moe-router-load-balancing-type aux_loss, or --train-backend megatron",
+            )
         return
     tp = args.tensor_model_parallel_size
     if etp not in (None, 1, tp):

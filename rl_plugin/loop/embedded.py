@@ -45,22 +45,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("RL_PLUGIN_CACHE", "outputs"))
 
 
-def _model_name() -> str:
+def _model_name(family: str) -> str:
     m = MODEL
-    return f"{m['family']}-v{m['vocab_size']}-h{m['hidden_size']}-a{m['num_heads']}-l{m['num_layers']}-seed0"
+    return f"{family}-v{m['vocab_size']}-h{m['hidden_size']}-a{m['num_heads']}-l{m['num_layers']}-seed0"
 
 
-def ensure_tiny_model(root: Path) -> Path:
-    """The tiny checkpoint + char tokenizer, written atomically once (a temp dir renamed)."""
+def ensure_tiny_model(root: Path, family: str = MODEL["family"]) -> Path:
+    """The tiny checkpoint + char tokenizer, written atomically once (a temp dir renamed).
+    ``family``: another ``rl_plugin.models.tiny`` family at the same sizes, e.g. ``qwen3_moe``
+    (4 experts, top-2: the MoE end-to-end runs pass it as ``--hf-checkpoint``)."""
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
 
-    target = root / "tiny_model" / _model_name()
+    target = root / "tiny_model" / _model_name(family)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     cfg = dict(MODEL)
-    make_tiny_hf_checkpoint(tmp, cfg.pop("family"), seed=0, **cfg)
+    cfg.pop("family")
+    make_tiny_hf_checkpoint(tmp, family, seed=0, **cfg)
     tok = CharTokenizer(DIGITS)
     if tok.vocab_size > MODEL["vocab_size"]:
         raise ValueError(f"char tokenizer needs {tok.vocab_size} ids, the tiny model has {MODEL['vocab_size']}")

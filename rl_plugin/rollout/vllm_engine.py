@@ -28,8 +28,17 @@ through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise 
 (each output is one product ``w * 1`` plus exact zeros; only a stored ``-0.0`` reads as ``+0.0``).
 A tied LM head is read through its kernel too: where its packed copy differs from the embedding,
 that copy is reported as the embedding (what the logits use), so the check fails on it.
-Fused parameters are split back into the Hugging Face names by the layer's output sizes, and the
-vocabulary padding of the embedding and LM head is cut off.
+Fused parameters are split back into the Hugging Face names by the layer's output sizes (a fused
+MoE layer's ``w13_weight`` / ``w2_weight`` into one tensor per expert under the checkpoint's
+projection names), and the vocabulary padding of the embedding and LM head is cut off.
+
+MoE on vLLM's CPU build. Its experts kernel prepacks ``w13`` / ``w2`` into a grouped-GEMM layout
+when the model loads, and vLLM's in-place reload skips that step (``_repack_experts``): a synced
+layer's experts are re-packed after each reload (all of a layer's experts travel in one bucket,
+``weight_sync.buckets.EXPERT``). The packed layout cannot be read back, so each re-packed layer
+keeps the checkpoint-layout tensors it was packed from, and the read-back reports those while the
+live parameter still equals their packing (else the live tensor, which fails the check). At
+start-up the checkpoint's experts are synced once through that path, so every layer has them.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.routing.engines import refusal
+from rl_plugin.weight_sync.buckets import EXPERT
 
 BLOCK_SIZE = 32  # KV block size: vLLM's CPU attention needs a multiple of 32
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE default for the rollout engine on CPU
@@ -115,6 +125,9 @@ class VLLMEngine(RolloutEngine):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
         )
+        if any(self.llm.collective_rpc(_has_prepacked_experts)):
+            # the experts again through the sync's path, so the read-back knows their checkpoint layout
+            self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
 
     def generate(
         self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
@@ -152,6 +165,9 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
         if self.tied:
             self.llm.collective_rpc(_repack_shared)
+        expert_layers = sorted({m.group(1) for m in (EXPERT.match(name) for name, _ in items) if m})
+        if expert_layers:
+            self.llm.collective_rpc(_repack_experts, args=(expert_layers,))
         self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
 
     def weights(self) -> Dict[str, torch.Tensor]:
@@ -176,7 +192,11 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
                 value = param.detach()
                 if pname == "weight" and value.numel() == 0 and hasattr(module, "cpu_linear"):
                     value = _probe_linear(module)
-                for name, part in _split_fused(module_name, pname, value, module, packed):
+                if pname in EXPERT_PARAMS and hasattr(module, "_rl_raw"):
+                    value = _repacked_source(module, pname, value)
+                split = _split_experts if pname in EXPERT_PARAMS and hasattr(module, "ckpt_gate_proj_name") else None
+                parts = split(module_name, pname, value, module) if split else None
+                for name, part in parts or _split_fused(module_name, pname, value, module, packed):
                     out[name] = part.to("cpu").clone()
         head = getattr(model, "lm_head", None)
         if tied and head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
@@ -188,6 +208,62 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
     if tied and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def _expert_modules(model, prefixes: Optional[Sequence[str]] = None):
+    """``(checkpoint prefix, module)`` of every fused MoE expert layer (``prefixes``: only those)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "ckpt_gate_proj_name") and hasattr(module, "w13_weight"):
+            prefix = name[: -len(".routed_experts")] if name.endswith(".routed_experts") else name
+            if prefixes is None or prefix in prefixes:
+                yield prefix, module
+
+
+def _has_prepacked_experts(worker) -> bool:
+    """Runs inside a vLLM worker: whether an MoE layer runs a prepacking (CPU) experts kernel."""
+    return any(
+        hasattr(getattr(getattr(m.quant_method, "moe_kernel", None), "fused_experts", None), "isa")
+        for _, m in _expert_modules(worker.model_runner.model)
+    )
+
+
+def _checkpoint_experts(checkpoint_dir: str) -> Dict[str, torch.Tensor]:
+    """Every MoE expert tensor of the checkpoint's safetensors files."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out: Dict[str, torch.Tensor] = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if EXPERT.match(k)})
+    return out
+
+
+def _repack_experts(worker, prefixes: Sequence[str]) -> int:
+    """Runs inside a vLLM worker after a reload of these MoE layers' experts: vLLM's weight-update
+    path (``UnquantizedFusedMoEMethod._setup_kernel`` with a kernel already built) skips the
+    experts' own ``process_weights_after_loading``, where the CPU experts prepack ``w13`` / ``w2``
+    into their grouped-GEMM layout, so the reloaded checkpoint-layout tensors would be read as
+    packed ones (measured: the same weights reloaded changed the sampled log-probs). It is run
+    here. The checkpoint-layout tensors are kept (``_rl_raw``) with the packed result
+    (``_rl_packed``) for the read-back; returns the layers re-packed."""
+    done = 0
+    for _, module in _expert_modules(worker.model_runner.model, set(prefixes)):
+        kernel = getattr(module.quant_method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(experts, "isa"):  # not a prepacking CPU kernel
+            continue
+        raw = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
+        experts.process_weights_after_loading(module)
+        if module.w13_weight.shape != raw[0].shape or module.w2_weight.shape != raw[1].shape:
+            raise NotImplementedError(
+                "weight sync into vLLM's CPU MoE kernel: it pads this layer's expert size, which the read-back cannot undo"
+            )
+        module._rl_raw = raw
+        module._rl_packed = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
+        done += 1
+    return done
 
 
 def _repack_shared(worker) -> int:
@@ -206,9 +282,40 @@ def _repack_shared(worker) -> int:
 def _probe_linear(module, k: Optional[int] = None) -> torch.Tensor:
     """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact);
     ``k``: the input size (default the layer's ``input_size_per_partition``)."""
-    k = int(module.input_size_per_partition) if k is None else k
+    if k is None:  # a replicated linear (an MoE router's GateLinear) has no per-partition size
+        k = int(getattr(module, "input_size_per_partition", None) or module.input_size)
     eye = torch.eye(k, dtype=module.weight.dtype if module.weight.numel() else module.params_dtype)
     return module.cpu_linear(eye, module.weight, None).t().contiguous()
+
+
+EXPERT_PARAMS = ("w13_weight", "w2_weight")  # vLLM's fused MoE experts: [E, 2I, H] (gate; up), [E, H, I]
+
+
+def _repacked_source(module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """The checkpoint-layout tensor a re-packed expert parameter (``_repack_experts``) was packed
+    from, if the live (packed) parameter is still exactly what that packing gave; else the live
+    tensor, which then fails the comparison."""
+    i = EXPERT_PARAMS.index(pname)
+    return module._rl_raw[i] if torch.equal(live, module._rl_packed[i]) else live
+
+
+def _split_experts(module_name: str, pname: str, value: torch.Tensor, module) -> List:
+    """A fused MoE expert parameter as the checkpoint's one tensor per expert
+    (``<block>.experts.{e}.<proj>.weight``, the projection names the layer loaded them under)."""
+    if int(module.local_num_experts) != int(module.global_num_experts):
+        raise NotImplementedError(
+            "--check-weight-sync with an expert-parallel vLLM engine: the read-back gathers no expert shards"
+        )
+    prefix = module_name[: -len(".routed_experts")] if module_name.endswith(".routed_experts") else module_name
+    out = []
+    for e in range(value.shape[0]):
+        if pname == "w2_weight":
+            out.append((f"{prefix}.{e}.{module.ckpt_down_proj_name}.weight", value[e]))
+        else:
+            gate, up = value[e].chunk(2, dim=0)
+            out.append((f"{prefix}.{e}.{module.ckpt_gate_proj_name}.weight", gate))
+            out.append((f"{prefix}.{e}.{module.ckpt_up_proj_name}.weight", up))
+    return out
 
 
 def _split_fused(

@@ -1,7 +1,8 @@
 """Which tensors travel together, and in which buckets.
 
-- A fused group (``FUSED_GROUPS``: q/k/v, gate/up of a layer) always travels whole: vLLM repacks
-  it into one parameter only once all its parts arrived.
+- A fused group (``FUSED_GROUPS``: q/k/v, gate/up of a layer; ``EXPERT``: all the experts of an
+  MoE layer) always travels whole: vLLM repacks it into one parameter only once all its parts
+  arrived.
 - ``plan_buckets`` cuts the tensors to send, in export order, into buckets of at most
   ``--update-weight-buffer-size`` bytes, a fused group whole (a group over the budget alone in its
   bucket). The peak an engine holds for one load is one bucket.
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterator, List, Sequence
 
 import torch
@@ -27,9 +29,18 @@ PROBE_ELEMENTS = 4096  # strided elements compared first when looking for a chan
 BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+# an MoE expert tensor (checkpoint names): every expert of a layer travels with the others, since
+# inference engines hold a layer's experts in one fused parameter (vLLM: w13 / w2)
+EXPERT = re.compile(r"^(.*\.experts)\.\d+\.\w+\.weight$")
+
+
 def fused_group(name: str) -> str:
     """The key of the group a tensor must travel with: ``model.layers.3.self_attn.qkv_proj`` for
-    ``model.layers.3.self_attn.k_proj.bias``; the tensor's own name when it is not fused."""
+    ``model.layers.3.self_attn.k_proj.bias``, ``model.layers.3.mlp.experts`` for any expert of
+    layer 3; the tensor's own name when it is not fused."""
+    expert = EXPERT.match(name)
+    if expert:
+        return expert.group(1)
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in FUSED_GROUPS:
         return ".".join(parts[:-2] + [FUSED_GROUPS[parts[-2]]])

@@ -43,7 +43,8 @@ from rl_plugin.backends.fsdp.model import (
     shard_model,
 )
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
-from rl_plugin.backends.fsdp.packing import micro_batch_log_probs
+from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
+from rl_plugin.backends.fsdp.router_losses import RouterLosses
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
@@ -133,6 +134,8 @@ class FSDPBackend(TrainBackend):
         torch.manual_seed(config.model.seed)
         self.model = self._build_model()
         self.model_type = self.model.config.model_type  # MoE export names (models.moe_names)
+        self.router_losses = RouterLosses.for_model(self.model, config.model.moe)  # MoE --moe-*-loss-coeff
+        self._real_micro_batches = 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
@@ -198,9 +201,16 @@ class FSDPBackend(TrainBackend):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             logits = model(input_ids=ids, use_cache=False).logits
             return (logits.float().sum() * 0.0).expand(0, 2)
+        router = self.router_losses if model is self.model and model.training and torch.is_grad_enabled() else None
+        if router is not None:
+            router.capture, router.rows = True, real_token_rows(inputs, self.attn_implementation, self.device)
         routing = self.routing_pass
-        with routing.context(model, inputs) if routing is not None else contextlib.nullcontext():
-            logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
+        try:
+            with routing.context(model, inputs) if routing is not None else contextlib.nullcontext():
+                logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
+        finally:
+            if router is not None:
+                router.capture = False
         return torch.stack([logp, ent], 1)
 
     def new_routing_pass(self, action: str):
@@ -213,11 +223,25 @@ class FSDPBackend(TrainBackend):
         runner hands a rank past its own count empty micro-batches (idle passes)."""
         n = torch.tensor([num_micro_batches], dtype=torch.long)
         passes = int(all_reduce(n, self.parallel_state.dp_group, dist.ReduceOp.MAX).item())
+        router = None if forward_only else self.router_losses
+        if not forward_only:
+            self._real_micro_batches = num_micro_batches
         for i in range(passes):
             objective = loss(i, forward(i))
+            if router is not None and router.logits:  # MoE router losses: their mean over M x DP
+                objective = objective + router.term() / (num_micro_batches * self.parallel_state.dp_size)
             if not forward_only:
                 objective.backward()  # factor 1: FSDP sums over DP (module docstring)
         return passes
+
+    def train_step(self, batch, *, num_groups: int, micro_batches=None, old_from_forward: bool = False):
+        """The base step, plus the MoE router losses' metrics (``router_losses``)."""
+        report = super().train_step(
+            batch, num_groups=num_groups, micro_batches=micro_batches, old_from_forward=old_from_forward
+        )
+        if self.router_losses is not None:
+            report.update(self.router_losses.metrics(self._real_micro_batches, self.parallel_state))
+        return report
 
     def optimizer_step(self) -> Tuple[float, float]:
         norm = clip_grad_norm(self.params, self.config.optimizer.clip_grad)

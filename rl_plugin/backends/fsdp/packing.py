@@ -110,6 +110,17 @@ def model_inputs(
     return kwargs, None if row_index is None else row_index.to(device)
 
 
+def real_token_rows(mb, attn_implementation: str, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of ``model_inputs``' flattened input that are real tokens (a bool mask), or None
+    where every row is (thd as one row). The MoE router losses count real tokens only."""
+    layout = mb.layout
+    if layout.qkv_format == "thd":
+        if not thd_as_padded_grid(layout, attn_implementation):
+            return None
+        return segment_grid(layout.local_cu_seqlens)[1].flatten().to(device)
+    return (layout.input_index >= 0).flatten().to(device)
+
+
 @contextlib.contextmanager
 def head_sees_rows(model, row_index: Optional[torch.Tensor]):
     """Within the block, the model's output embedding gets only ``hidden.flatten(0, -2)[row_index]``

@@ -26,6 +26,7 @@ The per-rank ``.pt`` format of earlier versions (``rank_*.pt``, nested ``iter_*/
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
@@ -47,6 +48,9 @@ MEGATRON_COMMON_FILES = ("common.pt", MARKER)  # rank 0's dist_checkpointing fil
 # variant copies through hard-coded ``.cuda()`` (l. 1089), and ``fully_sharded_model_space``
 # builds ShardedTensors with ``flattened_range``, which 0.16.1 itself rejects (mapping.py l. 134).
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 
 class CheckpointFormatError(ValueError):
@@ -251,11 +255,30 @@ def _model_shapes(src: Path, model) -> tuple:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    saved = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size") and not k.startswith("optimizer.")}
+    # optimizer entries: "optimizer.", or "chained_<i>.optimizer." where megatron-core chains one
+    # optimizer per parameter kind (an MoE model's expert-parallel parameters get their own)
+    saved = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size") and not OPTIMIZER_KEY.match(k)}
     sd = _unwrap(model).sharded_state_dict()
     apply_factories(sd)  # e.g. the fused gate/up (SwiGLU) weight under TP: the tensors it is saved as
     current = {t.key: tuple(t.global_shape) for t in nested_values(sd) if isinstance(t, ShardedTensor)}
     return saved, current
+
+
+def _check_optimizer_split(src: Path, optimizer) -> None:
+    """megatron-core chains a second optimizer for the expert-parallel parameters of an MoE model
+    at --expert-model-parallel-size > 1 (its state keys ``chained_<i>.optimizer.``), one optimizer
+    at 1: the state of one cannot be loaded into the other (no key mapping here), so say so."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    saved = len({k.split(".", 1)[0] for k in keys if k.startswith("chained_")}) or 1
+    current = len(_optimizers(optimizer))
+    if saved != current:
+        raise CheckpointFormatError(
+            f"--load {src}: its optimizer state is in {saved} part(s), this run's optimizer in {current} (megatron-core "
+            "splits off the expert-parallel parameters of an MoE model when --expert-model-parallel-size > 1). "
+            "Fix: resume with expert parallelism as it was saved (1, or > 1)."
+        )
 
 
 def load(
@@ -275,6 +298,7 @@ def load(
             "as --hf-checkpoint."
         )
     check_same_model(str(src), hf_dir, *_model_shapes(src, model))
+    _check_optimizer_split(src, optimizer)
     _allocate_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
     _unwrap(model).load_state_dict(state["model"])

@@ -1,7 +1,8 @@
 """Model families through both trainers and both engines: tiny random Llama (untied and tied),
 Qwen2, Qwen3 (q/k norm; tied with 4 x 32 attention on hidden 64, as Qwen3-0.6B's head_dim exceeds
 hidden / heads), Qwen3, Mistral and Gemma (``rl_plugin.models.tiny``, 2 layers, hidden 64,
-head_dim 32, GQA, vocab 16).
+head_dim 32, GQA, vocab 16), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral
+(``rl_plugin.models.tiny_moe``: every expert of every layer goes through the sync).
 
 For each family and each trainer that builds it (Megatron via mbridge: ``supported_model_types``;
 FSDP: any ``AutoModelForCausalLM``; Gemma is FSDP-only):
@@ -54,10 +55,14 @@ CASES = {  # name: (family, extra config); the tied Qwen3 first (see the module 
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
     "gemma": ("gemma", {"tie_word_embeddings": True}),
+    # mixture-of-experts (rl_plugin.models.tiny_moe): 4 experts, top-2, expert size 32
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),  # plus a gated shared expert
+    "mixtral": ("mixtral", {}),
 }
 # vLLM: one family per vLLM model class and the tied head (Qwen2 has rollout/test_engines); the
 # first engine's start-up (~20-40 s) is most of the cost, each further family a few seconds
-VLLM_CASES = ("qwen3_tied", "llama", "mistral", "gemma")
+VLLM_CASES = ("qwen3_tied", "llama", "mistral", "gemma", "qwen3_moe", "qwen2_moe", "mixtral")
 SAMPLING_SEED = 5
 NOISE = 0.02  # the trainer's weights moved off the checkpoint by this (relative to ~1/sqrt(fan_in))
 

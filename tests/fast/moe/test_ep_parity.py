@@ -8,7 +8,8 @@ micro-batches: at EP = 2 the second rank runs one idle pass (``backends/megatron
 which must add exactly nothing, to the gradient or to the logged router losses. The aux losses
 must change the update (else the test would not see them).
 
-The FSDP backend (the HF model's own MoE layer, DP = 2) trains the same step as Megatron at EP = 2.
+The FSDP backend (the HF model's own MoE layer, DP = 2, the router losses from its router's logits)
+trains the same step as Megatron at EP = 2, with and without the router losses.
 
 Tolerance: ``tolerance.FP32_MODEL`` (the all-to-all reorders the experts' inputs, so sums round
 differently), relative for the update (l2 over all weights) and J against the magnitude of its
@@ -35,9 +36,10 @@ def _worker(rank, world, ep, hf_dir):
     base = [*common, "--expert-model-parallel-size", str(ep)]
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=3, old_noise=0.3)
     out = {}
-    runs = [("plain", ()), ("aux", AUX)] + ([("fsdp", ("--train-backend", "fsdp"))] if ep == 2 else [])
+    fsdp = [("fsdp", ("--train-backend", "fsdp")), ("fsdp_aux", ("--train-backend", "fsdp", *AUX))]
+    runs = [("plain", ()), ("aux", AUX)] + (fsdp if ep == 2 else [])
     for label, extra in runs:
-        if label == "fsdp":
+        if label.startswith("fsdp"):
             from rl_plugin.backends.fsdp.backend import FSDPBackend
 
             backend = FSDPBackend.from_args(make_args(*common, *extra, world_size=world))
@@ -95,16 +97,22 @@ def test_ep2_equals_ep1(results, label):
         assert not any(k.startswith("moe_") for k in r1)
 
 
-def test_fsdp_equals_megatron_ep2(results):
-    """The FSDP backend on the HF MoE model (fused experts, exported one tensor per expert) trains
-    the step Megatron trains at EP = 2: same names, J, grad norm and update."""
-    (rm, dm, scale), (rf, df, _) = results[2]["plain"], results[2]["fsdp"]
+@pytest.mark.parametrize("label", ["plain", "aux"])
+def test_fsdp_equals_megatron_ep2(results, label):
+    """The FSDP backend on the HF MoE model (fused experts, exported one tensor per expert; its
+    router losses from the HF router's logits, ``backends/fsdp/router_losses.py``) trains the step
+    Megatron trains at EP = 2: same names, J, grad norm, router losses and update."""
+    (rm, dm, scale), (rf, df, _) = results[2][label], results[2]["fsdp" if label == "plain" else "fsdp_aux"]
     assert sorted(dm) == sorted(df)
     assert within(rf["loss"], rm["loss"], rtol=FP32_MODEL, scale=scale), (rf["loss"], rm["loss"])
     assert within(rf["grad_norm"], rm["grad_norm"], rtol=FP32_MODEL), (rf["grad_norm"], rm["grad_norm"])
     rel = _update_rel(df, dm)
-    print(f"Megatron EP=2 vs FSDP: update max|diff| {_max_abs_diff(df, dm):.3g}, rel l2 {rel:.3g}")
+    print(f"Megatron EP=2 vs FSDP ({label}): update max|diff| {_max_abs_diff(df, dm):.3g}, rel l2 {rel:.3g}")
     assert rel < FP32_MODEL, rel
+    names = [k for k in rm if k.startswith("moe_")]
+    assert names == [k for k in rf if k.startswith("moe_")] and (label == "plain") == (not names)
+    for name in names:
+        assert within(rf[name], rm[name], rtol=FP32_MODEL), (name, rf[name], rm[name])
 
 
 def test_aux_losses_change_the_update(results):
