@@ -10,7 +10,8 @@ default)`` below the CLI); a value derived from several flags is computed here, 
 - ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
 - ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
 - ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
-- ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``
+- ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
+  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``)
 - ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
 - ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
 
@@ -153,10 +154,14 @@ class TrainConfig:
     batching: BatchingConfig = BatchingConfig()
     loss: LossConfig = LossConfig()
     use_rollout_logprobs: bool = False  # old log-probs = the engine's (no recompute pass)
+    routing_replay: Optional[str] = None  # "rollout" (R3) | "old" (R2) | None (rl_plugin.arguments.routing_replay)
 
     @classmethod
     def from_args(cls, args) -> "TrainConfig":
+        from rl_plugin.arguments.routing_replay import routing_replay_mode
+
         return cls(
+            routing_replay=routing_replay_mode(args),
             train_backend=args.train_backend,
             model=ModelConfig.from_args(args),
             optimizer=OptimizerConfig.from_args(args),
@@ -174,6 +179,8 @@ class EngineConfig:
     max_response_len: Optional[int] = None  # required with --prompt-data; the embedded run sets it
     tensor_parallel_size: int = 1  # --rollout-num-gpus-per-engine
     seed: int = 1234
+    record_routed_experts: bool = False  # --use-rollout-routing-replay: the engine records each token's experts
+    debug_routing_flip: float = 0.0  # --debug-engine-routing-flip (hf engine test hook)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -184,6 +191,8 @@ class EngineConfig:
             max_response_len=args.rollout_max_response_len,
             tensor_parallel_size=int(args.rollout_num_gpus_per_engine),
             seed=int(args.seed),
+            record_routed_experts=bool(args.use_rollout_routing_replay),
+            debug_routing_flip=float(args.debug_engine_routing_flip),
         )
 
 

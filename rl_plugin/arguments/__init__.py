@@ -35,6 +35,7 @@ FLAG_MODULES = (
     "custom_rollout",
     "weight_sync",
     "off_policy",
+    "routing_replay",
     "cluster",
     "logging",
     "checkpointing",

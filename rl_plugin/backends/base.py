@@ -12,11 +12,13 @@ step's group count.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from rl_plugin.backends.routing import agreement_metrics, assemble_recorded, routing_action
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
 from rl_plugin.parallel import ParallelState
@@ -69,7 +71,13 @@ class TrainBackend(abc.ABC):
         ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
         if role not in ("actor", "ref"):
             raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
-        return self.runner.log_probs(self.model_for(role), batch, micro_batches)
+        action = routing_action(self.config.routing_replay, batch.routed_experts, role=role, training=False)
+        records = [] if action == "record" else None
+        with self._routing(action):
+            out = self.runner.log_probs(self.model_for(role), batch, micro_batches, routing_sink=records)
+        if records:  # R2: the training passes replay what this pass routed
+            batch.routed_experts = assemble_recorded(records, batch.tokens.numel())
+        return out
 
     def train_step(
         self,
@@ -85,13 +93,39 @@ class TrainBackend(abc.ABC):
         loop's plan (``--docs-per-step``); None plans with the runner's one planner.
         ``old_from_forward``: the old log-probs are this step's detached training log-probs
         (``runner.old_log_probs_rule`` says when that is exact)."""
-        return self.runner.train_step(
-            self.model_for("actor"),
-            batch,
-            num_groups=num_groups,
-            micro_batches=micro_batches,
-            old_from_forward=old_from_forward,
+        action = routing_action(self.config.routing_replay, batch.routed_experts, role="actor", training=True)
+        with self._routing(action) as routing:
+            report = self.runner.train_step(
+                self.model_for("actor"),
+                batch,
+                num_groups=num_groups,
+                micro_batches=micro_batches,
+                old_from_forward=old_from_forward,
+            )
+        if routing is not None and routing.action == "replay":
+            report.update(agreement_metrics(routing.agreement, self.parallel_state.dp_cp_group))
+        return report
+
+    # -- routing replay (rl_plugin.backends.routing) ---------------------------------------------
+    routing_pass = None  # the RoutingPass of the pass running now; ``forward`` enters its context
+
+    def new_routing_pass(self, action: str):
+        """This backend's ``RoutingPass`` for ``action`` ("replay" / "record")."""
+        raise ValueError(
+            f"routing replay (--use-rollout-routing-replay / --use-routing-replay): {type(self).__name__} has none"
         )
+
+    @contextlib.contextmanager
+    def _routing(self, action: Optional[str]):
+        """``routing_pass`` set for the block (None: free routing)."""
+        if action is None:
+            yield None
+            return
+        self.routing_pass = self.new_routing_pass(action)
+        try:
+            yield self.routing_pass
+        finally:
+            self.routing_pass = None
 
     def deterministic_forward(self) -> bool:
         """Whether the training forward computes what the eval forward does (no dropout)."""

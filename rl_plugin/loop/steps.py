@@ -23,4 +23,5 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
         advantages=to_tokens(adv.float(), data.response_lengths),
         group_ids=data.group_ids.clone(),
         rollout_log_probs=data.rollout_log_probs,
+        routed_experts=data.routed_experts,
     ).validate()

@@ -7,7 +7,8 @@ A backend imports these from the package (``rl_plugin.loss``), never from a modu
   and takes the local ``input_ids`` and ``position_ids`` (thd: ``[sum local_len]``; bshd:
   ``[S, local_seq_len]``) and the ``targets`` predicted at each local response position
   (aligned with ``layout.logit_index``). Forward-only passes (old / reference log-probs) hand
-  the backend this alone.
+  the backend this alone. Under routing replay also ``routed_experts`` (``rl_plugin.routing``):
+  the experts of each input position, in the order of ``input_ids`` flattened.
 - ``MicroBatch``: the train step's micro-batch (``StepContext.micro_batch``): the same four
   model-input fields plus the loss-side per-token slices on the loss device. A backend's forward
   reads only the four model-input fields, so it takes either.
@@ -31,6 +32,7 @@ from rl_plugin.cp import ResponseLayout, build_response_layout
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.config import LossConfig
 from rl_plugin.parallel import ParallelState
+from rl_plugin.routing.layout import local_routed_experts
 
 ForwardFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -59,6 +61,10 @@ class MicroBatchInputs:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
+    # routing replay: the experts to route each input position to (``rl_plugin.routing.layout``)
+    routed_experts: Optional[torch.Tensor] = None
+    # R2's record pass: the backend's forward writes the routing it computed here, same order
+    recorded_routing: Optional[torch.Tensor] = None
 
     @classmethod
     def build(
@@ -83,6 +89,7 @@ class MicroBatchInputs:
             input_ids=layout.local_inputs(sub_batch.tokens),
             position_ids=layout.local_position_ids(),
             targets=layout.targets(sub_batch.tokens),
+            routed_experts=local_routed_experts(layout.input_index, sub_batch.routed_experts),
         )
 
 
@@ -112,6 +119,8 @@ class MicroBatch:
     step_token_index: Optional[torch.Tensor] = None  # step-level index of the micro-batch's FULL responses
     local_index: Optional[torch.Tensor] = None  # step-level index of each local token (loss device)
     sample_ids: Optional[torch.Tensor] = None  # sample of each local token (loss device)
+    routed_experts: Optional[torch.Tensor] = None  # as MicroBatchInputs.routed_experts
+    recorded_routing: Optional[torch.Tensor] = None  # as MicroBatchInputs.recorded_routing
 
     @property
     def num_local_tokens(self) -> int:

@@ -4,7 +4,8 @@ Layout: samples are concatenated. ``tokens`` holds prompt + response of every sa
 (``[sum T_i]``); every per-response-token tensor (``loss_mask``, ``advantages``, log-probs) holds
 the responses only (``[sum R_i]``). ``group_ids`` are step-local prompt-group ids in
 ``[0, num_groups)``, the same id on every DP rank for samples of the same prompt, so a group may
-straddle DP ranks.
+straddle DP ranks. ``routed_experts`` (routing replay, ``rl_plugin.routing``) is per token of
+``tokens``: ``[sum T_i, num_moe_layers, top_k]`` int.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class StepBatch:
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -71,6 +73,10 @@ class StepBatch:
         if self.tokens.numel() != int(self.total_lengths.sum()):
             raise BadBatchError(
                 f"tokens has {self.tokens.numel()} entries but total_lengths sum to {int(self.total_lengths.sum())}"
+            )
+        if self.routed_experts is not None and self.routed_experts.shape[0] != self.tokens.numel():
+            raise BadBatchError(
+                f"routed_experts has {self.routed_experts.shape[0]} entries but tokens has {self.tokens.numel()}"
             )
         n_resp = int(self.response_lengths.sum())
         for name in PER_TOKEN_FIELDS:
@@ -114,7 +120,7 @@ class StepBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
-            elif f.name == "tokens":
+            elif f.name in ("tokens", "routed_experts"):
                 out[f.name] = v[tok_idx]
             elif f.name in PER_TOKEN_FIELDS:
                 out[f.name] = v[resp_idx]

@@ -192,15 +192,24 @@ class StepRunner:
 
     # -- forward only -------------------------------------------------------------------------
     def log_probs(
-        self, model, batch: StepBatch, micro_batches: Optional[Sequence[torch.Tensor]] = None
+        self,
+        model,
+        batch: StepBatch,
+        micro_batches: Optional[Sequence[torch.Tensor]] = None,
+        *,
+        routing_sink: Optional[list] = None,
     ) -> torch.Tensor:
         """Per-response-token log-probs ``[sum R_i]`` (fp32, full responses, batch order, CPU) of
-        ``model`` at the sampler's temperature: the train step's forward without backward."""
+        ``model`` at the sampler's temperature: the train step's forward without backward.
+        ``routing_sink`` (R2's record pass): receives ``(step token index, experts)`` of every real
+        input position whose routing the backend recorded (``MicroBatchInputs.recorded_routing``)."""
         backend, cfg, ps = self.backend, self.cfg, self.ps
         batch.validate()
         plan = self.plan(batch, micro_batches)
         rl = batch.response_lengths.long()
         offsets = exclusive_cumsum(rl)
+        tl = batch.total_lengths.long()
+        token_offsets = exclusive_cumsum(tl)
         device = backend.loss_device
         result = torch.zeros(int(rl.sum()), dtype=torch.float32, device=device)
         pending = {}
@@ -224,6 +233,11 @@ class StepRunner:
                     out[:, 0].float(), sub, inputs.layout, ps, qkv_format=cfg.qkv_format, max_seq_len=cfg.max_seq_len
                 )
                 result[expand_runs(offsets[idx], rl[idx]).to(device, non_blocking=True)] = full
+                if routing_sink is not None and inputs.recorded_routing is not None:
+                    index = inputs.layout.input_index.reshape(-1)
+                    valid = index >= 0
+                    tokens = expand_runs(token_offsets[idx], tl[idx])  # step token of each micro-batch token
+                    routing_sink.append((tokens[index[valid]], inputs.recorded_routing[: index.numel()][valid]))
             return out.new_zeros(())
 
         was_training = model.training

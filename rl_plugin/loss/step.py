@@ -167,6 +167,7 @@ class StepContext:
             step_token_index=step_resp,
             local_index=local,
             sample_ids=layout.sample_ids.to(self.device, non_blocking=True),
+            routed_experts=inputs.routed_experts,
         )
 
     # -- the loss -------------------------------------------------------------------------

@@ -24,12 +24,16 @@ from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 @dataclass
 class Generation:
     """One sampled response: ``response_ids`` (up to and including ``<eos>`` if it was emitted)
-    and the sampler's log-prob of each of them (``log_probs``, same length)."""
+    and the sampler's log-prob of each of them (``log_probs``, same length). ``routed_experts``
+    (engines asked to record them, ``--use-rollout-routing-replay``): ``[T - 1, num_moe_layers,
+    top_k]`` int, the experts each token the engine ran through the model was routed to, T =
+    prompt + response length (the last response token is never run; as SGLang / vLLM return them)."""
 
     prompt_ids: List[int]
     response_ids: List[int]
     log_probs: List[float]
     finished: bool
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,12 @@ class RolloutEngine(abc.ABC):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         max_model_len: Optional[int] = None,
+        record_routed_experts: bool = False,
     ) -> "RolloutEngine":
         """The engine on ``device`` (``--rollout-num-gpus-per-engine`` = ``tensor_parallel_size``),
-        every engine built the same way by ``make_engine``; an engine ignores what it cannot use."""
+        every engine built the same way by ``make_engine``; an engine ignores what it cannot use,
+        except ``record_routed_experts`` (``--use-rollout-routing-replay``): an engine that cannot
+        return the routed experts of every token raises, naming itself and why."""
 
     @abc.abstractmethod
     def generate(
@@ -113,9 +120,16 @@ def make_engine(
     tensor_parallel_size: int = 1,
     seed: int = 0,
     max_model_len: Optional[int] = None,
+    record_routed_experts: bool = False,
 ) -> RolloutEngine:
     """The engine ``--rollout-engine name`` asks for (``rl_plugin.registries.ROLLOUT_ENGINES``)."""
     engine_class = ROLLOUT_ENGINES.get(name)  # an unknown name lists the registered engines
+    kwargs = {"record_routed_experts": True} if record_routed_experts else {}
     return engine_class.create(
-        checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed, max_model_len=max_model_len
+        checkpoint_dir,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        max_model_len=max_model_len,
+        **kwargs,
     )

@@ -12,6 +12,7 @@ log-probs).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from functools import partial
 from typing import Dict, List, Optional, Sequence
@@ -20,11 +21,12 @@ import torch
 
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
-from rl_plugin.rollout.hf_sampler import model_blocker, sample, sample_with_generate, values_blocker
+from rl_plugin.rollout.hf_sampler import distinct_prompts, model_blocker, sample, sample_with_generate, values_blocker
+from rl_plugin.routing.hf import RoutingRecorder, routing_shape
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, checkpoint_dir: str, *, device: str = "cpu"):
+    def __init__(self, checkpoint_dir: str, *, device: str = "cpu", record_routed_experts: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -37,6 +39,10 @@ class HFEngine(RolloutEngine):
         self.lean_blocker: Optional[str] = model_blocker(self.model)
         # the lean sampler prefills each distinct prompt of a bucket once (False: every row)
         self.share_prompt_prefill = True
+        # --use-rollout-routing-replay: each Generation carries the experts its tokens were routed to
+        self.record_routed_experts = record_routed_experts
+        if record_routed_experts:
+            routing_shape(self.model)  # a dense model (or an unknown router) fails here, at start-up
 
     @classmethod
     def create(
@@ -47,9 +53,10 @@ class HFEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         max_model_len: Optional[int] = None,
+        record_routed_experts: bool = False,
     ) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
-        return cls(checkpoint_dir, device=device)
+        return cls(checkpoint_dir, device=device, record_routed_experts=record_routed_experts)
 
     @torch.no_grad()
     def generate(
@@ -78,16 +85,22 @@ class HFEngine(RolloutEngine):
             # the sampler draws from the global RNG
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
             input_ids = torch.tensor(bucket, dtype=torch.long, device=self.device)
-            tokens, log_probs = sampler(
-                self.model,
-                input_ids,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_new_tokens=params.max_new_tokens,
-                eos_token_ids=stop_ids,
-                pad_token_id=self.pad_token_id,
-            )
-            for i, generation in zip(idx, bucket_generations(bucket, tokens, log_probs, eos)):
+            with RoutingRecorder(self.model) if self.record_routed_experts else contextlib.nullcontext() as recorder:
+                tokens, log_probs = sampler(
+                    self.model,
+                    input_ids,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    max_new_tokens=params.max_new_tokens,
+                    eos_token_ids=stop_ids,
+                    pad_token_id=self.pad_token_id,
+                )
+            generations = bucket_generations(bucket, tokens, log_probs, eos)
+            if recorder is not None:
+                # the lean sampler's shared prefill ran the distinct prompts only (hf_sampler._prefill)
+                shared = distinct_prompts(input_ids) if not blocker and self.share_prompt_prefill else None
+                attach_routed_experts(generations, recorder.per_row(len(bucket), shared[1] if shared else None))
+            for i, generation in zip(idx, generations):
                 out[i] = generation
         return out
 
@@ -130,3 +143,14 @@ def bucket_generations(
     lengths = torch.where(finished, is_eos.int().argmax(1) + 1, tokens.shape[1])
     rows = zip(prompts, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist())
     return [Generation(list(p), ids[:n], lps[:n], done) for p, ids, lps, n, done in rows]
+
+
+def attach_routed_experts(generations: List[Generation], per_row: torch.Tensor) -> None:
+    """Give each generation of a bucket its routed experts: row ``b`` of ``per_row``
+    (``[B, S, num_layers, k]``, ``RoutingRecorder.per_row``) cut to the ``T - 1`` positions its
+    own tokens ran through the model (prompt, then every response token but the last)."""
+    for b, g in enumerate(generations):
+        n = len(g.prompt_ids) + len(g.response_ids) - 1
+        if per_row.shape[1] < n:
+            raise RuntimeError(f"routing record: {per_row.shape[1]} positions recorded for a sample of {n + 1} tokens")
+        g.routed_experts = per_row[b, :n].clone()

@@ -61,6 +61,7 @@ from rl_plugin.rollout.sample import Sample
 from rl_plugin.rollout.sample_check import check_samples
 from rl_plugin.rollout.sample_rewards import SampleScorer
 from rl_plugin.rollout.tokenizer import load_tokenizer
+from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -136,7 +137,20 @@ class RolloutManager:
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = None if self.engines else make_engine(cfg.engine.engine, checkpoint_dir, device=device)
+        self.engine = (
+            None
+            if self.engines
+            else make_engine(
+                cfg.engine.engine, checkpoint_dir, device=device, record_routed_experts=cfg.engine.record_routed_experts
+            )
+        )
+        if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
+            if self.engine is None:
+                raise ValueError(
+                    "--debug-engine-routing-flip hooks the hf engine of the rollout manager's process; with engine "
+                    "actors (--rollout-num-gpus) there is none. Fix: drop --rollout-num-gpus or the hook"
+                )
+            install_routing_flip(self.engine.model, cfg.engine.debug_routing_flip)
         self.receiver = WeightReceiver() if self.engine is not None else None
         self.scorer = SampleScorer(
             cfg, user_args=self.hook_args
@@ -243,6 +257,7 @@ class RolloutManager:
             rewards=rewards,
             group_ids=torch.arange(len(recs)).repeat_interleave(n),
             num_groups=len(recs),
+            routed_experts=flat.routed_experts,
             stats=stats,
             examples=[
                 {"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])}

@@ -7,7 +7,11 @@ trained flag (``[sum R_i]`` each; 0 for the ids a custom generate hook appended,
 conditioned on, in no loss term and in no count). It travels
 from the rollout manager to the driver (pickled with its tensors in one buffer), into a
 checkpoint under overlapped training (``loop.pending_rollout``), and becomes the step batch
-(``loop.steps.rollout_batch``).
+(``loop.steps.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
+per token of ``tokens``, per MoE layer, the ``top_k`` experts the engine routed it to
+(``[sum T_i, num_moe_layers, top_k]`` int16; ``rl_plugin.routing``); the last token of each sample
+never ran through the engine and holds experts ``0..top_k-1`` (its hidden state reaches no
+log-prob: causal attention, and its logits predict past the sample).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class RolloutData:
     examples: List[Dict[str, object]] = field(default_factory=list)
     dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
     weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
+    routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
     loss_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self):
@@ -69,8 +74,9 @@ class RolloutData:
         idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
         tl, rl = self.total_lengths, self.response_lengths
         resp = expand_runs(exclusive_cumsum(rl)[idx], rl[idx])
+        token_idx = expand_runs(exclusive_cumsum(tl)[idx], tl[idx])
         return RolloutData(
-            tokens=self.tokens[expand_runs(exclusive_cumsum(tl)[idx], tl[idx])],
+            tokens=self.tokens[token_idx],
             total_lengths=tl[idx],
             response_lengths=rl[idx],
             rollout_log_probs=self.rollout_log_probs[resp],
@@ -78,6 +84,7 @@ class RolloutData:
             group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
             num_groups=int(groups.numel()),
             loss_mask=self.loss_mask[resp],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
         )
 
 
@@ -90,6 +97,7 @@ RolloutData.TENSOR_FIELDS = (
     "rewards",
     "group_ids",
     "loss_mask",
+    "routed_experts",
 )
 
 
@@ -108,6 +116,7 @@ class FlatGenerations:
     log_probs: torch.Tensor
     truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
     loss_mask: Optional[torch.Tensor] = None  # [sum R_i] fp32 (``flatten_samples``); None: all ones
+    routed_experts: Optional[torch.Tensor] = None  # [sum T_i, layers, top_k] when the engine recorded them
 
 
 _TOKENS, _RLEN = attrgetter("tokens"), attrgetter("response_length")
@@ -156,7 +165,24 @@ def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
         response_lengths=torch.from_numpy(rl),
         log_probs=torch.from_numpy(log_probs),
         truncated_frac=float(unfinished / n),
+        routed_experts=flat_routed_experts(gens),
     )
+
+
+def flat_routed_experts(gens: Sequence[Generation]) -> Optional[torch.Tensor]:
+    """``[sum T_i, layers, top_k]`` int16: each generation's ``routed_experts`` (``[T_i - 1, ...]``)
+    followed by one row ``0..top_k-1`` for its last token (module docstring); one ``torch.cat``.
+    None when no generation carries them; all or none must."""
+    routed = list(map(attrgetter("routed_experts"), gens))
+    missing = sum(r is None for r in routed)
+    if missing == len(routed):
+        return None
+    if missing:
+        i = next(i for i, r in enumerate(routed) if r is None)
+        raise ValueError(f"rollout sample {i} carries no routed experts while others do (--use-rollout-routing-replay)")
+    layers, top_k = routed[0].shape[1:]
+    last = torch.arange(top_k, dtype=torch.int16).expand(1, layers, top_k)
+    return torch.cat([t for r in routed for t in (r.to(torch.int16), last)])
 
 
 def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
@@ -171,6 +197,7 @@ def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
         group_ids=torch.arange(num_groups).repeat_interleave(group_size),
         num_groups=num_groups,
         loss_mask=torch.cat([p.loss_mask for p in parts]),
+        routed_experts=None if parts[0].routed_experts is None else torch.cat([p.routed_experts for p in parts]),
     )
 
 

@@ -13,8 +13,10 @@ A custom generate hook (``--custom-generate-function-path``), a whole-rollout fu
   count;
 - ``rollout_log_probs[j]`` is the engine's log-prob of a model token (any value, 0.0 by
   convention, for a masked one);
-- ``rollout_routed_experts`` (MoE, routing replay): per token of ``tokens``, per MoE layer, the
-  experts the engine routed it to; ``None`` when the engine did not record them.
+- ``rollout_routed_experts`` (MoE, ``--use-rollout-routing-replay``): ``[len(tokens) - 1,
+  num_moe_layers, top_k]`` int, the experts the engine routed each token it ran to (every token but
+  the last, which is never run; slime's and SGLang's layout, ``rl_plugin.routing``); ``None`` when
+  the engine did not record them.
 
 The hot path never loops over ``Sample`` objects: a rollout's samples are flattened into
 ``RolloutData``'s tensors once, in one pass.

@@ -37,6 +37,7 @@ import torch
 from rl_plugin.rollout.child_process import popen_dying_with_parent
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.rollout.vllm_engine import sample_seed
+from rl_plugin.routing.engines import refusal
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -94,7 +95,10 @@ class SGLangEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         max_model_len: Optional[int] = None,
+        record_routed_experts: bool = False,
     ) -> "SGLangEngine":
+        if record_routed_experts:
+            raise RuntimeError(refusal("sglang"))
         return cls.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
 
     @classmethod

@@ -50,6 +50,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 
 from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 
 BLOCK_SIZE = 32  # KV block size: vLLM's CPU attention needs a multiple of 32
@@ -80,8 +81,11 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         max_model_len: Optional[int] = None,
+        record_routed_experts: bool = False,
     ) -> "VLLMEngine":
         require_package("vllm")
+        if record_routed_experts:
+            raise RuntimeError(refusal("vllm"))
         return cls(
             checkpoint_dir,
             device=device,

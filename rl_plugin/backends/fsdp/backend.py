@@ -23,6 +23,7 @@ the device mesh's group (``parallel.cpu_group``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -203,12 +204,19 @@ class FSDPBackend(TrainBackend):
         router = self.router_losses if model is self.model and model.training and torch.is_grad_enabled() else None
         if router is not None:
             router.capture, router.rows = True, real_token_rows(inputs, self.attn_implementation, self.device)
+        routing = self.routing_pass
         try:
-            logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
+            with routing.context(model, inputs) if routing is not None else contextlib.nullcontext():
+                logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
         finally:
             if router is not None:
                 router.capture = False
         return torch.stack([logp, ent], 1)
+
+    def new_routing_pass(self, action: str):
+        from rl_plugin.backends.fsdp.routing_replay import RoutingPass
+
+        return RoutingPass(action, self.attn_implementation)
 
     def schedule(self, model, num_micro_batches: int, forward, loss, *, forward_only: bool) -> int:
         """Every DP rank runs the largest micro-batch count over DP (FSDP is collective); the

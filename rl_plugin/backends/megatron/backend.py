@@ -85,7 +85,12 @@ class MegatronBackend(TrainBackend):
         setup.check_supported(m)
         ps = setup.init_parallel(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
-        model, bridge = setup.build_model(m, hf_dir, use_distributed_optimizer=opt.use_distributed_optimizer)
+        model, bridge = setup.build_model(
+            m,
+            hf_dir,
+            use_distributed_optimizer=opt.use_distributed_optimizer,
+            routing_replay=bool(config.routing_replay),
+        )
         optimizer, scheduler = setup.build_optimizer(opt, model, bf16=m.bf16)
         return cls(config, model, bridge, optimizer, scheduler, ps, hf_dir)
 
@@ -101,6 +106,15 @@ class MegatronBackend(TrainBackend):
             fp32_lm_head=self.fp32_lm_head,
             fused=self.fused_lm_head,
             idle_passes=self.pass_scale is not None,
+            routing=self.routing_pass,
+        )
+
+    def new_routing_pass(self, action: str):
+        from rl_plugin.backends.megatron.routing_replay import RoutingPass
+
+        ps = self.parallel_state
+        return RoutingPass(
+            action, tp_rank=ps.tp_rank, tp_size=ps.tp_size, sequence_parallel=self.config.model.sequence_parallel
         )
 
     def train_step(self, batch, *, num_groups: int, micro_batches=None, old_from_forward: bool = False):

@@ -176,8 +176,12 @@ def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
     return overrides
 
 
-def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: bool = False):
-    """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training."""
+def build_model(
+    cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: bool = False, routing_replay: bool = False
+):
+    """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
+    ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
+    (``moe_enable_routing_replay``; ``routing_replay.py``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -189,6 +193,8 @@ def build_model(cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: boo
     cuda = torch.cuda.is_available()
     install_cpu_rope(cuda)  # CPU only: megatron-core's unfused thd RoPE without its per-sample loop (bitwise equal)
     overrides = config_overrides(cfg, cuda=cuda)
+    if routing_replay:
+        overrides["moe_enable_routing_replay"] = True
     bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides, moe=cfg.moe)
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     model = build_gpt_model(bridge)

@@ -51,6 +51,7 @@ nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -107,10 +108,13 @@ def micro_batch_forward(
     fp32_lm_head: bool,
     fused: bool,
     idle_passes: bool = False,
+    routing=None,
 ) -> torch.Tensor:
     """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's); on a
     pipeline stage before the last, the stage's output activations (``forward.stage_output``);
-    ``idle_passes`` (EP > 1, one pipeline stage): an empty micro-batch runs ``idle_forward``."""
+    ``idle_passes`` (EP > 1, one pipeline stage): an empty micro-batch runs ``idle_forward``;
+    ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely; an
+    idle pass always does)."""
     if inputs.layout.num_samples == 0 and idle_passes:
         return idle_forward(model, device)
     if ps.pp_size > 1:
@@ -121,9 +125,10 @@ def micro_batch_forward(
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
         return torch.zeros((0, 2), device=device, requires_grad=torch.is_grad_enabled())
-    logp, ent = response_log_probs(
-        model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
-    )
+    with routing.context(model, inputs, qkv_format) if routing is not None else contextlib.nullcontext():
+        logp, ent = response_log_probs(
+            model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+        )
     return torch.stack([logp, ent], 1)
 
 
