@@ -154,11 +154,11 @@ class TrainConfig:
     batching: BatchingConfig = BatchingConfig()
     loss: LossConfig = LossConfig()
     use_rollout_logprobs: bool = False  # old log-probs = the engine's (no recompute pass)
-    routing_replay: Optional[str] = None  # "rollout" (R3) | "old" (R2) | None (rl_plugin.arguments.routing_replay)
+    routing_replay: Optional[str] = None  # "rollout" (R3) | "old" (R2) | None (rl_plugin.routing.mode)
 
     @classmethod
     def from_args(cls, args) -> "TrainConfig":
-        from rl_plugin.arguments.routing_replay import routing_replay_mode
+        from rl_plugin.routing.mode import routing_replay_mode
 
         return cls(
             routing_replay=routing_replay_mode(args),

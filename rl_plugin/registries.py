@@ -87,3 +87,6 @@ ALL = {
     "ROLLOUT_ENGINES": ROLLOUT_ENGINES,
     "TRAIN_BACKENDS": TRAIN_BACKENDS,
 }
+
+# the remote reward client's defaults (``--rm-max-concurrency``, ``--rm-timeout`` s, ``--rm-max-retries``)
+REMOTE_RM_DEFAULTS = {"rm_max_concurrency": 32, "rm_timeout": 60.0, "rm_max_retries": 3}

@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 from rl_plugin.arguments._util import add_flag, fail, is_positive_finite
-from rl_plugin.rollout.remote_rm import DEFAULT_MAX_CONCURRENCY, DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT_S, url_host_port
+from rl_plugin.registries import REMOTE_RM_DEFAULTS
+from rl_plugin.urls import url_host_port
 
-# the remote client's flags (their defaults live in rl_plugin.rollout.remote_rm; an unset flag is None)
+DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = REMOTE_RM_DEFAULTS.values()
+
+# the remote client's flags (an unset flag is None: the client takes REMOTE_RM_DEFAULTS)
 REMOTE_FLAGS = (
     ("--rm-max-concurrency", "rm_max_concurrency"),
     ("--rm-timeout", "rm_timeout"),

@@ -18,6 +18,7 @@ import os
 
 from rl_plugin.arguments._util import add_flag, fail
 from rl_plugin.routing.engines import ENGINE_REFUSALS, flags_of
+from rl_plugin.routing.mode import routing_replay_mode
 
 
 def add_arguments(parser):
@@ -61,15 +62,6 @@ def add_arguments(parser):
             "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
         ),
     )
-
-
-def routing_replay_mode(args):
-    """``"rollout"`` (R3, with or without R2), ``"old"`` (R2 alone) or None."""
-    if args.use_rollout_routing_replay:
-        return "rollout"
-    if args.use_routing_replay:
-        return "old"
-    return None
 
 
 def checkpoint_num_experts(hf_checkpoint) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rl_plugin.models.tiny_moe import MOE_FAMILIES, tiny_moe_config
+from rl_plugin.models.tiny_moe import MOE_FAMILIES, MOE_SIZES, tiny_moe_config
 
 DENSE_FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "gemma")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -112,3 +112,8 @@ def default_tiny_checkpoint() -> str:
     if initialized:
         dist.barrier()
     return str(path)
+
+
+def make_tiny_moe_checkpoint(path, family: str = "qwen3_moe", *, seed: int = 0, **config_kwargs):
+    """``make_tiny_hf_checkpoint`` of an MoE family at ``MOE_SIZES`` (overridable)."""
+    return make_tiny_hf_checkpoint(path, family, seed=seed, **{**MOE_SIZES, **config_kwargs})

@@ -57,10 +57,3 @@ def tiny_moe_config(
 
 # head_dim 32 (vLLM's CPU attention), 4 heads / 2 KV heads (TP 2 splits both)
 MOE_SIZES = dict(hidden_size=128, num_heads=4, num_kv_heads=2)
-
-
-def make_tiny_moe_checkpoint(path, family: str = "qwen3_moe", *, seed: int = 0, **config_kwargs):
-    """``tiny.make_tiny_hf_checkpoint`` of an MoE family at ``MOE_SIZES`` (overridable)."""
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    return make_tiny_hf_checkpoint(path, family, seed=seed, **{**MOE_SIZES, **config_kwargs})

@@ -27,25 +27,13 @@ import asyncio
 import socket
 from typing import Any, List, Optional, Sequence
 
+from rl_plugin.registries import REMOTE_RM_DEFAULTS
+from rl_plugin.urls import url_host_port
+
 RETRY_STATUSES = frozenset({408, 429}) | frozenset(range(500, 600))
 MAX_BACKOFF_S = 30.0
+DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = REMOTE_RM_DEFAULTS.values()
 PROBE_TIMEOUT_S = 5.0
-DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = 32, 60.0, 3  # the flags' defaults
-
-
-def url_host_port(url: str):
-    """``(host, port)`` of an http(s) URL (the scheme's port when none is given); ``ValueError``
-    saying why for anything else."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-    try:
-        port = parts.port
-    except ValueError as exc:  # not a number, or outside 0..65535
-        raise ValueError(f"{url!r} has a bad port ({exc})") from None
-    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
 class RemoteRewardError(RuntimeError):
@@ -89,18 +77,17 @@ class RemoteRewardModel:
         self._limit = (None, None)  # (event loop, its semaphore): concurrent ``score`` calls share the bound
 
     @classmethod
-    def from_args(cls, args) -> "RemoteRewardModel":
-        """From the parsed flags or a ``RolloutConfig`` (an unset flag takes its default)."""
+    def from_config(cls, config) -> "RemoteRewardModel":
+        """From a ``RolloutConfig`` (an unset client setting, None, takes its default)."""
 
-        def flag(name, default):
-            value = getattr(args, name, None)
+        def or_default(value, default):
             return default if value is None else value
 
         return cls(
-            args.rm_url,
-            max_concurrency=flag("rm_max_concurrency", DEFAULT_MAX_CONCURRENCY),
-            timeout=flag("rm_timeout", DEFAULT_TIMEOUT_S),
-            max_retries=flag("rm_max_retries", DEFAULT_MAX_RETRIES),
+            config.rm_url,
+            max_concurrency=or_default(config.rm_max_concurrency, DEFAULT_MAX_CONCURRENCY),
+            timeout=or_default(config.rm_timeout, DEFAULT_TIMEOUT_S),
+            max_retries=or_default(config.rm_max_retries, DEFAULT_MAX_RETRIES),
         )
 
     async def score(self, samples: Sequence) -> List[Any]:
@@ -191,7 +178,10 @@ def _text(body: bytes, limit: int = 200) -> str:
 
 
 async def remote_rm(args, sample) -> Any:
-    """slime's ``remote_rm(args, sample)``: one sample's answer from ``args.rm_url`` (a session of
-    its own; ``SampleScorer`` scores a whole rollout in one session instead). The registry entry
-    of ``--rm-type remote_rm``, and usable inside a user's own ``rm(args, sample)``."""
-    return (await RemoteRewardModel.from_args(args).score([sample]))[0]
+    """slime's ``remote_rm(args, sample)``: one sample's answer from the run's ``--rm-url`` (a
+    session of its own; ``SampleScorer`` scores a whole rollout in one session instead). The
+    registry entry of ``--rm-type remote_rm``, and usable inside a user's own ``rm(args, sample)``;
+    ``args`` is the run's parsed flags, read through ``RolloutConfig``."""
+    from rl_plugin.configs import RolloutConfig
+
+    return (await RemoteRewardModel.from_config(RolloutConfig.from_args(args)).score([sample]))[0]

@@ -1,8 +1,8 @@
 """Scoring a rollout's ``Sample`` objects: the one seam between generation and rewards.
 
-``SampleScorer(args)`` is built from the run's flags (an ``argparse.Namespace`` or the
-``RolloutConfig``: ``rm_type``, ``custom_rm_path``, ``group_rm``, ``reward_key``, ``rm_url``,
-``rm_max_concurrency``, ``rm_timeout``, ``rm_max_retries``, ``n_samples_per_prompt``).
+``SampleScorer(config)`` is built from the run's ``RolloutConfig`` (its ``rm_type``,
+``custom_rm_path``, ``group_rm``, ``reward_key``, ``rm_url``, ``rm_max_concurrency``,
+``rm_timeout``, ``rm_max_retries``, ``n_samples_per_prompt``), never from the flags' namespace.
 ``await scorer.score(samples)`` sets every ``sample.reward`` and returns the rewards as floats, in
 order; ``scorer.score_samples(samples)`` is the same from synchronous code (it runs its own event
 loop, so it refuses to run inside one: await ``score`` there). The reward forms, chosen by the
@@ -13,7 +13,8 @@ function's required positional parameters (``metadata`` not counted):
   function runs through ``rewards.score_responses`` unchanged (same calls, same checks, same
   errors); an ``async`` one is awaited for all samples concurrently;
 - two, slime's ``rm(args, sample) -> reward`` (``async`` or not): called once per sample, all
-  samples concurrently; ``args`` is the object the scorer was built from (or ``user_args``);
+  samples concurrently; ``args`` is ``user_args`` (the run's parsed flags, as the generate hook
+  gets them), else the config;
 - with ``--group-rm``, slime's ``rm(args, samples) -> list of rewards``: called once per
   contiguous group of ``group_size`` samples (``--n-samples-per-prompt`` by default), all groups
   concurrently; it must return one reward per sample of its group;
@@ -111,16 +112,16 @@ async def _call(fn, *args, **kwargs):
 class SampleScorer:
     """The rollout's reward: see the module docstring."""
 
-    def __init__(self, args, *, user_args: Any = None):
-        self.user_args = args if user_args is None else user_args
-        self.group_rm = bool(getattr(args, "group_rm", False))
-        self.group_size = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        self.reward_key = getattr(args, "reward_key", None) or "reward"
-        rm_type, custom = getattr(args, "rm_type", None), getattr(args, "custom_rm_path", None)
+    def __init__(self, config, *, user_args: Any = None):
+        self.user_args = config if user_args is None else user_args
+        self.group_rm = bool(config.group_rm)
+        self.group_size = int(config.n_samples_per_prompt or 1)
+        self.reward_key = config.reward_key or "reward"
+        rm_type, custom = config.rm_type, config.custom_rm_path
         self.remote: Optional[RemoteRewardModel] = None
         self.fn = None
         if rm_type == REMOTE and not custom:
-            self.remote = RemoteRewardModel.from_args(args)
+            self.remote = RemoteRewardModel.from_config(config)
             self.form = REMOTE
             self.who = f"--rm-url {self.remote.url}"
         else:

@@ -44,7 +44,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
     from rl_plugin.rollout.task import DIGITS
     from rl_plugin.rollout.tokenizer import CharTokenizer
 

@@ -69,7 +69,7 @@ def _worker(rank, world, ep, hf_dir):
 
 @pytest.fixture(scope="module")
 def results(run_world, tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
     hf_dir = str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("ep") / "qwen3_moe", "qwen3_moe", seed=7))
     return {ep: run_world(_worker, 2, ep, hf_dir)[0] for ep in (1, 2)}

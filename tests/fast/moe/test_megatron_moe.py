@@ -21,7 +21,7 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_moe")
     return {f: str(make_tiny_moe_checkpoint(root / f, f, seed=i)) for i, f in enumerate(FAMILIES)}

@@ -40,7 +40,7 @@ def _worker(rank, world, hf_dir, root):
 
 @pytest.fixture(scope="module")
 def saved(run_world, tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
     root = tmp_path_factory.mktemp("moe_ckpt")
     hf_dir = str(make_tiny_moe_checkpoint(root / "model", "qwen3_moe", seed=4))

@@ -40,9 +40,11 @@ KL_COEF, ENT_COEF = 0.1, 0.01
 SEQ_LEN = 24  # bshd padded length
 
 
-def make_step(seed: int = 0):
+def make_step(seed: int = 0, *, tool_turn: bool = True):
     """The global step: 14 samples in 4 prompt groups (sizes 5, 3, 3, 3), so that group 0 straddles
-    DP ranks at DP=2 and DP=4 (shards of 4/3 samples) and group 1 at DP=2."""
+    DP ranks at DP=2 and DP=4 (shards of 4/3 samples) and group 1 at DP=2; ``tool_turn``: every
+    response of 6+ tokens has a masked tool turn at positions 2-4 (issue 27; the loss snapshots
+    keep the step they were recorded on, without it)."""
     g = torch.Generator().manual_seed(seed)
     groups = torch.tensor([0] * 5 + [1] * 3 + [2] * 3 + [3] * 3)
     n = groups.numel()
@@ -58,7 +60,8 @@ def make_step(seed: int = 0):
     mask[sid == 2] = 0.0  # an empty sample (M_i = 0)
     mask[(sid >= 11)] = 0.0  # group 3 entirely masked
     pos = torch.arange(r) - (torch.cumsum(resp, 0) - resp)[sid]
-    mask[(resp[sid] >= 6) & (pos >= 2) & (pos < 5)] = 0.0  # a tool turn in the middle (issue 27)
+    if tool_turn:
+        mask[(resp[sid] >= 6) & (pos >= 2) & (pos < 5)] = 0.0  # a tool turn in the middle (issue 27)
     rewards = torch.randn(n, generator=g, dtype=torch.float64)
     adv = rewards[sid]
     logp = -torch.rand(r, generator=g, dtype=torch.float64) * 3

@@ -28,7 +28,7 @@ LOGP_SCALE = 8.0  # |log-prob| of the tiny model's tokens (vocab 128: ~ -5), rou
 
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
     return str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe"))
 

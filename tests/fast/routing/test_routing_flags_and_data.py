@@ -15,7 +15,7 @@ from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from rl_plugin.models.tiny_moe import make_tiny_moe_checkpoint
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
     return str(make_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe") / "m", "qwen3_moe"))
 
