@@ -65,6 +65,9 @@ class ModelConfig:
     tensor_model_parallel_size: int = 1
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # the interleaved schedule (one of the two Megatron-LM flags; None: one chunk per stage)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
     sequence_parallel: bool = False
     seed: int = 1234
     moe: MoEConfig = MoEConfig()
@@ -82,6 +85,8 @@ class ModelConfig:
             tensor_model_parallel_size=int(args.tensor_model_parallel_size),
             context_parallel_size=int(args.context_parallel_size),
             pipeline_model_parallel_size=int(args.pipeline_model_parallel_size),
+            num_layers_per_virtual_pipeline_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+            num_virtual_stages_per_pipeline_rank=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
             sequence_parallel=bool(args.sequence_parallel),
             seed=int(args.seed),
             moe=MoEConfig.from_args(args),

@@ -167,3 +167,50 @@ def broadcast_object_from_last_stage(obj, ps: ParallelState):
     box = [obj]
     dist.broadcast_object_list(box, src=ps.pp_last_rank, group=ps.pp_cpu_group)
     return box[0]
+
+
+def virtual_pipeline_size(
+    num_layers: int, pp: int, *, layers_per_chunk: Optional[int] = None, chunks_per_rank: Optional[int] = None
+) -> Optional[int]:
+    """The model chunks per pipeline rank of the interleaved schedule (megatron-core's
+    ``virtual_pipeline_model_parallel_size``), from one of Megatron-LM's two flags:
+    ``--num-layers-per-virtual-pipeline-stage N`` (V = layers / (P x N)) or
+    ``--num-virtual-stages-per-pipeline-rank V``. None: neither flag, one chunk per stage (1F1B).
+    The layers must split evenly into P x V chunks, and P > 1; else ``RLArgumentError`` naming the
+    flag and the sizes that work."""
+    from rl_plugin.errors import fail
+
+    if layers_per_chunk is None and chunks_per_rank is None:
+        return None
+    flag = (
+        f"--num-layers-per-virtual-pipeline-stage {layers_per_chunk}"
+        if layers_per_chunk is not None
+        else f"--num-virtual-stages-per-pipeline-rank {chunks_per_rank}"
+    )
+    if pp < 2:
+        fail(
+            f"{flag} with --pipeline-model-parallel-size {pp}",
+            "the interleaved schedule interleaves model chunks over pipeline stages, and there is one stage",
+            "add --pipeline-model-parallel-size 2 (or more), or drop the virtual pipeline flag",
+        )
+    per_rank = num_layers // pp if num_layers % pp == 0 else None
+    if layers_per_chunk is not None:
+        size = per_rank // layers_per_chunk if per_rank and per_rank % layers_per_chunk == 0 else None
+    else:
+        size = chunks_per_rank if per_rank and per_rank % chunks_per_rank == 0 else None
+    if size is None:
+        fits = [d for d in range(1, (per_rank or 0) + 1) if per_rank % d == 0]
+        fail(
+            f"{flag} with --pipeline-model-parallel-size {pp}",
+            f"the model's {num_layers} layers do not split evenly into {pp} stages x equal chunks of that size",
+            f"use layers per chunk dividing {per_rank} ({', '.join(map(str, fits))})"
+            if fits
+            else f"use a --pipeline-model-parallel-size that divides {num_layers}",
+        )
+    if size < 2:
+        fail(
+            f"{flag} with --pipeline-model-parallel-size {pp}",
+            f"that is one chunk of {per_rank} layers per stage, the plain 1F1B schedule",
+            "drop the virtual pipeline flag, or use fewer layers per chunk",
+        )
+    return size

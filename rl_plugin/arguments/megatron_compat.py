@@ -35,6 +35,28 @@ def add_arguments(parser):
     )
     add_flag(
         g,
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help=(
+            "Interleaved (virtual) pipeline schedule (Megatron-LM): each pipeline rank holds several model chunks of "
+            "this many layers (layers / (--pipeline-model-parallel-size x N) chunks per rank); needs "
+            "--pipeline-model-parallel-size > 1. Mutually exclusive with --num-virtual-stages-per-pipeline-rank."
+        ),
+    )
+    add_flag(
+        g,
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help=(
+            "Interleaved (virtual) pipeline schedule (Megatron-LM): the number of model chunks each pipeline rank "
+            "holds (the layers split evenly over --pipeline-model-parallel-size x this many chunks); needs "
+            "--pipeline-model-parallel-size > 1."
+        ),
+    )
+    add_flag(
+        g,
         "--context-parallel-size",
         type=int,
         default=1,
@@ -161,6 +183,22 @@ RANGES = (
         "--pipeline-model-parallel-size 1",
     ),
     ("--context-parallel-size", "context_parallel_size", 1, True, None, "--context-parallel-size 1"),
+    (
+        "--num-layers-per-virtual-pipeline-stage",
+        "num_layers_per_virtual_pipeline_stage",
+        1,
+        True,
+        None,
+        "--num-layers-per-virtual-pipeline-stage 2",
+    ),
+    (
+        "--num-virtual-stages-per-pipeline-rank",
+        "num_virtual_stages_per_pipeline_rank",
+        1,
+        True,
+        None,
+        "--num-virtual-stages-per-pipeline-rank 2",
+    ),
 )
 
 
@@ -185,6 +223,7 @@ def validate(args) -> None:
                 else (f">= {low}" if low_ok else f"> {low}")
             )
             fail(flag, f"must be {'in ' if high is not None else ''}{interval} (got {value})", f"use e.g. {example}")
+    _validate_virtual_pipeline(args)
     lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
     if lr is not None and min_lr is not None and min_lr > lr:
         fail(
@@ -197,4 +236,28 @@ def validate(args) -> None:
             "--save-interval without --save",
             "there is no checkpoint directory, so the interval would be silently ignored",
             "add --save DIR, or drop --save-interval",
+        )
+
+
+def _validate_virtual_pipeline(args) -> None:
+    """The interleaved schedule's flags: one of the two, and only with pipeline stages to interleave
+    (the layer count is checked against the model in ``model_layout``)."""
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    per_rank = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if per_stage is not None and per_rank is not None:
+        fail(
+            f"--num-layers-per-virtual-pipeline-stage {per_stage} with --num-virtual-stages-per-pipeline-rank {per_rank}",
+            "both size the model chunks of the interleaved schedule",
+            "pass only one of them",
+        )
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    flag = (
+        "--num-layers-per-virtual-pipeline-stage" if per_stage is not None else "--num-virtual-stages-per-pipeline-rank"
+    )
+    value = per_stage if per_stage is not None else per_rank
+    if value is not None and pp < 2:
+        fail(
+            f"{flag} {value} with --pipeline-model-parallel-size {pp}",
+            "the interleaved schedule interleaves model chunks over pipeline stages, and there is one stage",
+            f"add --pipeline-model-parallel-size 2 (or more), or drop {flag}",
         )

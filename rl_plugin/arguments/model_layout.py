@@ -7,7 +7,8 @@ that work:
 
 - Megatron tensor parallelism splits attention heads and KV groups: both divisible by
   ``--tensor-model-parallel-size``; pipeline parallelism splits the layers
-  (``--pipeline-model-parallel-size``); expert parallelism the experts
+  (``--pipeline-model-parallel-size``, into equal chunks per stage under the interleaved schedule's
+  ``--num-layers-per-virtual-pipeline-stage``); expert parallelism the experts
   (``--expert-model-parallel-size`` where the flag exists).
 - A vLLM engine's tensor parallelism (``--rollout-num-gpus-per-engine``) splits the heads too,
   and needs CUDA GPUs (vLLM's CPU build runs one process per engine).
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import List
 
 from rl_plugin.errors import fail
+from rl_plugin.parallel import virtual_pipeline_size
 
 
 def _divisors(n: int) -> List[int]:
@@ -51,6 +53,12 @@ def check_model_layout(args) -> None:
             _split("--tensor-model-parallel-size", args.tensor_model_parallel_size, "KV heads", kv, path)
         if layers:
             _split("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, "layers", layers, path)
+            virtual_pipeline_size(
+                layers,
+                args.pipeline_model_parallel_size,
+                layers_per_chunk=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+                chunks_per_rank=getattr(args, "num_virtual_stages_per_pipeline_rank", None),
+            )
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         if experts:
             _split("--expert-model-parallel-size", ep, "experts", experts, path)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.megatron import checkpoint, moe, pipeline_export, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
+from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
 from rl_plugin.configs import ModelConfig, TrainConfig
@@ -53,7 +54,7 @@ class MegatronBackend(TrainBackend):
         self.hf_dir = hf_dir
         self.loss_config = config.loss
         self.fp32_lm_head = config.model.fp32_lm_head
-        self.fused_lm_head = use_fused_head(config.model, model)
+        self.fused_lm_head = use_fused_head(config.model, chunks_of(model)[-1])  # the head's chunk
         self._ref_model = None
         self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
@@ -83,8 +84,8 @@ class MegatronBackend(TrainBackend):
         apply_cpu_shim()  # no-op where CUDA is present
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
-        ps = setup.init_parallel(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        ps = setup.init_parallel(m, setup.virtual_pipeline(m, hf_dir))
         model, bridge = setup.build_model(
             m,
             hf_dir,
@@ -164,8 +165,12 @@ class MegatronBackend(TrainBackend):
         over the pipeline the first time, then kept (the layout never changes)."""
         if self._pipeline_specs is None:
             ps = self.parallel_state
-            self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, unwrap(self.model), ps.pp_cpu_group)
+            self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, self._cores(), ps.pp_cpu_group)
         return self._pipeline_specs
+
+    def _cores(self):
+        """The GPTModel of each of this rank's model chunks (one without the interleaved schedule)."""
+        return [unwrap(chunk) for chunk in chunks_of(self.model)]
 
     def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
@@ -175,7 +180,7 @@ class MegatronBackend(TrainBackend):
         if ps.pp_size > 1:
             return pipeline_export.stream_gathered_to_rank0(
                 self.bridge,
-                unwrap(self.model),
+                self._cores(),
                 self._stage_specs(),
                 dp_rank=ps.dp_rank,
                 cp_rank=ps.cp_rank,
@@ -202,7 +207,7 @@ class MegatronBackend(TrainBackend):
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
         with torch.no_grad():
-            self.bridge.save_weights([self.model], path)
+            self.bridge.save_weights(chunks_of(self.model), path)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
@@ -219,12 +224,14 @@ class MegatronBackend(TrainBackend):
     def _reference_model(self):
         """A frozen copy of the starting weights (``--hf-checkpoint``), built on first use."""
         if self._ref_model is None:
-            from rl_plugin.backends.megatron.bridge import build_gpt_model
+            from rl_plugin.backends.megatron.bridge import build_gpt_chunks
 
-            ref = build_gpt_model(self.bridge)
+            chunks = build_gpt_chunks(self.bridge)
             if torch.cuda.is_available():
-                ref.cuda(torch.cuda.current_device())
-            self.bridge.load_weights([ref], self.hf_dir)
+                for chunk in chunks:
+                    chunk.cuda(torch.cuda.current_device())
+            self.bridge.load_weights(chunks, self.hf_dir)
+            ref = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
             for p in ref.parameters():
                 p.requires_grad_(False)
             self._ref_model = ref

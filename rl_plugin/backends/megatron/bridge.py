@@ -129,7 +129,7 @@ def local_spec_bridge_class(base):
 
             from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
 
-            self.has_vp_stage = False
+            self.has_vp_stage = True  # megatron-core 0.16.1 GPTModel takes vp_stage (the interleaved schedule)
             spec = get_gpt_layer_local_spec(
                 num_experts=self.config.num_moe_experts,  # MoE: megatron-core's SequentialMLP (moe.py)
                 moe_grouped_gemm=False,
@@ -199,18 +199,39 @@ def build_gpt_model(bridge):
     )
 
 
+def build_gpt_chunks(bridge) -> list:
+    """This pipeline rank's model chunks (``chunks.py``): one ``build_gpt_model`` without the
+    interleaved schedule; with it, chunk ``v`` is built with ``vp_stage=v`` (its layers' global
+    numbers), the embedding only on the first virtual stage, the head only on the last."""
+    from megatron.core import parallel_state as mpu
+
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    if not vpp or vpp == 1:
+        return [build_gpt_model(bridge)]
+    provider = bridge._model_provider([])
+    return [
+        provider(
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+            vp_stage=v,
+        )
+        for v in range(vpp)
+    ]
+
+
 def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every weight, TP shards gathered and every expert of every EP rank;
     collective over TP, expert-TP and EP. One pipeline stage: workaround 3; else mbridge's
     ``export_weights``."""
     from mbridge.core.util import unwrap_model
 
+    from rl_plugin.backends.megatron.chunks import chunks_of
     from rl_plugin.backends.megatron.pipeline_export import _no_grad
 
-    core = unwrap_model(model)
+    core = unwrap_model(chunks_of(model)[0])
     if not _one_stage(bridge, core):
         # no_grad: mbridge broadcasts each parameter itself across the pipeline (in place)
-        return _no_grad(bridge.export_weights([model]))
+        return _no_grad(bridge.export_weights(chunks_of(model)))
     return _export_one_stage(bridge, core)
 
 

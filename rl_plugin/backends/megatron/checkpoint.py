@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.checkpoint_compat import check_same_model
+from rl_plugin.backends.megatron.chunks import chunks_of
 from rl_plugin.backends.rng_state import rng_state, set_rng_state
 from rl_plugin.backends.written_files import RecordingFileSystemWriter, existing
 from rl_plugin.parallel import ParallelState
@@ -86,6 +87,26 @@ def _unwrap(model):
     return model.module
 
 
+def _model_sharded_state_dict(model) -> Dict[str, Any]:
+    """The model's ``sharded_state_dict``; under the interleaved schedule one per chunk, as
+    ``{"model0": ..., "model1": ...}`` (Megatron-LM's nesting). The nesting only shapes the dict
+    a load returns: dist_checkpointing matches tensors by key, and each chunk keys its layers by
+    their global number (``vp_stage``'s offset), so any PP x VPP layout reads any other's."""
+    chunks = chunks_of(model)
+    if len(chunks) == 1:
+        return _unwrap(model).sharded_state_dict()
+    return {f"model{v}": _unwrap(chunk).sharded_state_dict() for v, chunk in enumerate(chunks)}
+
+
+def _load_model_state(model, state) -> None:
+    chunks = chunks_of(model)
+    if len(chunks) == 1:
+        _unwrap(model).load_state_dict(state)
+        return
+    for v, chunk in enumerate(chunks):
+        _unwrap(chunk).load_state_dict(state[f"model{v}"])
+
+
 def _optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -120,6 +141,47 @@ def _allocate_state(optimizer) -> None:
                 state.setdefault("step", torch.tensor(0.0))
 
 
+def _bucket_aligned_world_state(opt) -> None:
+    """Repair, on this DistributedOptimizer instance, megatron-core 0.16.1's fully_reshardable
+    SAVE of a buffer with several buckets (its own TODO, distrib_optimizer.py l. 1508, issue #504).
+
+    ``get_parameter_state_dp_zero`` lays each buffer's state out with the buckets back to back,
+    their end padding dropped (l. 1110-1118), but ``sharded_param_state_fully_reshardable`` slices
+    it at ``param_index_map``'s offsets, which count that padding: every parameter of a bucket
+    after a padded one is read shifted (and its tail zero-filled, "param range exceeds unpadded
+    buffer"). Only the save's values are wrong (a load writes through the parameter ranges), and
+    a save and load at the same layout shift alike, so it shows when a checkpoint is resharded.
+    The shared embedding gets a bucket of its own under the distributed optimizer (pipeline
+    stages: the tied model's first chunk), so a one-layer chunk hits it. Here each bucket's
+    slice is put back at its offset in the buffer (``bucket.offset``); with no end padding
+    between buckets nothing moves."""
+    if getattr(opt, "_rl_bucket_aligned", False) or not hasattr(opt, "get_parameter_state_dp_zero"):
+        return
+    original = opt.get_parameter_state_dp_zero
+
+    def aligned(*args, **kwargs):
+        state = original(*args, **kwargs)
+        if state is None:
+            return state
+        for gbuf_idx, buffer in enumerate(opt.buffers):
+            for world in state[gbuf_idx].values():
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    if key not in world:
+                        continue
+                    packed = world[key]
+                    out = packed.new_zeros(buffer.numel)
+                    start = 0
+                    for bucket in buffer.buckets:
+                        n = bucket.numel_unpadded
+                        out[bucket.offset : bucket.offset + n] = packed[start : start + n]
+                        start += n
+                    world[key] = out
+        return state
+
+    opt.get_parameter_state_dp_zero = aligned
+    opt._rl_bucket_aligned = True
+
+
 def _load_optimizer(optimizer, state) -> None:
     """``optimizer.load_state_dict`` of what ``dist_checkpointing.load`` returned, with two
     repairs for megatron-core 0.16.1 without Apex/TE (torch Adam, whose state has a ``step``):
@@ -150,7 +212,9 @@ def _load_optimizer(optimizer, state) -> None:
 
 
 def _sharded_state_dict(model, optimizer, *, is_loading: bool) -> Dict[str, Any]:
-    model_sd = _unwrap(model).sharded_state_dict()
+    for opt in _optimizers(optimizer):
+        _bucket_aligned_world_state(opt)
+    model_sd = _model_sharded_state_dict(model)
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING),
@@ -265,7 +329,7 @@ def _model_shapes(src: Path, model, ps: ParallelState) -> tuple:
     # optimizer entries: "optimizer.", or "chained_<i>.optimizer." where megatron-core chains one
     # optimizer per parameter kind (an MoE model's expert-parallel parameters get their own)
     saved = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size") and not OPTIMIZER_KEY.match(k)}
-    sd = _unwrap(model).sharded_state_dict()
+    sd = _model_sharded_state_dict(model)
     apply_factories(sd)  # e.g. the fused gate/up (SwiGLU) weight under TP: the tensors it is saved as
     current = {t.key: tuple(t.global_shape) for t in nested_values(sd) if isinstance(t, ShardedTensor)}
     if ps.pp_size > 1:  # collective over the pipeline: the union of the stages' tensors
@@ -312,7 +376,7 @@ def load(
     _check_optimizer_split(src, optimizer)
     _allocate_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
-    _unwrap(model).load_state_dict(state["model"])
+    _load_model_state(model, state["model"])
     with torch.no_grad():  # fp32 + distributed optimizer: the main param is a view of the model param
         _load_optimizer(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -5,6 +5,9 @@ the last), named by megatron with the stage's local layer numbers; mbridge maps 
 HF names (``_weight_name_mapping_mcore_local_to_global``). A tied model's last stage holds a
 copy of the embedding as ``output_layer.weight`` (kept equal through megatron's embedding
 group); it is left out, since the first stage exports the embedding under the same HF name.
+Under the interleaved schedule a stage holds several model chunks (``chunks.py``); ``cores`` is
+their list and a stage's share is its chunks' tensors in chunk order (so the stream's layers run
+stage by stage, e.g. 0, 2, 1, 3 at PP2 x VPP2 of four layers: the names, not the order, place them).
 
 - ``all_stage_specs`` / ``pipeline_specs``: the export's names, shapes and dtypes, stage after
   stage (collective over the pipeline, once per run: one ``all_gather_object`` of each stage's
@@ -34,20 +37,22 @@ Spec = Tuple[str, Tuple[int, ...], torch.dtype]
 MESSAGE_BYTES = 32 << 20  # the most a stage sends rank 0 in one message (a larger tensor goes alone)
 
 
-def _stage_params(bridge, core) -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """``(global megatron name, parameter)`` of this stage's share of the export."""
-    global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
-    tied_copy = core.share_embeddings_and_output_weights and not core.pre_process
-    for local_name, param in core.named_parameters():
-        if tied_copy and local_name == "output_layer.weight":
-            continue
-        yield global_name[local_name], param
+def _stage_params(bridge, cores) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """``(global megatron name, parameter)`` of this stage's share of the export: its model
+    chunks' in virtual-stage order (one chunk without the interleaved schedule)."""
+    for core in cores:
+        global_name = bridge._weight_name_mapping_mcore_local_to_global(core, consider_ep=False)
+        tied_copy = core.share_embeddings_and_output_weights and not core.pre_process
+        for local_name, param in core.named_parameters():
+            if tied_copy and local_name == "output_layer.weight":
+                continue
+            yield global_name[local_name], param
 
 
-def _stage_specs(bridge, core) -> List[Spec]:
+def _stage_specs(bridge, cores) -> List[Spec]:
     """This stage's HF tensors (name, shape, dtype), from meta tensors: nothing materialised."""
     out: List[Spec] = []
-    for name, param in _stage_params(bridge, core):
+    for name, param in _stage_params(bridge, cores):
         tensor = torch.empty(param.shape, dtype=param.dtype, device="meta")
         if getattr(param, "tensor_model_parallel", False):
             tensor = bridge._weight_merge_across_tp(name, [tensor] * bridge.mpu.tp_size, param)
@@ -56,11 +61,11 @@ def _stage_specs(bridge, core) -> List[Spec]:
     return out
 
 
-def all_stage_specs(bridge, core, pp_cpu_group) -> List[List[Spec]]:
+def all_stage_specs(bridge, cores, pp_cpu_group) -> List[List[Spec]]:
     """Every stage's ``_stage_specs``, in stage order; collective over the pipeline. The layout
     never changes during a run, so a backend asks once and passes the answer to the two below."""
     stages: List = [None] * dist.get_world_size(pp_cpu_group)
-    dist.all_gather_object(stages, _stage_specs(bridge, core), group=pp_cpu_group)
+    dist.all_gather_object(stages, _stage_specs(bridge, cores), group=pp_cpu_group)
     return stages
 
 
@@ -69,11 +74,11 @@ def pipeline_specs(stages: List[List[Spec]]) -> Dict[str, torch.Tensor]:
     return {name: torch.empty(shape, dtype=dtype, device="meta") for stage in stages for name, shape, dtype in stage}
 
 
-def _stage_tensors(bridge, core, *, exporter: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+def _stage_tensors(bridge, cores, *, exporter: bool) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors at its TP rank 0 (``exporter``); the other TP ranks send shards."""
     tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
     dst = dist.get_global_rank(tp_group, 0) if tp_size > 1 else dist.get_rank()
-    for name, param in _stage_params(bridge, core):
+    for name, param in _stage_params(bridge, cores):
         if getattr(param, "tensor_model_parallel", False):
             shards = [param]
             if tp_size > 1:
@@ -89,7 +94,7 @@ def _stage_tensors(bridge, core, *, exporter: bool) -> Iterator[Tuple[str, torch
         yield from zip(*bridge._weight_to_hf_format(name, tensor))
 
 
-def stream_gathered_to_rank0(bridge, core, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group):
+def stream_gathered_to_rank0(bridge, cores, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group):
     """The weight sync's export of a pipelined model (module docstring: the fallback through
     global rank 0), ``stages`` from ``all_stage_specs``. Collective: every rank must exhaust it;
     global rank 0 gets ``(hf_name, CPU tensor)`` in ``pipeline_specs`` order, every other rank
@@ -97,12 +102,12 @@ def stream_gathered_to_rank0(bridge, core, stages: List[List[Spec]], *, dp_rank:
     if dp_rank != 0 or cp_rank != 0:
         return
     exporter = bridge.mpu.tp_rank == 0
-    tensors = _stage_tensors(bridge, core, exporter=exporter)
+    tensors = _stage_tensors(bridge, cores, exporter=exporter)
     if dist.get_rank() != 0:  # a later stage's TP rank 0 sends to rank 0; its TP peers only gather
         with torch.no_grad():
             _send_stage(tensors, stages[bridge.mpu.pp_rank] if exporter else [])
         return
-    yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), core)
+    yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), cores[0])
 
 
 def message_groups(stage: List[Spec], budget: int = MESSAGE_BYTES) -> List[List[int]]:

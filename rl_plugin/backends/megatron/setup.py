@@ -8,7 +8,8 @@ Each step takes the typed config it needs (``rl_plugin.configs``), never the fla
    MoE model under TP > 1 needs sequence parallelism (megatron-core), and PP = 1 here.
 2. ``init_parallel(model_cfg)``: megatron-core ``parallel_state`` (TP, CP, PP, EP, DP = the rest), the
    model-parallel RNG seeds, and the loss core's ``ParallelState`` built from megatron's groups.
-3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel, HF weights loaded, then
+3. ``build_model(model_cfg, hf_dir)``: mbridge bridge -> GPTModel (the interleaved schedule: one
+   per model chunk, ``chunks.ModelChunks``), HF weights loaded, then
    ``Float16Module`` (``--bf16``) and megatron-core DDP (fp32 grad buffers). Without CUDA only
    (``cpu_shim``): the fusions off and ``rope_thd`` (packed RoPE without megatron-core's
    per-sample loop; bitwise the same); on a GPU megatron-core's defaults stand.
@@ -21,10 +22,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends.megatron.bridge import build_gpt_model, make_bridge, transformer_engine_available
+from rl_plugin.backends.megatron.bridge import build_gpt_chunks, make_bridge, transformer_engine_available
+from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.configs import ModelConfig
 from rl_plugin.configs import OptimizerConfig as RLOptimizerConfig
-from rl_plugin.parallel import ParallelState, cpu_group
+from rl_plugin.parallel import ParallelState, cpu_group, virtual_pipeline_size
 
 # TransformerConfig overrides on every device (the CPU-only ones, fusions off, are
 # cpu_shim.cpu_config_overrides; CPU-side init when CUDA is absent). perform_initialization stays True although the checkpoint overwrites the
@@ -113,13 +115,31 @@ def _group_or_none(group):
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def init_parallel(cfg: ModelConfig) -> ParallelState:
+def virtual_pipeline(cfg: ModelConfig, hf_dir: str):
+    """The interleaved schedule's chunks per pipeline rank (None: one), from the model's layer count
+    (``parallel.virtual_pipeline_size``: fails loud on a split that is not even, or one stage)."""
+    if cfg.num_layers_per_virtual_pipeline_stage is None and cfg.num_virtual_stages_per_pipeline_rank is None:
+        return None
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(hf_dir)
+    layers = hf.num_hidden_layers  # make_bridge refuses multimodal configs
+    return virtual_pipeline_size(
+        int(layers),
+        cfg.pipeline_model_parallel_size,
+        layers_per_chunk=cfg.num_layers_per_virtual_pipeline_stage,
+        chunks_per_rank=cfg.num_virtual_stages_per_pipeline_rank,
+    )
+
+
+def init_parallel(cfg: ModelConfig, vpp=None) -> ParallelState:
     """Megatron-core parallel state for (TP, CP, PP) with DP = world / (TP x CP x PP); returns ours.
 
     Devices (``rl_plugin.loss.runner``): the loss runs on the model's device, so the TP and CP
     groups are megatron's own (they carry device tensors: vocab-parallel scalars, GSPO sums, the
     CP gather); the DP and DP x CP groups carry CPU scalars (counts, plan, metrics): megatron's
-    groups under gloo, gloo twins with the same ranks under NCCL (``parallel.cpu_group``)."""
+    groups under gloo, gloo twins with the same ranks under NCCL (``parallel.cpu_group``).
+    ``vpp``: the interleaved schedule's chunks per pipeline rank (``virtual_pipeline``), or None."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -133,6 +153,7 @@ def init_parallel(cfg: ModelConfig) -> ParallelState:
         context_parallel_size=cp,
         expert_model_parallel_size=cfg.moe.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.moe.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
     dp_g = cpu_group(mpu.get_data_parallel_group())  # the group itself under gloo
@@ -197,22 +218,26 @@ def build_model(
         overrides["moe_enable_routing_replay"] = True
     bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides, moe=cfg.moe)
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
-    model = build_gpt_model(bridge)
+    chunks = build_gpt_chunks(bridge)
     if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    bridge.load_weights([model], hf_dir)
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    bridge.load_weights(chunks, hf_dir)
     config = bridge.config
     if bf16:
-        model = Float16Module(config, model)
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    ddp.broadcast_params()
-    return ddp, bridge
+    ddps = []
+    for chunk in chunks:
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+        ddp.broadcast_params()
+        ddps.append(ddp)
+    return (ddps[0] if len(ddps) == 1 else ModelChunks(ddps)), bridge
 
 
 def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, bf16: bool = False):
@@ -241,7 +266,7 @@ def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, 
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=opt.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(cfg, [model])
+    optimizer = get_megatron_optimizer(cfg, chunks_of(model))
     decay = opt.lr_decay_iters or total_steps
     warmup = opt.lr_warmup_iters
     scheduler = OptimizerParamScheduler(

@@ -47,6 +47,14 @@ and ``CANCEL = M * dp_size`` as before: the applied gradient is again dJ/dtheta,
 share is their mean over this rank's M micro-batches (Megatron-LM's), and an idle pass adds
 exactly nothing, so EP = 2 gives EP = 1's step. Without expert parallelism P = M, w = 1 and
 nothing changes.
+
+Interleaved schedule (``chunks.ModelChunks``: V model chunks per pipeline rank): the list of chunks
+and one data iterator per chunk go to the same ``get_forward_backward_func`` (megatron returns
+``forward_backward_pipelining_with_interleaving``); the forward step tells the model which chunk
+runs (``ModelChunks.current``), the runner's ``forward(i)`` is called once per chunk and returns
+activations on every chunk but the last chunk of the last rank, where the loss runs. M is padded
+to a multiple of P (``interleaved_count``) with idle micro-batches, and the cancel factor uses the
+padded M (megatron divides by it; the idle ones add exactly 0).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.forward import idle_inputs, response_log_probs, stage_output
 from rl_plugin.loss import ForwardOptions, MicroBatchInputs
 from rl_plugin.parallel import ParallelState
@@ -118,8 +127,13 @@ def micro_batch_forward(
     if inputs.layout.num_samples == 0 and idle_passes:
         return idle_forward(model, device)
     if ps.pp_size > 1:
+        head = ps.is_last_stage
+        if isinstance(model, ModelChunks):  # interleaved: the chunk the schedule runs; the head on the last
+            chunk = model.current
+            head = head and model.is_head(chunk)
+            model = chunk
         return _pipelined_forward(
-            model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+            model, inputs, options, ps, head=head, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
         )
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
@@ -132,7 +146,7 @@ def micro_batch_forward(
     return torch.stack([logp, ent], 1)
 
 
-def _pipelined_forward(model, inputs, options, ps, *, qkv_format, fp32_lm_head, fused) -> torch.Tensor:
+def _pipelined_forward(model, inputs, options, ps, *, head, qkv_format, fp32_lm_head, fused) -> torch.Tensor:
     """``micro_batch_forward`` under pipeline parallelism. An empty micro-batch (a DP rank with no
     sample) runs ``forward.idle_inputs`` instead: the stages still exchange activations and
     gradients, and the last stage returns a ``[0, 2]`` slice of the idle log-probs, so the loss
@@ -141,7 +155,7 @@ def _pipelined_forward(model, inputs, options, ps, *, qkv_format, fp32_lm_head, 
     if idle:
         layout = inputs.layout
         inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
-    if not ps.is_last_stage:
+    if not head:  # a stage (a model chunk) before the last
         return stage_output(model, inputs, qkv_format)
     logp, ent = response_log_probs(
         model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
@@ -163,8 +177,12 @@ def run_schedule(
 ) -> int:
     """Megatron's schedule over this rank's micro-batches (module docstring); returns the passes
     run (M; P with expert parallelism, signalled by ``pass_scale``). Forward only: a plain loop at
-    one pipeline stage, megatron's pipelined schedule beyond."""
+    one pipeline stage, megatron's pipelined schedule beyond. Interleaved (``ModelChunks``): M
+    padded with idle micro-batches to ``interleaved_count``."""
     m = max(num_micro_batches, 1)  # a rank with no sample runs one empty micro-batch
+    chunks = chunks_of(model)
+    if len(chunks) > 1:
+        m = interleaved_count(m, ps.pp_size)
     passes = passes_over(num_micro_batches, ps) if pass_scale is not None else m
     if forward_only and ps.pp_size == 1:
         n = passes if pass_scale is not None else num_micro_batches
@@ -179,6 +197,8 @@ def run_schedule(
         i = next(data_iterator)
         if pass_scale is not None:
             pass_scale.w = passes / num_micro_batches if i < num_micro_batches else 0.0
+        if len(chunks) > 1:
+            model.set_current(model_chunk)
         return forward(i), (lambda out: (loss(i, out) * scale, {}))
 
     if not forward_only:
@@ -187,8 +207,8 @@ def run_schedule(
     try:
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(range(passes)),
-            model=[model],
+            data_iterator=[iter(range(passes)) for _ in chunks] if len(chunks) > 1 else iter(range(passes)),
+            model=chunks,
             num_microbatches=passes,
             seq_length=1,  # shapes travel with each P2P message (variable_seq_lengths)
             micro_batch_size=1,
@@ -198,6 +218,16 @@ def run_schedule(
         if pass_scale is not None:
             pass_scale.w = 1.0
     return passes
+
+
+def interleaved_count(m: int, pp: int) -> int:
+    """The micro-batch count the interleaved schedule runs for this rank's ``m``: megatron-core
+    0.16.1 (``schedules.forward_backward_pipelining_with_interleaving``, micro-batch groups of
+    ``microbatch_group_size_per_vp_stage`` = P by default) refuses M < P and M % P in (0, P), i.e.
+    it needs a multiple of P. The plan is padded with idle micro-batches (pad tokens, loss x 0:
+    exactly nothing added to J or the gradient; the cancel factor counts them, as megatron divides
+    by them)."""
+    return -(-m // pp) * pp
 
 
 def optimizer_step(optimizer, scheduler) -> Tuple[float, float]:

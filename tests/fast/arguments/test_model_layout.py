@@ -63,3 +63,37 @@ def test_an_moe_model_inside_a_pipeline_is_refused_naming_both(tmp_path):
     _check("--expert-model-parallel-size 2 --actor-num-gpus-per-node 2", d)  # experts split over EP instead: fine
     dense = _model(tmp_path, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
     _check("--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", dense)  # a dense model: fine
+
+
+def test_virtual_pipeline_chunks_must_split_the_layers(tmp_path):
+    """The interleaved schedule: layers / (P x layers per chunk) chunks per rank, an even split and
+    at least two chunks (one is plain 1F1B), checked against the model before anything starts."""
+    d = _model(tmp_path, **SMOLLM2)  # 30 layers: 15 per rank at PP2
+    pp2 = "--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2"
+    _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 5", d)  # 3 chunks of 5 layers per rank
+    _check(f"{pp2} --num-virtual-stages-per-pipeline-rank 3", d)
+    with pytest.raises(RLArgumentError) as err:
+        _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 4", d)
+    msg = str(err.value)
+    assert "--num-layers-per-virtual-pipeline-stage 4 with --pipeline-model-parallel-size 2" in msg, msg
+    assert "30 layers" in msg and "(1, 3, 5, 15)" in msg and "Fix:" in msg
+    with pytest.raises(RLArgumentError, match="--num-virtual-stages-per-pipeline-rank 2 .* do not split evenly"):
+        _check(f"{pp2} --num-virtual-stages-per-pipeline-rank 2", d)
+    with pytest.raises(RLArgumentError, match="one chunk of 15 layers per stage, the plain 1F1B schedule"):
+        _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 15", d)
+
+
+def test_virtual_pipeline_needs_pipeline_stages_and_one_flag():
+    with pytest.raises(
+        RLArgumentError, match="--num-layers-per-virtual-pipeline-stage 1 with --pipeline-model-parallel-size 1"
+    ):
+        parse_args(["--num-layers-per-virtual-pipeline-stage", "1"])
+    with pytest.raises(RLArgumentError, match="pass only one of them"):
+        parse_args(
+            "--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2 --num-layers-per-virtual-pipeline-stage 1 "
+            "--num-virtual-stages-per-pipeline-rank 2".split()
+        )
+    with pytest.raises(RLArgumentError, match="--num-layers-per-virtual-pipeline-stage"):
+        parse_args(
+            "--pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2 --num-layers-per-virtual-pipeline-stage 0".split()
+        )

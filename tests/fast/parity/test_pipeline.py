@@ -59,11 +59,12 @@ def _key(case):
     return (mode[0], policy, *extra)
 
 
-def pipeline_worker(rank, world, pp, tp, hf_dir, cases, export_check=False):
+def pipeline_worker(rank, world, pp, tp, hf_dir, cases, export_check=False, layout=()):
     """Every case from the same checkpointed start: (report, {hf name: update}) per case, the
     forward-only log-probs of the start and J's scale, from global rank 0 (None elsewhere; every
     rank checks it holds the same log-probs); with ``export_check``, every rank's part of the
-    weight sync's streamed export (``test_weight_export_stream._export_worker``) last."""
+    weight sync's streamed export (``test_weight_export_stream._export_worker``) last. ``layout``:
+    more layout flags (the interleaved schedule's, ``test_virtual_pipeline``)."""
     from dataclasses import replace
 
     from rl_plugin.backends.megatron.backend import MegatronBackend
@@ -78,6 +79,7 @@ def pipeline_worker(rank, world, pp, tp, hf_dir, cases, export_check=False):
         str(tp),
         "--pipeline-model-parallel-size",
         str(pp),
+        *layout,
         *EXACT_SGD,
     ]
     backend = MegatronBackend.from_args(make_args(*base, world_size=world))

@@ -41,11 +41,11 @@ def _batches():
     return [synthetic_batch(seed=s, num_prompts=2, n_per_prompt=4) for s in (1, 2, 3)]
 
 
-def reshard_worker(rank, world, pp, tp, hf_dir, load_from, save_to):
+def reshard_worker(rank, world, pp, tp, hf_dir, load_from, save_to, extra=()):
     from rl_plugin.backends.megatron.backend import MegatronBackend
     from tests.support.megatron_common import dp_shard, make_args
 
-    layout = ["--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp)]
+    layout = ["--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), *extra]
     backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, *layout, *FLAGS, world_size=world))
     ps = backend.parallel_state
     batches = _batches()

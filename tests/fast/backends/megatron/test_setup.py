@@ -113,3 +113,12 @@ def test_packed_rope_patch_is_cpu_only():
     finally:
         for mod in modules:
             mod._apply_rotary_pos_emb_thd = before
+
+
+def test_interleaved_micro_batch_count():
+    """megatron-core 0.16.1's interleaved schedule needs M to be a multiple of P (groups of P
+    micro-batches per virtual stage): the plan is padded with idle micro-batches to the next one."""
+    from rl_plugin.backends.megatron.step import interleaved_count
+
+    assert [interleaved_count(m, 2) for m in (1, 2, 3, 6)] == [2, 2, 4, 6]
+    assert [interleaved_count(m, 4) for m in (1, 4, 5)] == [4, 4, 8]
