@@ -326,6 +326,7 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
     from megatron.core import parallel_state as mpu
 
     from rl_plugin.backends.megatron.moe import is_expert_param
+    from rl_plugin.backends.megatron.pipeline_export import merged_across_tp
 
     core = unwrap_model(model)
     if not _one_stage(bridge, core):
@@ -354,18 +355,11 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
                 continue
         elif not dense_part:
             continue
-        elif getattr(param, "tensor_model_parallel", False):
-            shards = [param]
-            if tp_size > 1:
-                shards = [torch.empty_like(param) for _ in range(tp_size)] if exporter else None
-                dist.gather(param.detach().contiguous(), shards, dst=dst, group=tp_group)
-            if not exporter:
-                continue
-            named = [(name, bridge._weight_merge_across_tp(name, shards, param))]
-        elif not exporter:
-            continue
         else:
-            named = [(name, param)]
+            tensor = merged_across_tp(bridge, name, param, exporter=exporter, dst=dst)
+            if tensor is None:
+                continue
+            named = [(name, tensor)]
         for name, tensor in named:
             for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
                 yield hf_name, t.detach().to("cpu")

@@ -79,19 +79,24 @@ def _stage_tensors(bridge, cores, *, exporter: bool) -> Iterator[Tuple[str, torc
     tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
     dst = dist.get_global_rank(tp_group, 0) if tp_size > 1 else dist.get_rank()
     for name, param in _stage_params(bridge, cores):
-        if getattr(param, "tensor_model_parallel", False):
-            shards = [param]
-            if tp_size > 1:
-                shards = [torch.empty_like(param) for _ in range(tp_size)] if exporter else None
-                dist.gather(param.detach().contiguous(), shards, dst=dst, group=tp_group)
-            if not exporter:
-                continue
-            tensor = bridge._weight_merge_across_tp(name, shards, param)
-        elif not exporter:
-            continue
-        else:
-            tensor = param
-        yield from zip(*bridge._weight_to_hf_format(name, tensor))
+        tensor = merged_across_tp(bridge, name, param, exporter=exporter, dst=dst)
+        if tensor is not None:
+            yield from zip(*bridge._weight_to_hf_format(name, tensor))
+
+
+def merged_across_tp(bridge, name: str, param: torch.Tensor, *, exporter: bool, dst: int):
+    """``param`` whole (its megatron name ``name``) at TP rank 0 of the TP group (``exporter``,
+    global rank ``dst``): a TP-split parameter's shards are gathered there and merged by mbridge;
+    one TP does not split is the parameter itself. Collective over the TP group for a split
+    parameter; None on every rank but the exporter."""
+    if getattr(param, "tensor_model_parallel", False):
+        tp_size, tp_group = bridge.mpu.tp_size, bridge.mpu.tp_group
+        shards = [param]
+        if tp_size > 1:
+            shards = [torch.empty_like(param) for _ in range(tp_size)] if exporter else None
+            dist.gather(param.detach().contiguous(), shards, dst=dst, group=tp_group)
+        return bridge._weight_merge_across_tp(name, shards, param) if exporter else None
+    return param if exporter else None
 
 
 def stream_gathered_to_rank0(bridge, cores, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group):
