@@ -101,7 +101,7 @@ def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n:
             response=responses[i],
             response_length=len(g.response_ids),
             label=recs[i // n].label,
-            metadata={} if recs[i // n].metadata is None else recs[i // n].metadata,
+            metadata=dict(recs[i // n].metadata or {}),  # a copy per sample
             status=done if g.finished else cut,
         )
         for i, g in enumerate(gens)
