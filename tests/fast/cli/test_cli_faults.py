@@ -138,7 +138,7 @@ def run_a(tmp_path_factory, env):
         "--n-samples-per-prompt",
         "4",
         "--num-rollout",
-        "1000",
+        "100000",  # never reached: the tests stop A; 1000 could finish under load while test B waits
         "--save",
         str(d / "ckpt"),
         "--save-interval",
