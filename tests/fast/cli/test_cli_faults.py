@@ -34,6 +34,13 @@ TRAIN = Path(sys.executable).with_name("rl-plugin-train")
 START_TIMEOUT = 400  # s: Ray + model start-up on a loaded 2-core machine
 
 
+def _terminal_signals():
+    """In the child before exec: no signal blocked, as a shell starts a command. A signal mask is
+    inherited across exec, and in-process code of earlier tests can leave SIGINT blocked in the
+    pytest process; the run would then never see the Ctrl-C this module sends."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 class Proc:
     """A spawned trainer whose stdout/stderr are drained by threads (a full pipe would block it)."""
 
@@ -47,6 +54,7 @@ class Proc:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=_terminal_signals,
         )
         self.out, self.err = [], []
         self._threads = [
