@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import List
 
 from rl_plugin.errors import fail
+from rl_plugin.models.experts import num_experts
 from rl_plugin.parallel import virtual_pipeline_size
 
 
@@ -46,7 +47,7 @@ def check_model_layout(args) -> None:
     heads = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads") or heads
     layers = cfg.get("num_hidden_layers")
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    experts = num_experts(cfg)
     if args.train_backend == "megatron":
         if heads:
             _split("--tensor-model-parallel-size", args.tensor_model_parallel_size, "attention heads", heads, path)

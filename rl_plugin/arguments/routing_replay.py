@@ -13,10 +13,10 @@ trainer runs: ``"rollout"``, ``"old"`` or None.
 
 from __future__ import annotations
 
-import json
 import os
 
 from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.models.experts import checkpoint_num_experts
 from rl_plugin.routing.engines import ENGINE_REFUSALS, flags_of
 from rl_plugin.routing.mode import routing_replay_mode
 
@@ -62,22 +62,6 @@ def add_arguments(parser):
             "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
         ),
     )
-
-
-def checkpoint_num_experts(hf_checkpoint) -> int:
-    """Routed experts per MoE layer named by ``hf_checkpoint``'s config.json (0: dense or unreadable)."""
-    if not hf_checkpoint:
-        return 0
-    path = os.path.join(str(hf_checkpoint), "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return 0
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
-    return 0
 
 
 def validate(args):

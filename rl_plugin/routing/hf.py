@@ -29,6 +29,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from rl_plugin.models.experts import num_experts
+
 # router class -> the attribute saying whether the top-k weights are renormalised (None: always)
 ROUTER_NORMALISE = {
     "Qwen3MoeTopKRouter": "norm_topk_prob",
@@ -39,11 +41,7 @@ ROUTER_NORMALISE = {
 
 def num_experts_of(config) -> int:
     """The routed experts per MoE layer of an HF config (0 for a dense model)."""
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return 0
+    return num_experts(config)
 
 
 def _kind(module) -> str:

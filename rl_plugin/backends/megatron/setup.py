@@ -26,6 +26,7 @@ from rl_plugin.backends.megatron.bridge import build_gpt_chunks, make_bridge, tr
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.configs import ModelConfig
 from rl_plugin.configs import OptimizerConfig as RLOptimizerConfig
+from rl_plugin.models.experts import checkpoint_num_experts
 from rl_plugin.parallel import ParallelState, cpu_group, virtual_pipeline_size
 
 # TransformerConfig overrides on every device (the CPU-only ones, fusions off, are
@@ -60,7 +61,7 @@ def check_supported(cfg: ModelConfig) -> None:
             "transformer-engine (a GPU machine), or drop --sequence-parallel."
         )
     tp = cfg.tensor_model_parallel_size
-    if tp > 1 and not cfg.sequence_parallel and _is_moe_checkpoint(cfg.hf_checkpoint):
+    if tp > 1 and not cfg.sequence_parallel and checkpoint_num_experts(cfg.hf_checkpoint):
         raise MegatronSetupError(
             f"--tensor-model-parallel-size {tp} with the mixture-of-experts model {cfg.hf_checkpoint}: megatron-core "
             "0.16.1 does not train an MoE layer under tensor parallelism without sequence parallelism "
@@ -68,30 +69,19 @@ def check_supported(cfg: ModelConfig) -> None:
             "--expert-model-parallel-size for the experts, or --sequence-parallel (needs transformer-engine)."
         )
     ep = cfg.moe.expert_model_parallel_size
-    if ep > 1 and cfg.hf_checkpoint and not _is_moe_checkpoint(cfg.hf_checkpoint):
+    if ep > 1 and cfg.hf_checkpoint and not checkpoint_num_experts(cfg.hf_checkpoint):
         raise MegatronSetupError(
             f"--expert-model-parallel-size {ep} with {cfg.hf_checkpoint}: the model has no experts to split. "
             "Fix: drop --expert-model-parallel-size (data parallelism covers those ranks)."
         )
     pp = cfg.pipeline_model_parallel_size
-    if pp > 1 and _is_moe_checkpoint(cfg.hf_checkpoint):
+    if pp > 1 and checkpoint_num_experts(cfg.hf_checkpoint):
         raise MegatronSetupError(
             f"--pipeline-model-parallel-size {pp} with the mixture-of-experts model {cfg.hf_checkpoint}: rl_plugin's "
             "Megatron backend does not yet run MoE layers inside a pipeline (the router losses are read on one "
             "stage, and the idle passes that keep expert parallelism's all-to-alls matched run on one stage "
             "only). Fix: --pipeline-model-parallel-size 1, with --expert-model-parallel-size for the experts."
         )
-
-
-def _is_moe_checkpoint(hf_dir) -> bool:
-    import json
-    from pathlib import Path
-
-    path = Path(hf_dir) / "config.json" if hf_dir else None
-    if path is None or not path.is_file():
-        return False
-    cfg = json.loads(path.read_text())
-    return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
 def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:
