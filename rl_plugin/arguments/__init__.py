@@ -8,9 +8,12 @@
 - ``validate_world(args, dp_size=...)``: phase 2, checks that need the world (DP size).
 - ``build_parser()``: our standalone parser = Megatron-LM compat flags + RL flags.
 
-A flag module is a file here with ``add_arguments(parser)`` and ``validate(args)`` (optionally
-``validate_world(args, dp_size=...)``), listed in ``FLAG_MODULES`` (the order of the ``--help`` groups).
-Each flag is defined once (``_util.add_flag`` raises on a second rl_plugin definition).
+Flags are declared on the typed configs (``rl_plugin.flags``: a dataclass field carries its flag,
+default, help, choices and range); ``CONFIGS`` lists the classes that declare flags, and ``GROUPS``
+the ``--help`` sections in order. A config's rules are its classmethods ``check(args)`` (and
+``check_world(args, dp_size=...)``). Legacy flag modules (``add_arguments(parser)`` /
+``validate(args)``) in ``FLAG_MODULES`` still work while they move to configs. Each flag is defined
+once (``_util.add_flag`` raises on a second rl_plugin definition).
 """
 
 from __future__ import annotations
@@ -19,7 +22,20 @@ import argparse
 import importlib
 from typing import List, Optional
 
-from rl_plugin.arguments._util import RLArgumentError
+from rl_plugin.arguments._util import RLArgumentError, add_flag
+from rl_plugin.flags import check_bounds, declared_flags
+
+# The --help sections, in order: (title, description). A declared flag names its section.
+GROUPS = (("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),)
+MEGATRON_GROUP = "megatron"
+
+
+def _configs():
+    """The config classes that declare flags, in --help order within each section."""
+    from rl_plugin.configs import OptimizerConfig
+
+    return (OptimizerConfig,)
+
 
 FLAG_MODULES = (
     "training",
@@ -48,9 +64,26 @@ def _modules():
     return [importlib.import_module(f"rl_plugin.arguments.{name}") for name in FLAG_MODULES]
 
 
+def _add_declared(parser: argparse.ArgumentParser, *, megatron: bool) -> None:
+    """Add the declared flags of the sections in ``GROUPS`` (only Megatron-LM's, or only ours)."""
+    specs = [spec for cls in _configs() for _, spec in declared_flags(cls) if spec.megatron == megatron]
+    titles = {title for title, _ in GROUPS}
+    for spec in specs:
+        if spec.group not in titles:
+            raise ValueError(f"{spec.names[0]} names the --help section {spec.group!r}, which GROUPS lacks")
+    for title, description in GROUPS:
+        mine = [s for s in specs if s.group == title]
+        if mine:
+            group = next((g for g in parser._action_groups if g.title == title), None)
+            group = group or parser.add_argument_group(title, description)
+            for spec in mine:
+                add_flag(group, *spec.names, **spec.argparse_kwargs())
+
+
 def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for mod in _modules():
         mod.add_arguments(parser)
+    _add_declared(parser, megatron=False)
     return parser
 
 
@@ -65,13 +98,18 @@ def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
     megatron_compat.validate(args)  # ranges of the Megatron-LM flags we read (theirs or ours)
     for mod in _modules():
         mod.validate(args)
+    for cls in _configs():
+        check_bounds(cls, args)
+        check = getattr(cls, "check", None)
+        if check is not None:
+            check(args)
     aggregation.resolve(args)
     return args
 
 
 def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
-    for mod in _modules():
-        check = getattr(mod, "validate_world", None)
+    for owner in (*_modules(), *_configs()):
+        check = getattr(owner, "validate_world", None) or getattr(owner, "check_world", None)
         if check is not None:
             check(args, dp_size=dp_size)
 
@@ -83,6 +121,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False
     )
     megatron_compat.add_arguments(parser)
+    _add_declared(parser, megatron=True)
     return add_rl_arguments(parser)
 
 
@@ -93,6 +132,7 @@ def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> ar
 
 __all__ = [
     "FLAG_MODULES",
+    "GROUPS",
     "RLArgumentError",
     "add_rl_arguments",
     "build_parser",

@@ -94,44 +94,6 @@ def add_arguments(parser):
     add_flag(
         g, "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234)."
     )
-    add_flag(g, "--lr", type=float, default=1e-6, help="Peak learning rate (Megatron-LM).")
-    add_flag(g, "--min-lr", type=float, default=0.0, help="Minimum learning rate of the decay schedule (Megatron-LM).")
-    add_flag(
-        g,
-        "--lr-decay-style",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
-        default="constant",
-        help="Learning-rate decay (Megatron-LM). RL recipes mostly use constant.",
-    )
-    add_flag(g, "--lr-warmup-iters", type=int, default=0, help="Linear warm-up steps (Megatron-LM).")
-    add_flag(
-        g, "--lr-decay-iters", type=int, default=None, help="Steps over which the learning rate decays (Megatron-LM)."
-    )
-    add_flag(g, "--weight-decay", type=float, default=0.0, help="Decoupled weight decay (AdamW) (Megatron-LM).")
-    add_flag(
-        g,
-        "--optimizer",
-        choices=["adam", "sgd"],
-        default="adam",
-        help="Optimizer (Megatron-LM). adam (AdamW with --weight-decay) for training; sgd makes the update linear in the gradient (parity tests, debugging).",
-    )
-    add_flag(
-        g,
-        "--sgd-momentum",
-        type=float,
-        default=0.9,
-        help="SGD momentum with --optimizer sgd (Megatron-LM default 0.9).",
-    )
-    add_flag(g, "--adam-beta1", type=float, default=0.9, help="Adam beta1 (Megatron-LM).")
-    add_flag(g, "--adam-beta2", type=float, default=0.98, help="Adam beta2 (Megatron-LM; RL recipes use 0.98).")
-    add_flag(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon (Megatron-LM).")
-    add_flag(g, "--clip-grad", type=float, default=1.0, help="Global gradient-norm clip; 0 disables (Megatron-LM).")
-    add_flag(
-        g,
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="Shard optimizer state over data-parallel ranks (Megatron-LM, ZeRO-1).",
-    )
     add_flag(
         g,
         "--calculate-per-token-loss",
@@ -159,16 +121,6 @@ def add_arguments(parser):
 
 # (flag, attribute, lowest allowed, lowest is allowed, highest (exclusive) or None, example fix)
 RANGES = (
-    ("--lr", "lr", 0.0, True, None, "--lr 1e-6"),
-    ("--min-lr", "min_lr", 0.0, True, None, "--min-lr 0"),
-    ("--weight-decay", "weight_decay", 0.0, True, None, "--weight-decay 0.01"),
-    ("--adam-beta1", "adam_beta1", 0.0, True, 1.0, "--adam-beta1 0.9"),
-    ("--adam-beta2", "adam_beta2", 0.0, True, 1.0, "--adam-beta2 0.98"),
-    ("--adam-eps", "adam_eps", 0.0, False, None, "--adam-eps 1e-8"),
-    ("--sgd-momentum", "sgd_momentum", 0.0, True, 1.0, "--sgd-momentum 0.9"),
-    ("--clip-grad", "clip_grad", 0.0, True, None, "--clip-grad 1.0 (0 disables clipping)"),
-    ("--lr-warmup-iters", "lr_warmup_iters", 0, True, None, "--lr-warmup-iters 0"),
-    ("--lr-decay-iters", "lr_decay_iters", 1, True, None, "--lr-decay-iters 1000"),
     ("--save-interval", "save_interval", 1, True, None, "--save-interval 10 (rollouts)"),
     ("--log-interval", "log_interval", 1, True, None, "--log-interval 1"),
     ("--micro-batch-size", "micro_batch_size", 1, True, None, "--micro-batch-size 1"),
@@ -224,13 +176,6 @@ def validate(args) -> None:
             )
             fail(flag, f"must be {'in ' if high is not None else ''}{interval} (got {value})", f"use e.g. {example}")
     _validate_virtual_pipeline(args)
-    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
-    if lr is not None and min_lr is not None and min_lr > lr:
-        fail(
-            f"--min-lr {min_lr} with --lr {lr}",
-            "the decay schedule ends at --min-lr, so it must not exceed the peak --lr",
-            f"use --min-lr <= {lr}",
-        )
     if getattr(args, "save_interval", None) is not None and getattr(args, "save", "unset") is None:
         fail(
             "--save-interval without --save",

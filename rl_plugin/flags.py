@@ -1,0 +1,217 @@
+"""Each setting declared once: a typed config's dataclass field carries its command-line flag.
+
+A config (``rl_plugin.configs``, ``rl_plugin.loss.LossConfig``, ...) is a frozen dataclass whose
+fields are declared with one of:
+
+- ``flag("--name", "--alias", default=..., help=..., group=..., bounds=Bounds(...))``: the field IS the flag. Its name(s)
+  (the first is ours; slime / Megatron-LM spellings follow), its one default (the field's default,
+  which is also argparse's), help text, ``choices`` (a sequence, or a callable read when the parser
+  is built: a registry's ``names``), ``type`` / ``action`` / ``nargs`` / ``metavar``, the ``unit`` it
+  counts in, and ``megatron=True`` for Megatron-LM's own flags (defined by our parser only when
+  Megatron-LM's is absent). ``group`` is the ``--help`` section (``rl_plugin.arguments.GROUPS``).
+- ``same_as(Config, "field")``: a field that reads a flag declared on another config (one default:
+  the declaring field's).
+- ``derived(fn, default)``: a value computed from the parsed flags (``fn(args)``), e.g. a mode
+  resolved from two flags.
+- ``nested(Config)``: a config inside a config, built from the same flags.
+
+``from_args(Config, args)`` builds any config from a parsed namespace (ours, or Megatron-LM's with
+``add_rl_arguments`` as its ``extra_args_provider``); ``add_config_flags(parser, Config)`` adds its
+flags. So a new flag is one field, plus its rule (a method of the config) and its test.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
+
+SPEC = "rl_plugin.flag"  # the key of a field's metadata holding its spec
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A flag's allowed range: ``low <= x`` (``low < x`` when ``low_open``) and ``x < high``;
+    ``example`` is the fix a message suggests."""
+
+    low: float
+    example: str
+    low_open: bool = False
+    high: Optional[float] = None
+
+    def holds(self, value) -> bool:
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value < self.high)
+
+    def describe(self) -> str:
+        if self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low}, {self.high})"
+        return f"> {self.low}" if self.low_open else f">= {self.low}"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: argparse's ``add_argument(*names, **argparse_kwargs())``."""
+
+    names: Tuple[str, ...]
+    help: str
+    group: str
+    default: Any = None
+    type: Optional[Callable[[str], Any]] = None
+    choices: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None
+    action: Optional[str] = None
+    nargs: Optional[Union[int, str]] = None
+    metavar: Optional[str] = None
+    unit: Optional[str] = None
+    megatron: bool = False  # Megatron-LM defines it: ours only when its parser is absent
+    bounds: Optional[Bounds] = None  # the value's range, checked by ``check_bounds``
+
+    @property
+    def dest(self) -> str:
+        return self.names[0][2:].replace("-", "_")
+
+    def argparse_kwargs(self) -> Dict[str, Any]:
+        kwargs: Dict[str, Any] = {"help": self.help, "dest": self.dest}
+        if self.action is not None:
+            kwargs["action"] = self.action
+            if self.action not in ("store_true", "store_false"):
+                kwargs["default"] = self.default
+        else:
+            kwargs["default"] = self.default
+        for key in ("type", "nargs", "metavar"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        if self.choices is not None:
+            kwargs["choices"] = list(self.choices() if callable(self.choices) else self.choices)
+        return kwargs
+
+    def read(self, args) -> Any:
+        return getattr(args, self.dest)
+
+
+@dataclass(frozen=True)
+class SameAs:
+    """A field filled from a flag another config declares."""
+
+    owner: type
+    name: str
+
+    def flag(self) -> Flag:
+        return flag_of(self.owner, self.name)
+
+    def read(self, args) -> Any:
+        return self.flag().read(args)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A field computed from the parsed flags, once, when the config is built."""
+
+    fn: Callable[[Any], Any]
+
+    def read(self, args) -> Any:
+        return self.fn(args)
+
+
+@dataclass(frozen=True)
+class Nested:
+    cls: type
+
+    def read(self, args) -> Any:
+        return from_args(self.cls, args)
+
+
+def flag(
+    *names: str,
+    default: Any = None,
+    help: str,
+    group: str,
+    type: Optional[Callable[[str], Any]] = None,
+    choices=None,
+    action: Optional[str] = None,
+    nargs=None,
+    metavar: Optional[str] = None,
+    unit: Optional[str] = None,
+    megatron: bool = False,
+    bounds: Optional[Bounds] = None,
+):
+    """A dataclass field that is the flag ``names[0]`` (see the module docstring)."""
+    if not names or not all(n.startswith("--") for n in names):
+        raise ValueError(f"flag names must start with '--': {names}")
+    if action == "store_true":
+        default = False
+    spec = Flag(tuple(names), help, group, default, type, choices, action, nargs, metavar, unit, megatron, bounds)
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: copy.copy(default), metadata={SPEC: spec})
+    return field(default=default, metadata={SPEC: spec})
+
+
+def same_as(owner: type, name: str):
+    """A field that reads the flag declared by ``owner.name`` (its default too)."""
+    spec = flag_of(owner, name)
+    return field(default=spec.default, metadata={SPEC: SameAs(owner, name)})
+
+
+def derived(fn: Callable[[Any], Any], default: Any):
+    """A field computed from the parsed flags: ``fn(args)``; ``default`` when built by hand."""
+    return field(default=default, metadata={SPEC: Derived(fn)})
+
+
+def nested(cls: type):
+    return field(default_factory=cls, metadata={SPEC: Nested(cls)})
+
+
+def flag_of(cls: type, name: str) -> Flag:
+    for f in fields(cls):
+        if f.name == name:
+            spec = f.metadata.get(SPEC)
+            if isinstance(spec, SameAs):
+                return spec.flag()
+            if isinstance(spec, Flag):
+                return spec
+            raise TypeError(f"{cls.__name__}.{name} is not a flag")
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+def declared_flags(cls: type) -> Iterator[Tuple[str, Flag]]:
+    """``(field name, Flag)`` of every flag ``cls`` itself declares, in field order (not those of
+    its nested configs, nor the ``same_as`` fields: their owner declares them)."""
+    for f in fields(cls):
+        spec = f.metadata.get(SPEC)
+        if isinstance(spec, Flag):
+            yield f.name, spec
+
+
+def from_args(cls: type, args, **given):
+    """Build ``cls`` from parsed flags; ``given`` fields are taken as they are. A field without a
+    spec keeps its default (runtime state, e.g. a loaded function, is passed in ``given``)."""
+    if not is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass config")
+    values = dict(given)
+    for f in fields(cls):
+        spec = f.metadata.get(SPEC)
+        if f.name not in values and spec is not None and f.init:
+            values[f.name] = spec.read(args)
+    return cls(**values)
+
+
+def check_bounds(cls: type, args) -> None:
+    """Every declared flag of ``cls`` with ``bounds`` holds them (a flag a foreign parser lacks, or
+    left unset (None), is skipped). Raises ``RLArgumentError`` naming the flag, the range and a fix."""
+    from rl_plugin.errors import fail
+
+    for _, spec in declared_flags(cls):
+        value = getattr(args, spec.dest, None)
+        if spec.bounds is not None and value is not None and not spec.bounds.holds(value):
+            fail(spec.names[0], f"must be {spec.bounds.describe()} (got {value})", f"use e.g. {spec.bounds.example}")
+
+
+class Declared:
+    """Base of a declared config: ``Config.from_args(args, **given)`` is ``from_args(Config, ...)``."""
+
+    @classmethod
+    def from_args(cls, args, **given):
+        return from_args(cls, args, **given)
