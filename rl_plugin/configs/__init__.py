@@ -1,0 +1,40 @@
+"""Typed configs below the command line, one module per config: built once from the validated
+flags, read everywhere below. A config declares its own flags (``rl_plugin.flags``).
+
+The loop parses and validates the flags (``rl_plugin.arguments``), then builds these once;
+backends, train actors and the rollout side receive them and never see the ``Namespace``. Every
+value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
+default)`` below the CLI); a value derived from several flags is computed here, once.
+
+- ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed,
+  ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
+- ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
+- ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
+- ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
+- ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
+  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``)
+- ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
+- ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
+
+``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
+in the process that builds it.
+"""
+
+from rl_plugin.configs.batching import BatchingConfig
+from rl_plugin.configs.engine import EngineConfig
+from rl_plugin.configs.model import ModelConfig, MoEConfig
+from rl_plugin.configs.optimizer import OptimizerConfig
+from rl_plugin.configs.rollout import RolloutConfig
+from rl_plugin.configs.train import TrainConfig
+from rl_plugin.loss import LossConfig
+
+__all__ = [
+    "BatchingConfig",
+    "EngineConfig",
+    "LossConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "OptimizerConfig",
+    "RolloutConfig",
+    "TrainConfig",
+]
