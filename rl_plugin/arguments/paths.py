@@ -16,32 +16,14 @@ directory) or ``--overwrite-save`` is given.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
-from rl_plugin.arguments._util import RLArgumentError, fail
+from rl_plugin.arguments._util import fail
 from rl_plugin.arguments.checkpointing import same_dir
 from rl_plugin.arguments.model_layout import check_model_layout
+from rl_plugin.checkpoint.layout import PARTIAL, STEP_DIR, TRACKER, latest_step
 from rl_plugin.user_code import check_source
-
-CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically
-STEP_DIR = re.compile(r"iter_(\d{7})$")
-PARTIAL = ".partial"  # suffix of a save being written (rl_plugin.loop.checkpoint renames it away when complete)
-
-
-def latest_checkpoint_step(root) -> Optional[int]:
-    """The last complete checkpoint's step under a ``--save`` directory, or None."""
-    path = Path(root) / CHECKPOINT_TRACKER
-    if not path.is_file():
-        return None
-    text = path.read_text().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise RLArgumentError(
-            f"--load {root}: {CHECKPOINT_TRACKER} holds {text!r}, not a step number. Fix: write the step of the last complete iter_* directory into it."
-        ) from None
 
 
 def _file(flag: str, value: Optional[str]) -> None:
@@ -100,29 +82,29 @@ def _load(args) -> None:
         fail(
             f"--load {load}",
             "this is an unfinished save (the run was killed while writing it); it is never a resume point",
-            f"pass --load {path.parent} (its {CHECKPOINT_TRACKER} names the last complete step)",
+            f"pass --load {path.parent} (its {TRACKER} names the last complete step)",
         )
-    if STEP_DIR.match(path.name) and latest_checkpoint_step(path) is None:
+    if STEP_DIR.match(path.name) and latest_step(path) is None:
         fail(
             f"--load {load}",
             "this is one checkpoint step inside a --save directory; --load takes the --save directory "
-            f"itself (its {CHECKPOINT_TRACKER} names the step to resume)",
+            f"itself (its {TRACKER} names the step to resume)",
             f"pass --load {path.parent}",
         )
-    latest_checkpoint_step(path)  # a corrupt tracker is named here
+    latest_step(path)  # a corrupt tracker is named here
 
 
 def _save(args) -> None:
     save = args.save
     if save is None or args.overwrite_save or same_dir(save, args.load):
         return
-    step = latest_checkpoint_step(save)
+    step = latest_step(save)
     if step is None:
         return
     resumed = f"resumes from --load {args.load}" if args.load else "does not resume from them (no --load)"
     fail(
         f"--save {save}",
-        f"the directory already holds a run's checkpoints up to step {step} ({Path(save) / CHECKPOINT_TRACKER}) and this run "
+        f"the directory already holds a run's checkpoints up to step {step} ({Path(save) / TRACKER}) and this run "
         f"{resumed}; it would overwrite their iter_* directories and move the resume point back to its own steps",
         f"resume that run with --load {save}, or pass --overwrite-save to start over (its checkpoints are moved aside "
         f"into {Path(save) / 'overwritten_<N>'}/, not deleted), or choose another --save directory",

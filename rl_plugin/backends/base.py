@@ -156,7 +156,7 @@ class TrainBackend(abc.ABC):
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         """Model + optimizer + RNG + step (+ the loop's ``extra`` state); collective. Returns the
         files this rank wrote into ``path``, relative to it (``commit_save`` checks the committing
-        process sees them all: ``rl_plugin.backends.written_files``)."""
+        process sees them all: ``rl_plugin.checkpoint.written_files``)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, path: str) -> Dict[str, Any]:

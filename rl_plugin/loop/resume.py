@@ -3,7 +3,7 @@
 ``load_resume_point`` restores a ``--load`` checkpoint into the train group (every rank, the
 backend's files), the rollout manager (its dataset position) and the loop (step, next rollout,
 samples seen, and under overlapped training the rollout generated ahead). ``save_checkpoint``
-writes one with the layout of ``rl_plugin.loop.checkpoint`` (stage, every rank writes, then
+writes one with the layout of ``rl_plugin.checkpoint`` (stage, every rank writes, then
 ``loop_state.json``, rename, tracker). ``resume_command`` / ``resume_hint`` are the lines the
 run prints when it stops.
 """
@@ -14,11 +14,12 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from rl_plugin.checkpoint.commit import begin_save, commit_save, retain
+from rl_plugin.checkpoint.layout import latest_step, step_dir
+from rl_plugin.checkpoint.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
 from rl_plugin.errors import LoopError, RLArgumentError
-from rl_plugin.loop.checkpoint import begin_save, commit_save, latest_step, retain, step_dir
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import supersede_after
-from rl_plugin.loop.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
 from rl_plugin.ray.train_group import TrainActorError
 from rl_plugin.rollout.rollout_data import RolloutData
 
@@ -120,7 +121,7 @@ def save_checkpoint(
     its generate (training, sync and eval do not move it); overlapped, after rollout_id + 1's,
     which the checkpoint then holds (``pending_rollout.pt``)."""
     extra = {"rollout_id": rollout_id + 1, "rollout_state": dataset_state, "samples_seen": progress.samples_seen}
-    staging = begin_save(cfg.save, progress.step)  # the layout: rl_plugin.loop.checkpoint
+    staging = begin_save(cfg.save, progress.step)  # the layout: rl_plugin.checkpoint
     written = group.call("save", [(str(staging), progress.step, extra)] * group.world_size)
     state = {
         "step": progress.step,

@@ -60,6 +60,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("weight sync", ("rl_plugin.weight_sync",)),
     ("configs and step plan", ("rl_plugin.configs", "rl_plugin.step_plan")),
     ("rollout", ("rl_plugin.rollout",)),
+    ("checkpoint", ("rl_plugin.checkpoint",)),
     ("backends", ("rl_plugin.backends",)),
     ("ray", ("rl_plugin.ray",)),
     ("arguments", ("rl_plugin.arguments",)),

@@ -1,10 +1,10 @@
 """Checkpoints of the FSDP backend: torch.distributed.checkpoint (DCP) plus a Hugging Face export.
 
-Files of one step directory (the loop owns the layout around it, ``rl_plugin.loop.checkpoint``:
+Files of one step directory (the layout around it is ``rl_plugin.checkpoint``'s, written by the loop:
 ``iter_*.partial`` while being written, renamed to ``iter_*`` when complete, tracker last)::
 
     iter_0000003/.metadata, __*.distcp         DCP: {"model": sharded model, "optim": sharded AdamW}
-    iter_0000003/rng_rank{r}.pt                per-rank RNG (``rl_plugin.backends.rng_state``)
+    iter_0000003/rng_rank{r}.pt                per-rank RNG (``rl_plugin.checkpoint.rng_state``)
     iter_0000003/meta.pt                       {"step", "extra" (the loop's state), "backend"}, rank 0
 
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends.checkpoint_compat import check_same_model
-from rl_plugin.backends.rng_state import rng_state, set_rng_state
-from rl_plugin.backends.written_files import RecordingFileSystemWriter
+from rl_plugin.checkpoint.compat import check_same_model
+from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
+from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter
 
 META = "meta.pt"  # rank 0 writes it after its shards
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -50,7 +50,7 @@ def save(
 ) -> List[str]:
     """Collective: every rank writes its shards and RNG state of ``step`` into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``.
-    Returns the files this rank wrote, relative to ``directory`` (``rl_plugin.backends.written_files``)."""
+    Returns the files this rank wrote, relative to ``directory`` (``rl_plugin.checkpoint.written_files``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

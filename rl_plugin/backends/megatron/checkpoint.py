@@ -9,14 +9,14 @@ asks for the slices its own TP x DP x PP layout needs, so a checkpoint written a
 TP1 x DP2, DP2 at DP1, PP2 at PP1 (each stage saves its layers under their global layer number,
 megatron-core's ``sharded_state_dict`` offsets), with or without the distributed optimizer.
 
-Files of one step directory (the loop owns the layout around it, ``rl_plugin.loop.checkpoint``:
+Files of one step directory (the layout around it is ``rl_plugin.checkpoint``'s, written by the loop:
 ``iter_*.partial`` while being written, renamed to ``iter_*`` when complete, tracker last)::
 
     iter_0000012/metadata.json, .metadata, __*.distcp   dist_checkpointing (torch_dist)
     iter_0000012/common.pt                              step, scheduler, layout, the loop's extra
     iter_0000012/rng_rank{r}.pt                         per-rank RNG streams
 
-RNG (``rl_plugin.backends.rng_state`` plus megatron's model-parallel tracker) is per rank; it is
+RNG (``rl_plugin.checkpoint.rng_state`` plus megatron's model-parallel tracker) is per rank; it is
 restored only on the layout it was saved on (on another layout there is no rank to continue the
 stream of; the run keeps its ``--seed`` seeding, and with dropout 0 the training math uses no
 randomness).
@@ -34,10 +34,10 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends.checkpoint_compat import check_same_model
 from rl_plugin.backends.megatron.chunks import chunks_of
-from rl_plugin.backends.rng_state import rng_state, set_rng_state
-from rl_plugin.backends.written_files import RecordingFileSystemWriter, existing
+from rl_plugin.checkpoint.compat import check_same_model
+from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
+from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter, existing
 from rl_plugin.parallel import ParallelState
 
 FORMAT = "rl_plugin/megatron-dist-v1"

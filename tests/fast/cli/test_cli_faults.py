@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_plugin.loop.checkpoint import latest_step
+from rl_plugin.checkpoint.layout import latest_step
 from rl_plugin.ray.reaper import descendants, process_table
 
 TRAIN = Path(sys.executable).with_name("rl-plugin-train")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_plugin.loop.checkpoint import latest_step
+from rl_plugin.checkpoint.layout import latest_step
 
 TRAIN = [sys.executable, "-m", "rl_plugin.train", "--train-backend", "fsdp", "--no-progress-bar"]
 

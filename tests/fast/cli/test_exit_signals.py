@@ -21,8 +21,8 @@ import time
 
 import pytest
 
+from rl_plugin.checkpoint.layout import complete_steps, latest_step
 from rl_plugin.errors import Interrupted
-from rl_plugin.loop.checkpoint import complete_steps, latest_step
 from rl_plugin.loop.exit_request import ExitRequest
 from tests.fast.cli.test_cli_faults import Proc, _gone, _names
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_plugin.loop.checkpoint import step_dir, write_loop_state, write_tracker
+from rl_plugin.checkpoint.commit import write_loop_state, write_tracker
+from rl_plugin.checkpoint.layout import step_dir
 from rl_plugin.loop.logger import read_metrics, summary_line, supersede_after
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn, score_responses

@@ -23,7 +23,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rl_plugin.loop.checkpoint import latest_step, write_tracker  # noqa: E402
+from rl_plugin.checkpoint.commit import write_tracker  # noqa: E402
+from rl_plugin.checkpoint.layout import latest_step  # noqa: E402
 from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
 from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rl_plugin.loop.checkpoint import write_tracker  # noqa: E402
+from rl_plugin.checkpoint.commit import write_tracker  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 from tests.support.tolerance import FP32_MODEL, within  # noqa: E402

@@ -89,8 +89,8 @@ def _rollout(gens):
 
 
 def test_routed_experts_travel_with_the_rollout(tmp_path):
-    from rl_plugin.loop.checkpoint import step_dir
-    from rl_plugin.loop.pending_rollout import read_pending_rollout, write_pending_rollout
+    from rl_plugin.checkpoint.layout import step_dir
+    from rl_plugin.checkpoint.pending_rollout import read_pending_rollout, write_pending_rollout
     from rl_plugin.loop.steps import rollout_batch
 
     data = _rollout(_gens())

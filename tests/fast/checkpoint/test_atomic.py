@@ -8,7 +8,7 @@ is killed with SIGKILL at one of two points of that save:
   ``iter_0000002.partial`` staging directory is all there is);
 - ``tracker``: ``iter_0000002`` is complete, the tracker not yet moved to it.
 
-The saves go through the loop's layout (``rl_plugin.loop.checkpoint``; ``tests/support/checkpointing``
+The saves go through the loop's layout (``rl_plugin.checkpoint.commit``; ``tests/support/checkpointing``
 plays the driver's part in this one-process world).
 
 Then: the tracker still names step 1, ``--load`` resolves to ``iter_0000001`` and restores it
@@ -37,7 +37,7 @@ def _saver(ckpt, root, kill_point, queue, port):
     import torch.distributed as dist
 
     from rl_plugin.backends.fsdp.backend import FSDPBackend
-    from rl_plugin.loop import checkpoint
+    from rl_plugin.checkpoint import commit
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -53,7 +53,7 @@ def _saver(ckpt, root, kill_point, queue, port):
         signal.pause()  # the parent SIGKILLs us here, mid-save
 
     name = "publish" if kill_point == "shards" else "write_tracker"
-    setattr(checkpoint, name, wait_for_kill)
+    setattr(commit, name, wait_for_kill)
     checkpointing.save(backend, root, 2, extra={"rollout_id": 2})
     queue.put("save returned: the kill point was never reached")
 

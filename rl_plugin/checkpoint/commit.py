@@ -1,14 +1,8 @@
-"""The checkpoint layout of a run, owned by the loop (the backends write only their own files).
+"""Writing a checkpoint into the layout of ``layout``: the atomic save, retention, ``--overwrite-save``.
 
-``--save DIR`` holds, with Megatron-LM's names so tooling that reads them keeps working::
-
-    DIR/latest_checkpointed_iteration.txt   the last COMPLETE step; written last, atomically
-    DIR/iter_0000012/                        one complete checkpoint:
-        <the backend's files>                  written by ``TrainBackend.save_checkpoint(dir)``
-        loop_state.json                        the backend that wrote it, where the loop stood
-    DIR/iter_0000012.partial/                a save in progress (never read by --load)
-
-A save is three steps, done by ONE process (the driver; in a test, rank 0 between barriers):
+The loop owns the layout around the backends' files (a backend writes only its own files into the
+directory it is given). A save is three steps, done by ONE process (the driver; in a test, rank 0
+between barriers):
 
 1. ``begin_save``: a fresh, empty ``iter_*.partial`` (one left by a killed save is removed);
 2. every training rank writes its files into it (``save_checkpoint`` of the backend);
@@ -22,10 +16,10 @@ A save is three steps, done by ONE process (the driver; in a test, rank 0 betwee
 
 A process killed at any point therefore leaves either the previous tracker (pointing at a
 complete directory) or the new one: a crash mid-save leaves the previous checkpoint as the
-resume point, and a ``.partial`` directory is refused by ``resolve``.
-
-``loop_state.json`` lets the trainer refuse, before Ray starts, a checkpoint of the other
-backend or a finished run with nothing left to train.
+resume point, and a ``.partial`` directory is refused by ``layout.resolve``; ``remove_partial``
+drops the one a failed save left. ``retain`` (``--save-retain``) deletes older checkpoints only
+once the new one is committed; ``move_checkpoints_aside`` (``--overwrite-save``) renames a
+directory's checkpoints away, deleting nothing.
 """
 
 from __future__ import annotations
@@ -37,26 +31,17 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from rl_plugin.arguments.paths import CHECKPOINT_TRACKER as TRACKER
-from rl_plugin.arguments.paths import PARTIAL, STEP_DIR, latest_checkpoint_step
-from rl_plugin.errors import LoopError, fail
-
-LOOP_STATE = "loop_state.json"
-
-
-def step_dir(root, step: int) -> str:
-    """``root/iter_{step:07d}``: where the complete checkpoint of ``step`` lives."""
-    return str(Path(root) / f"iter_{int(step):07d}")
-
-
-def partial_dir(root, step: int) -> Path:
-    """Where the checkpoint of ``step`` is written until it is complete."""
-    return Path(step_dir(root, step) + PARTIAL)
-
-
-def latest_step(root) -> Optional[int]:
-    """The last complete checkpoint's step under ``root``, or None when there is none yet."""
-    return latest_checkpoint_step(root)
+from rl_plugin.checkpoint.layout import (
+    LOOP_STATE,
+    STEP_DIR,
+    TRACKER,
+    complete_steps,
+    latest_step,
+    partial_dir,
+    read_loop_state,
+    step_dir,
+)
+from rl_plugin.errors import LoopError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -85,11 +70,6 @@ def write_tracker(root, step: int) -> None:
 def write_loop_state(directory, state: Dict[str, Any]) -> None:
     """``loop_state.json`` into a step directory (``commit_save`` writes it into the staging one)."""
     _write_atomic(Path(directory) / LOOP_STATE, json.dumps(state, sort_keys=True))
-
-
-def read_loop_state(root, step: int) -> Optional[Dict[str, Any]]:
-    path = Path(step_dir(root, step)) / LOOP_STATE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def begin_save(root, step: int) -> Path:
@@ -182,50 +162,6 @@ def commit_save(
     return final
 
 
-def resolve(path) -> Path:
-    """The complete step directory ``--load path`` means: a ``--save`` root (its tracker names
-    the step) or one ``iter_*`` directory. An unfinished ``.partial`` save is refused."""
-    p = Path(path)
-    if p.name.endswith(PARTIAL):
-        raise FileNotFoundError(
-            f"--load {path}: this is an unfinished save (killed while writing); it is never a resume point. "
-            f"Fix: --load its parent directory {p.parent} (its {TRACKER} names the last complete step)"
-        )
-    step = latest_step(p)
-    if step is not None:
-        d = Path(step_dir(p, step))
-        if not d.is_dir():
-            raise FileNotFoundError(f"--load {path}: {TRACKER} names step {step} but {d} does not exist")
-        return d
-    if STEP_DIR.match(p.name) and p.is_dir():
-        return p
-    raise FileNotFoundError(
-        f"--load {path}: neither a checkpoint root with {TRACKER} nor an iter_{{step:07d}} checkpoint directory"
-    )
-
-
-def written_by(root, step: int) -> Optional[str]:
-    """Which backend wrote the checkpoint at ``step``: ``loop_state.json`` says so; checkpoints
-    without one (written by a backend outside the loop) are recognised by their files (Megatron:
-    dist_checkpointing's ``common.pt``, or the refused per-rank ``rank_*.pt`` format; FSDP:
-    ``meta.pt`` + DCP ``.metadata``; Megatron's ``torch_dist`` has a ``.metadata`` too, so it is
-    checked first). None when neither matches."""
-    state = read_loop_state(root, step)
-    if state and state.get("train_backend"):
-        return state["train_backend"]
-    d = Path(step_dir(root, step))
-    if (
-        (d / "common.pt").is_file()
-        or (d / "latest").is_file()
-        or any(d.glob("rank_*.pt"))
-        or any(d.glob("iter_*/rank_*.pt"))
-    ):
-        return "megatron"
-    if (d / "meta.pt").is_file() or (d / ".metadata").is_file():
-        return "fsdp"
-    return None
-
-
 def move_checkpoints_aside(root) -> Optional[Path]:
     """``--overwrite-save``: move the tracker and every ``iter_*`` directory of ``root`` into
     ``root/overwritten_<N>/`` (a rename, nothing is copied or deleted); returns that directory."""
@@ -247,29 +183,6 @@ def move_checkpoints_aside(root) -> Optional[Path]:
     return dest
 
 
-def complete_steps(root) -> List[int]:
-    """The steps of the complete ``iter_*`` directories under ``root``, ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
-
-
-def resume_step(root, ckpt_step: Optional[int] = None) -> Optional[int]:
-    """The step ``--load root`` resumes: ``--ckpt-step`` when given (its directory must be a
-    complete checkpoint), else the tracker's; None when ``root`` holds no checkpoint yet."""
-    if ckpt_step is None:
-        return latest_step(root)
-    if not Path(step_dir(root, ckpt_step)).is_dir():
-        have = complete_steps(root)
-        fail(
-            f"--load {root} --ckpt-step {ckpt_step}",
-            f"there is no complete checkpoint of step {ckpt_step} ({step_dir(root, ckpt_step)})",
-            f"pick one of the steps it holds: {', '.join(map(str, have)) or 'none'}",
-        )
-    return int(ckpt_step)
-
-
 def retain(root, keep_last: Optional[int], keep_every: Optional[int] = None) -> List[int]:
     """``--save-retain``: delete the complete checkpoints of ``root`` older than its newest
     ``keep_last`` (never the tracker's), except those written after a multiple of ``keep_every``
@@ -288,3 +201,10 @@ def retain(root, keep_last: Optional[int], keep_every: Optional[int] = None) -> 
         shutil.rmtree(step_dir(root, step))
         deleted.append(step)
     return deleted
+
+
+def remove_partial(path) -> None:
+    """Remove an unfinished save (never a resume point) so it does not hold the space it took."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(path):  # pragma: no cover - a file system that refuses even removal
+        print(f"could not remove the unfinished save {path}; delete it by hand", flush=True)

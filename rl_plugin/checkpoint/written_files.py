@@ -1,7 +1,7 @@
 """The files one rank wrote into a checkpoint directory, as paths relative to it.
 
 A backend's ``save_checkpoint`` returns them so that the loop can check, before it commits a
-checkpoint, that the process committing it sees every rank's files (``rl_plugin.loop.checkpoint
+checkpoint, that the process committing it sees every rank's files (``rl_plugin.checkpoint.commit
 .commit_save``): a ``--save`` on a node-local disk would otherwise make a checkpoint that looks
 complete and fails on load.
 

@@ -4,9 +4,9 @@ Under overlapped training, a checkpoint after rollout k's steps is taken once ro
 been generated (by the weights before step k): that rollout is part of the loop's state, since
 regenerating it on resume would sample it with the newer weights and the resumed run would
 diverge from the uninterrupted one. The driver writes it as ``pending_rollout.pt`` into the
-checkpoint's staging directory beside ``loop_state.json`` (``loop.checkpoint.begin_save`` /
-``commit_save``: the directory is renamed into place, then the tracker names the step), so a complete checkpoint always has it; on ``--load``
-the loop trains on it instead of generating rollout k+1 again.
+checkpoint's staging directory beside ``loop_state.json`` (``commit.begin_save`` / ``commit_save``:
+the directory is renamed into place, then the tracker names the step), so a complete checkpoint
+always has it; on ``--load`` the loop trains on it instead of generating rollout k+1 again.
 
 The file holds the ``RolloutData`` fields (tensors saved bitwise), the rollout's id and the lag
 of the weights that sampled it; it loads with ``torch.load(weights_only=True)``.
@@ -21,14 +21,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from rl_plugin.loop.checkpoint import step_dir
+from rl_plugin.checkpoint.layout import step_dir
 from rl_plugin.rollout.rollout_data import RolloutData
 
 PENDING_ROLLOUT = "pending_rollout.pt"
 
 
 def write_pending_rollout(directory, rollout_id: int, data: RolloutData, staleness: int) -> None:
-    """Into ``directory``: the checkpoint's staging directory (``loop.checkpoint.begin_save``)."""
+    """Into ``directory``: the checkpoint's staging directory (``commit.begin_save``)."""
     path = Path(directory) / PENDING_ROLLOUT
     tmp = path.with_suffix(".tmp")
     payload = {

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from rl_plugin.backends.rng_state import rng_state, set_rng_state
+from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
 
 
 def _draw():

@@ -1,5 +1,5 @@
 """``commit_save`` commits only when every rank's files are visible where it runs
-(``rl_plugin.loop.checkpoint.check_all_written``): a node-local ``--save`` is refused, naming the
+(``rl_plugin.checkpoint.commit.check_all_written``): a node-local ``--save`` is refused, naming the
 rank, its node and the files, and leaves the previous checkpoint the resume point. That each
 backend reports exactly the files of its checkpoint is checked by ``tests/support/checkpointing.py``
 on every test save (the FSDP and Megatron checkpoint tests)."""
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from rl_plugin.loop import checkpoint
-from rl_plugin.loop.checkpoint import IncompleteCheckpointError, begin_save, commit_save, latest_step, missing_files
+from rl_plugin.checkpoint import commit
+from rl_plugin.checkpoint.commit import IncompleteCheckpointError, begin_save, commit_save, missing_files
+from rl_plugin.checkpoint.layout import LOOP_STATE, latest_step
 
 
 def _write(staging, *names):
@@ -28,7 +29,7 @@ def test_commit_with_every_rank_file_visible(tmp_path):
 
 
 def test_node_local_save_is_refused_naming_rank_node_and_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "VISIBILITY_GRACE_S", 0.0)
+    monkeypatch.setattr(commit, "VISIBILITY_GRACE_S", 0.0)
     staging = begin_save(tmp_path, 2)
     _write(staging, "a.pt")
     commit_save(tmp_path, 2, {"step": 2}, [["a.pt"]])
@@ -45,13 +46,13 @@ def test_node_local_save_is_refused_naming_rank_node_and_files(tmp_path, monkeyp
     ):
         commit_save(tmp_path, 4, {"step": 4}, written, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
     assert latest_step(tmp_path) == 2  # nothing committed: no iter_0000004, no loop_state.json, tracker unmoved
-    assert not (tmp_path / "iter_0000004").exists() and not (staging / checkpoint.LOOP_STATE).exists()
+    assert not (tmp_path / "iter_0000004").exists() and not (staging / LOOP_STATE).exists()
 
 
 def test_files_that_show_up_late_are_waited_for(tmp_path, monkeypatch):
     import threading
 
-    monkeypatch.setattr(checkpoint, "VISIBILITY_GRACE_S", 10.0)
+    monkeypatch.setattr(commit, "VISIBILITY_GRACE_S", 10.0)
     staging = begin_save(tmp_path, 1)
     late = threading.Timer(0.3, _write, (staging, "late.pt"))
     late.start()
