@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from rl_plugin.arguments._util import RLArgumentError, fail
-from rl_plugin.arguments.checkpointing import same_dir
+from rl_plugin.configs.checkpointing import same_dir
 from rl_plugin.arguments.model_layout import check_model_layout
 from rl_plugin.user_code import check_source
 

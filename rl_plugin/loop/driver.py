@@ -28,8 +28,8 @@ import ray
 import torch
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments.async_training import staleness_warning
-from rl_plugin.arguments.rollout import validate_engine_installed
+from rl_plugin.configs.async_training import staleness_warning
+from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
 from rl_plugin.loop.checkpoint import latest_step, move_checkpoints_aside, partial_dir, resume_step, step_dir
 from rl_plugin.loop.config import LoopConfig

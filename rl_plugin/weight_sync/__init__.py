@@ -20,9 +20,10 @@ k publishes at its end, the next manager call (generate or evaluate) loads befor
 from rl_plugin.weight_sync.buckets import changed_bitwise, fused_group, iter_buckets, plan_buckets, tensor_bytes
 from rl_plugin.weight_sync.fingerprint import compare_fingerprints, weights_fingerprint
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest, node_id
-from rl_plugin.weight_sync.ledger import SyncSettings, WeightLedger
+from rl_plugin.weight_sync.ledger import WeightLedger
 from rl_plugin.weight_sync.publisher import WeightPublisher
 from rl_plugin.weight_sync.receiver import WeightReceiver, load_sync
+from rl_plugin.weight_sync.settings import SyncSettings
 from rl_plugin.weight_sync.transport import TRANSPORTS
 
 __all__ = [
