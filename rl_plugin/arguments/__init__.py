@@ -30,12 +30,24 @@ GROUPS = (
     ("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),
     ("rollout", "Prompts, group sizes, sampling and evaluation of the RL loop."),
     ("engine", "The generation engine: which one, its size, and a debug hook on its log-probs."),
-    ("rewards", "How a sample is scored: a built-in verifier, your function (per sample or per group), or a remote reward model."),
-    ("custom generation", "slime's rollout hooks: multi-turn and tool-using generation, or a whole rollout of your own."),
-    ("dynamic sampling", "DAPO's rollout control: over-sample and keep the groups a filter passes; soft over-long shaping."),
+    (
+        "rewards",
+        "How a sample is scored: a built-in verifier, your function (per sample or per group), or a remote reward model.",
+    ),
+    (
+        "custom generation",
+        "slime's rollout hooks: multi-turn and tool-using generation, or a whole rollout of your own.",
+    ),
+    (
+        "dynamic sampling",
+        "DAPO's rollout control: over-sample and keep the groups a filter passes; soft over-long shaping.",
+    ),
     ("weight sync", "How the trainer's weights reach the rollout engines after every rollout."),
     ("cluster", "Ray placement of the training ranks and the rollout engine."),
-    ("checkpointing", "Which checkpoint to resume, which to keep, and the guard against overwriting a run's (--save, --load and --save-interval are Megatron-LM's)."),
+    (
+        "checkpointing",
+        "Which checkpoint to resume, which to keep, and the guard against overwriting a run's (--save, --load and --save-interval are Megatron-LM's).",
+    ),
     ("fault tolerance", "What the loop does when a worker dies mid-run, and how it stops when asked to."),
     ("logging", "Where the loop's metrics go."),
     ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 from rl_plugin.arguments._util import RLArgumentError, fail
-from rl_plugin.configs.checkpointing import same_dir
 from rl_plugin.arguments.model_layout import check_model_layout
+from rl_plugin.configs.checkpointing import same_dir
 from rl_plugin.user_code import check_source
 
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name; written last, atomically

@@ -109,7 +109,9 @@ class CheckpointConfig(Declared):
     def _check_retention(args) -> None:
         n, k = args.save_retain, args.save_retain_interval
         if n is not None and n < 1:
-            fail("--save-retain", f"must be >= 1 (got {n}): the newest checkpoint is the resume point", "keep at least 1")
+            fail(
+                "--save-retain", f"must be >= 1 (got {n}): the newest checkpoint is the resume point", "keep at least 1"
+            )
         if k is not None and (k < 1 or n is None):
             fail(
                 "--save-retain-interval",

@@ -15,7 +15,9 @@ GROUP = "cluster"
 
 @dataclass(frozen=True)
 class ClusterConfig(Declared):
-    actor_num_nodes: int = flag("--actor-num-nodes", type=int, default=1, group=GROUP, help="Nodes for the training actors.")
+    actor_num_nodes: int = flag(
+        "--actor-num-nodes", type=int, default=1, group=GROUP, help="Nodes for the training actors."
+    )
     actor_num_gpus_per_node: int = flag(
         "--actor-num-gpus-per-node",
         type=int,
@@ -69,7 +71,9 @@ class ClusterConfig(Declared):
                 f"use a multiple of {per_engine} for --rollout-num-gpus",
             )
         world = args.actor_num_nodes * args.actor_num_gpus_per_node
-        model_parallel = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+        model_parallel = (
+            args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+        )
         if world % model_parallel != 0:
             fail(
                 f"--actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {world} training ranks",

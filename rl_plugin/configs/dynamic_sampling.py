@@ -78,7 +78,9 @@ class DynamicSamplingConfig(Declared):
                 f"use a round count >= 1 (default {DYNAMIC_SAMPLING_MAX_ROUNDS})",
             )
         if osb is not None and osb < 1:
-            fail("--over-sampling-batch-size", f"must be >= 1 (got {osb})", "use a prompt count >= --rollout-batch-size")
+            fail(
+                "--over-sampling-batch-size", f"must be >= 1 (got {osb})", "use a prompt count >= --rollout-batch-size"
+            )
         rbs = args.rollout_batch_size
         if osb is not None and rbs is not None and osb < rbs:
             fail(

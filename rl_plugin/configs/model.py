@@ -51,7 +51,11 @@ class ModelConfig:
     num_virtual_stages_per_pipeline_rank: Optional[int] = None
     sequence_parallel: bool = False
     seed: int = flag(
-        "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234).", **MEGATRON
+        "--seed",
+        type=int,
+        default=1234,
+        help="Random seed for Python, NumPy and torch (Megatron-LM default 1234).",
+        **MEGATRON,
     )
     moe: MoEConfig = MoEConfig()
 

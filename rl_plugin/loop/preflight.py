@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.checkpoint import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.loop.disk_checks import check_output_dirs
