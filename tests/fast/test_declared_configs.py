@@ -86,3 +86,30 @@ def test_rollout_config_carries_the_declared_pieces_under_their_flag_names():
     assert (cfg.rm_type, cfg.rm_url, cfg.rm_timeout, cfg.group_rm) == ("remote_rm", "http://h:1/r", 5.0, True)
     reward = RewardConfig.from_args(args)
     assert all(getattr(cfg, f.name) == getattr(reward, f.name) for f in fields(RewardConfig))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--prompt-data", "p.jsonl"],
+        ["--rm-type", "remote_rm", "--rm-timeout", "0"],
+        ["--overlong-penalty-factor", "2", "--over-sampling-batch-size", "4"],
+        ["--max-weight-staleness", "1", "--colocate", "--update-weight-transport", "nccl"],
+        ["--save-interval", "3", "--overwrite-save", "--save-retain", "0", "--ckpt-step", "-1"],
+    ],
+    ids=lambda a: " ".join(a) or "defaults",
+)
+def test_a_rule_never_writes_args(argv):
+    from rl_plugin.errors import RLArgumentError
+
+    args = build_parser().parse_args(argv)
+    before = dict(vars(args))
+    for cls in CONFIGS:
+        check = getattr(cls, "check", None)
+        try:
+            if check is not None:
+                check(args)
+        except RLArgumentError:
+            pass
+        assert vars(args) == before, f"{cls.__name__}.check wrote args"
