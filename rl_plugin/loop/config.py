@@ -2,7 +2,8 @@
 
 The driver hands ``args`` only to the constructors of what it owns (placement, train group,
 rollout manager, metrics logger, preflight); the schedules, the rollout client, resume and the
-row logger read this object.
+row logger read this object. It declares no flag: each field reads one declared by a config below
+(``same_as``), a nested one (``SyncSettings``), or a value derived from the flags.
 """
 
 from __future__ import annotations

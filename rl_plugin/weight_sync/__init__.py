@@ -11,6 +11,8 @@ One subsystem with its state inside it. A sync is versioned (1, 2, ...) and has 
 - the driver's ``WeightLedger`` (``ledger.py``): which version the engines hold, what was
   published and not yet loaded, the fingerprints to compare (``--check-weight-sync``), the time.
 
+``SyncSettings`` (``settings.py``) declares the flags (transport, bucket size, the check).
+
 Every parameter travels at most once per sync: tied names never, a frozen tensor once (at the
 first sync), a trained tensor when it changed (``changed_at``), a fused q/k/v or gate/up group
 whole (``buckets.py``). In the loop the sync rides on calls made anyway: the train call of rollout
