@@ -26,15 +26,63 @@ from rl_plugin.arguments._util import RLArgumentError, add_flag
 from rl_plugin.flags import check_bounds, declared_flags
 
 # The --help sections, in order: (title, description). A declared flag names its section.
-GROUPS = (("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),)
+GROUPS = (
+    ("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),
+    ("rollout", "Prompts, group sizes, sampling and evaluation of the RL loop."),
+    ("engine", "The generation engine: which one, its size, and a debug hook on its log-probs."),
+    (
+        "rewards",
+        "How a sample is scored: a built-in verifier, your function (per sample or per group), or a remote reward model.",
+    ),
+    (
+        "custom generation",
+        "slime's rollout hooks: multi-turn and tool-using generation, or a whole rollout of your own.",
+    ),
+    (
+        "dynamic sampling",
+        "DAPO's rollout control: over-sample and keep the groups a filter passes; soft over-long shaping.",
+    ),
+    ("weight sync", "How the trainer's weights reach the rollout engines after every rollout."),
+    ("cluster", "Ray placement of the training ranks and the rollout engine."),
+    (
+        "checkpointing",
+        "Which checkpoint to resume, which to keep, and the guard against overwriting a run's (--save, --load and --save-interval are Megatron-LM's).",
+    ),
+    ("fault tolerance", "What the loop does when a worker dies mid-run, and how it stops when asked to."),
+    ("logging", "Where the loop's metrics go."),
+    ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),
+)
 MEGATRON_GROUP = "megatron"
 
 
 def _configs():
     """The config classes that declare flags, in --help order within each section."""
-    from rl_plugin.configs import OptimizerConfig
+    from rl_plugin.configs import EngineConfig, ModelConfig, OptimizerConfig, RolloutConfig
+    from rl_plugin.configs.async_training import AsyncConfig
+    from rl_plugin.configs.checkpointing import CheckpointConfig
+    from rl_plugin.configs.cluster import ClusterConfig
+    from rl_plugin.configs.custom_generation import CustomGenerationConfig
+    from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
+    from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
+    from rl_plugin.configs.logging import LoggingConfig
+    from rl_plugin.configs.rewards import RewardConfig
+    from rl_plugin.weight_sync import SyncSettings
 
-    return (OptimizerConfig,)
+    return (
+        ModelConfig,  # --seed only, for now
+        OptimizerConfig,
+        RolloutConfig,
+        EngineConfig,
+        RewardConfig,
+        CustomGenerationConfig,
+        DynamicSamplingConfig,
+        SyncSettings,
+        ClusterConfig,
+        CheckpointConfig,
+        FaultToleranceConfig,
+        LoggingConfig,
+        AsyncConfig,
+    )
 
 
 FLAG_MODULES = (
@@ -46,17 +94,8 @@ FLAG_MODULES = (
     "metrics",
     "fsdp_backend",
     "moe",
-    "rollout",
-    "rewards",
-    "custom_rollout",
-    "weight_sync",
     "off_policy",
     "routing_replay",
-    "cluster",
-    "logging",
-    "checkpointing",
-    "fault_tolerance",
-    "async_training",
 )
 
 

@@ -15,9 +15,9 @@ import json
 import sys
 
 from rl_plugin.arguments import RLArgumentError, validate_world
-from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.configs.cluster import planned_dp_size
 
 NO_FILE_CHECKS = "--no-file-checks"
 

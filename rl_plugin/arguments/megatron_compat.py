@@ -92,37 +92,16 @@ def add_arguments(parser):
     )
     add_flag(g, "--fp16", action="store_true", help="Train in float16 (Megatron-LM). Not recommended for RL.")
     add_flag(
-        g, "--seed", type=int, default=1234, help="Random seed for Python, NumPy and torch (Megatron-LM default 1234)."
-    )
-    add_flag(
         g,
         "--calculate-per-token-loss",
         action="store_true",
         help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
-    )
-    add_flag(g, "--save", type=str, default=None, help="Checkpoint directory to save to (Megatron-LM).")
-    add_flag(g, "--load", type=str, default=None, help="Checkpoint directory to resume from (Megatron-LM).")
-    add_flag(
-        g,
-        "--save-interval",
-        type=int,
-        default=None,
-        help="Save a checkpoint every N rollouts (Megatron-LM spells it in steps; rl-plugin-train saves between rollouts, so that resume restores the dataset position too), and always after the last rollout.",
-    )
-    add_flag(
-        g,
-        "--log-interval",
-        type=int,
-        default=1,
-        help="Print a one-line summary of the training metrics (reward, loss, grad norm, step timings) every N optimizer steps, with or without the progress bar.",
     )
     return parser
 
 
 # (flag, attribute, lowest allowed, lowest is allowed, highest (exclusive) or None, example fix)
 RANGES = (
-    ("--save-interval", "save_interval", 1, True, None, "--save-interval 10 (rollouts)"),
-    ("--log-interval", "log_interval", 1, True, None, "--log-interval 1"),
     ("--micro-batch-size", "micro_batch_size", 1, True, None, "--micro-batch-size 1"),
     ("--seq-length", "seq_length", 1, True, None, "--seq-length 4096"),
     ("--tensor-model-parallel-size", "tensor_model_parallel_size", 1, True, None, "--tensor-model-parallel-size 1"),
@@ -176,12 +155,6 @@ def validate(args) -> None:
             )
             fail(flag, f"must be {'in ' if high is not None else ''}{interval} (got {value})", f"use e.g. {example}")
     _validate_virtual_pipeline(args)
-    if getattr(args, "save_interval", None) is not None and getattr(args, "save", "unset") is None:
-        fail(
-            "--save-interval without --save",
-            "there is no checkpoint directory, so the interval would be silently ignored",
-            "add --save DIR, or drop --save-interval",
-        )
 
 
 def _validate_virtual_pipeline(args) -> None:

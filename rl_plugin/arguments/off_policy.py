@@ -2,12 +2,10 @@
 
 - Truncated / masked importance sampling between the engine's sampling policy and the trainer's
   old policy (``rl_plugin/loss/offpolicy.py``), and ``--use-rollout-logprobs``.
-- Dynamic sampling and over-long shaping of DAPO (``rl_plugin/rollout/filters.py``).
 - DeepSpeed parity: the gradient-scale decoupling and DeepSpeed's metric names.
 
 Names follow slime where slime has the flag (``--use-tis``, ``--tis-clip``, ``--tis-clip-low``,
-``--custom-tis-function-path``, ``--use-rollout-logprobs``, ``--over-sampling-batch-size``,
-``--dynamic-sampling-filter-path``); level and mode follow verl's ``rollout_is_level`` /
+``--custom-tis-function-path``, ``--use-rollout-logprobs``); level and mode follow verl's ``rollout_is_level`` /
 ``rollout_is_mode``.
 """
 
@@ -17,7 +15,7 @@ import math
 
 from rl_plugin.arguments._util import RLArgumentError, add_flag, fail
 from rl_plugin.arguments.aggregation import resolved_mode
-from rl_plugin.registries import BUILTIN_FILTER, DYNAMIC_SAMPLING_MAX_ROUNDS, TIS_LEVELS, TIS_MODES
+from rl_plugin.registries import TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import FORMS, UserCodeError, load_function
 
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
@@ -26,7 +24,7 @@ DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 def add_arguments(parser):
     g = parser.add_argument_group(
         "off-policy correction and rollout control",
-        "Importance sampling between the rollout engine and the trainer; DAPO dynamic sampling and over-long shaping.",
+        "Importance sampling between the rollout engine and the trainer; DeepSpeed parity.",
     )
     add_flag(
         g,
@@ -84,48 +82,6 @@ def add_arguments(parser):
         "--use-rollout-logprobs",
         action="store_true",
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
-    )
-    add_flag(
-        g,
-        "--over-sampling-batch-size",
-        type=int,
-        default=None,
-        help="Dynamic sampling (DAPO, Yu et al. 2025): prompts sampled per round; rounds repeat until --rollout-batch-size groups pass --dynamic-sampling-filter-path, and only those are trained on. Default: --rollout-batch-size. Needs the filter.",
-    )
-    add_flag(
-        g,
-        "--dynamic-sampling-filter-path",
-        type=str,
-        default=None,
-        help=f"Group filter of dynamic sampling, 'package.module:function' or 'file.py:function' (the forms of --custom-rm-path), slime's signature fn(args, samples, **kw) -> bool (or an object with .keep), deciding on the raw rewards before any shaping. It must return a bool (numpy.bool_ is accepted; None, strings, ints and tensors stop the run at the first group, naming the filter). Built-in: {BUILTIN_FILTER} (keep groups whose rewards are not all equal; DAPO's filter).",
-    )
-    add_flag(
-        g,
-        "--dynamic-sampling-max-rounds",
-        type=int,
-        default=DYNAMIC_SAMPLING_MAX_ROUNDS,
-        help="Dynamic sampling: rounds of --over-sampling-batch-size prompts a rollout may generate to fill --rollout-batch-size passing groups before the run stops, naming the counts (each round after the first prints a progress line). Lower it to fail fast on a filter that rejects nearly everything; raise it for a task where few groups pass.",
-    )
-    add_flag(
-        g,
-        "--overlong-buffer-len",
-        type=int,
-        default=None,
-        help="DAPO's soft over-long punishment (Yu et al. 2025, sec. 3.4): a response longer than --rollout-max-response-len minus this buffer loses reward linearly, reaching -(--overlong-penalty-factor) at the maximum length. Applied after the dynamic-sampling filter. DAPO uses a 4096-token buffer at 20480.",
-    )
-    add_flag(
-        g,
-        "--overlong-penalty-factor",
-        type=float,
-        default=None,
-        help="Maximum over-long penalty (default 1.0 with --overlong-buffer-len, as in DAPO).",
-    )
-    add_flag(
-        g,
-        "--debug-rollout-logprob-shift",
-        type=float,
-        default=0.0,
-        help="Testing and debugging only: subtract d from every log-prob the engine returns, i.e. simulate an engine whose sampling policy disagrees with the trainer by log pi_old - log pi_rollout = d on every token, so the TIS weight (exp(d), then clipped) and the mismatch metrics (|d|, e^d - 1 - d) are known exactly. Never use it in training.",
     )
     add_flag(
         g,
@@ -226,79 +182,6 @@ def _validate_tis(args) -> None:
         _importable("--custom-tis-function-path", args.custom_tis_function_path)
 
 
-def _validate_rollout_control(args) -> None:
-    osb, path = args.over_sampling_batch_size, args.dynamic_sampling_filter_path
-    if osb is not None and path is None:
-        fail(
-            "--over-sampling-batch-size without --dynamic-sampling-filter-path",
-            "over-sampling without a filter samples prompts that are then thrown away unfiltered",
-            f"add --dynamic-sampling-filter-path {BUILTIN_FILTER}, or drop --over-sampling-batch-size",
-        )
-    rounds = args.dynamic_sampling_max_rounds
-    if rounds != DYNAMIC_SAMPLING_MAX_ROUNDS and path is None:
-        fail(
-            "--dynamic-sampling-max-rounds without --dynamic-sampling-filter-path",
-            "without a filter a rollout is one round, so the cap would be silently ignored",
-            f"add --dynamic-sampling-filter-path {BUILTIN_FILTER}, or drop --dynamic-sampling-max-rounds",
-        )
-    if rounds < 1:
-        fail(
-            "--dynamic-sampling-max-rounds",
-            f"must be >= 1 (got {rounds})",
-            f"use a round count >= 1 (default {DYNAMIC_SAMPLING_MAX_ROUNDS})",
-        )
-    if osb is not None and osb < 1:
-        fail("--over-sampling-batch-size", f"must be >= 1 (got {osb})", "use a prompt count >= --rollout-batch-size")
-    rbs = args.rollout_batch_size
-    if osb is not None and rbs is not None and osb < rbs:
-        fail(
-            f"--over-sampling-batch-size {osb} with --rollout-batch-size {rbs}",
-            "a round samples fewer prompts than a rollout trains on, so even a round where every group passes cannot fill the batch",
-            f"use --over-sampling-batch-size >= {rbs} (DAPO over-samples, e.g. {2 * rbs})",
-        )
-    if path is not None:
-        _importable("--dynamic-sampling-filter-path", path)
-    buf, factor = args.overlong_buffer_len, args.overlong_penalty_factor
-    if factor is not None and buf is None:
-        fail(
-            "--overlong-penalty-factor without --overlong-buffer-len",
-            "the penalty needs the buffer where it ramps up, so it would be silently ignored",
-            "add --overlong-buffer-len N (DAPO: 4096)",
-        )
-    if factor is not None and not (math.isfinite(factor) and factor >= 0):
-        fail("--overlong-penalty-factor", f"must be a finite number >= 0 (got {factor})", "use e.g. 1.0")
-    if buf is not None:
-        if buf < 1:
-            fail(
-                "--overlong-buffer-len",
-                f"must be >= 1 (got {buf})",
-                "use a positive token count, e.g. a quarter of --rollout-max-response-len",
-            )
-        max_len = args.rollout_max_response_len
-        if max_len is not None and buf >= max_len:
-            fail(
-                f"--overlong-buffer-len {buf} with --rollout-max-response-len {max_len}",
-                "the buffer must leave a penalty-free length L_max - buffer > 0, or every response is punished",
-                f"use --overlong-buffer-len < {max_len}",
-            )
-
-
-def _validate_debug(args) -> None:
-    d = args.debug_rollout_logprob_shift
-    if not math.isfinite(d):
-        fail(
-            "--debug-rollout-logprob-shift",
-            f"must be a finite number (got {d})",
-            "use e.g. 0.5, or drop the flag (it is for tests only)",
-        )
-    if d != 0 and args.use_rollout_logprobs:
-        fail(
-            "--debug-rollout-logprob-shift with --use-rollout-logprobs",
-            "the shifted engine log-probs would become the old log-probs and the shift would be trained on, not measured",
-            "drop --use-rollout-logprobs",
-        )
-
-
 def _validate_deepspeed(args) -> None:
     if args.deepspeed_grad_scale:
         agg = resolved_mode(args)
@@ -318,6 +201,4 @@ def _validate_deepspeed(args) -> None:
 
 def validate(args) -> None:
     _validate_tis(args)
-    _validate_rollout_control(args)
-    _validate_debug(args)
     _validate_deepspeed(args)

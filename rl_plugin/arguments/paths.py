@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Optional
 
 from rl_plugin.arguments._util import fail
-from rl_plugin.arguments.checkpointing import same_dir
 from rl_plugin.arguments.model_layout import check_model_layout
 from rl_plugin.checkpoint.layout import PARTIAL, STEP_DIR, TRACKER, latest_step
+from rl_plugin.configs.checkpointing import same_dir
 from rl_plugin.user_code import check_source
 
 

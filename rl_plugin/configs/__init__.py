@@ -14,7 +14,13 @@ default)`` below the CLI); a value derived from several flags is computed here, 
 - ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
   the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``)
 - ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
-- ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
+- ``RolloutConfig``: the rollout manager: data, group sizes, evaluation; it carries the fields of
+  ``RewardConfig`` (``rewards.py``), ``CustomGenerationConfig`` (``custom_generation.py``) and
+  ``DynamicSamplingConfig`` (``dynamic_sampling.py``, with the over-long shaping), which declare them
+- the loop's flags, read by ``rl_plugin.loop.LoopConfig``: ``ClusterConfig`` (``cluster.py``),
+  ``CheckpointConfig`` (``checkpointing.py``), ``FaultToleranceConfig`` (``fault_tolerance.py``),
+  ``LoggingConfig`` (``logging.py``), ``AsyncConfig`` (``async_training.py``); the weight sync's are
+  ``rl_plugin.weight_sync.SyncSettings``
 
 ``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
 in the process that builds it.

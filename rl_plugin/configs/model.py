@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rl_plugin.configs.megatron import MEGATRON
+from rl_plugin.flags import flag
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -47,7 +50,13 @@ class ModelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     num_virtual_stages_per_pipeline_rank: Optional[int] = None
     sequence_parallel: bool = False
-    seed: int = 1234
+    seed: int = flag(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Random seed for Python, NumPy and torch (Megatron-LM default 1234).",
+        **MEGATRON,
+    )
     moe: MoEConfig = MoEConfig()
 
     @classmethod

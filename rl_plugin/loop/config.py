@@ -2,7 +2,8 @@
 
 The driver hands ``args`` only to the constructors of what it owns (placement, train group,
 rollout manager, metrics logger, preflight); the schedules, the rollout client, resume and the
-row logger read this object.
+row logger read this object. It declares no flag: each field reads one declared by a config below
+(``same_as``), a nested one (``SyncSettings``), or a value derived from the flags.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rl_plugin.configs import EngineConfig, RolloutConfig
+from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
+from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
+from rl_plugin.configs.logging import LoggingConfig
+from rl_plugin.flags import Declared, derived, nested, same_as
 from rl_plugin.weight_sync import SyncSettings
 
 DEFAULT_OUTPUT_DIR = "outputs/run"
@@ -21,63 +27,39 @@ def output_dir_of(args) -> Path:
     return Path(args.output_dir or DEFAULT_OUTPUT_DIR)
 
 
-@dataclass(frozen=True)
-class LoopConfig:
-    num_rollout: int
-    rollout_batch_size: int  # prompt groups per rollout
-    train_backend: str
-    rollout_engine: str
-    advantage_estimator: str
-    global_batch_size: Optional[int]  # None: one step per rollout
-    docs_per_step: Optional[int]  # --docs-per-step: the ranks plan their steps
-    overlapped: bool  # --max-weight-staleness > 0
-    sync: SyncSettings
-    save: Optional[str]
-    save_interval: Optional[int]
-    load: Optional[str]
-    ckpt_step: Optional[int]  # --ckpt-step: the step of --load to resume (None: the tracker's)
-    save_retain: Optional[int]  # --save-retain: keep the newest N checkpoints (None: all)
-    save_retain_interval: Optional[int]  # --save-retain-interval: and those after a multiple of K rollouts
-    overwrite_save: bool
-    eval_interval: Optional[int]
-    log_interval: int
-    progress_bar: bool
-    max_rollout_retries: int
-    output_dir: Path
-    metrics_file: Path
+def _metrics_file(args) -> Path:
+    return Path(args.metrics_file or output_dir_of(args) / "metrics.jsonl")
 
-    @classmethod
-    def from_args(cls, args) -> "LoopConfig":
-        output_dir = output_dir_of(args)
-        return cls(
-            num_rollout=int(args.num_rollout),
-            rollout_batch_size=int(args.rollout_batch_size),
-            train_backend=args.train_backend,
-            rollout_engine=args.rollout_engine,
-            advantage_estimator=args.advantage_estimator,
-            global_batch_size=args.global_batch_size,
-            docs_per_step=args.docs_per_step,
-            overlapped=args.max_weight_staleness > 0,
-            sync=SyncSettings(
-                buffer_bytes=args.update_weight_buffer_size,
-                transport=args.update_weight_transport,
-                check=bool(args.check_weight_sync),
-                slots=2 if args.max_weight_staleness > 0 else 1,
-            ),
-            save=args.save,
-            save_interval=args.save_interval,
-            load=args.load,
-            ckpt_step=args.ckpt_step,
-            save_retain=args.save_retain,
-            save_retain_interval=args.save_retain_interval,
-            overwrite_save=bool(args.overwrite_save),
-            eval_interval=args.eval_interval,
-            log_interval=int(args.log_interval),
-            progress_bar=not args.no_progress_bar,
-            max_rollout_retries=int(args.max_rollout_retries),
-            output_dir=output_dir,
-            metrics_file=Path(args.metrics_file or output_dir / "metrics.jsonl"),
-        )
+
+def _flag(name: str, default):
+    """A flag declared by a train-side config (read as given; ``same_as`` once that config declares it)."""
+    return derived(lambda args: getattr(args, name), default)
+
+
+@dataclass(frozen=True)
+class LoopConfig(Declared):
+    num_rollout: Optional[int] = same_as(RolloutConfig, "num_rollout")
+    rollout_batch_size: Optional[int] = same_as(RolloutConfig, "rollout_batch_size")  # prompt groups per rollout
+    train_backend: str = _flag("train_backend", "megatron")
+    rollout_engine: str = same_as(EngineConfig, "engine")
+    advantage_estimator: str = _flag("advantage_estimator", "grpo")
+    global_batch_size: Optional[int] = _flag("global_batch_size", None)  # None: one step per rollout
+    docs_per_step: Optional[int] = _flag("docs_per_step", None)  # --docs-per-step: the ranks plan their steps
+    overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
+    sync: SyncSettings = nested(SyncSettings)
+    save: Optional[str] = same_as(Ckpt, "save")
+    save_interval: Optional[int] = same_as(Ckpt, "save_interval")
+    load: Optional[str] = same_as(Ckpt, "load")
+    ckpt_step: Optional[int] = same_as(Ckpt, "ckpt_step")
+    save_retain: Optional[int] = same_as(Ckpt, "save_retain")
+    save_retain_interval: Optional[int] = same_as(Ckpt, "save_retain_interval")
+    overwrite_save: bool = same_as(Ckpt, "overwrite_save")
+    eval_interval: Optional[int] = same_as(RolloutConfig, "eval_interval")
+    log_interval: int = same_as(LoggingConfig, "log_interval")
+    progress_bar: bool = derived(lambda args: not args.no_progress_bar, True)
+    max_rollout_retries: int = same_as(FaultToleranceConfig, "max_rollout_retries")
+    output_dir: Path = derived(output_dir_of, Path(DEFAULT_OUTPUT_DIR))
+    metrics_file: Path = derived(_metrics_file, Path(DEFAULT_OUTPUT_DIR) / "metrics.jsonl")
 
     def eval_due(self, k: int) -> bool:
         """Whether the eval runs after rollout k (every --eval-interval rollouts, and after the last)."""

@@ -28,11 +28,11 @@ import ray
 import torch
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments.async_training import staleness_warning
-from rl_plugin.arguments.rollout import validate_engine_installed
 from rl_plugin.checkpoint.commit import move_checkpoints_aside, remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, resume_step, step_dir
+from rl_plugin.configs.async_training import staleness_warning
+from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded

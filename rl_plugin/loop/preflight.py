@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
-from rl_plugin.arguments.cluster import planned_dp_size
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family

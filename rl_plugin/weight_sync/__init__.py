@@ -11,6 +11,8 @@ One subsystem with its state inside it. A sync is versioned (1, 2, ...) and has 
 - the driver's ``WeightLedger`` (``ledger.py``): which version the engines hold, what was
   published and not yet loaded, the fingerprints to compare (``--check-weight-sync``), the time.
 
+``SyncSettings`` (``settings.py``) declares the flags (transport, bucket size, the check).
+
 Every parameter travels at most once per sync: tied names never, a frozen tensor once (at the
 first sync), a trained tensor when it changed (``changed_at``), a fused q/k/v or gate/up group
 whole (``buckets.py``). In the loop the sync rides on calls made anyway: the train call of rollout
@@ -20,9 +22,10 @@ k publishes at its end, the next manager call (generate or evaluate) loads befor
 from rl_plugin.weight_sync.buckets import changed_bitwise, fused_group, iter_buckets, plan_buckets, tensor_bytes
 from rl_plugin.weight_sync.fingerprint import compare_fingerprints, weights_fingerprint
 from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest, node_id
-from rl_plugin.weight_sync.ledger import SyncSettings, WeightLedger
+from rl_plugin.weight_sync.ledger import WeightLedger
 from rl_plugin.weight_sync.publisher import WeightPublisher
 from rl_plugin.weight_sync.receiver import WeightReceiver, load_sync
+from rl_plugin.weight_sync.settings import SyncSettings
 from rl_plugin.weight_sync.transport import TRANSPORTS
 
 __all__ = [

@@ -16,23 +16,13 @@ once per rollout manager), and the seconds both sides spent since the last logge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from rl_plugin.errors import LoopError, WeightSyncError
 from rl_plugin.weight_sync.fingerprint import compare_fingerprints
 from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle, SyncRequest
+from rl_plugin.weight_sync.settings import SyncSettings
 from rl_plugin.weight_sync.transport import DISTRIBUTED
-
-
-@dataclass(frozen=True)
-class SyncSettings:
-    """The flags of the weight sync, read once."""
-
-    buffer_bytes: int  # --update-weight-buffer-size
-    transport: str  # --update-weight-transport
-    check: bool  # --check-weight-sync
-    slots: int  # 2 under --max-weight-staleness > 0 (a load of v - 1 may run while v is published)
 
 
 class WeightLedger:
@@ -69,7 +59,7 @@ class WeightLedger:
             transport=s.transport,
             engine_nodes=self.engine_nodes,
             since_version=self.engine_version,
-            fingerprint=s.check,
+            fingerprint=s.check_weights,
             slots=s.slots,
             group=group,
         )
@@ -114,7 +104,7 @@ class WeightLedger:
         if load is None:
             raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
         self.load_seconds += load["seconds"]
-        if self.settings.check:
+        if self.settings.check_weights:
             for i, rollout in enumerate(load["fingerprints"]):
                 try:
                     compare_fingerprints(handle.fingerprint, rollout)

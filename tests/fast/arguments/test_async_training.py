@@ -1,11 +1,11 @@
-"""The rules of --max-weight-staleness (rl_plugin/arguments/async_training.py): refused values name
+"""The rules of --max-weight-staleness (rl_plugin/configs/async_training.py): refused values name
 the flag, the rule and the fix; an uncorrected stale run is allowed with a warning that names the
 two corrections. (The loop itself is tested end to end in e2e/test_loop.py.)"""
 
 import pytest
 
 from rl_plugin.arguments import parse_args
-from rl_plugin.arguments.async_training import staleness_warning
+from rl_plugin.configs.async_training import staleness_warning
 from tests.support.flag_rules import assert_refused
 
 RULES = [

@@ -1,4 +1,4 @@
-"""The reward flags' rules (``rl_plugin.arguments.rewards``): each refusal names the flags, the
+"""The reward flags' rules (``rl_plugin.configs.rewards``): each refusal names the flags, the
 rule and the fix; ``--group-rm`` with a per-sample function is refused by the preflight, before Ray."""
 
 from __future__ import annotations

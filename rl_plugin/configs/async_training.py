@@ -1,4 +1,4 @@
-"""Flags of overlapped (one-step asynchronous) training: generation of the next rollout runs while
+"""AsyncConfig: overlapped (one-step asynchronous) training, generation of the next rollout while
 the trainer trains on this one.
 
 The name is miles' (and slime's fully-async examples') ``--max-weight-staleness``: how many
@@ -10,23 +10,22 @@ the synchronous loop, unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.errors import fail
+from rl_plugin.flags import Declared, flag
 
 MAX_IMPLEMENTED_STALENESS = 1
 
 
-def add_arguments(parser):
-    g = parser.add_argument_group(
-        "overlapped training",
-        "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy).",
-    )
-    add_flag(
-        g,
+@dataclass(frozen=True)
+class AsyncConfig(Declared):
+    max_weight_staleness: int = flag(
         "--max-weight-staleness",
         type=int,
         default=0,
+        group="overlapped training",
         help=(
             "0: the synchronous loop (generate rollout k, train on it, sync the weights). 1: overlapped training "
             "(slime train_async.py, miles fully-async; one-step off-policy as in Noukhovitch et al. 2024 'Asynchronous "
@@ -38,31 +37,30 @@ def add_arguments(parser):
             "generation and training run on separate devices, so neither idles while the other works."
         ),
     )
-    return parser
 
-
-def validate(args) -> None:
-    n = args.max_weight_staleness
-    if n is None or n < 0:
-        fail(
-            "--max-weight-staleness",
-            f"must be >= 0 (got {n})",
-            "use 0 (synchronous) or 1 (generate the next rollout while training)",
-        )
-    if n > MAX_IMPLEMENTED_STALENESS:
-        fail(
-            f"--max-weight-staleness {n}",
-            f"only a lag of at most {MAX_IMPLEMENTED_STALENESS} rollout is implemented "
-            "(the engine is never updated mid-generation, so one rollout ahead is the most the loop keeps in flight)",
-            "use --max-weight-staleness 1",
-        )
-    if n > 0 and args.colocate:
-        fail(
-            f"--max-weight-staleness {n} with --colocate",
-            "a colocated engine time-shares the training devices, so "
-            "generation cannot overlap training (slime's train_async.py refuses colocation too)",
-            "drop --colocate (give the engine its own devices), or use --max-weight-staleness 0",
-        )
+    @classmethod
+    def check(cls, args) -> None:
+        n = args.max_weight_staleness
+        if n is None or n < 0:
+            fail(
+                "--max-weight-staleness",
+                f"must be >= 0 (got {n})",
+                "use 0 (synchronous) or 1 (generate the next rollout while training)",
+            )
+        if n > MAX_IMPLEMENTED_STALENESS:
+            fail(
+                f"--max-weight-staleness {n}",
+                f"only a lag of at most {MAX_IMPLEMENTED_STALENESS} rollout is implemented "
+                "(the engine is never updated mid-generation, so one rollout ahead is the most the loop keeps in flight)",
+                "use --max-weight-staleness 1",
+            )
+        if n > 0 and args.colocate:
+            fail(
+                f"--max-weight-staleness {n} with --colocate",
+                "a colocated engine time-shares the training devices, so "
+                "generation cannot overlap training (slime's train_async.py refuses colocation too)",
+                "drop --colocate (give the engine its own devices), or use --max-weight-staleness 0",
+            )
 
 
 def staleness_warning(args) -> Optional[str]:

@@ -1,21 +1,26 @@
-"""Flags of fault tolerance: how often the loop restarts a dead rollout engine before giving up, and how
+"""FaultToleranceConfig: how often the loop restarts a dead rollout engine before giving up, and how
 it stops when asked to (exit signals, a wall-time budget: Megatron-LM's names)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
+from typing import Optional
 
-from rl_plugin.arguments._util import add_flag, fail
+from rl_plugin.errors import fail
+from rl_plugin.flags import Declared, flag
+
+GROUP = "fault tolerance"
 
 
-def add_arguments(parser):
-    g = parser.add_argument_group("fault tolerance", "What the loop does when a worker dies mid-run.")
-    add_flag(
-        g,
+@dataclass(frozen=True)
+class FaultToleranceConfig(Declared):
+    max_rollout_retries: int = flag(
         "--max-rollout-retries",
         type=int,
         default=3,
+        group=GROUP,
         help=(
             "When the rollout engine's actor dies (a crashed or killed process, a lost node), restart it, load the "
             "current weights into it and retry the rollout, at most this many times per run; generation is seeded "
@@ -24,11 +29,11 @@ def add_arguments(parser):
             "reward function, bad data) are never retried: they would fail again."
         ),
     )
-    add_flag(
-        g,
+    exit_signal_handler: bool = flag(
         "--exit-signal-handler",
         action=argparse.BooleanOptionalAction,
         default=True,
+        group=GROUP,
         help=(
             "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default) or SIGHUP, finish the "
             "optimizer steps in progress, write a checkpoint when --save is set, print the last checkpoint and the "
@@ -37,32 +42,31 @@ def add_arguments(parser):
             "there); --no-exit-signal-handler leaves the signals' default actions."
         ),
     )
-    add_flag(
-        g,
+    exit_duration_in_mins: Optional[float] = flag(
         "--exit-duration-in-mins",
         type=float,
         default=None,
+        group=GROUP,
         help=(
             "Megatron-LM's wall-time budget: once this many minutes have passed since the run started, save (with "
             "--save) and stop between two rollouts, printing the resume command; exit code 0. Leave headroom for one "
             "rollout and one save below the scheduler's limit."
         ),
     )
-    return parser
 
-
-def validate(args) -> None:
-    n = args.max_rollout_retries
-    if n is None or n < 0:
-        fail(
-            "--max-rollout-retries",
-            f"must be >= 0 (got {n})",
-            "use 0 to stop at the first engine death, or a small count such as 3",
-        )
-    m = args.exit_duration_in_mins
-    if m is not None and not (math.isfinite(m) and m > 0):
-        fail(
-            "--exit-duration-in-mins",
-            f"must be a positive number of minutes (got {m})",
-            "pass the job's wall-time limit minus one rollout and one save, e.g. --exit-duration-in-mins 230",
-        )
+    @classmethod
+    def check(cls, args) -> None:
+        n = args.max_rollout_retries
+        if n is None or n < 0:
+            fail(
+                "--max-rollout-retries",
+                f"must be >= 0 (got {n})",
+                "use 0 to stop at the first engine death, or a small count such as 3",
+            )
+        m = args.exit_duration_in_mins
+        if m is not None and not (math.isfinite(m) and m > 0):
+            fail(
+                "--exit-duration-in-mins",
+                f"must be a positive number of minutes (got {m})",
+                "pass the job's wall-time limit minus one rollout and one save, e.g. --exit-duration-in-mins 230",
+            )
