@@ -58,7 +58,7 @@ def measure(engine_name: str, ckpt: str, batch_sizes, lengths, repeats: int) -> 
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
     from rl_plugin.weight_sync import iter_buckets
 
     eng = make_engine(engine_name, ckpt)

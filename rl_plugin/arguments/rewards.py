@@ -1,7 +1,7 @@
 """Flags of the sample-level and remote rewards (slime's spellings): ``--group-rm``,
 ``--reward-key`` and the remote reward model's ``--rm-url`` and its client settings.
 ``--rm-type`` and ``--custom-rm-path`` are in ``rollout``; the scorer is
-``rl_plugin.rollout.sample_rewards``, the HTTP client ``rl_plugin.rollout.remote_rm``."""
+``rl_plugin.rollout.rewards.scorer``, the HTTP client ``rl_plugin.rollout.rewards.remote_rm``."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import ray
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.ray.gpu_check import require_cuda
-from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 

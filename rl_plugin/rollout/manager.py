@@ -52,15 +52,15 @@ from rl_plugin.rollout.custom_rollout import (
     run_generate_hook,
     run_rollout_function,
 )
-from rl_plugin.rollout.dataset import PromptDataset
+from rl_plugin.rollout.data.dataset import PromptDataset
+from rl_plugin.rollout.data.tokenizer import load_tokenizer
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
-from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
+from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, flatten_samples, rollout_stats
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.rollout.sample_check import check_samples
-from rl_plugin.rollout.sample_rewards import SampleScorer
-from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
-from rl_plugin.rollout.engine import Generation
+from rl_plugin.rollout.engines.base import Generation
 from rl_plugin.tensor_pickle import reduce_dataclass
 
 

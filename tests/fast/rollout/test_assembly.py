@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from rl_plugin.rollout.engine import Generation
-from rl_plugin.rollout.rewards import RewardFunctionError, score_responses
+from rl_plugin.rollout.data.task import digit_match_reward
+from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
 from rl_plugin.rollout.rollout_data import flatten_generations
-from rl_plugin.rollout.task import digit_match_reward
 
 
 def _generations(seed: int):

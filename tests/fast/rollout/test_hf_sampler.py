@@ -1,4 +1,4 @@
-"""The hf engine's lean sampler (``rl_plugin.rollout.hf_sampler.sample``) against ``model.generate``.
+"""The hf engine's lean sampler (``rl_plugin.rollout.engines.hf_sampler.sample``) against ``model.generate``.
 
 Bitwise: with the full-batch prefill (``share_prompt_prefill=False``) both run the same model on
 the same inputs and draw from the same global RNG, so the tokens, the fp32 log-probs and the RNG
@@ -16,8 +16,8 @@ from functools import partial
 import pytest
 import torch
 
-from rl_plugin.rollout.engine import SamplingParams, make_engine
-from rl_plugin.rollout.hf_sampler import distinct_prompts, lean_sampling_blocker, sample, sample_with_generate
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.engines.hf_sampler import distinct_prompts, lean_sampling_blocker, sample, sample_with_generate
 
 EOS, PAD = 2, 0
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
-from rl_plugin.rollout.dataset import read_jsonl
+from rl_plugin.rollout.data.dataset import read_jsonl
+from rl_plugin.rollout.data.prompt_check import check_labels
 from rl_plugin.rollout.filters import FilterResultError, FilterSample, GroupFilter, keep_decision, load_filter
-from rl_plugin.rollout.prompt_check import check_labels
-from rl_plugin.rollout.rewards import load_reward_fn
+from rl_plugin.rollout.rewards.functions import load_reward_fn
 from tests.support.flag_rules import assert_refused
 
 GROUP = [FilterSample("12=", "12", "12", r, 2, False) for r in (1.0, 0.5)]

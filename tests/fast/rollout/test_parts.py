@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from rl_plugin.rollout.dataset import PromptDataset, read_jsonl
-from rl_plugin.rollout.engine import SamplingParams, make_engine
-from rl_plugin.rollout.rewards import REWARDS, extract_final_answer, load_reward_fn, score_responses
-from rl_plugin.rollout.task import digit_match_reward, make_task_records, write_task_data
-from rl_plugin.rollout.tokenizer import CharTokenizer, load_tokenizer
+from rl_plugin.rollout.data.dataset import PromptDataset, read_jsonl
+from rl_plugin.rollout.data.task import digit_match_reward, make_task_records, write_task_data
+from rl_plugin.rollout.data.tokenizer import CharTokenizer, load_tokenizer
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.rewards.functions import REWARDS, extract_final_answer, load_reward_fn, score_responses
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
 

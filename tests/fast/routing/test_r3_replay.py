@@ -36,8 +36,8 @@ def moe_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(moe_ckpt):
     """The disagreeing engine's rollout: 3 prompts x 2 samples, flat, with its routed experts."""
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
     from rl_plugin.rollout.rollout_data import flatten_generations
     from rl_plugin.routing.hf import install_routing_flip
 

@@ -1,6 +1,6 @@
 """Hugging Face models as the rollout engine (the default; runs on CPU).
 
-Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
+Sampling is ``rl_plugin.rollout.engines.hf_sampler.sample``, a lean loop equal bit for bit to
 ``model.generate`` (which it falls back to where it cannot be, see that module) that prefills a
 rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length, so
 no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
@@ -20,8 +20,14 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
-from rl_plugin.rollout.hf_sampler import distinct_prompts, model_blocker, sample, sample_with_generate, values_blocker
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
+from rl_plugin.rollout.engines.hf_sampler import (
+    distinct_prompts,
+    model_blocker,
+    sample,
+    sample_with_generate,
+    values_blocker,
+)
 from rl_plugin.routing.hf import RoutingRecorder, routing_shape
 
 

@@ -49,7 +49,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 

@@ -19,7 +19,7 @@ label: preflight refuses null or empty ones (``prompt_check.check_labels``).
 
 ``--custom-rm-path`` is ``package.module:function``, ``package.module.function`` or
 ``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``. The rollout
-scores through ``rl_plugin.rollout.sample_rewards.SampleScorer``, which also takes slime's
+scores through ``rl_plugin.rollout.rewards.scorer.SampleScorer``, which also takes slime's
 ``rm(args, sample)`` / ``--group-rm`` forms and ``--rm-type remote_rm`` (``remote_rm.py``) and
 calls ``score_responses`` below for this module's form.
 """
@@ -33,7 +33,7 @@ from fractions import Fraction
 from typing import Callable, List, Sequence
 
 from rl_plugin.registries import REWARDS  # the names (--rm-type); entries point at the functions below
-from rl_plugin.rollout.task import digit_match_reward
+from rl_plugin.rollout.data.task import digit_match_reward
 from rl_plugin.user_code import UserCodeError, describe_exception, load_function, where
 
 RewardFn = Callable[[str, str, object], float]

@@ -34,9 +34,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from rl_plugin.rollout.child_process import popen_dying_with_parent
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
-from rl_plugin.rollout.vllm_engine import sample_seed
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.rollout.engines.child_process import popen_dying_with_parent
+from rl_plugin.rollout.engines.vllm_engine import sample_seed
 from rl_plugin.routing.engines import refusal
 
 STARTUP_TIMEOUT_S = 600.0
