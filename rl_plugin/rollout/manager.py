@@ -137,13 +137,7 @@ class RolloutManager:
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = (
-            None
-            if self.engines
-            else make_engine(
-                cfg.engine.engine, checkpoint_dir, device=device, record_routed_experts=cfg.engine.record_routed_experts
-            )
-        )
+        self.engine = None if self.engines else make_engine(cfg.engine, checkpoint_dir, device=device)
         if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
             if self.engine is None:
                 raise ValueError(

@@ -156,12 +156,13 @@ def _vllm_process(ckpts, exports):
     checked, and samples of the synced engine (the last trainer's weights)."""
     import gc
 
+    from rl_plugin.configs import EngineConfig
     from rl_plugin.rollout.engines.base import SamplingParams, make_engine
 
     params = SamplingParams(1.0, 1.0, 8)
     out = {}
     for case, ckpt in ckpts.items():
-        engine = make_engine("vllm", ckpt, seed=0)
+        engine = make_engine(EngineConfig(engine="vllm", seed=0), ckpt)
         out[(case, 0)] = engine.generate(_prompts(), params, seed=SAMPLING_SEED)
         for (c, name), (export, tied) in exports.items():
             if c == case:
