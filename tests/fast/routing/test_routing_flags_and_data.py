@@ -10,7 +10,8 @@ import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
 from rl_plugin.rollout.engines.base import Generation
-from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten_generations
+from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten_samples
+from tests.support.samples import samples_of
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def _gens():
 
 
 def _rollout(gens):
-    flat = flatten_generations(gens)
+    flat = flatten_samples(samples_of(gens))
     n = len(gens)
     return RolloutData(
         tokens=flat.tokens,
@@ -135,7 +136,7 @@ def test_a_rollout_with_some_samples_unrecorded_is_refused():
     gens = _gens()
     gens[2].routed_experts = None
     with pytest.raises(ValueError, match="rollout sample 2 carries no routed experts"):
-        flatten_generations(gens)
+        flatten_samples(samples_of(gens))
 
 
 @pytest.mark.parametrize("sampler", ["lean", "generate"])
