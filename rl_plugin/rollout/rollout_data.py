@@ -134,9 +134,8 @@ def flatten_samples(samples: Sequence[Any]) -> FlatSamples:
     tokens = np.fromiter(chain.from_iterable(map(_TOKENS, samples)), np.int64, int(tl.sum()))
     log_probs = np.fromiter(chain.from_iterable(map(_ROLLOUT_LP, samples)), np.float32, num_resp)
     masks = list(map(_MASK, samples))
-    if not any(
-        map(is_not, masks, repeat(None))
-    ):  # the default generate function's samples: every response token trained
+    # no mask at all (the default generate function's samples): every response token trained
+    if not any(map(is_not, masks, repeat(None))):
         mask = np.ones(num_resp, np.float32)
     else:
         masks = [m if m is not None else repeat(1, r) for m, r in zip(masks, rl.tolist())]
