@@ -10,7 +10,7 @@ function's required positional parameters (``metadata`` not counted):
 
 - three, ``fn(prompt, response, label)``, optionally with a ``metadata`` keyword
   (``rl_plugin.rollout.rewards.functions``: the built-ins and today's ``--custom-rm-path``): a sync
-  function runs through ``rewards.score_responses`` unchanged (same calls, same checks, same
+  function runs through ``functions.score_responses`` unchanged (same calls, same checks, same
   errors); an ``async`` one is awaited for all samples concurrently;
 - two, slime's ``rm(args, sample) -> reward`` (``async`` or not): called once per sample, all
   samples concurrently; ``args`` is ``user_args`` (the run's parsed flags, as the generate hook
