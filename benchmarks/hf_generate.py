@@ -73,7 +73,7 @@ def _prompts(shape, vocab: int):
 
 def per_row_generations(prompts, tokens, log_probs, eos):
     """The engine's assembly before the lean sampler (the baseline): tensor slicing per sample."""
-    from rl_plugin.rollout.engine import Generation
+    from rl_plugin.rollout.engines.base import Generation
 
     is_eos = torch.isin(tokens, eos)
     first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, torch.full_like(tokens[:, 0], tokens.shape[1]))
@@ -107,9 +107,9 @@ def _interleaved(fns, rounds: int):
 
 def run_shape(name: str, shape: dict, rounds: int, root: Path):
     """(sampler rows, assembly row) of one shape: medians in ms and the bitwise checks."""
-    import rl_plugin.rollout.hf_engine as hf_engine
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
+    import rl_plugin.rollout.engines.hf_engine as hf_engine
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_sampler import lean_sampling_blocker, sample, sample_with_generate
 
     eng = hf_engine.HFEngine(_checkpoint(shape["model"], root))
     prompts = _prompts(shape, eng.model.config.vocab_size)

@@ -93,7 +93,7 @@ def trl_worker(a) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from rl_plugin.rollout.rewards import math_exact_reward
+    from rl_plugin.rollout.rewards.functions import math_exact_reward
 
     rows = [json.loads(x) for x in Path(a.data).read_text().splitlines()]
     data = Dataset.from_list([{"prompt": r["messages"], "label": r["label"]} for r in rows])

@@ -18,8 +18,8 @@ import sys
 import time
 from statistics import median
 
+from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.sample import Sample
-from rl_plugin.rollout.sample_rewards import SampleScorer
 from tests.support.reward_server import RewardServer
 
 

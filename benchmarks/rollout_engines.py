@@ -58,10 +58,11 @@ def measure(engine_name: str, ckpt: str, batch_sizes, lengths, repeats: int) -> 
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.configs import EngineConfig
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
     from rl_plugin.weight_sync import iter_buckets
 
-    eng = make_engine(engine_name, ckpt)
+    eng = make_engine(EngineConfig(engine=engine_name), ckpt)
     vocab = int(__import__("json").loads((Path(ckpt) / "config.json").read_text())["vocab_size"])
     out = {"tok_s": {}, "ms_per_mb": {}}
     for b in batch_sizes:

@@ -1,6 +1,6 @@
 """Benchmark: rl-plugin-train against TRL's GRPOTrainer on the embedded digit-copy task.
 
-Both learn the same task (``rl_plugin.rollout.task``: copy 3 digits, partial-credit reward) from
+Both learn the same task (``rl_plugin.rollout.data.task``: copy 3 digits, partial-credit reward) from
 the same tiny Qwen2 checkpoint and character tokenizer (``rl_plugin.loop.embedded``), with the
 same prompts per step, samples per prompt, response length, learning rate, optimizer (Adam,
 betas (0.9, 0.98), eps 1e-8, no weight decay, grad-norm clip 1.0, constant LR), clip range
@@ -129,7 +129,7 @@ def char_tokenizer_as_hf(model_dir: str):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from rl_plugin.rollout.tokenizer import SPECIALS, CharTokenizer
+    from rl_plugin.rollout.data.tokenizer import SPECIALS, CharTokenizer
 
     char = CharTokenizer.load(model_dir)
     vocab = {s: i for i, s in enumerate(SPECIALS)}
@@ -158,7 +158,7 @@ def trl_worker(a) -> None:
     from trl import GRPOTrainer
 
     from rl_plugin.loop.embedded import cache_root, ensure_task_data, ensure_tiny_model
-    from rl_plugin.rollout.task import digit_match_reward
+    from rl_plugin.rollout.data.task import digit_match_reward
 
     model_dir = ensure_tiny_model(cache_root())
     train, _ = ensure_task_data(cache_root())

@@ -83,7 +83,7 @@ class Engine:
         from rl_plugin.weight_sync import WeightReceiver
 
         if kind == "hf":
-            from rl_plugin.rollout.hf_engine import HFEngine
+            from rl_plugin.rollout.engines.hf_engine import HFEngine
 
             self.engine = HFEngine(arg)
         else:

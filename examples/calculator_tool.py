@@ -138,7 +138,7 @@ def reward(prompt, response, label) -> float:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(checkpoint: str):
-    from rl_plugin.rollout.tokenizer import load_tokenizer
+    from rl_plugin.rollout.data.tokenizer import load_tokenizer
 
     return load_tokenizer(checkpoint)
 
@@ -198,7 +198,7 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
 def make_tiny_model(directory: Path) -> Path:
     """A seeded tiny Qwen2 (the embedded model's shape) with a character tokenizer over ``ALPHABET``."""
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from rl_plugin.rollout.tokenizer import CharTokenizer
+    from rl_plugin.rollout.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer(ALPHABET)
     make_tiny_hf_checkpoint(

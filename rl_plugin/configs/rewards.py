@@ -1,7 +1,7 @@
 """RewardConfig: how a sample is scored: a built-in verifier (``--rm-type``), your function
 (``--custom-rm-path``, per sample or per group) or a remote reward model (``--rm-url`` and its
-client). slime's spellings. The scorer is ``rl_plugin.rollout.sample_rewards``, the HTTP client
-``rl_plugin.rollout.remote_rm``; ``RolloutConfig`` carries these fields under the same names."""
+client). slime's spellings. The scorer is ``rl_plugin.rollout.rewards.scorer``, the HTTP client
+``rl_plugin.rollout.rewards.remote_rm``; ``RolloutConfig`` carries these fields under the same names."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The embedded default: ``rl-plugin-train --train-backend X`` with no data or model flags.
 
 It builds (once, then reuses) a tiny Qwen2-architecture model with a character tokenizer over
-the digits, and the digit-copy task (``rl_plugin.rollout.task``) with a held-out eval split,
+the digits, and the digit-copy task (``rl_plugin.rollout.data.task``) with a held-out eval split,
 and fills in rollout/optimizer defaults that make the tiny model learn the task on a 2-core CPU
 in minutes (measured by ``benchmarks/embedded_default.py``; the defaults live in
 ``rl_plugin.arguments.embedded``). Any flag given explicitly wins.
@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from rl_plugin.arguments.embedded import EMBEDDED_TASK_DIGITS
-from rl_plugin.rollout.task import DIGITS, write_task_data
-from rl_plugin.rollout.tokenizer import CharTokenizer
+from rl_plugin.rollout.data.task import DIGITS, write_task_data
+from rl_plugin.rollout.data.tokenizer import CharTokenizer
 
 NUM_DIGITS = EMBEDDED_TASK_DIGITS
 TASK = "copy"

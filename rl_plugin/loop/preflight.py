@@ -14,7 +14,7 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
-   (``rl_plugin.rollout.prompt_check``).
+   (``rl_plugin.rollout.data.prompt_check``).
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -86,10 +86,10 @@ def finished_message(args, step: int) -> str:
 
 
 def check_reward_and_data(args) -> None:
-    from rl_plugin.rollout.prompt_check import check_prompt_file, model_context_length, model_vocab_size
-    from rl_plugin.rollout.rewards import RewardFunctionError
-    from rl_plugin.rollout.sample_rewards import SampleScorer
-    from rl_plugin.rollout.tokenizer import load_tokenizer
+    from rl_plugin.rollout.data.prompt_check import check_prompt_file, model_context_length, model_vocab_size
+    from rl_plugin.rollout.data.tokenizer import load_tokenizer
+    from rl_plugin.rollout.rewards.functions import RewardFunctionError
+    from rl_plugin.rollout.rewards.scorer import SampleScorer
 
     try:
         scorer = SampleScorer(args)  # loads the function and checks its form against --group-rm
@@ -136,7 +136,7 @@ def check_reward_and_data(args) -> None:
 def check_reward_server(url: str) -> None:
     """``--rm-type remote_rm``: something accepts connections at ``--rm-url`` (a TCP connect, a few
     seconds at most), so a server that is down is named before Ray starts."""
-    from rl_plugin.rollout.remote_rm import PROBE_TIMEOUT_S, probe
+    from rl_plugin.rollout.rewards.remote_rm import PROBE_TIMEOUT_S, probe
 
     why = probe(url)
     if why is not None:

@@ -17,32 +17,17 @@ import ray
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.ray.gpu_check import require_cuda
-from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
 
 class EngineActor:
-    def __init__(
-        self,
-        name: str,
-        checkpoint_dir: str,
-        *,
-        tensor_parallel_size: int,
-        seed: int,
-        record_routed_experts: bool = False,
-    ):
+    def __init__(self, config: EngineConfig, checkpoint_dir: str):
         import torch
 
-        require_cuda(f"rollout engine {name}")  # a GPU bundle without CUDA: fail here, not generate on the CPU
+        require_cuda(f"rollout engine {config.engine}")  # a GPU bundle without CUDA: fail here, not generate on the CPU
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine = make_engine(
-            name,
-            checkpoint_dir,
-            device=device,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            record_routed_experts=record_routed_experts,
-        )
+        self.engine = make_engine(config, checkpoint_dir, device=device)
         self.receiver = WeightReceiver()
 
     def pid(self) -> int:
@@ -67,13 +52,7 @@ def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
     remote = ray.remote(EngineActor)
     actors = [
-        remote.options(**placement.engine_options(i), max_restarts=0).remote(
-            config.engine,
-            checkpoint_dir,
-            tensor_parallel_size=config.tensor_parallel_size,
-            seed=config.seed,
-            record_routed_experts=config.record_routed_experts,
-        )
+        remote.options(**placement.engine_options(i), max_restarts=0).remote(config, checkpoint_dir)
         for i in range(placement.num_engines)
     ]
     ray.get([a.pid.remote() for a in actors])

@@ -36,7 +36,7 @@ import asyncio
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from rl_plugin.rollout.engine import Generation, SamplingParams
+from rl_plugin.rollout.engines.base import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.user_code import describe_exception, load_function, where

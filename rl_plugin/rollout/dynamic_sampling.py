@@ -33,8 +33,8 @@ def dynamic_rollout(
     progress: Callable[[str], None] = print,
 ) -> RolloutData:
     """Rollout ``rollout_id`` of the groups that pass ``group_filter.keep(cfg, samples_of_group)``.
-    ``next_batch(n)``: the next n prompt records; ``generate(recs, n, seed=..., with_samples=True)``:
-    one round's ``(RolloutData, FilterSample per sample)``; ``progress(line)``: one line per round
+    ``next_batch(n)``: the next n prompt records; ``generate(recs, n, seed=...)``:
+    one round's ``(RolloutData, its scored Samples)``; ``progress(line)``: one line per round
     after the first."""
     want, n = cfg.rollout_batch_size, cfg.n_samples_per_prompt
     per_round = cfg.over_sampling_batch_size or want
@@ -45,7 +45,7 @@ def dynamic_rollout(
     turn_stats: List[dict] = []  # custom generation's per-round multi_turn/* means
     for r in range(max_rounds):
         recs = next_batch(per_round)
-        data, samples = generate(recs, n, seed=cfg.seed + rollout_id + r * round_seed_stride, with_samples=True)
+        data, samples = generate(recs, n, seed=cfg.seed + rollout_id + r * round_seed_stride)
         gen_time += data.stats["rollout_gen_time"]
         reward_time += data.stats["rollout_reward_time"]
         truncated += data.stats["truncated_frac"] * data.num_groups

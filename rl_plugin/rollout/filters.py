@@ -5,8 +5,9 @@ same reward has zero group-relative advantage and only dilutes the batch, so the
 sampling prompts (``--over-sampling-batch-size`` per round) until ``--rollout-batch-size`` groups
 pass the filter, and trains on those only. A filter is slime's
 ``fn(args, samples, **kwargs) -> bool`` (or an object with ``.keep``, like slime's
-``DynamicFilterOutput``) over one group's ``FilterSample``s; it sees the RAW rewards, before any
-shaping. The answer must be a ``bool`` (``numpy.bool_`` is accepted too: it is what a numpy
+``DynamicFilterOutput``) over one group's ``Sample``s (``rl_plugin.rollout.sample``, scored:
+``sample.reward`` as the reward gave it, ``sample.get_reward_value(args)`` its number); it sees
+the RAW rewards, before any shaping. ``args`` is the ``RolloutConfig`` (slime's names). The answer must be a ``bool`` (``numpy.bool_`` is accepted too: it is what a numpy
 comparison returns, and it has one truth value); anything else stops the rollout at the first
 group with the filter's flag, file:line, the value and its type (``keep_decision``). Built-in:
 ``rl_plugin.rollout.filters.check_reward_nonzero_std`` (float64 std > 0).
@@ -25,34 +26,21 @@ model tokens can exceed L_max, each turn having its own budget). |y| counts the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, List
 
 import numpy as np
 import torch
 
 from rl_plugin.registries import BUILTIN_FILTER  # noqa: F401 - re-exported: the flag default names it
+from rl_plugin.rollout.sample import Sample
 from rl_plugin.user_code import load_function, where
 
 
-@dataclass(frozen=True)
-class FilterSample:
-    """What a filter sees of one response (the fields slime's ``Sample`` has under these names)."""
-
-    prompt: str
-    response: str
-    label: object
-    reward: float
-    response_length: int
-    truncated: bool
-
-    def get_reward_value(self, args) -> float:  # slime's accessor
-        return self.reward
-
-
-def check_reward_nonzero_std(args, samples: List[FilterSample], **kwargs) -> bool:
-    """Keep a group whose raw rewards are not all equal (float64 std > 0)."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+def check_reward_nonzero_std(args, samples: List[Sample], **kwargs) -> bool:
+    """Keep a group whose raw rewards are not all equal: float64 std > 0 of the rewards as the
+    trainer receives them (fp32, ``RolloutData.rewards``)."""
+    values = [float(s.get_reward_value(args)) for s in samples]
+    rewards = torch.tensor(values, dtype=torch.float32).to(torch.float64)
     return bool(rewards.numel() > 1 and rewards.std() > 0)
 
 
@@ -72,7 +60,7 @@ class GroupFilter:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
         return f"--dynamic-sampling-filter-path {self.spec} (function {name} at {where(self.fn)})"
 
-    def keep(self, cfg, samples: List[FilterSample]) -> bool:
+    def keep(self, cfg, samples: List[Sample]) -> bool:
         return keep_decision(self.fn(cfg, samples), self.describe, len(samples))
 
 

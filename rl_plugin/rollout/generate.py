@@ -39,7 +39,7 @@ import contextvars
 import hashlib
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
-from rl_plugin.rollout.engine import Generation, SamplingParams
+from rl_plugin.rollout.engines.base import Generation, SamplingParams
 
 # the router of the rollout being generated (set by ``EngineRouter.bind`` in the rollout's event loop)
 _ROUTER: contextvars.ContextVar[Optional["EngineRouter"]] = contextvars.ContextVar("rl_plugin_router", default=None)

@@ -1,32 +1,32 @@
 """The rollout manager: owns the prompt datasets, the generation engine(s) and the reward (``SampleScorer``).
 
 One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
-``--rollout-batch-size`` prompts, samples ``--n-samples-per-prompt`` responses each (a prompt's
-samples are contiguous and form one group), scores them (as ``Sample`` objects, built once per
-rollout, through ``sample_rewards.SampleScorer``), and returns a ``RolloutData`` of flat
-tensors. Generation is seeded with ``seed + rollout_id``, so a resumed run regenerates exactly
-what the uninterrupted run would have, whatever happened before.
+``--rollout-batch-size`` prompts and follows one sample path (slime's):
 
-Engines: the single ``hf`` engine runs in this process; otherwise the engines are actors
-(``rl_plugin.ray.engine_actor``). A rollout's prompt groups are cut into contiguous shares, one
-per engine, generated concurrently and gathered back in group order; each sample carries its
-index in the rollout (``first_sample``), so per-sample-seeded engines (vllm, sglang) sample the
-same tokens however many engines there are.
+1. generate ``--n-samples-per-prompt`` ``Sample``s per prompt (a prompt's samples are
+   contiguous and form one group) with the default generate function
+   (``default_generate.DefaultGenerate``: one engine call per engine for the whole batch) or,
+   with ``--custom-generate-function-path``, the user's hook per sample (``custom_rollout``; its
+   ``generate_tokens`` requests batched to the engines by ``generate.EngineRouter``, seeded from
+   the rollout's seed; what it returns is checked, ``sample_check``);
+2. score them (``rewards.scorer.SampleScorer``, every reward form);
+3. flatten them once into the tensors of a ``RolloutData`` (``rollout_data.flatten_samples``).
 
-With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``dynamic_sampling.py``) a rollout runs in
-rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
-r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter on their raw
-rewards; the first ``--rollout-batch-size`` passing groups, in generation order, are the rollout
-and the rest are dropped (as slime does); every round after the first prints one progress line
-(at most ``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
-penalty to the rewards the advantages are computed from; ``reward_mean`` stays the raw reward.
+With ``--rollout-function-path`` the user's function replaces step 1 for the whole rollout (and
+returns ``Sample``s too). Generation is seeded with ``seed + rollout_id``, so a resumed run
+regenerates exactly what the uninterrupted run would have, whatever happened before. Engines: the
+single ``hf`` engine runs in this process; otherwise the engines are actors
+(``rl_plugin.ray.engine_actor``), all built from the run's ``EngineConfig``.
 
-Custom generation (``custom_rollout``): with ``--custom-generate-function-path`` the samples of a
-rollout (or of a dynamic-sampling round) go through the user's hook instead of one engine call,
-its ``generate_tokens`` requests batched to the engines (``generate.EngineRouter``, seeded from the
-rollout's seed); with ``--rollout-function-path`` the user's function makes the whole rollout.
-Either way the returned samples are checked (``sample_check``), scored, and flattened with their
-loss masks; over-long shaping then counts the model's tokens (the mask's sum).
+With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``dynamic_sampling.py``) a rollout
+runs in rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
+r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter (slime's
+``fn(args, samples)`` over one group's scored ``Sample``s, on their raw rewards); the first
+``--rollout-batch-size`` passing groups, in generation order, are the rollout and the rest are
+dropped (as slime does); every round after the first prints one progress line (at most
+``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
+penalty to the rewards the advantages are computed from (counting the model's tokens, the loss
+mask's sum); ``reward_mean`` stays the raw reward.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,15 +52,16 @@ from rl_plugin.rollout.custom_rollout import (
     run_generate_hook,
     run_rollout_function,
 )
-from rl_plugin.rollout.dataset import PromptDataset
+from rl_plugin.rollout.data.dataset import PromptDataset
+from rl_plugin.rollout.data.tokenizer import load_tokenizer
+from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
-from rl_plugin.rollout.engine import Generation, SamplingParams, make_engine
-from rl_plugin.rollout.filters import FilterSample, load_filter, overlong_penalty
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_generations, flatten_samples, rollout_stats
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.filters import load_filter, overlong_penalty
+from rl_plugin.rollout.rewards.scorer import SampleScorer
+from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.rollout.sample_check import check_samples
-from rl_plugin.rollout.sample_rewards import SampleScorer
-from rl_plugin.rollout.tokenizer import load_tokenizer
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
@@ -80,32 +81,6 @@ def rollout_threads() -> int:
 def _progress_line(line: str) -> None:
     """Dynamic sampling's per-round line, flushed (the actor's stdout reaches the driver's log)."""
     print(line, flush=True)
-
-
-def group_shares(num_groups: int, num_engines: int) -> List[int]:
-    """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
-    base, extra = divmod(num_groups, num_engines)
-    return [base + (1 if i < extra else 0) for i in range(num_engines)]
-
-
-def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n: int) -> List[Sample]:
-    """The rollout's ``Sample`` objects (once per rollout, for the reward): group ``g`` is record
-    ``g``'s ``n`` contiguous samples; ``tokens`` are the engine's prompt + response ids."""
-    done, cut = Sample.Status.COMPLETED, Sample.Status.TRUNCATED
-    return [
-        Sample(
-            group_index=i // n,
-            index=i,
-            prompt=recs[i // n].prompt,
-            tokens=g.prompt_ids + g.response_ids,
-            response=responses[i],
-            response_length=len(g.response_ids),
-            label=recs[i // n].label,
-            metadata=dict(recs[i // n].metadata or {}),  # a copy per sample
-            status=done if g.finished else cut,
-        )
-        for i, g in enumerate(gens)
-    ]
 
 
 def _for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
@@ -137,13 +112,7 @@ class RolloutManager:
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = (
-            None
-            if self.engines
-            else make_engine(
-                cfg.engine.engine, checkpoint_dir, device=device, record_routed_experts=cfg.engine.record_routed_experts
-            )
-        )
+        self.engine = None if self.engines else make_engine(cfg.engine, checkpoint_dir, device=device)
         if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
             if self.engine is None:
                 raise ValueError(
@@ -164,6 +133,9 @@ class RolloutManager:
         hook, fn = cfg.custom_generate_function_path, cfg.rollout_function_path
         self.generate_hook = Hook.load(hook, GENERATE_FLAG) if hook else None
         self.rollout_fn = Hook.load(fn, ROLLOUT_FLAG) if fn else None
+        # the generate function: (records, n, seed) -> Samples; the user's hook replaces the default
+        default = DefaultGenerate(self.tokenizer, self.params, self.engine, self.engines)
+        self.generate_samples = default if self.generate_hook is None else self._hook_generate
         self._vocab_size: Optional[int] = None
 
     # -- generation ---------------------------------------------------------------------------
@@ -179,7 +151,7 @@ class RolloutManager:
             data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
         elif self.group_filter is None:
             recs = self.train.next_batch(cfg.rollout_batch_size)
-            data = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
+            data, _ = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
         else:
             data = dynamic_rollout(
                 cfg,
@@ -215,7 +187,7 @@ class RolloutManager:
             raise ValueError(
                 "--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)"
             )
-        data = self._rollout(
+        data, _ = self._rollout(
             self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id
         )
         out: Dict[str, Any] = {
@@ -226,105 +198,70 @@ class RolloutManager:
             out["weight_load"] = self._finish_load(handle, loading)
         return out
 
-    def _rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
-        if self.generate_hook is not None:
-            return self._hook_rollout(recs, n, seed=seed, with_samples=with_samples)
+    # -- one sample path: generate Samples, score them, flatten them --------------------------
+    def _rollout(self, recs, n: int, *, seed: int) -> Tuple[RolloutData, List[Sample]]:
+        """``n`` samples of each record (groups contiguous) from the generate function (the
+        default one or the user's hook), scored and flattened; the samples come back too (the
+        dynamic-sampling filter reads them)."""
         t0 = time.perf_counter()
-        prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
-        gens = self._generate([p for p in prompt_ids for _ in range(n)], n, seed=seed)
-        gen_time = time.perf_counter() - t0
-        responses = [self.tokenizer.decode(g.response_ids) for g in gens]
-        prompts = [r.prompt for r in recs for _ in range(n)]
-        labels = [r.label for r in recs for _ in range(n)]
-        samples = build_samples(recs, gens, responses, n)
-        t1 = time.perf_counter()
-        rewards = torch.tensor(self.scorer.score_samples(samples, group_size=n), dtype=torch.float32)
-        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
-        flat = flatten_generations(gens)
-        empty = torch.nonzero(flat.response_lengths == 0).flatten()
-        if empty.numel():
-            i = int(empty[0])
-            raise RuntimeError(
-                f"rollout sample {i} (prompt {prompts[i]!r}) has an empty response; check --rollout-max-response-len >= 1"
-            )
-        rl = flat.response_lengths
-        stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
-        data = RolloutData(
-            tokens=flat.tokens,
-            total_lengths=flat.total_lengths,
-            response_lengths=rl,
-            rollout_log_probs=flat.log_probs,
-            rewards=rewards,
-            group_ids=torch.arange(len(recs)).repeat_interleave(n),
-            num_groups=len(recs),
-            routed_experts=flat.routed_experts,
-            stats=stats,
-            examples=[
-                {"prompt": prompts[i], "response": responses[i], "reward": float(rewards[i])}
-                for i in range(min(2, len(gens)))
-            ],
-        )
-        if not with_samples:
-            return data
-        samples = [
-            FilterSample(prompts[i], responses[i], labels[i], float(rewards[i]), int(rl[i]), not gens[i].finished)
-            for i in range(len(gens))
-        ]
-        return data, samples
+        samples = self.generate_samples(recs, n, seed)
+        return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=self.generate_hook is not None)
 
-    # -- custom generation (custom_rollout) ----------------------------------------------------
-    def _hook_rollout(self, recs, n: int, *, seed: int, with_samples: bool = False):
-        """``_rollout`` through ``--custom-generate-function-path``: every sample through the hook."""
-        t0 = time.perf_counter()
-        samples = fresh_samples(self.tokenizer, recs, n)
-        hook, params = self.generate_hook, default_sampling_params(self.params)
+    def _hook_generate(self, recs, n: int, seed: int) -> List[Sample]:
+        """The generate function of ``--custom-generate-function-path``: every sample through the
+        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked."""
+        hook, samples = self.generate_hook, fresh_samples(self.tokenizer, recs, n)
+        params = default_sampling_params(self.params)
         out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch(), seed, self.params)
-        return self._sample_data(out, len(recs), time.perf_counter() - t0, hook, with_samples)
+        return self._checked(out, hook)
 
     def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
         """The whole rollout from ``--rollout-function-path``."""
-        cfg, t0 = self.config, time.perf_counter()
+        cfg, t0, fn = self.config, time.perf_counter(), self.rollout_fn
         source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
-        fn = self.rollout_fn
         groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch(), seed, self.params)
-        samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, self.rollout_fn, rollout_id)
-        return self._sample_data(samples, len(groups), time.perf_counter() - t0, self.rollout_fn)
+        samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, fn, rollout_id)
+        return self._assemble(self._checked(samples, fn), len(groups), time.perf_counter() - t0, custom=True)[0]
 
-    def _sample_data(self, out, num_groups: int, gen_time: float, hook: Hook, with_samples: bool = False):
-        """Checked, scored and flattened hook samples (groups contiguous) as ``RolloutData``."""
+    def _checked(self, out: List[Any], hook: Hook) -> List[Sample]:
+        """A hook's samples checked (``sample_check``), a response text it left empty decoded
+        from every response id (tool output included)."""
         samples = check_samples(out, hook.describe(), self.vocab_size)
         for s in samples:
-            if not s.response:  # the hook left the text to us: every response id, tool output included
+            if not s.response:
                 s.response = self.tokenizer.decode(s.tokens[len(s.tokens) - s.response_length :])
-        t1 = time.perf_counter()
+        return samples
+
+    def _assemble(
+        self, samples: List[Sample], num_groups: int, gen_time: float, custom: bool = False
+    ) -> Tuple[RolloutData, List[Sample]]:
+        """Samples (groups contiguous) scored and flattened into ``RolloutData``; ``custom``
+        (a hook's samples) adds the ``multi_turn/*`` stats."""
         group_size = len(samples) // max(num_groups, 1)
+        t1 = time.perf_counter()
         rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
-        reward_time = time.perf_counter() - t1
+        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         flat = flatten_samples(samples)
         rl = flat.response_lengths
         stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
-        stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
+        if custom:
+            stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
         data = RolloutData(
             tokens=flat.tokens,
             total_lengths=flat.total_lengths,
             response_lengths=rl,
             rollout_log_probs=flat.log_probs,
             rewards=rewards,
-            group_ids=torch.arange(num_groups).repeat_interleave(len(samples) // max(num_groups, 1)),
+            group_ids=torch.arange(num_groups).repeat_interleave(group_size),
             num_groups=num_groups,
+            routed_experts=flat.routed_experts,
             stats=stats,
             examples=[
                 {"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], rewards)
             ],
             loss_mask=flat.loss_mask,
         )
-        if not with_samples:
-            return data
-        flags = [s.status == s.Status.TRUNCATED for s in samples]
-        return data, [
-            FilterSample(s.prompt, s.response, s.label, float(r), s.response_length, t)
-            for s, r, t in zip(samples, rewards.tolist(), flags)
-        ]
+        return data, samples
 
     @property
     def vocab_size(self) -> int:
@@ -339,20 +276,6 @@ class RolloutManager:
         """``generate_tokens``' way to the engines (``custom_rollout.engine_dispatch``). Built per
         call: a Ray actor class with an ``async def`` method would become an async actor."""
         return engine_dispatch(self.engine, self.engines)
-
-    def _generate(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
-        """All samples (``n`` per group, groups contiguous), spread over the engines by whole
-        groups and gathered in order."""
-        if self.engine is not None:
-            return self.engine.generate(prompts, self.params, seed=seed)
-        import ray
-
-        refs, start = [], 0
-        for engine, groups in zip(self.engines, group_shares(len(prompts) // n, len(self.engines))):
-            if groups:
-                refs.append(engine.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
-            start += groups * n
-        return [g for part in ray.get(refs) for g in part]
 
     # -- weights ------------------------------------------------------------------------------
     def engine_node_ids(self) -> List[str]:

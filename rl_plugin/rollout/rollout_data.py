@@ -1,4 +1,4 @@
-"""One rollout as flat tensors, and the assembly of the engines' generations into it.
+"""One rollout as flat tensors, and the one flattener of a rollout's ``Sample``s into it.
 
 ``RolloutData``: samples ordered by prompt group (a group's ``--n-samples-per-prompt`` samples
 contiguous); ``tokens`` holds prompt + response of every sample back to back (``[sum T_i]``),
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
-from rl_plugin.rollout.engine import Generation
 from rl_plugin.tensor_pickle import reduce_dataclass
 
 
@@ -101,79 +100,62 @@ RolloutData.TENSOR_FIELDS = (
 )
 
 
-_PROMPT_IDS, _RESPONSE_IDS = attrgetter("prompt_ids"), attrgetter("response_ids")
-_LOG_PROBS, _FINISHED = attrgetter("log_probs"), attrgetter("finished")
-
-
 @dataclass
-class FlatGenerations:
-    """A rollout's generations as flat tensors (samples in order): ``tokens`` = prompt + response
-    of every sample (``[sum T_i]``), ``log_probs`` the responses' (``[sum R_i]``, fp32)."""
+class FlatSamples:
+    """A rollout's samples as flat tensors (samples in order): ``tokens`` = prompt + response of
+    every sample (``[sum T_i]``), ``log_probs`` and ``loss_mask`` the responses' (``[sum R_i]``,
+    fp32)."""
 
     tokens: torch.Tensor
     total_lengths: torch.Tensor
     response_lengths: torch.Tensor
     log_probs: torch.Tensor
-    truncated_frac: float  # the fraction of samples that hit the length limit (no <eos>)
-    loss_mask: Optional[torch.Tensor] = None  # [sum R_i] fp32 (``flatten_samples``); None: all ones
+    loss_mask: torch.Tensor
+    truncated_frac: float  # the fraction of samples that hit the length limit (status TRUNCATED)
     routed_experts: Optional[torch.Tensor] = None  # [sum T_i, layers, top_k] when the engine recorded them
 
 
 _TOKENS, _RLEN = attrgetter("tokens"), attrgetter("response_length")
 _MASK, _ROLLOUT_LP = attrgetter("loss_mask"), attrgetter("rollout_log_probs")
+_STATUS_NAME, _ROUTED = attrgetter("status.name"), attrgetter("rollout_routed_experts")
 
 
-def flatten_samples(samples: Sequence[Any]) -> FlatGenerations:
-    """Checked ``Sample``s (``sample_check``) as flat tensors, in C-level passes like
-    ``flatten_generations``: ``tokens`` exactly as the hook left them (token in, token out), the
-    response lengths, the rollout log-probs and the loss mask (a None mask: all ones); a sample
-    is truncated when its status is ``TRUNCATED``."""
+def flatten_samples(samples: Sequence[Any]) -> FlatSamples:
+    """A rollout's ``Sample``s (the default generate function's, or a hook's after
+    ``sample_check``) as flat tensors, in C-level passes (``map``, ``chain``, ``numpy.fromiter``)
+    instead of a Python loop over samples and tokens: ``tokens`` exactly as the samples hold them
+    (token in, token out), the response lengths, the rollout log-probs (fp32, each double rounded
+    to nearest, as ``torch.tensor`` of the lists), the loss mask (a None mask: all ones) and the
+    routed experts (``flat_routed_experts``)."""
     n = len(samples)
     tl = np.fromiter(map(len, map(_TOKENS, samples)), np.int64, n)
     rl = np.fromiter(map(_RLEN, samples), np.int64, n)
+    num_resp = int(rl.sum())
     tokens = np.fromiter(chain.from_iterable(map(_TOKENS, samples)), np.int64, int(tl.sum()))
-    log_probs = np.fromiter(chain.from_iterable(map(_ROLLOUT_LP, samples)), np.float32, int(rl.sum()))
-    masks = [m if m is not None else repeat(1, r) for m, r in zip(map(_MASK, samples), rl.tolist())]
-    mask = np.fromiter(chain.from_iterable(masks), np.float32, int(rl.sum()))
-    truncated = sum(s.status.name == "TRUNCATED" for s in samples)
-    return FlatGenerations(
+    log_probs = np.fromiter(chain.from_iterable(map(_ROLLOUT_LP, samples)), np.float32, num_resp)
+    masks = list(map(_MASK, samples))
+    # no mask at all (the default generate function's samples): every response token trained
+    if not any(map(is_not, masks, repeat(None))):
+        mask = np.ones(num_resp, np.float32)
+    else:
+        masks = [m if m is not None else repeat(1, r) for m, r in zip(masks, rl.tolist())]
+        mask = np.fromiter(chain.from_iterable(masks), np.float32, num_resp)
+    truncated = list(map(_STATUS_NAME, samples)).count("TRUNCATED")
+    return FlatSamples(
         tokens=torch.from_numpy(tokens),
         total_lengths=torch.from_numpy(tl),
         response_lengths=torch.from_numpy(rl),
         log_probs=torch.from_numpy(log_probs),
-        truncated_frac=float(truncated / max(n, 1)),
         loss_mask=torch.from_numpy(mask),
+        truncated_frac=float(truncated / max(n, 1)),
+        routed_experts=flat_routed_experts(list(map(_ROUTED, samples))),
     )
 
 
-def flatten_generations(gens: Sequence[Generation]) -> FlatGenerations:
-    """The engine's per-sample lists as flat tensors, in C-level passes (``map``, ``chain``,
-    ``numpy.fromiter``) instead of a Python loop over samples and tokens; the same values and
-    dtypes as ``torch.tensor`` of the nested lists (int64 tokens, fp32 log-probs, each double
-    rounded to nearest)."""
-    prompts, responses = list(map(_PROMPT_IDS, gens)), list(map(_RESPONSE_IDS, gens))
-    n = len(gens)
-    pl = np.fromiter(map(len, prompts), np.int64, n)
-    rl = np.fromiter(map(len, responses), np.int64, n)
-    tl = pl + rl
-    tokens = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))), np.int64, int(tl.sum()))
-    log_probs = np.fromiter(chain.from_iterable(map(_LOG_PROBS, gens)), np.float32, int(rl.sum()))
-    unfinished = n - sum(map(_FINISHED, gens))
-    return FlatGenerations(
-        tokens=torch.from_numpy(tokens),
-        total_lengths=torch.from_numpy(tl),
-        response_lengths=torch.from_numpy(rl),
-        log_probs=torch.from_numpy(log_probs),
-        truncated_frac=float(unfinished / n),
-        routed_experts=flat_routed_experts(gens),
-    )
-
-
-def flat_routed_experts(gens: Sequence[Generation]) -> Optional[torch.Tensor]:
-    """``[sum T_i, layers, top_k]`` int16: each generation's ``routed_experts`` (``[T_i - 1, ...]``)
+def flat_routed_experts(routed: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """``[sum T_i, layers, top_k]`` int16: each sample's routed experts (``[T_i - 1, ...]``)
     followed by one row ``0..top_k-1`` for its last token (module docstring); one ``torch.cat``.
-    None when no generation carries them; all or none must."""
-    routed = list(map(attrgetter("routed_experts"), gens))
+    None when no sample carries them; all or none must."""
     missing = sum(r is None for r in routed)
     if missing == len(routed):
         return None

@@ -13,6 +13,8 @@ A custom generate hook (``--custom-generate-function-path``), a whole-rollout fu
   count;
 - ``rollout_log_probs[j]`` is the engine's log-prob of a model token (any value, 0.0 by
   convention, for a masked one);
+- ``reward``: what the run's reward gave (``rewards.scorer``): a number, or a dict holding it
+  under ``--reward-key``; ``get_reward_value(args)`` is the number (slime's accessor);
 - ``rollout_routed_experts`` (MoE, ``--use-rollout-routing-replay``): ``[len(tokens) - 1,
   num_moe_layers, top_k]`` int, the experts the engine routed each token it ran to (every token but
   the last, which is never run; slime's and SGLang's layout, ``rl_plugin.routing``); ``None`` when
@@ -59,3 +61,10 @@ class Sample:
     def prompt_length(self) -> int:
         """Number of prompt ids at the front of ``tokens``."""
         return len(self.tokens) - self.response_length
+
+    def get_reward_value(self, args) -> float:
+        """The number of ``reward`` (slime's accessor, what its filters read): a dict reward's
+        entry under ``args.reward_key`` (``"reward"`` when unset, as the scorer reads it)."""
+        if isinstance(self.reward, dict):
+            return self.reward[getattr(args, "reward_key", None) or "reward"]
+        return self.reward

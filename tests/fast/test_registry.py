@@ -123,7 +123,10 @@ def test_flag_layer_lists_names_without_importing_torch():
 
 
 def test_engine_interface_does_not_import_an_engine():
-    """No import cycle: ``rollout/engine.py`` (the interface) never imports ``hf_engine``."""
+    """No import cycle: ``rollout/engines/base.py`` (the interface) never imports ``hf_engine``."""
     assert (
-        _fresh("import sys, rl_plugin.rollout.engine; print('rl_plugin.rollout.hf_engine' in sys.modules)") == "False"
+        _fresh(
+            "import sys, rl_plugin.rollout.engines.base; print('rl_plugin.rollout.engines.hf_engine' in sys.modules)"
+        )
+        == "False"
     )

@@ -131,8 +131,8 @@ def _sync(engine, export, tied_names):
 def _hf_worker(rank, world, ckpts):
     """Every family x trainer with the hf engine: step-0 gap, moved-weights export + sync, step-1
     gap. Returns the gaps, the sync results and the exports (for vLLM)."""
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
 
     params = SamplingParams(1.0, 1.0, 8)
     gaps, syncs, exports = {}, {}, {}
@@ -156,12 +156,13 @@ def _vllm_process(ckpts, exports):
     checked, and samples of the synced engine (the last trainer's weights)."""
     import gc
 
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.configs import EngineConfig
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
 
     params = SamplingParams(1.0, 1.0, 8)
     out = {}
     for case, ckpt in ckpts.items():
-        engine = make_engine("vllm", ckpt, seed=0)
+        engine = make_engine(EngineConfig(engine="vllm", seed=0), ckpt)
         out[(case, 0)] = engine.generate(_prompts(), params, seed=SAMPLING_SEED)
         for (c, name), (export, tied) in exports.items():
             if c == case:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rl_plugin.rollout.dataset import read_jsonl
+from rl_plugin.rollout.data.dataset import read_jsonl
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from rl_plugin.checkpoint.commit import write_loop_state, write_tracker
 from rl_plugin.checkpoint.layout import step_dir
 from rl_plugin.loop.logger import read_metrics, summary_line, supersede_after
 from rl_plugin.loop.run_lock import RunLock
-from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn, score_responses
+from rl_plugin.rollout.rewards.functions import RewardFunctionError, load_reward_fn, score_responses
 from rl_plugin.train import main
 
 

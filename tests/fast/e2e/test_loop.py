@@ -450,7 +450,7 @@ def test_load_of_another_model_size_names_the_first_tensor(runs_a, tmp_path, bac
     checkpoint, the model, the first mismatching tensor and the fix (was: 17 size-mismatch lines)."""
     from rl_plugin.loop.embedded import MODEL
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-    from rl_plugin.rollout.tokenizer import FILENAME
+    from rl_plugin.rollout.data.tokenizer import FILENAME
 
     cfg = {k: v for k, v in MODEL.items() if k != "family"}
     wide = make_tiny_hf_checkpoint(tmp_path / "wide", MODEL["family"], **{**cfg, "hidden_size": 96})

@@ -3,7 +3,7 @@
 tiny Qwen3-MoE (``loop.embedded.ensure_tiny_model(root, "qwen3_moe")``: 4 experts, top-2), two
 train ranks (DP 2 = EP 2: each rank holds 2 of every layer's 4 experts), the aux and z losses on,
 ``--check-weight-sync`` (every expert, bitwise, or the run fails), once with the hf engine and once
-with vLLM (whose CPU experts kernel needs its re-pack after each sync, ``rollout.vllm_engine``).
+with vLLM (whose CPU experts kernel needs its re-pack after each sync, ``rollout.engines.vllm_engine``).
 
 Asserted: both runs finish their 3 rollouts, log the router losses (finite, positive), and at
 step 0 the engine and the trainer agree on the sampled tokens' log-probs within

@@ -12,7 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rl_plugin.rollout.rewards import digit_match  # noqa: E402
+from rl_plugin.rollout.rewards.functions import digit_match  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 from tests.support.reward_server import RewardServer  # noqa: E402

@@ -45,8 +45,8 @@ RUNS = {
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     from rl_plugin.models.tiny import make_tiny_moe_checkpoint
-    from rl_plugin.rollout.task import DIGITS
-    from rl_plugin.rollout.tokenizer import CharTokenizer
+    from rl_plugin.rollout.data.task import DIGITS
+    from rl_plugin.rollout.data.tokenizer import CharTokenizer
 
     root = tmp_path_factory.mktemp("r3_loop")
     model = make_tiny_moe_checkpoint(root / "moe", "qwen3_moe", vocab_size=16, max_position_embeddings=64)

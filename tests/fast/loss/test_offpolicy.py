@@ -17,11 +17,11 @@ from rl_plugin.loss import BadBatchError, LossConfig, StepBatch, prepare_step, t
 from rl_plugin.parallel import ParallelState
 from rl_plugin.rollout.filters import (
     BUILTIN_FILTER,
-    FilterSample,
     check_reward_nonzero_std,
     keep_decision,
     overlong_penalty,
 )
+from rl_plugin.rollout.sample import Sample
 from tests.support.flag_rules import assert_refused
 from tests.support.tolerance import FP64, FP64_ELEMENTWISE  # weights <= 2: elementwise exp/clamp, 2 x the bound of 1
 
@@ -258,7 +258,7 @@ def test_valid_combinations_pass(flags):
 
 
 def test_filter_and_overlong_penalty():
-    s = lambda r: FilterSample("p", "r", "l", r, 3, False)  # noqa: E731
+    s = lambda r: Sample(prompt="p", response="r", label="l", reward=r, response_length=3)  # noqa: E731
     assert check_reward_nonzero_std(None, [s(1.0), s(0.0)]) and not check_reward_nonzero_std(None, [s(0.5), s(0.5)])
     assert keep_decision(SimpleNamespace(keep=False, reason="zero_std")) is False and keep_decision(True) is True
     # L_max 10, buffer 4: free up to 6, then -f * (len - 6) / 4

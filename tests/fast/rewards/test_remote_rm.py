@@ -12,9 +12,9 @@ import pytest
 
 from rl_plugin.errors import RLArgumentError
 from rl_plugin.loop.preflight import check_reward_server
-from rl_plugin.rollout.remote_rm import RemoteRewardError, probe
+from rl_plugin.rollout.rewards.remote_rm import RemoteRewardError, probe
+from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.sample import Sample
-from rl_plugin.rollout.sample_rewards import SampleScorer
 from tests.support.reward_server import RewardServer, free_port
 
 

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from rl_plugin.rollout.rewards import RewardFunctionError, load_reward_fn, score_responses
+from rl_plugin.rollout.rewards.functions import RewardFunctionError, load_reward_fn, score_responses
+from rl_plugin.rollout.rewards.scorer import GROUP, PROMPT_RESPONSE_LABEL, SAMPLE, SampleScorer
 from rl_plugin.rollout.sample import Sample
-from rl_plugin.rollout.sample_rewards import GROUP, PROMPT_RESPONSE_LABEL, SAMPLE, SampleScorer
 
 SLIME_RM = """
 import asyncio
@@ -206,9 +206,9 @@ def test_score_samples_from_a_thread_and_inside_a_loop(files):
 
 
 def test_manager_builds_the_samples_of_a_rollout():
-    from rl_plugin.rollout.dataset import PromptRecord
-    from rl_plugin.rollout.engine import Generation
-    from rl_plugin.rollout.manager import build_samples
+    from rl_plugin.rollout.data.dataset import PromptRecord
+    from rl_plugin.rollout.default_generate import build_samples
+    from rl_plugin.rollout.engines.base import Generation
 
     recs = [PromptRecord("12=", "12", 0), PromptRecord([{"role": "user", "content": "hi"}], 7, 1, metadata={"w": 1})]
     gens = [

@@ -12,10 +12,11 @@ import random
 import pytest
 import torch
 
-from rl_plugin.rollout.engine import Generation
-from rl_plugin.rollout.rewards import RewardFunctionError, score_responses
-from rl_plugin.rollout.rollout_data import flatten_generations
-from rl_plugin.rollout.task import digit_match_reward
+from rl_plugin.rollout.data.task import digit_match_reward
+from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
+from rl_plugin.rollout.rollout_data import flatten_samples
+from tests.support.samples import samples_of
 
 
 def _generations(seed: int):
@@ -29,9 +30,9 @@ def _generations(seed: int):
     return gens
 
 
-def test_flatten_generations_equals_the_per_sample_path():
+def test_flatten_samples_equals_the_per_sample_path():
     gens = _generations(0)
-    flat = flatten_generations(gens)
+    flat = flatten_samples(samples_of(gens))
     ref_tokens = torch.tensor([t for g in gens for t in g.prompt_ids + g.response_ids], dtype=torch.long)
     ref_lp = torch.tensor([x for g in gens for x in g.log_probs], dtype=torch.float32)
     ref_rl = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.long)

@@ -98,7 +98,7 @@ def test_hook_rollout_on_the_tiny_model(tmp_path):
 def test_real_tokenizer_call_is_cut_after_the_closing_tag(smollm2_tokenizer_dir):
     """The BPE path: the call turn's ids are cut after the token that completes ``</calc>`` (no
     re-tokenisation), the tool turn is the tokenizer's ids of ``<result>v</result>``."""
-    from rl_plugin.rollout.tokenizer import load_tokenizer
+    from rl_plugin.rollout.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_tokenizer_dir)
     ids = tok.tok.encode("<calc>3 + 4</calc> so the answer", add_special_tokens=False)

@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from rl_plugin.arguments import RLArgumentError
 from rl_plugin.arguments.embedded import parse_train_flags
-from rl_plugin.rollout.dataset import read_prompts
-from rl_plugin.rollout.prompt_check import check_prompt_file
-from rl_plugin.rollout.rewards import RewardFunctionError, score_responses
-from rl_plugin.rollout.tokenizer import HFTokenizerAdapter, _as_ids, load_tokenizer
+from rl_plugin.rollout.data.dataset import read_prompts
+from rl_plugin.rollout.data.prompt_check import check_prompt_file
+from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, _as_ids, load_tokenizer
+from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
 from tests.support import real_tokenizer
 
 smollm2_tokenizer_dir = real_tokenizer.smollm2_tokenizer_dir  # the session fixture

@@ -1,5 +1,5 @@
 """Issue 23 #6: a server an engine started dies with the engine's process, even SIGKILLed
-(``rl_plugin.rollout.child_process``; the SGLang engine starts its server through it)."""
+(``rl_plugin.rollout.engines.child_process``; the SGLang engine starts its server through it)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 PARENT = """
 import sys, time
-from rl_plugin.rollout.child_process import popen_dying_with_parent
+from rl_plugin.rollout.engines.child_process import popen_dying_with_parent
 child = popen_dying_with_parent([sys.executable, "-c", "import time; time.sleep(120)"])
 print(child.pid, flush=True)
 time.sleep(120)

@@ -58,10 +58,11 @@ def _vllm_worker(ckpt: str) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.configs import EngineConfig
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
     from rl_plugin.weight_sync import iter_buckets
 
-    eng = make_engine("vllm", ckpt, seed=0)
+    eng = make_engine(EngineConfig(engine="vllm", seed=0), ckpt)
     sd = load_file(str(Path(ckpt) / "model.safetensors"))
     out = {"gens": {}}
     prompts = _prompts()
@@ -129,9 +130,10 @@ def vllm_run(ckpt):
 
 @pytest.fixture(scope="module")
 def hf_gens(ckpt):
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.configs import EngineConfig
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
 
-    eng = make_engine("hf", ckpt)
+    eng = make_engine(EngineConfig(engine="hf"), ckpt)
     return {t: eng.generate(_prompts(), SamplingParams(t, 1.0, 8), seed=5) for t in TEMPERATURES}
 
 
@@ -140,7 +142,7 @@ def _hf_reference(ckpt, gens, temperature, top_p=1.0):
     the distribution the engines sample from and report)."""
     from transformers import AutoModelForCausalLM
 
-    from rl_plugin.rollout.hf_sampler import _top_p_mask
+    from rl_plugin.rollout.engines.hf_sampler import _top_p_mask
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     refs = []
@@ -204,10 +206,13 @@ def test_vllm_log_probs_match_a_transformers_forward(vllm_run, ckpt, temperature
 def test_both_engines_report_the_nucleus_log_probs_under_top_p(vllm_run, ckpt):
     """--rollout-top-p < 1: vLLM (``processed_logprobs``) and hf return a token's log-prob under the
     renormalised nucleus it was drawn from, so the mismatch metrics mean one thing on both."""
-    from rl_plugin.rollout.engine import SamplingParams, make_engine
+    from rl_plugin.configs import EngineConfig
+    from rl_plugin.rollout.engines.base import SamplingParams, make_engine
 
     temperature, top_p = TOP_P_CASE
-    hf = make_engine("hf", ckpt).generate(_prompts(), SamplingParams(temperature, top_p, 8), seed=6)
+    hf = make_engine(EngineConfig(engine="hf"), ckpt).generate(
+        _prompts(), SamplingParams(temperature, top_p, 8), seed=6
+    )
     for gens in (vllm_run["gens_top_p"], hf):
         got = torch.tensor([x for g in gens for x in g.log_probs])
         err = (got - _hf_reference(ckpt, gens, temperature, top_p)).abs()
@@ -249,7 +254,7 @@ def test_eos_ids_come_from_the_generation_config(ckpt, tmp_path):
     import json
     import shutil
 
-    from rl_plugin.rollout.engine import eos_token_ids
+    from rl_plugin.rollout.engines.base import eos_token_ids
 
     assert eos_token_ids(ckpt) == [EOS]
     other = tmp_path / "m"

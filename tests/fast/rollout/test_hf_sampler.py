@@ -1,4 +1,4 @@
-"""The hf engine's lean sampler (``rl_plugin.rollout.hf_sampler.sample``) against ``model.generate``.
+"""The hf engine's lean sampler (``rl_plugin.rollout.engines.hf_sampler.sample``) against ``model.generate``.
 
 Bitwise: with the full-batch prefill (``share_prompt_prefill=False``) both run the same model on
 the same inputs and draw from the same global RNG, so the tokens, the fp32 log-probs and the RNG
@@ -16,8 +16,9 @@ from functools import partial
 import pytest
 import torch
 
-from rl_plugin.rollout.engine import SamplingParams, make_engine
-from rl_plugin.rollout.hf_sampler import distinct_prompts, lean_sampling_blocker, sample, sample_with_generate
+from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.engines.hf_sampler import distinct_prompts, lean_sampling_blocker, sample, sample_with_generate
 
 EOS, PAD = 2, 0
 
@@ -171,7 +172,7 @@ def test_distinct_prompts_with_scattered_repeats_and_without_any(model):
 def test_engine_generate_equals_generate_over_prompt_lengths(checkpoint):
     """HFEngine.generate (buckets of equal prompt length, each seeded; outputs assembled per
     sample) gives the same Generations with the lean sampler as with model.generate."""
-    eng = make_engine("hf", str(checkpoint))
+    eng = make_engine(EngineConfig(engine="hf"), str(checkpoint))
     assert eng.lean_blocker is None and lean_sampling_blocker(eng.model, 0.8, 0.95, 5) is None  # lean
     eng.share_prompt_prefill = False  # the full-batch prefill, the same computation as generate
     lengths = [3, 6, 3, 4, 6, 6, 4, 3] * 3
@@ -192,7 +193,7 @@ def test_engine_shares_the_prefill_of_a_rollouts_repeated_prompts(checkpoint):
     """HFEngine.generate on a rollout's prompts (3 prompts of 2 lengths, 4 samples each, as the
     manager asks): each bucket's prefill runs its distinct prompts only, and the Generations match
     the full-batch prefill's (same responses, log-probs within fp32 rounding)."""
-    eng = make_engine("hf", str(checkpoint))
+    eng = make_engine(EngineConfig(engine="hf"), str(checkpoint))
     assert eng.share_prompt_prefill  # the default
     distinct = [p[:n] for p, n in zip(_prompts(3, 6, seed=10).tolist(), [4, 6, 4])]
     prompts = [p for p in distinct for _ in range(4)]
@@ -221,7 +222,7 @@ def test_a_generation_config_sample_cannot_match_falls_back_to_generate(checkpoi
     shutil.copytree(checkpoint, other)
     cfg = json.loads((other / "generation_config.json").read_text())
     (other / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.5}))
-    eng = make_engine("hf", str(other))
+    eng = make_engine(EngineConfig(engine="hf"), str(other))
     assert eng.lean_blocker == "the generation config sets repetition_penalty=1.5"
     assert lean_sampling_blocker(eng.model, 1, 1.0, 4) == "temperature 1 is not a positive float"
     prompts = _prompts(16, 4, seed=3)

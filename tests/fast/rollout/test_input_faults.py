@@ -22,13 +22,14 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
-from rl_plugin.rollout.dataset import read_jsonl
-from rl_plugin.rollout.filters import FilterResultError, FilterSample, GroupFilter, keep_decision, load_filter
-from rl_plugin.rollout.prompt_check import check_labels
-from rl_plugin.rollout.rewards import load_reward_fn
+from rl_plugin.rollout.data.dataset import read_jsonl
+from rl_plugin.rollout.data.prompt_check import check_labels
+from rl_plugin.rollout.filters import FilterResultError, GroupFilter, keep_decision, load_filter
+from rl_plugin.rollout.rewards.functions import load_reward_fn
+from rl_plugin.rollout.sample import Sample
 from tests.support.flag_rules import assert_refused
 
-GROUP = [FilterSample("12=", "12", "12", r, 2, False) for r in (1.0, 0.5)]
+GROUP = [Sample(prompt="12=", response="12", label="12", reward=r, response_length=2) for r in (1.0, 0.5)]
 
 
 def _filter_file(tmp_path: Path, body: str, name: str = "filt") -> Path:
@@ -241,5 +242,5 @@ def test_filter_sees_tensor_rewards_of_real_groups():
     from rl_plugin.rollout.filters import check_reward_nonzero_std
 
     assert check_reward_nonzero_std(None, GROUP) is True
-    same = [FilterSample("p", "r", "l", 0.5, 1, False)] * 2
+    same = [Sample(prompt="p", response="r", label="l", reward=0.5, response_length=1)] * 2
     assert check_reward_nonzero_std(None, same) is False and not torch.is_tensor(check_reward_nonzero_std(None, same))

@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
-from rl_plugin.rollout.dataset import PromptDataset, read_jsonl
-from rl_plugin.rollout.engine import SamplingParams, make_engine
-from rl_plugin.rollout.rewards import REWARDS, extract_final_answer, load_reward_fn, score_responses
-from rl_plugin.rollout.task import digit_match_reward, make_task_records, write_task_data
-from rl_plugin.rollout.tokenizer import CharTokenizer, load_tokenizer
+from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.data.dataset import PromptDataset, read_jsonl
+from rl_plugin.rollout.data.task import digit_match_reward, make_task_records, write_task_data
+from rl_plugin.rollout.data.tokenizer import CharTokenizer, load_tokenizer
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.rewards.functions import REWARDS, extract_final_answer, load_reward_fn, score_responses
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
 
@@ -91,7 +92,7 @@ def test_sglang_fails_loud_without_the_package_or_a_gpu(tmp_path):
         RuntimeError,
         match="--rollout-engine sglang: the Python package 'sglang' is not installed|--rollout-engine sglang needs a GPU",
     ):
-        make_engine("sglang", str(ck))
+        make_engine(EngineConfig(engine="sglang"), str(ck))
 
 
 def test_hf_engine_log_probs_match_the_model(tmp_path):
@@ -102,7 +103,7 @@ def test_hf_engine_log_probs_match_the_model(tmp_path):
 
     torch.set_num_threads(1)
     ck = make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64)
-    eng = make_engine("hf", str(ck))
+    eng = make_engine(EngineConfig(engine="hf"), str(ck))
     prompts = [[1, 5, 6, 3], [1, 7, 3], [1, 5, 6, 3]]
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=5)
     gens = eng.generate(prompts, params, seed=11)
@@ -140,7 +141,7 @@ def test_hf_engine_stops_at_every_eos_id(tmp_path):
     ck = make_tiny_hf_checkpoint(tmp_path / "m", "qwen2", vocab_size=16, hidden_size=32, intermediate_size=64)
     prompts = [[1, 5, 6, 3], [1, 7, 3], [1, 5, 6, 3], [1, 4, 4, 9]]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12)
-    one = make_engine("hf", str(ck)).generate(prompts, params, seed=5)
+    one = make_engine(EngineConfig(engine="hf"), str(ck)).generate(prompts, params, seed=5)
     # the second stop id: a token some response samples before any 2
     firsts = [t for g in one for t in g.response_ids[:-1] if t != 2]
     assert firsts, [g.response_ids for g in one]
@@ -149,7 +150,7 @@ def test_hf_engine_stops_at_every_eos_id(tmp_path):
     shutil.copytree(ck, two_dir)
     cfg = json.loads((two_dir / "generation_config.json").read_text())
     (two_dir / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, x]}))
-    two = make_engine("hf", str(two_dir)).generate(prompts, params, seed=5)
+    two = make_engine(EngineConfig(engine="hf"), str(two_dir)).generate(prompts, params, seed=5)
     stopped_at_x = 0
     for a, b in zip(one, two):
         stops = [k for k, t in enumerate(a.response_ids) if t in (2, x)]

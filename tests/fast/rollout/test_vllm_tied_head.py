@@ -26,8 +26,8 @@ VOCAB = 49152
 def _worker(ckpt: str) -> dict:
     from safetensors.torch import load_file
 
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.vllm_engine import VLLMEngine
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.vllm_engine import VLLMEngine
 
     emb = load_file(f"{ckpt}/model.safetensors")["model.embed_tokens.weight"]
     new = emb * (1 + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.samples import samples_of
 from tests.support.tolerance import FP32_MODEL
 
 BACKENDS = ("fsdp", "megatron")
@@ -36,9 +37,9 @@ def moe_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rollout(moe_ckpt):
     """The disagreeing engine's rollout: 3 prompts x 2 samples, flat, with its routed experts."""
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.hf_engine import HFEngine
-    from rl_plugin.rollout.rollout_data import flatten_generations
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
+    from rl_plugin.rollout.rollout_data import flatten_samples
     from rl_plugin.routing.hf import install_routing_flip
 
     torch.manual_seed(0)
@@ -46,7 +47,7 @@ def rollout(moe_ckpt):
     install_routing_flip(engine.model, 1 / 3)
     prompts = [p for p in ([5, 6, 7], [9, 10, 11, 12], [20, 21]) for _ in range(2)]
     gens = engine.generate(prompts, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=10), seed=3)
-    return flatten_generations(gens)
+    return flatten_samples(samples_of(gens))
 
 
 def _batch(flat):

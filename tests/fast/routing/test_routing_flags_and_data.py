@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
-from rl_plugin.rollout.engine import Generation
-from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten_generations
+from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten_samples
+from tests.support.samples import samples_of
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_r2_and_r3_together_mean_r3(moe_dir):
 
 
 def test_hf_engine_refuses_to_record_a_dense_model(tiny_qwen2):
-    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
 
     with pytest.raises(ValueError, match="no mixture-of-experts router"):
         HFEngine(tiny_qwen2, record_routed_experts=True)
@@ -74,7 +75,7 @@ def _gens():
 
 
 def _rollout(gens):
-    flat = flatten_generations(gens)
+    flat = flatten_samples(samples_of(gens))
     n = len(gens)
     return RolloutData(
         tokens=flat.tokens,
@@ -135,15 +136,15 @@ def test_a_rollout_with_some_samples_unrecorded_is_refused():
     gens = _gens()
     gens[2].routed_experts = None
     with pytest.raises(ValueError, match="rollout sample 2 carries no routed experts"):
-        flatten_generations(gens)
+        flatten_samples(samples_of(gens))
 
 
 @pytest.mark.parametrize("sampler", ["lean", "generate"])
 def test_hf_engine_records_the_routing_of_a_full_forward(moe_dir, sampler):
     """Both samplers (the lean loop with its shared prefill, and model.generate) record, per
     sample, the top-k one forward over prompt + response[:-1] routes every token to."""
-    from rl_plugin.rollout.engine import SamplingParams
-    from rl_plugin.rollout.hf_engine import HFEngine
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
     from rl_plugin.routing.hf import hf_routers, same_sets
 
     engine = HFEngine(moe_dir, record_routed_experts=True)

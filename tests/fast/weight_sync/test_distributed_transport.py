@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-from rl_plugin.rollout.hf_engine import HFEngine
+from rl_plugin.rollout.engines.hf_engine import HFEngine
 from rl_plugin.weight_sync import SyncRequest, WeightPublisher, WeightReceiver, load_sync, weights_fingerprint
 from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle
 

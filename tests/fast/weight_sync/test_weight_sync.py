@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-from rl_plugin.rollout.hf_engine import HFEngine
+from rl_plugin.rollout.engines.hf_engine import HFEngine
 from rl_plugin.weight_sync import (
     SyncRequest,
     WeightPublisher,

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from rl_plugin.errors import RLArgumentError, fail
-from rl_plugin.rollout.dataset import PromptRecord, is_parquet, read_prompts
-from rl_plugin.rollout.rewards import LABEL_REWARDS, is_number
-from rl_plugin.rollout.tokenizer import PromptFormatError
+from rl_plugin.rollout.data.dataset import PromptRecord, is_parquet, read_prompts
+from rl_plugin.rollout.data.tokenizer import PromptFormatError
+from rl_plugin.rollout.rewards.functions import LABEL_REWARDS, is_number
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 SHOW = 3  # offending lines named in the message

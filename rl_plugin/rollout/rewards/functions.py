@@ -5,7 +5,7 @@ input as it is (a string, or the list of chat messages). A function that also ta
 ``metadata`` (or ``**kwargs``) gets the sample's ``--metadata-key`` object as ``metadata=`` (``{}``
 when no metadata key is configured); the three-argument form is called as before. Built-ins:
 
-- ``digit_match``: the embedded tasks' partial-credit checker (``task.digit_match_reward``): the
+- ``digit_match``: the embedded tasks' partial-credit checker (``rollout.data.task.digit_match_reward``): the
   fraction of label positions the response matches.
 - ``math_exact``: 1.0 when the response's final answer (last ``\\boxed{...}``, else the last number)
   equals the label after light normalisation (spaces, ``$``, trailing ``.0``), else 0.0.
@@ -15,11 +15,11 @@ number: ``math_exact`` scores 1.0 when the final answer's exact value (``Fractio
 "1/2", "1,000") equals it (an int exactly; a float as the float nearest the answer, so "0.1"
 matches 0.1); ``digit_match`` gives full credit to a response whose value equals it, and otherwise
 partial credit against the number's shortest text (7.0 -> "7", never "7.0"). The built-ins need a
-label: preflight refuses null or empty ones (``prompt_check.check_labels``).
+label: preflight refuses null or empty ones (``rollout.data.prompt_check.check_labels``).
 
 ``--custom-rm-path`` is ``package.module:function``, ``package.module.function`` or
 ``path/to/file.py:function``, with the same signature; it replaces ``--rm-type``. The rollout
-scores through ``rl_plugin.rollout.sample_rewards.SampleScorer``, which also takes slime's
+scores through ``rl_plugin.rollout.rewards.scorer.SampleScorer``, which also takes slime's
 ``rm(args, sample)`` / ``--group-rm`` forms and ``--rm-type remote_rm`` (``remote_rm.py``) and
 calls ``score_responses`` below for this module's form.
 """
@@ -33,7 +33,7 @@ from fractions import Fraction
 from typing import Callable, List, Sequence
 
 from rl_plugin.registries import REWARDS  # the names (--rm-type); entries point at the functions below
-from rl_plugin.rollout.task import digit_match_reward
+from rl_plugin.rollout.data.task import digit_match_reward
 from rl_plugin.user_code import UserCodeError, describe_exception, load_function, where
 
 RewardFn = Callable[[str, str, object], float]

@@ -1,6 +1,6 @@
 """Hugging Face models as the rollout engine (the default; runs on CPU).
 
-Sampling is ``rl_plugin.rollout.hf_sampler.sample``, a lean loop equal bit for bit to
+Sampling is ``rl_plugin.rollout.engines.hf_sampler.sample``, a lean loop equal bit for bit to
 ``model.generate`` (which it falls back to where it cannot be, see that module) that prefills a
 rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length, so
 no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
@@ -19,9 +19,16 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.configs import EngineConfig
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids
-from rl_plugin.rollout.hf_sampler import distinct_prompts, model_blocker, sample, sample_with_generate, values_blocker
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
+from rl_plugin.rollout.engines.hf_sampler import (
+    distinct_prompts,
+    model_blocker,
+    sample,
+    sample_with_generate,
+    values_blocker,
+)
 from rl_plugin.routing.hf import RoutingRecorder, routing_shape
 
 
@@ -45,18 +52,9 @@ class HFEngine(RolloutEngine):
             routing_shape(self.model)  # a dense model (or an unknown router) fails here, at start-up
 
     @classmethod
-    def create(
-        cls,
-        checkpoint_dir: str,
-        *,
-        device: str,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        max_model_len: Optional[int] = None,
-        record_routed_experts: bool = False,
-    ) -> "HFEngine":
+    def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
-        return cls(checkpoint_dir, device=device, record_routed_experts=record_routed_experts)
+        return cls(checkpoint_dir, device=device, record_routed_experts=config.record_routed_experts)
 
     @torch.no_grad()
     def generate(

@@ -9,8 +9,8 @@ loop, so it refuses to run inside one: await ``score`` there). The reward forms,
 function's required positional parameters (``metadata`` not counted):
 
 - three, ``fn(prompt, response, label)``, optionally with a ``metadata`` keyword
-  (``rl_plugin.rollout.rewards``: the built-ins and today's ``--custom-rm-path``): a sync
-  function runs through ``rewards.score_responses`` unchanged (same calls, same checks, same
+  (``rl_plugin.rollout.rewards.functions``: the built-ins and today's ``--custom-rm-path``): a sync
+  function runs through ``functions.score_responses`` unchanged (same calls, same checks, same
   errors); an ``async`` one is awaited for all samples concurrently;
 - two, slime's ``rm(args, sample) -> reward`` (``async`` or not): called once per sample, all
   samples concurrently; ``args`` is ``user_args`` (the run's parsed flags, as the generate hook
@@ -18,7 +18,7 @@ function's required positional parameters (``metadata`` not counted):
 - with ``--group-rm``, slime's ``rm(args, samples) -> list of rewards``: called once per
   contiguous group of ``group_size`` samples (``--n-samples-per-prompt`` by default), all groups
   concurrently; it must return one reward per sample of its group;
-- ``--rm-type remote_rm``: every sample POSTed to ``--rm-url`` (``rl_plugin.rollout.remote_rm``)
+- ``--rm-type remote_rm``: every sample POSTed to ``--rm-url`` (``rl_plugin.rollout.rewards.remote_rm``)
   in one HTTP session, at most ``--rm-max-concurrency`` at a time.
 
 In slime's forms and from the server, a reward is a number or a dict holding it under
@@ -35,8 +35,7 @@ import inspect
 import math
 from typing import Any, List, Optional, Sequence
 
-from rl_plugin.rollout.remote_rm import RemoteRewardModel
-from rl_plugin.rollout.rewards import (
+from rl_plugin.rollout.rewards.functions import (
     CustomReward,
     RewardFunctionError,
     _describe,
@@ -44,6 +43,7 @@ from rl_plugin.rollout.rewards import (
     score_responses,
     takes_metadata,
 )
+from rl_plugin.rollout.rewards.remote_rm import RemoteRewardModel
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.user_code import describe_exception, where
 

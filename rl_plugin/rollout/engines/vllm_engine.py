@@ -49,7 +49,8 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 
@@ -73,26 +74,11 @@ def _engine_environment() -> None:
 
 class VLLMEngine(RolloutEngine):
     @classmethod
-    def create(
-        cls,
-        checkpoint_dir: str,
-        *,
-        device: str,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        max_model_len: Optional[int] = None,
-        record_routed_experts: bool = False,
-    ) -> "VLLMEngine":
+    def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "VLLMEngine":
         require_package("vllm")
-        if record_routed_experts:
+        if config.record_routed_experts:
             raise RuntimeError(refusal("vllm"))
-        return cls(
-            checkpoint_dir,
-            device=device,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            max_model_len=max_model_len,
-        )
+        return cls(checkpoint_dir, device=device, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed)
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rl_plugin.configs import EngineConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
 
@@ -52,20 +53,12 @@ class SamplingParams:
 class RolloutEngine(abc.ABC):
     @classmethod
     @abc.abstractmethod
-    def create(
-        cls,
-        checkpoint_dir: str,
-        *,
-        device: str,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        max_model_len: Optional[int] = None,
-        record_routed_experts: bool = False,
-    ) -> "RolloutEngine":
-        """The engine on ``device`` (``--rollout-num-gpus-per-engine`` = ``tensor_parallel_size``),
-        every engine built the same way by ``make_engine``; an engine ignores what it cannot use,
-        except ``record_routed_experts`` (``--use-rollout-routing-replay``): an engine that cannot
-        return the routed experts of every token raises, naming itself and why."""
+    def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "RolloutEngine":
+        """The engine on ``device``, every engine built the same way from the run's ``EngineConfig``
+        (``make_engine``): ``tensor_parallel_size`` (``--rollout-num-gpus-per-engine``), ``seed``
+        and ``record_routed_experts`` (``--use-rollout-routing-replay``). An engine ignores what it
+        cannot use, except ``record_routed_experts``: an engine that cannot return the routed
+        experts of every token raises, naming itself and why."""
 
     @abc.abstractmethod
     def generate(
@@ -112,24 +105,8 @@ def require_package(engine: str) -> None:
         )
 
 
-def make_engine(
-    name: str,
-    checkpoint_dir: str,
-    *,
-    device: str = "cpu",
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    max_model_len: Optional[int] = None,
-    record_routed_experts: bool = False,
-) -> RolloutEngine:
-    """The engine ``--rollout-engine name`` asks for (``rl_plugin.registries.ROLLOUT_ENGINES``)."""
-    engine_class = ROLLOUT_ENGINES.get(name)  # an unknown name lists the registered engines
-    kwargs = {"record_routed_experts": True} if record_routed_experts else {}
-    return engine_class.create(
-        checkpoint_dir,
-        device=device,
-        tensor_parallel_size=tensor_parallel_size,
-        seed=seed,
-        max_model_len=max_model_len,
-        **kwargs,
-    )
+def make_engine(config: EngineConfig, checkpoint_dir: str, *, device: str = "cpu") -> RolloutEngine:
+    """The engine ``--rollout-engine`` (``config.engine``) asks for
+    (``rl_plugin.registries.ROLLOUT_ENGINES``), built from ``config``."""
+    engine_class = ROLLOUT_ENGINES.get(config.engine)  # an unknown name lists the registered engines
+    return engine_class.create(config, checkpoint_dir, device=device)

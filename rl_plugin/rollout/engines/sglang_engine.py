@@ -34,9 +34,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from rl_plugin.rollout.child_process import popen_dying_with_parent
-from rl_plugin.rollout.engine import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
-from rl_plugin.rollout.vllm_engine import sample_seed
+from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.rollout.engines.child_process import popen_dying_with_parent
+from rl_plugin.rollout.engines.vllm_engine import sample_seed
 from rl_plugin.routing.engines import refusal
 
 STARTUP_TIMEOUT_S = 600.0
@@ -87,19 +88,12 @@ class SGLangEngine(RolloutEngine):
         self._names: Dict[str, None] = {}  # every name ever loaded, in order (a set that keeps order)
 
     @classmethod
-    def create(
-        cls,
-        checkpoint_dir: str,
-        *,
-        device: str,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        max_model_len: Optional[int] = None,
-        record_routed_experts: bool = False,
-    ) -> "SGLangEngine":
-        if record_routed_experts:
+    def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "SGLangEngine":
+        if config.record_routed_experts:
             raise RuntimeError(refusal("sglang"))
-        return cls.launch(checkpoint_dir, device=device, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        return cls.launch(
+            checkpoint_dir, device=device, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed
+        )
 
     @classmethod
     def launch(

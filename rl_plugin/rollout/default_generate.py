@@ -1,0 +1,102 @@
+"""The default generate function: a rollout's samples in one engine call per engine.
+
+Without ``--custom-generate-function-path`` this is what turns a batch of prompt records into
+``Sample``s (the user's hook takes its place otherwise; both end in the same scoring and
+flattening, ``manager.RolloutManager``). Every prompt is tokenised once and repeated ``n`` times
+(a prompt's samples are contiguous and form one group); the groups are cut into contiguous shares
+(``group_shares``), one per engine, generated concurrently and gathered back in group order. Each
+share carries the index of its first sample in the rollout (``first_sample``), so
+per-sample-seeded engines (vllm, sglang) sample the same tokens however many engines there are;
+the ``hf`` engine in the manager's process gets the whole batch in one call.
+
+The engines answer with ``Generation``s (the engine boundary: engines know no ``Sample``); they
+become ``Sample``s here (``build_samples``), once per rollout, with what the flattener
+(``rollout_data.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
+response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts`` and the status
+(``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is the record's
+prompt as the dataset holds it (what a reward function receives); a generate hook's samples
+carry the chat-templated text instead (``custom_rollout.fresh_samples``).
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, List, Optional, Sequence
+
+from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams
+from rl_plugin.rollout.sample import Sample
+
+_RESPONSE_LENGTH = attrgetter("response_length")
+
+
+def group_shares(num_groups: int, num_engines: int) -> List[int]:
+    """Prompt groups per engine: as even as possible, the first engines taking the remainder."""
+    base, extra = divmod(num_groups, num_engines)
+    return [base + (1 if i < extra else 0) for i in range(num_engines)]
+
+
+def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n: int) -> List[Sample]:
+    """The rollout's ``Sample`` objects: group ``g`` is record ``g``'s ``n`` contiguous samples;
+    ``tokens`` are the engine's prompt + response ids, the log-probs and routed experts the
+    engine's lists (not copied)."""
+    done, cut = Sample.Status.COMPLETED, Sample.Status.TRUNCATED
+    return [
+        Sample(
+            group_index=i // n,
+            index=i,
+            prompt=recs[i // n].prompt,
+            tokens=g.prompt_ids + g.response_ids,
+            response=responses[i],
+            response_length=len(g.response_ids),
+            label=recs[i // n].label,
+            rollout_log_probs=g.log_probs,
+            rollout_routed_experts=g.routed_experts,
+            metadata=dict(recs[i // n].metadata or {}),  # a copy per sample
+            status=done if g.finished else cut,
+        )
+        for i, g in enumerate(gens)
+    ]
+
+
+def check_responses(samples: Sequence[Sample]) -> None:
+    """An engine's empty response is a setting error (``--rollout-max-response-len`` 0), not a sample."""
+    lengths = list(map(_RESPONSE_LENGTH, samples))  # one C-level pass, no Python loop over samples
+    if lengths and min(lengths) == 0:
+        empty = samples[lengths.index(0)]
+        raise RuntimeError(
+            f"rollout sample {empty.index} (prompt {empty.prompt!r}) has an empty response; check "
+            "--rollout-max-response-len >= 1"
+        )
+
+
+class DefaultGenerate:
+    """``generate(recs, n, seed)`` -> the ``n * len(recs)`` samples of those records (module
+    docstring), on the in-process ``engine`` or the ``engine_actors``."""
+
+    def __init__(
+        self, tokenizer, params: SamplingParams, engine: Optional[RolloutEngine], engine_actors: Sequence[Any]
+    ):
+        self.tokenizer, self.params = tokenizer, params
+        self.engine, self.engine_actors = engine, list(engine_actors)
+
+    def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
+        prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
+        gens = self.generations([p for p in prompt_ids for _ in range(n)], n, seed=seed)
+        responses = [self.tokenizer.decode(g.response_ids) for g in gens]
+        samples = build_samples(recs, gens, responses, n)
+        check_responses(samples)
+        return samples
+
+    def generations(self, prompts: List[List[int]], n: int, *, seed: int) -> List[Generation]:
+        """All samples (``n`` per group, groups contiguous), spread over the engines by whole
+        groups and gathered in order."""
+        if self.engine is not None:
+            return self.engine.generate(prompts, self.params, seed=seed)
+        import ray
+
+        refs, start = [], 0
+        for actor, groups in zip(self.engine_actors, group_shares(len(prompts) // n, len(self.engine_actors))):
+            if groups:
+                refs.append(actor.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
+            start += groups * n
+        return [g for part in ray.get(refs) for g in part]
