@@ -1,8 +1,8 @@
 """``rl-plugin-train`` / ``python -m rl_plugin.train``: the Ray-driven RL loop.
 
-Parses the flags (``rl_plugin.arguments``), then hands them to the driver
-(``rl_plugin.loop.driver.Driver``), which checks everything that needs no cluster, starts Ray and
-runs one rollout after another (``--num-rollout``)::
+Parses the flags (``rl_plugin.arguments``), then hands them to the run
+(``rl_plugin.loop.run.TrainingRun``), which checks everything that needs no cluster, starts Ray and
+has the driver (``rl_plugin.loop.driver``) run one rollout after another (``--num-rollout``)::
 
     data    = driver.generate(k)             # the engines load the newest weights, then sample and score
     reports = driver.train_rollout(data)     # advantages, the plan of steps, every optimizer step;
@@ -59,10 +59,10 @@ def _main(argv: Optional[List[str]]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from rl_plugin.errors import Interrupted, LoopError, Stopped
-    from rl_plugin.loop.driver import Driver
+    from rl_plugin.loop.run import TrainingRun
 
     try:
-        Driver(args, argv=sys.argv[1:] if argv is None else argv).run()
+        TrainingRun(args, argv=sys.argv[1:] if argv is None else argv).run()
     except RLArgumentError as exc:  # a flag or file problem, found before Ray starts (or at --load)
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2

@@ -12,66 +12,75 @@ Rollout k+1 is then trained on at the next iteration by weights one rollout newe
 that sampled it (staleness 1); the trainer's old log-probs are recomputed on its current weights
 and the engine's log-probs describe the sampler, so ``--use-tis`` corrects the lag and the
 ``mismatch/*`` metrics measure it. The first rollout of a run (or of a resume from a synchronous
-checkpoint) is generated in place, by the current weights. A checkpoint holds the rollout
-generated ahead (``pending_rollout.pt``), so a resumed run trains on exactly what the
-uninterrupted one would have.
+checkpoint) is generated in place, by the current weights. The schedule owns the rollout
+generated ahead (``PendingRollout``); a checkpoint holds it (``pending_rollout.pt``), so a
+resumed run trains on exactly what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Dict
+from typing import Dict, Optional
 
 from rl_plugin.errors import LoopError
+from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.schedule import PendingRollout, RolloutLoop
 
-if TYPE_CHECKING:  # the driver picks its schedule: no import at run time
-    from rl_plugin.loop.driver import Driver
 
+class OverlappedSchedule:
+    def __init__(self, loop: RolloutLoop, cfg: LoopConfig):
+        self._loop, self._cfg = loop, cfg
+        self._pending: Optional[PendingRollout] = None  # rollout k+1, generated while k trained
 
-def run_overlapped_rollout(driver: Driver, k: int) -> None:
-    cfg, client = driver.cfg, driver.client
-    t0 = time.perf_counter()
-    staleness, wait_gen, call = 0, 0.0, None
-    if driver.pending is None:
-        data = driver.generate(k)
-        call = wait_gen = time.perf_counter() - t0
-    else:
-        staleness = driver.pending[2]
-        data = driver.take_pending(k)
-    ahead = None
-    if k + 1 < cfg.num_rollout:
-        restarts = client.restarts
-        ahead = driver.submit_generate(k + 1)
-    t1 = time.perf_counter()
-    # a failure here ends the run; the teardown kills the generating actor
-    reports = driver.train_rollout(data, sync=cfg.sync_due(k, ahead=1))
-    t_train = time.perf_counter() - t1
-    timings: Dict[str, float] = {}
-    if ahead is not None:
-        t2 = time.perf_counter()
-        try:
-            nxt = driver.answered(
-                client.retrying("generate", k + 1, lambda: driver.submit_generate(k + 1), first=ahead)
+    def pending(self) -> Optional[PendingRollout]:
+        return self._pending
+
+    def resume(self, pending: Optional[PendingRollout]) -> None:
+        self._pending = pending
+
+    def run_rollout(self, k: int) -> None:
+        loop, cfg = self._loop, self._cfg
+        t0 = time.perf_counter()
+        staleness, wait_gen, call = 0, 0.0, None
+        if self._pending is None:
+            data = loop.generate(k)
+            call = wait_gen = time.perf_counter() - t0
+        else:
+            staleness = self._pending.staleness
+            data, self._pending = self._pending.data_for(k), None
+        ahead = None
+        if k + 1 < cfg.num_rollout:
+            restarts = loop.manager_restarts()
+            ahead = loop.submit_generate(k + 1)
+        t1 = time.perf_counter()
+        # a failure here ends the run; the teardown kills the generating actor
+        reports = loop.train_rollout(data, sync=cfg.sync_due(k, ahead=1))
+        t_train = time.perf_counter() - t1
+        timings: Dict[str, float] = {}
+        if ahead is not None:
+            t2 = time.perf_counter()
+            try:
+                nxt = loop.wait_generate(k + 1, ahead)
+            except LoopError:
+                loop.log_steps(k, data, reports, {"time/train": t_train}, t0, staleness)
+                raise  # the steps done stay logged
+            wait_gen += time.perf_counter() - t2
+            # a manager that died meanwhile was replaced and synced with the trainer's current weights
+            # (the full sync supersedes the handle train(k) published): no lag
+            self._pending = PendingRollout(k + 1, nxt, 0 if loop.manager_restarts() > restarts else 1)
+            ahead_s = nxt.stats.get("rollout_gen_time", 0.0) + nxt.stats.get("rollout_reward_time", 0.0)
+            timings.update(
+                {
+                    # the engine's own time on rollout k+1 (generate + reward)
+                    "time/generate_ahead": ahead_s,
+                    # the engine idle until training ended (approx.)
+                    "time/engine_wait_trainer": max(0.0, t2 - t1 - ahead_s),
+                    # generation hidden behind training
+                    "time/overlap_saved": max(0.0, ahead_s - (time.perf_counter() - t2)),
+                }
             )
-        except LoopError:
-            driver.rows.log_steps(driver.progress, k, data, reports, {"time/train": t_train}, t0, staleness)
-            raise  # the steps done stay logged
-        wait_gen += time.perf_counter() - t2
-        # a manager that died meanwhile was replaced and synced with the trainer's current weights
-        # (the full sync supersedes the handle train(k) published): no lag
-        driver.pending = (k + 1, nxt, 0 if client.restarts > restarts else 1)
-        ahead_s = nxt.stats.get("rollout_gen_time", 0.0) + nxt.stats.get("rollout_reward_time", 0.0)
-        timings.update(
-            {
-                "time/generate_ahead": ahead_s,  # the engine's own time on rollout k+1 (generate + reward)
-                "time/engine_wait_trainer": max(0.0, t2 - t1 - ahead_s),  # engine idle until training ended (approx.)
-                "time/overlap_saved": max(
-                    0.0, ahead_s - (time.perf_counter() - t2)
-                ),  # generation hidden behind training
-            }
-        )
-    timings["time/trainer_wait_generate"] = wait_gen
-    if call is not None:
-        timings["time/rollout_call"] = call
-    timings.update({"time/train": t_train, **driver.ledger.timings()})
-    driver.finish_rollout(k, data, reports, timings, t0, staleness=staleness)
+        timings["time/trainer_wait_generate"] = wait_gen
+        if call is not None:
+            timings["time/rollout_call"] = call
+        timings.update({"time/train": t_train, **loop.sync_timings()})
+        loop.finish_rollout(k, data, reports, timings, t0, staleness=staleness)

@@ -1,9 +1,10 @@
 """Resume and save: what a checkpoint holds beyond the backend's files, and the resume command.
 
-``load_resume_point`` restores a ``--load`` checkpoint into the train group (every rank, the
-backend's files), the rollout manager (its dataset position) and the loop (step, next rollout,
-samples seen, and under overlapped training the rollout generated ahead). ``save_checkpoint``
-writes one with the layout of ``rl_plugin.checkpoint`` (stage, every rank writes, then
+``load_train_state`` restores a ``--load`` checkpoint into the train group (every rank, the
+backend's files); the run then restores the rollout manager (its dataset position), the loop
+(step, next rollout, samples seen) and, under overlapped training, hands the rollout generated
+ahead (``read_pending``: a ``PendingRollout``) to its schedule. ``save_checkpoint`` writes one
+with the layout of ``rl_plugin.checkpoint`` (stage, every rank writes, then
 ``loop_state.json``, rename, tracker). ``resume_command`` / ``resume_hint`` are the lines the
 run prints when it stops.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 from rl_plugin.checkpoint.commit import begin_save, commit_save, retain
 from rl_plugin.checkpoint.layout import latest_step, step_dir
@@ -20,10 +21,8 @@ from rl_plugin.checkpoint.pending_rollout import PENDING_ROLLOUT, read_pending_r
 from rl_plugin.errors import LoopError, RLArgumentError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import supersede_after
+from rl_plugin.loop.schedule import PendingRollout
 from rl_plugin.ray.train_group import TrainActorError
-from rl_plugin.rollout.rollout_data import RolloutData
-
-Pending = Tuple[int, RolloutData, int]  # (rollout id, the rollout, the staleness of the weights that sampled it)
 
 
 @dataclass
@@ -79,24 +78,25 @@ def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
     return metas[0]
 
 
-def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[Pending]:
+def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[PendingRollout]:
     """The rollout an overlapped run generated ahead before the checkpoint (None: none)."""
-    pending = read_pending_rollout(cfg.load, step)
-    if pending is None:
+    stored = read_pending_rollout(cfg.load, step)
+    if stored is None:
         return None
-    if pending[0] != start_rollout:
+    pending = PendingRollout(*stored)
+    if pending.rollout_id != start_rollout:
         raise LoopError(
-            f"{step_dir(cfg.load, step)}/{PENDING_ROLLOUT} holds rollout {pending[0]}, but the checkpoint's "
+            f"{step_dir(cfg.load, step)}/{PENDING_ROLLOUT} holds rollout {pending.rollout_id}, but the checkpoint's "
             f"next rollout is {start_rollout}: the checkpoint is inconsistent; resume from an earlier one"
         )
     print(
         f"resuming an overlapped run: rollout {start_rollout} was generated ahead before the checkpoint and "
-        f"is trained on as it was (staleness {pending[2]})",
+        f"is trained on as it was (staleness {pending.staleness})",
         flush=True,
     )
-    if pending[1].num_groups != rollout_batch_size:
+    if pending.data.num_groups != rollout_batch_size:
         print(
-            f"note: that rollout has {pending[1].num_groups} prompt groups, generated with the interrupted run's "
+            f"note: that rollout has {pending.data.num_groups} prompt groups, generated with the interrupted run's "
             f"--rollout-batch-size; this run's {rollout_batch_size} applies from rollout {start_rollout + 1} on",
             flush=True,
         )
@@ -115,7 +115,7 @@ def supersede_metrics(cfg: LoopConfig, step: int) -> None:
 
 
 def save_checkpoint(
-    cfg: LoopConfig, group, progress: Progress, rollout_id: int, dataset_state, pending: Optional[Pending]
+    cfg: LoopConfig, group, progress: Progress, rollout_id: int, dataset_state, pending: Optional[PendingRollout]
 ) -> None:
     """The checkpoint after rollout ``rollout_id``: ``dataset_state`` is the dataset position after
     its generate (training, sync and eval do not move it); overlapped, after rollout_id + 1's,
@@ -131,7 +131,7 @@ def save_checkpoint(
         "num_rollout": cfg.num_rollout,
     }
     if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
-        write_pending_rollout(staging, *pending)
+        write_pending_rollout(staging, pending.rollout_id, pending.data, pending.staleness)
         state["pending_rollout"] = PENDING_ROLLOUT
     # every rank's files seen by this process, then loop_state.json, rename, tracker
     commit_save(cfg.save, progress.step, state, written, [i["ip"] for i in group.info])

@@ -6,24 +6,41 @@
     log, save, eval
 
 Every rollout is sampled by the trainer's current weights (on-policy up to the engine's kernels).
+Resumed from an overlapped run's checkpoint, the rollout that checkpoint generated ahead is
+trained on first, as it was; nothing is generated ahead after it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Optional
 
-if TYPE_CHECKING:  # the driver picks its schedule: no import at run time
-    from rl_plugin.loop.driver import Driver
+from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.schedule import PendingRollout, RolloutLoop
 
 
-def run_sync_rollout(driver: Driver, k: int) -> None:
-    """Rollout k: generate (loading the published weights first), train on it and publish."""
-    t0 = time.perf_counter()
-    data = driver.generate(k) if driver.pending is None else driver.take_pending(k)
-    t_gen = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    reports = driver.train_rollout(data, sync=driver.cfg.sync_due(k, ahead=0))
-    t_train = time.perf_counter() - t1
-    timings = {"time/rollout_call": t_gen, "time/train": t_train, **driver.ledger.timings()}
-    driver.finish_rollout(k, data, reports, timings, t0)
+class SyncSchedule:
+    def __init__(self, loop: RolloutLoop, cfg: LoopConfig):
+        self._loop, self._cfg = loop, cfg
+        self._pending: Optional[PendingRollout] = None  # only from an overlapped run's checkpoint
+
+    def pending(self) -> Optional[PendingRollout]:
+        return self._pending
+
+    def resume(self, pending: Optional[PendingRollout]) -> None:
+        self._pending = pending
+
+    def run_rollout(self, k: int) -> None:
+        """Rollout k: generate (loading the published weights first), train on it and publish."""
+        loop = self._loop
+        t0 = time.perf_counter()
+        if self._pending is None:
+            data = loop.generate(k)
+        else:
+            data, self._pending = self._pending.data_for(k), None
+        t_gen = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        reports = loop.train_rollout(data, sync=self._cfg.sync_due(k, ahead=0))
+        t_train = time.perf_counter() - t1
+        timings = {"time/rollout_call": t_gen, "time/train": t_train, **loop.sync_timings()}
+        loop.finish_rollout(k, data, reports, timings, t0)

@@ -10,7 +10,7 @@ already written stay, so ``--load`` resumes.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -64,6 +64,11 @@ class TrainGroup:
 
     def dp_rank(self, rank: int) -> int:
         return self.info[rank]["dp_rank"]
+
+    def rendezvous_address(self) -> Tuple[str, int]:
+        """Rank 0's node ip and a port free there now (the distributed weight sync's store)."""
+        host, port, _ = ray.get(self.actors[0].address.remote())
+        return host, port
 
     def call(self, method: str, per_rank_args: Optional[Sequence[tuple]] = None, *, return_refs: bool = False):
         per_rank_args = per_rank_args or [()] * self.world_size

@@ -1,4 +1,5 @@
-"""The driver's handle on the rollout side: the manager actor, its engines, retries and restarts.
+"""The driver's handle on the rollout side: the manager actor, its engines, retries and restarts
+(beside ``train_group.py``, the handle on the train side).
 
 ``RolloutClient`` owns the rollout-manager actor and its engine actors. Every call goes through
 it: a call that raises inside the manager (bad data, a reward function) ends the run with the
@@ -8,17 +9,17 @@ sync (``on_restart``), and the call is resubmitted: at most ``--max-rollout-retr
 Generation is seeded by ``seed + k``, so a retried rollout yields the samples the first try would.
 
 It also keeps the manager's dataset position after the last generate (``dataset_state``), which
-a checkpoint saves.
+a checkpoint saves. The loop hands it what it reads of the run's settings (the engine's name for
+messages, ``--max-rollout-retries``) and the resume hint its messages end with.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ray
 
 from rl_plugin.errors import LoopError
-from rl_plugin.loop.config import LoopConfig
 from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.rollout.rollout_data import RolloutData
 
@@ -32,9 +33,10 @@ def actor_died(exc: Exception) -> bool:
 
 
 class RolloutClient:
-    def __init__(self, args, cfg: LoopConfig, placement, resume_hint: Callable[[], str]):
-        self._args, self.cfg, self.placement = args, cfg, placement  # args: for the manager's constructor only
+    def __init__(self, args, placement, resume_hint: Callable[[], str], *, rollout_engine: str, max_retries: int):
+        self._args, self.placement = args, placement  # args: for the manager's constructor only
         self.resume_hint = resume_hint
+        self.rollout_engine, self.max_retries = rollout_engine, max_retries  # for restart and its messages
         self.on_restart: Callable[[], None] = lambda: None  # the driver's full weight sync into fresh engines
         self.on_fresh_engines: Callable[[], None] = lambda: None  # the weight ledger forgets the old engines
         self.manager, self.engines = self._create()
@@ -60,12 +62,33 @@ class RolloutClient:
     def engine_node_ids(self) -> Sequence[str]:
         return self.call("engine_node_ids")
 
+    def read_dataset_state(self) -> None:
+        """The manager's dataset position now (before the run's first generate)."""
+        self.dataset_state = self.call("state_dict")
+
     def submit_generate(self, k: int, handle) -> ray.ObjectRef:
         """Rollout k's generate, the weight sync ``handle`` (or None) loaded first."""
         return generate_ref(self.manager, k, self.faults, handle)
 
+    def submit_evaluate(self, k: int, handle) -> ray.ObjectRef:
+        """The eval after rollout k, the weight sync ``handle`` (or None) loaded first."""
+        return self.manager.evaluate.remote(k, handle)
+
     def submit_update(self, handle_ref) -> ray.ObjectRef:
         return self.manager.update_weights.remote(handle_ref)
+
+    def wait_update(self, update: ray.ObjectRef) -> Optional[Dict[str, Any]]:
+        """The manager's answer to a weight load (bytes, the slowest engine's seconds); None when
+        it died and was replaced (the fresh manager and engines were synced by the restart)."""
+        try:
+            return ray.get(update)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            if not actor_died(exc):
+                raise LoopError(
+                    f"weight sync failed (rollout update): {error_line(exc)}. {self.resume_hint()}"
+                ) from None
+            self.restart("update_weights", exc)
+            return None
 
     def answered(self, data: RolloutData) -> RolloutData:
         """A generate's answer: its dataset position kept (no state_dict round trip)."""
@@ -92,22 +115,21 @@ class RolloutClient:
         """Replace a dead rollout manager: a fresh actor at the dataset position of before the
         failed call, loaded with the trainer's current weights. At most --max-rollout-retries
         times per run; then the run stops naming the engine, the cause and --load."""
-        cfg = self.cfg
         cause = error_line(exc)
         engine = (
-            f"the rollout engine ({cfg.rollout_engine}, in the rollout manager actor)"
+            f"the rollout engine ({self.rollout_engine}, in the rollout manager actor)"
             if not self.engines
-            else f"a rollout engine ({cfg.rollout_engine}, one of {len(self.engines)} engine actors) or its manager"
+            else f"a rollout engine ({self.rollout_engine}, one of {len(self.engines)} engine actors) or its manager"
         )
-        if self.restarts >= cfg.max_rollout_retries:
+        if self.restarts >= self.max_retries:
             raise LoopError(
                 f"{engine} died during {during}: {cause}. It was restarted {self.restarts} time(s) already "
-                f"(--max-rollout-retries {cfg.max_rollout_retries}). {self.resume_hint()}"
+                f"(--max-rollout-retries {self.max_retries}). {self.resume_hint()}"
             )
         self.restarts += 1
         print(
             f"{engine} died during {during}: {cause}; restarting it and retrying "
-            f"({self.restarts}/{cfg.max_rollout_retries}, --max-rollout-retries)",
+            f"({self.restarts}/{self.max_retries}, --max-rollout-retries)",
             flush=True,
         )
         self.kill()

@@ -1,0 +1,99 @@
+"""What a schedule is, and what it may ask of the driver.
+
+A schedule decides the order of one rollout's phases (generate, train, publish the weights) and
+owns what carries over between rollouts: the rollout generated ahead (``PendingRollout``). The
+driver (``loop/driver.py``) runs ``Schedule.run_rollout(k)`` once per rollout, reads
+``pending()`` when it writes a checkpoint and hands a resumed checkpoint's to ``resume``.
+
+A schedule calls the driver only through ``RolloutLoop``, the named pieces of a rollout; it never
+imports the driver nor reads its fields. The implementations: ``SyncSchedule``
+(``sync_schedule.py``, the default) and ``OverlappedSchedule`` (``overlapped_schedule.py``,
+``--max-weight-staleness 1``); another schedule is one more file implementing ``Schedule``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol
+
+from rl_plugin.errors import LoopError
+from rl_plugin.rollout.rollout_data import RolloutData
+
+Reports = List[Dict[str, Any]]  # one report per optimizer step of a rollout (J, metrics, samples, time/*)
+
+
+@dataclass(frozen=True)
+class PendingRollout:
+    """A rollout generated before the steps of the one before it were trained on (overlapped
+    training), kept in a checkpoint (``pending_rollout.pt``) so a resumed run trains on it as the
+    uninterrupted run would."""
+
+    rollout_id: int
+    data: RolloutData
+    staleness: int  # how many weight versions behind the trainer's the weights that sampled it are
+
+    def data_for(self, k: int) -> RolloutData:
+        """The rollout, checked to be rollout ``k`` (the one the loop is at)."""
+        if self.rollout_id != k:
+            raise LoopError(
+                f"internal: the rollout generated ahead is rollout {self.rollout_id}, the loop is at rollout {k}"
+            )
+        return self.data
+
+
+class RolloutLoop(Protocol):
+    """The driver's pieces a schedule runs; each is one phase of a rollout."""
+
+    def generate(self, k: int) -> RolloutData:
+        """Rollout k, the newest published weights loaded first; retried on a fresh manager."""
+
+    def submit_generate(self, k: int) -> Any:
+        """Start rollout k's generate (the newest published weights loaded first); returns the
+        call in flight, for ``wait_generate``."""
+
+    def wait_generate(self, k: int, in_flight: Any) -> RolloutData:
+        """The answer of ``submit_generate(k)``; retried on a fresh manager when it died."""
+
+    def manager_restarts(self) -> int:
+        """Rollout managers replaced so far (a fresh one holds the trainer's current weights)."""
+
+    def train_rollout(self, data: RolloutData, sync: bool = False) -> Reports:
+        """The rollout's optimizer steps; with ``sync`` rank 0 then publishes the new weights."""
+
+    def sync_timings(self) -> Dict[str, float]:
+        """The weight sync's ``time/*`` entries since the last call."""
+
+    def log_steps(
+        self,
+        k: int,
+        data: RolloutData,
+        reports: Reports,
+        timings: Dict[str, float],
+        t0: float,
+        staleness: Optional[int],
+    ) -> None:
+        """Rollout k's metrics rows (one per step report)."""
+
+    def finish_rollout(
+        self,
+        k: int,
+        data: RolloutData,
+        reports: Reports,
+        timings: Dict[str, float],
+        t0: float,
+        staleness: Optional[int] = None,
+    ) -> None:
+        """Rollout k's rows, then its checkpoint and eval when due."""
+
+
+class Schedule(Protocol):
+    """One rollout's phases in order, and the state that carries over to the next rollout."""
+
+    def run_rollout(self, k: int) -> None:
+        """Rollout k, from its generate to its rows, checkpoint and eval."""
+
+    def pending(self) -> Optional[PendingRollout]:
+        """The rollout generated ahead, which a checkpoint written now must hold (None: none)."""
+
+    def resume(self, pending: Optional[PendingRollout]) -> None:
+        """A resumed checkpoint's rollout generated ahead: trained on first, as it was."""

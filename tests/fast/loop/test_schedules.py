@@ -1,0 +1,186 @@
+"""The schedules without Ray (``rl_plugin.loop.schedule``): each runs a rollout's phases in its
+order through the ``RolloutLoop`` pieces only, and owns the rollout generated ahead
+(``PendingRollout``): what a checkpoint saves and a resume hands back."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import FrozenInstanceError, replace
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from rl_plugin.errors import LoopError
+from rl_plugin.loop.driver import Driver
+from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
+from rl_plugin.loop.schedule import PendingRollout, RolloutLoop, Schedule
+from rl_plugin.loop.sync_schedule import SyncSchedule
+
+
+class _Cfg:
+    """What a schedule reads of ``LoopConfig``: the rollout count and when a train call publishes
+    (here: when a later generate loads it; no eval)."""
+
+    def __init__(self, num_rollout: int):
+        self.num_rollout = num_rollout
+
+    def sync_due(self, k: int, ahead: int) -> bool:
+        return k + 1 + ahead < self.num_rollout
+
+
+class _Data:
+    """Stands in for a ``RolloutData``: the schedules read only its ``stats``."""
+
+    def __init__(self, k: int):
+        self.k, self.stats = k, {}
+
+
+class FakeLoop:
+    """A ``RolloutLoop`` that records the calls a schedule makes, in order."""
+
+    def __init__(self, restart_while_generating: Optional[int] = None, fail_wait: Optional[int] = None):
+        self.calls: List[tuple] = []
+        self.restarts = 0
+        self.restart_while_generating, self.fail_wait = restart_while_generating, fail_wait
+        self.finished: Dict[int, Dict[str, Any]] = {}
+
+    def generate(self, k):
+        self.calls.append(("generate", k))
+        return _Data(k)
+
+    def submit_generate(self, k):
+        self.calls.append(("submit_generate", k))
+        return k
+
+    def wait_generate(self, k, in_flight):
+        self.calls.append(("wait_generate", k))
+        assert in_flight == k
+        if k == self.fail_wait:
+            raise LoopError("the manager died too often")
+        if k == self.restart_while_generating:
+            self.restarts += 1  # a fresh manager, synced with the trainer's current weights
+        return _Data(k)
+
+    def manager_restarts(self):
+        return self.restarts
+
+    def train_rollout(self, data, sync=False):
+        self.calls.append(("train", data.k, sync))
+        return [{"samples": 1}]
+
+    def sync_timings(self):
+        return {}
+
+    def log_steps(self, k, data, reports, timings, t0, staleness):
+        self.calls.append(("log_steps", k, staleness))
+
+    def finish_rollout(self, k, data, reports, timings, t0, staleness=None):
+        self.calls.append(("finish", k, staleness))
+        self.finished[k] = timings
+
+
+def _run(schedule: Schedule, num_rollout: int, start: int = 0) -> None:
+    for k in range(start, num_rollout):
+        schedule.run_rollout(k)
+
+
+def _methods(protocol) -> Dict[str, List[str]]:
+    return {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in vars(protocol).items()
+        if callable(fn) and not name.startswith("_")
+    }
+
+
+@pytest.mark.parametrize("impl", [Driver, FakeLoop], ids=["Driver", "FakeLoop"])
+def test_rollout_loop_is_what_the_driver_offers(impl):
+    """Every piece of ``RolloutLoop`` is a method of the driver with the same parameters (a
+    ``Protocol`` is not checked at run time; this keeps the two from drifting)."""
+    for name, params in _methods(RolloutLoop).items():
+        assert list(inspect.signature(getattr(impl, name)).parameters) == params, name
+
+
+@pytest.mark.parametrize("impl", [SyncSchedule, OverlappedSchedule])
+def test_schedules_implement_the_protocol(impl):
+    for name, params in _methods(Schedule).items():
+        assert list(inspect.signature(getattr(impl, name)).parameters) == params, name
+
+
+def test_sync_generates_then_trains_each_rollout():
+    loop = FakeLoop()
+    schedule = SyncSchedule(loop, _Cfg(3))
+    _run(schedule, 3)
+    assert loop.calls == [
+        ("generate", 0), ("train", 0, True), ("finish", 0, None),
+        ("generate", 1), ("train", 1, True), ("finish", 1, None),
+        ("generate", 2), ("train", 2, False), ("finish", 2, None),
+    ]  # fmt: skip
+    assert schedule.pending() is None
+    assert set(loop.finished[0]) == {"time/rollout_call", "time/train"}
+
+
+def test_overlapped_generates_one_ahead_and_owns_it():
+    loop = FakeLoop()
+    schedule = OverlappedSchedule(loop, _Cfg(3))
+    schedule.run_rollout(0)
+    assert loop.calls == [
+        ("generate", 0),
+        ("submit_generate", 1),
+        ("train", 0, True),
+        ("wait_generate", 1),
+        ("finish", 0, 0),
+    ]
+    pending = schedule.pending()  # what a checkpoint after rollout 0 holds
+    assert (pending.rollout_id, pending.data.k, pending.staleness) == (1, 1, 1)
+    loop.calls.clear()
+    _run(schedule, 3, start=1)
+    assert loop.calls == [
+        ("submit_generate", 2), ("train", 1, False), ("wait_generate", 2), ("finish", 1, 1),
+        ("train", 2, False), ("finish", 2, 1),
+    ]  # fmt: skip
+    assert schedule.pending() is None
+
+
+def test_overlapped_rollout_sampled_by_a_restarted_manager_has_no_lag():
+    loop = FakeLoop(restart_while_generating=1)
+    schedule = OverlappedSchedule(loop, _Cfg(3))
+    schedule.run_rollout(0)
+    assert schedule.pending().staleness == 0
+    schedule.run_rollout(1)
+    assert loop.calls[-1] == ("finish", 1, 0)
+
+
+def test_overlapped_failure_ahead_keeps_the_steps_logged():
+    loop = FakeLoop(fail_wait=1)
+    schedule = OverlappedSchedule(loop, _Cfg(3))
+    with pytest.raises(LoopError):
+        schedule.run_rollout(0)
+    assert loop.calls[-1] == ("log_steps", 0, 0)
+
+
+@pytest.mark.parametrize("schedule_cls", [SyncSchedule, OverlappedSchedule])
+def test_resumed_pending_is_trained_as_it_was(schedule_cls):
+    """A checkpoint's rollout generated ahead is trained first, with its staleness, not generated again."""
+    loop = FakeLoop()
+    schedule = schedule_cls(loop, _Cfg(3))
+    stored = _Data(1)
+    schedule.resume(PendingRollout(1, stored, 1))
+    schedule.run_rollout(1)
+    if schedule_cls is SyncSchedule:
+        assert loop.calls == [("train", 1, True), ("finish", 1, None)]
+    else:
+        assert loop.calls == [("submit_generate", 2), ("train", 1, False), ("wait_generate", 2), ("finish", 1, 1)]
+
+
+def test_pending_of_another_rollout_is_refused():
+    schedule = SyncSchedule(FakeLoop(), _Cfg(3))
+    schedule.resume(PendingRollout(2, _Data(2), 1))
+    with pytest.raises(LoopError, match="generated ahead is rollout 2, the loop is at rollout 1"):
+        schedule.run_rollout(1)
+
+
+def test_pending_rollout_is_frozen():
+    pending = PendingRollout(1, _Data(1), 1)
+    with pytest.raises(FrozenInstanceError):
+        pending.staleness = 0  # type: ignore[misc]
+    assert replace(pending, staleness=0).staleness == 0
