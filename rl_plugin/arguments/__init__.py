@@ -26,26 +26,39 @@ from rl_plugin.arguments._util import RLArgumentError, add_flag
 from rl_plugin.flags import check_bounds, declared_flags
 
 # The --help sections, in order: (title, description). A declared flag names its section.
-GROUPS = (("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),)
+GROUPS = (
+    ("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),
+    ("training backend", "Which backend trains, and from which Hugging Face checkpoint."),
+    ("moe", "Mixture-of-experts models (Megatron-LM spellings)."),
+    ("fsdp backend", "Settings read only by --train-backend fsdp (PyTorch FSDP2 on the Hugging Face model)."),
+    ("batching", "How rollouts become optimizer steps and micro-batches."),
+    ("policy loss", "Advantage estimator, clipping, KL and entropy terms."),
+    ("loss aggregation", "How per-token policy losses become the step objective J."),
+    ("log-probs", "How training log-probs are computed from logits."),
+    ("metrics", "What the policy-gradient step reports."),
+    (
+        "off-policy correction",
+        "Importance sampling between the rollout engine and the trainer; DeepSpeed parity.",
+    ),
+    (
+        "routing replay",
+        "Mixture-of-experts routing replay: the trainer routes each token to the experts the engine (R3) or the "
+        "old-policy pass (R2) routed it to.",
+    ),
+)
 MEGATRON_GROUP = "megatron"
 
 
 def _configs():
-    """The config classes that declare flags, in --help order within each section."""
-    from rl_plugin.configs import OptimizerConfig
+    """The config classes that declare flags, in --help order within each section (a nested
+    config is listed itself: ``declared_flags`` reads one class's own fields)."""
+    from rl_plugin.configs import BatchingConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
+    from rl_plugin.loss import LossConfig
 
-    return (OptimizerConfig,)
+    return (TrainConfig, ModelConfig, MoEConfig, BatchingConfig, LossConfig, OptimizerConfig)
 
 
 FLAG_MODULES = (
-    "training",
-    "aggregation",
-    "policy",
-    "logprobs",
-    "batching",
-    "metrics",
-    "fsdp_backend",
-    "moe",
     "rollout",
     "rewards",
     "custom_rollout",
@@ -81,9 +94,9 @@ def _add_declared(parser: argparse.ArgumentParser, *, megatron: bool) -> None:
 
 
 def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_declared(parser, megatron=False)
     for mod in _modules():
         mod.add_arguments(parser)
-    _add_declared(parser, megatron=False)
     return parser
 
 
@@ -91,20 +104,32 @@ def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
     """Phase 1: every module's rules, then the derived settings, written once.
 
     A rule only reads the flags as given (a derived value it needs comes from a pure function such
-    as ``aggregation.resolved_mode``), so the rules can run in any order and never see another
-    rule's writes; ``aggregation.resolve`` then writes the one derived setting. Idempotent."""
-    from rl_plugin.arguments import aggregation, megatron_compat
+    as ``LossConfig.resolved_mode``), so the rules can run in any order and never see another
+    rule's writes; ``_resolve`` then writes the one derived setting. Idempotent."""
+    from rl_plugin.arguments import megatron_compat
 
     megatron_compat.validate(args)  # ranges of the Megatron-LM flags we read (theirs or ours)
-    for mod in _modules():
-        mod.validate(args)
     for cls in _configs():
         check_bounds(cls, args)
+    for cls in _configs():
         check = getattr(cls, "check", None)
         if check is not None:
             check(args)
-    aggregation.resolve(args)
+    for mod in _modules():
+        mod.validate(args)
+    _resolve(args)
     return args
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """Write the derived setting once, after every rule passed: ``loss_aggregation`` = the resolved
+    mode, and Megatron-LM's ``calculate_per_token_loss`` <=> token_mean (Megatron-LM's own code
+    reads it off the namespace; the configs hold the mode once: ``LossConfig.loss_aggregation``)."""
+    from rl_plugin.loss import LossConfig
+
+    mode = LossConfig.resolved_mode(args)
+    args.loss_aggregation = mode
+    args.calculate_per_token_loss = mode == "token_mean"
 
 
 def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:

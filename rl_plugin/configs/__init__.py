@@ -12,10 +12,13 @@ default)`` below the CLI); a value derived from several flags is computed here, 
 - ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
 - ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
 - ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
-  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``)
+  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``,
+  ``configs/routing_replay.py``)
 - ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
 - ``RolloutConfig``: the rollout manager: data, rewards, group sizes, dynamic sampling, shaping
 
+Each config declares its flags, their rules (``check(args)``, ``check_world``) and derives
+what several flags decide (``rl_plugin.flags``); ``Config.from_args(args)`` is generic.
 ``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
 in the process that builds it.
 """

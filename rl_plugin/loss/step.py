@@ -91,9 +91,13 @@ class StepContext:
     ):
         self.batch, self.cfg, self.ps, self.counts = batch, cfg, ps, counts
         self.device = device = torch.device("cpu") if device is None else torch.device(device)
-        mode = "token_mean" if cfg.calculate_per_token_loss else cfg.loss_aggregation
         pg_weights = token_weights(
-            mode, counts, batch.loss_mask, batch.response_lengths, batch.group_ids, cfg.loss_aggregation_divisor
+            cfg.loss_aggregation,
+            counts,
+            batch.loss_mask,
+            batch.response_lengths,
+            batch.group_ids,
+            cfg.loss_aggregation_divisor,
         )
         sm_weights = token_weights("sample_mean", counts, batch.loss_mask, batch.response_lengths, batch.group_ids)
         self.pg_weights, self.sample_mean_weights = _to(pg_weights, device), _to(sm_weights, device)
