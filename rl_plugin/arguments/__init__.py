@@ -53,7 +53,7 @@ def _configs():
     """The config classes that declare flags, in --help order within each section (a nested
     config is listed itself: ``declared_flags`` reads one class's own fields)."""
     from rl_plugin.configs import BatchingConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
-    from rl_plugin.loss import LossConfig
+    from rl_plugin.loss_config import LossConfig
 
     return (TrainConfig, ModelConfig, MoEConfig, BatchingConfig, LossConfig, OptimizerConfig)
 
@@ -125,7 +125,7 @@ def _resolve(args: argparse.Namespace) -> None:
     """Write the derived setting once, after every rule passed: ``loss_aggregation`` = the resolved
     mode, and Megatron-LM's ``calculate_per_token_loss`` <=> token_mean (Megatron-LM's own code
     reads it off the namespace; the configs hold the mode once: ``LossConfig.loss_aggregation``)."""
-    from rl_plugin.loss import LossConfig
+    from rl_plugin.loss_config import LossConfig
 
     mode = LossConfig.resolved_mode(args)
     args.loss_aggregation = mode

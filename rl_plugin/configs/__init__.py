@@ -10,7 +10,7 @@ default)`` below the CLI); a value derived from several flags is computed here, 
   ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
 - ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
 - ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
-- ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
+- ``LossConfig``: the loss core's settings (``rl_plugin.loss_config``, also ``rl_plugin.loss.LossConfig``)
 - ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
   the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``,
   ``configs/routing_replay.py``)
@@ -29,7 +29,7 @@ from rl_plugin.configs.model import ModelConfig, MoEConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.rollout import RolloutConfig
 from rl_plugin.configs.train import TrainConfig
-from rl_plugin.loss import LossConfig
+from rl_plugin.loss_config import LossConfig
 
 __all__ = [
     "BatchingConfig",

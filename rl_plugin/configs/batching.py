@@ -7,7 +7,7 @@ from typing import Optional
 
 from rl_plugin.errors import fail
 from rl_plugin.flags import MEGATRON, Bounds, Declared, derived, flag, option
-from rl_plugin.loss import LossConfig
+from rl_plugin.loss_config import LossConfig
 
 GROUP = "batching"
 

@@ -10,7 +10,7 @@ from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag, nested
-from rl_plugin.loss import LossConfig
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import TRAIN_BACKENDS
 
 

@@ -1,6 +1,7 @@
 """How the per-token policy loss becomes one step objective J: the aggregation mode (resolved once
 from ``--loss-aggregation`` and Megatron-LM's ``--calculate-per-token-loss``), its divisor, a custom
-reducer. See DESIGN.md for the exact J of each mode; ``rl_plugin.loss.aggregation`` implements them."""
+reducer. See DESIGN.md for the exact J of each mode; ``rl_plugin.loss.aggregation`` implements them
+(and documents the custom reducer's signature)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Callable, Optional
 
 from rl_plugin.errors import fail
 from rl_plugin.flags import MEGATRON, derived, flag, option
-from rl_plugin.loss.aggregation import load_custom_reducer
 from rl_plugin.registries import LOSS_AGGREGATIONS
+from rl_plugin.user_code import load_function
 
 DEFAULT_MODE = "sample_mean"
 GROUP = "loss aggregation"
@@ -28,8 +29,8 @@ def resolved_mode(args) -> str:
 
 
 def _reducer(args) -> Optional[Callable]:
-    path = args.custom_pg_loss_reducer_function_path
-    return load_custom_reducer(path) if path else None
+    path = args.custom_pg_loss_reducer_function_path  # the factory (rl_plugin.loss.aggregation.CustomReducerFactory)
+    return load_function(path, "--custom-pg-loss-reducer-function-path") if path else None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """LossConfig: the loss core's settings, declared as the flags they are (``rl_plugin.flags``) and
-built once from the parsed (and validated) flags.
+built once from the parsed (and validated) flags. A foundation below the loss core (which
+re-exports it as ``rl_plugin.loss.LossConfig``), so the flag layer reads it without importing
+torch or the loss core.
 
 One flat object (custom TIS functions read slime's names off it), composed of its parts, each
 with its flags and rules: ``aggregation`` (the mode, resolved once), ``policy`` (estimator,
@@ -13,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_plugin.flags import Declared
-from rl_plugin.loss.config.aggregation import AggregationSettings, resolved_mode
-from rl_plugin.loss.config.logprobs import LogProbSettings
-from rl_plugin.loss.config.offpolicy import OffPolicySettings
-from rl_plugin.loss.config.policy import GROUP_RELATIVE, PolicySettings
+from rl_plugin.loss_config.aggregation import AggregationSettings, resolved_mode
+from rl_plugin.loss_config.logprobs import LogProbSettings
+from rl_plugin.loss_config.offpolicy import OffPolicySettings
+from rl_plugin.loss_config.policy import GROUP_RELATIVE, PolicySettings
 
 PARTS = (AggregationSettings, PolicySettings, LogProbSettings, OffPolicySettings)
 

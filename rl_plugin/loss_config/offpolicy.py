@@ -14,18 +14,17 @@ from typing import Callable, Optional
 
 from rl_plugin.errors import fail
 from rl_plugin.flags import derived, flag, option
-from rl_plugin.loss.config.aggregation import resolved_mode
-from rl_plugin.loss.offpolicy import load_custom_tis_function
+from rl_plugin.loss_config.aggregation import resolved_mode
 from rl_plugin.registries import TIS_LEVELS, TIS_MODES
-from rl_plugin.user_code import check_importable
+from rl_plugin.user_code import check_importable, load_function
 
 GROUP = "off-policy correction"
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 
 
 def _tis_function(args) -> Optional[Callable]:
-    path = args.custom_tis_function_path
-    return load_custom_tis_function(path) if path else None
+    path = args.custom_tis_function_path  # slime's signature (rl_plugin.loss.offpolicy.load_custom_tis_function)
+    return load_function(path, "--custom-tis-function-path") if path else None
 
 
 @dataclass(frozen=True)
