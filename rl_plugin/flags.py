@@ -8,7 +8,7 @@ fields are declared with one of:
   which is also argparse's), help text, ``choices`` (a sequence, or a callable read when the parser
   is built: a registry's ``names``), ``type`` / ``action`` / ``nargs`` / ``metavar``, the ``unit`` it
   counts in, and ``megatron=True`` for Megatron-LM's own flags (defined by our parser only when
-  Megatron-LM's is absent). ``group`` is the ``--help`` section (``rl_plugin.arguments.GROUPS``).
+  Megatron-LM's is absent; ``**MEGATRON`` also puts them in its section). ``group`` is the ``--help`` section (``rl_plugin.arguments.GROUPS``).
 - ``same_as(Config, "field")``: a field that reads a flag declared on another config (one default:
   the declaring field's).
 - ``derived(fn, default, inputs=(option(...), ...))``: a value computed from the parsed flags
@@ -18,8 +18,9 @@ fields are declared with one of:
 - ``runtime(default)``: state that is no flag (set by hand when the config is built).
 
 ``from_args(Config, args)`` builds any config from a parsed namespace (ours, or Megatron-LM's with
-``add_rl_arguments`` as its ``extra_args_provider``); ``add_config_flags(parser, Config)`` adds its
-flags. So a new flag is one field, plus its rule (a method of the config) and its test.
+``add_rl_arguments`` as its ``extra_args_provider``); ``declared_flags(Config)`` lists the flags a
+config declares, which ``rl_plugin.arguments`` adds to its parser. So a new flag is one field, plus
+its rule (a method of the config) and its test.
 """
 
 from __future__ import annotations
