@@ -8,16 +8,19 @@ fields are declared with one of:
   which is also argparse's), help text, ``choices`` (a sequence, or a callable read when the parser
   is built: a registry's ``names``), ``type`` / ``action`` / ``nargs`` / ``metavar``, the ``unit`` it
   counts in, and ``megatron=True`` for Megatron-LM's own flags (defined by our parser only when
-  Megatron-LM's is absent). ``group`` is the ``--help`` section (``rl_plugin.arguments.GROUPS``).
+  Megatron-LM's is absent; ``**MEGATRON`` also puts them in its section). ``group`` is the ``--help`` section (``rl_plugin.arguments.GROUPS``).
 - ``same_as(Config, "field")``: a field that reads a flag declared on another config (one default:
   the declaring field's).
-- ``derived(fn, default)``: a value computed from the parsed flags (``fn(args)``), e.g. a mode
-  resolved from two flags.
+- ``derived(fn, default, inputs=(option(...), ...))``: a value computed from the parsed flags
+  (``fn(args)``), e.g. a mode resolved from two flags; ``inputs`` declares the flags it is computed
+  from that no field holds as given (``option`` takes ``flag``'s arguments).
 - ``nested(Config)``: a config inside a config, built from the same flags.
+- ``runtime(default)``: state that is no flag (set by hand when the config is built).
 
 ``from_args(Config, args)`` builds any config from a parsed namespace (ours, or Megatron-LM's with
-``add_rl_arguments`` as its ``extra_args_provider``); ``add_config_flags(parser, Config)`` adds its
-flags. So a new flag is one field, plus its rule (a method of the config) and its test.
+``add_rl_arguments`` as its ``extra_args_provider``); ``declared_flags(Config)`` lists the flags a
+config declares, which ``rl_plugin.arguments`` adds to its parser. So a new flag is one field, plus
+its rule (a method of the config) and its test.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 SPEC = "rl_plugin.flag"  # the key of a field's metadata holding its spec
+
+# The marker of Megatron-LM's own flags (``flag(..., **MEGATRON)``): declared on our configs, added to
+# our parser only when Megatron-LM's is absent (as its ``extra_args_provider`` we read its values).
+MEGATRON = dict(group="megatron", megatron=True)
 
 
 @dataclass(frozen=True)
@@ -108,12 +115,17 @@ class SameAs:
 
 @dataclass(frozen=True)
 class Derived:
-    """A field computed from the parsed flags, once, when the config is built."""
+    """A field computed from the parsed flags, once, when the config is built; ``inputs`` are the
+    flags it declares (read only through ``fn``)."""
 
     fn: Callable[[Any], Any]
+    inputs: Tuple[Flag, ...] = ()
 
     def read(self, args) -> Any:
         return self.fn(args)
+
+
+RUNTIME = "runtime"  # the spec of a field that is no flag (``runtime``)
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,7 @@ class Nested:
         return from_args(self.cls, args)
 
 
-def flag(
+def option(
     *names: str,
     default: Any = None,
     help: str,
@@ -138,26 +150,39 @@ def flag(
     megatron: bool = False,
     bounds: Optional[Bounds] = None,
 ):
-    """A dataclass field that is the flag ``names[0]`` (see the module docstring)."""
+    """The flag ``names[0]`` as a ``Flag`` (no field): an input of ``derived``."""
     if not names or not all(n.startswith("--") for n in names):
         raise ValueError(f"flag names must start with '--': {names}")
     if action == "store_true":
         default = False
-    spec = Flag(tuple(names), help, group, default, type, choices, action, nargs, metavar, unit, megatron, bounds)
-    if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: copy.copy(default), metadata={SPEC: spec})
-    return field(default=default, metadata={SPEC: spec})
+    return Flag(tuple(names), help, group, default, type, choices, action, nargs, metavar, unit, megatron, bounds)
+
+
+def flag(*names: str, **kwargs):
+    """A dataclass field that is the flag ``names[0]`` (see the module docstring; ``option``'s
+    arguments)."""
+    spec = option(*names, **kwargs)
+    if isinstance(spec.default, (list, dict, set)):
+        return field(default_factory=lambda: copy.copy(spec.default), metadata={SPEC: spec})
+    return field(default=spec.default, metadata={SPEC: spec})
 
 
 def same_as(owner: type, name: str):
-    """A field that reads the flag declared by ``owner.name`` (its default too)."""
+    """A field that reads the flag declared by ``owner.name`` (its default too); ``name`` may also
+    be the dest of a flag ``owner`` declares as a ``derived`` input."""
     spec = flag_of(owner, name)
     return field(default=spec.default, metadata={SPEC: SameAs(owner, name)})
 
 
-def derived(fn: Callable[[Any], Any], default: Any):
-    """A field computed from the parsed flags: ``fn(args)``; ``default`` when built by hand."""
-    return field(default=default, metadata={SPEC: Derived(fn)})
+def derived(fn: Callable[[Any], Any], default: Any, *, inputs: Sequence[Flag] = ()):
+    """A field computed from the parsed flags: ``fn(args)``; ``default`` when built by hand (it
+    equals ``fn`` of the parser's defaults). ``inputs``: the flags it declares (``option(...)``)."""
+    return field(default=default, metadata={SPEC: Derived(fn, tuple(inputs))})
+
+
+def runtime(default: Any = None):
+    """A field that is no flag: runtime state passed by hand (``from_args(..., name=value)``)."""
+    return field(default=default, metadata={SPEC: RUNTIME})
 
 
 def nested(cls: type):
@@ -165,6 +190,7 @@ def nested(cls: type):
 
 
 def flag_of(cls: type, name: str) -> Flag:
+    """The flag of field ``name`` of ``cls`` (or the ``derived`` input of ``cls`` whose dest is ``name``)."""
     for f in fields(cls):
         if f.name == name:
             spec = f.metadata.get(SPEC)
@@ -173,16 +199,23 @@ def flag_of(cls: type, name: str) -> Flag:
             if isinstance(spec, Flag):
                 return spec
             raise TypeError(f"{cls.__name__}.{name} is not a flag")
+    for _, spec in declared_flags(cls):
+        if spec.dest == name:
+            return spec
     raise AttributeError(f"{cls.__name__} has no field {name!r}")
 
 
 def declared_flags(cls: type) -> Iterator[Tuple[str, Flag]]:
-    """``(field name, Flag)`` of every flag ``cls`` itself declares, in field order (not those of
-    its nested configs, nor the ``same_as`` fields: their owner declares them)."""
+    """``(field name, Flag)`` of every flag ``cls`` itself declares, in field order, a ``derived``
+    field's inputs included (not those of its nested configs, nor the ``same_as`` fields: their
+    owner declares them)."""
     for f in fields(cls):
         spec = f.metadata.get(SPEC)
         if isinstance(spec, Flag):
             yield f.name, spec
+        elif isinstance(spec, Derived):
+            for one in spec.inputs:
+                yield f.name, one
 
 
 def from_args(cls: type, args, **given):
@@ -193,7 +226,7 @@ def from_args(cls: type, args, **given):
     values = dict(given)
     for f in fields(cls):
         spec = f.metadata.get(SPEC)
-        if f.name not in values and spec is not None and f.init:
+        if f.name not in values and spec is not None and spec is not RUNTIME and f.init:
             values[f.name] = spec.read(args)
     return cls(**values)
 

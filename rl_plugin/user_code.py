@@ -11,6 +11,7 @@ steps, each usable alone:
 - ``check_source``: without running user code, the file exists and compiles (a syntax error is
   named at its file:line) or the module is on the Python path (``RLArgumentError``), for the flag
   checker on a machine that may not hold the cluster's packages;
+- ``check_importable``: load it now, for the flag checks (``RLArgumentError``);
 - ``load_function``: import and return the callable; a module that raises while importing is named
   at the user's file:line (``UserCodeError``), a function that cannot be found is a
   ``UserFunctionNotFound`` naming the flag, the spec and why (a bad form: ``ValueError``).
@@ -28,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
-from rl_plugin.errors import fail
+from rl_plugin.errors import RLArgumentError, fail
 
 FORMS = "package.module:function, package.module.function or path/to/file.py:function"
 
@@ -168,6 +169,18 @@ def load_function(spec: str, flag: str) -> Callable:
     if fn is None or not callable(fn):
         raise UserFunctionNotFound(flag, spec, f"{target!r} has no callable {name!r}")
     return fn
+
+
+def check_importable(spec: str, flag: str) -> None:
+    """Load the function now, for the flag checks: ``RLArgumentError`` naming the flag, why, and the
+    forms (a module that raises while importing: its file:line and the fix)."""
+    try:
+        load_function(spec, flag)
+    except UserCodeError as exc:
+        raise RLArgumentError(str(exc)) from None
+    except ValueError as exc:
+        reason = getattr(exc, "reason", str(exc))
+        fail(flag, f"cannot load the function {spec!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
 
 
 def where(fn: Callable) -> str:

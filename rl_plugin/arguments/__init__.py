@@ -9,17 +9,16 @@
 - ``build_parser()``: our standalone parser = Megatron-LM compat flags + RL flags.
 
 Flags are declared on the typed configs (``rl_plugin.flags``: a dataclass field carries its flag,
-default, help, choices and range); ``CONFIGS`` lists the classes that declare flags, and ``GROUPS``
-the ``--help`` sections in order. A config's rules are its classmethods ``check(args)`` (and
-``check_world(args, dp_size=...)``). Legacy flag modules (``add_arguments(parser)`` /
-``validate(args)``) in ``FLAG_MODULES`` still work while they move to configs. Each flag is defined
-once (``_util.add_flag`` raises on a second rl_plugin definition).
+default, help, choices and range); ``_configs()`` lists the classes that declare flags, and ``GROUPS``
+the ``--help`` sections in the order a user reads them (the run, then the objective, then the
+machinery). A config's rules are its classmethods ``check(args)`` (and ``check_world(args,
+dp_size=...)``); ranges are declared on the field (``bounds``). Each flag is defined once
+(``_util.add_flag`` raises on a second rl_plugin definition).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import List, Optional
 
 from rl_plugin.arguments._util import RLArgumentError, add_flag
@@ -28,6 +27,7 @@ from rl_plugin.flags import check_bounds, declared_flags
 # The --help sections, in order: (title, description). A declared flag names its section.
 GROUPS = (
     ("megatron", "Megatron-LM flags (defined here only when Megatron-LM's parser is absent)"),
+    ("training backend", "Which backend trains, and from which Hugging Face checkpoint."),
     ("rollout", "Prompts, group sizes, sampling and evaluation of the RL loop."),
     ("engine", "The generation engine: which one, its size, and a debug hook on its log-probs."),
     (
@@ -42,7 +42,20 @@ GROUPS = (
         "dynamic sampling",
         "DAPO's rollout control: over-sample and keep the groups a filter passes; soft over-long shaping.",
     ),
+    ("batching", "How rollouts become optimizer steps and micro-batches."),
+    ("policy loss", "Advantage estimator, clipping, KL and entropy terms."),
+    ("loss aggregation", "How per-token policy losses become the step objective J."),
+    ("off-policy correction", "Importance sampling between the rollout engine and the trainer; DeepSpeed parity."),
+    ("log-probs", "How training log-probs are computed from logits."),
+    ("metrics", "What the policy-gradient step reports."),
+    ("moe", "Mixture-of-experts models (Megatron-LM spellings)."),
+    (
+        "routing replay",
+        "Mixture-of-experts routing replay: the trainer routes each token to the experts the engine (R3) or the old-policy pass (R2) routed it to.",
+    ),
+    ("fsdp backend", "Settings read only by --train-backend fsdp (PyTorch FSDP2 on the Hugging Face model)."),
     ("weight sync", "How the trainer's weights reach the rollout engines after every rollout."),
+    ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),
     ("cluster", "Ray placement of the training ranks and the rollout engine."),
     (
         "checkpointing",
@@ -50,14 +63,22 @@ GROUPS = (
     ),
     ("fault tolerance", "What the loop does when a worker dies mid-run, and how it stops when asked to."),
     ("logging", "Where the loop's metrics go."),
-    ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),
 )
 MEGATRON_GROUP = "megatron"
 
 
 def _configs():
-    """The config classes that declare flags, in --help order within each section."""
-    from rl_plugin.configs import EngineConfig, ModelConfig, OptimizerConfig, RolloutConfig
+    """The config classes that declare flags, in --help order within each section (a nested
+    config is listed itself: ``declared_flags`` reads one class's own fields)."""
+    from rl_plugin.configs import (
+        BatchingConfig,
+        EngineConfig,
+        ModelConfig,
+        MoEConfig,
+        OptimizerConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from rl_plugin.configs.async_training import AsyncConfig
     from rl_plugin.configs.checkpointing import CheckpointConfig
     from rl_plugin.configs.cluster import ClusterConfig
@@ -66,10 +87,15 @@ def _configs():
     from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
     from rl_plugin.configs.logging import LoggingConfig
     from rl_plugin.configs.rewards import RewardConfig
+    from rl_plugin.loss_config import LossConfig
     from rl_plugin.weight_sync import SyncSettings
 
     return (
-        ModelConfig,  # --seed only, for now
+        TrainConfig,
+        ModelConfig,
+        MoEConfig,
+        BatchingConfig,
+        LossConfig,
         OptimizerConfig,
         RolloutConfig,
         EngineConfig,
@@ -83,24 +109,6 @@ def _configs():
         LoggingConfig,
         AsyncConfig,
     )
-
-
-FLAG_MODULES = (
-    "training",
-    "aggregation",
-    "policy",
-    "logprobs",
-    "batching",
-    "metrics",
-    "fsdp_backend",
-    "moe",
-    "off_policy",
-    "routing_replay",
-)
-
-
-def _modules():
-    return [importlib.import_module(f"rl_plugin.arguments.{name}") for name in FLAG_MODULES]
 
 
 def _add_declared(parser: argparse.ArgumentParser, *, megatron: bool) -> None:
@@ -120,8 +128,6 @@ def _add_declared(parser: argparse.ArgumentParser, *, megatron: bool) -> None:
 
 
 def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for mod in _modules():
-        mod.add_arguments(parser)
     _add_declared(parser, megatron=False)
     return parser
 
@@ -130,36 +136,40 @@ def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
     """Phase 1: every module's rules, then the derived settings, written once.
 
     A rule only reads the flags as given (a derived value it needs comes from a pure function such
-    as ``aggregation.resolved_mode``), so the rules can run in any order and never see another
-    rule's writes; ``aggregation.resolve`` then writes the one derived setting. Idempotent."""
-    from rl_plugin.arguments import aggregation, megatron_compat
-
-    megatron_compat.validate(args)  # ranges of the Megatron-LM flags we read (theirs or ours)
-    for mod in _modules():
-        mod.validate(args)
+    as ``LossConfig.resolved_mode``), so the rules can run in any order and never see another
+    rule's writes; ``_resolve`` then writes the one derived setting. Idempotent."""
     for cls in _configs():
         check_bounds(cls, args)
+    for cls in _configs():
         check = getattr(cls, "check", None)
         if check is not None:
             check(args)
-    aggregation.resolve(args)
+    _resolve(args)
     return args
 
 
+def _resolve(args: argparse.Namespace) -> None:
+    """Write the derived setting once, after every rule passed: ``loss_aggregation`` = the resolved
+    mode, and Megatron-LM's ``calculate_per_token_loss`` <=> token_mean (Megatron-LM's own code
+    reads it off the namespace; the configs hold the mode once: ``LossConfig.loss_aggregation``)."""
+    from rl_plugin.loss_config import LossConfig
+
+    mode = LossConfig.resolved_mode(args)
+    args.loss_aggregation = mode
+    args.calculate_per_token_loss = mode == "token_mean"
+
+
 def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
-    for owner in (*_modules(), *_configs()):
-        check = getattr(owner, "validate_world", None) or getattr(owner, "check_world", None)
+    for cls in _configs():
+        check = getattr(cls, "check_world", None)
         if check is not None:
             check(args, dp_size=dp_size)
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    from rl_plugin.arguments import megatron_compat
-
     parser = argparse.ArgumentParser(
         prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False
     )
-    megatron_compat.add_arguments(parser)
     _add_declared(parser, megatron=True)
     return add_rl_arguments(parser)
 
@@ -170,7 +180,6 @@ def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> ar
 
 
 __all__ = [
-    "FLAG_MODULES",
     "GROUPS",
     "RLArgumentError",
     "add_rl_arguments",

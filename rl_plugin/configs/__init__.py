@@ -10,9 +10,10 @@ default)`` below the CLI); a value derived from several flags is computed here, 
   ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
 - ``OptimizerConfig``: ``--optimizer``, the learning-rate schedule, Adam/SGD settings, ``--clip-grad``
 - ``BatchingConfig``: micro-batches (``--micro-batch-size`` or the token budget), step sizes
-- ``LossConfig``: the loss core's settings (``rl_plugin.loss.config``)
+- ``LossConfig``: the loss core's settings (``rl_plugin.loss_config``, also ``rl_plugin.loss.LossConfig``)
 - ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
-  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``)
+  the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``,
+  ``configs/routing_replay.py``)
 - ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
 - ``RolloutConfig``: the rollout manager: data, group sizes, evaluation; it carries the fields of
   ``RewardConfig`` (``rewards.py``), ``CustomGenerationConfig`` (``custom_generation.py``) and
@@ -22,6 +23,8 @@ default)`` below the CLI); a value derived from several flags is computed here, 
   ``LoggingConfig`` (``logging.py``), ``AsyncConfig`` (``async_training.py``); the weight sync's are
   ``rl_plugin.weight_sync.SyncSettings``
 
+Each config declares its flags, their rules (``check(args)``, ``check_world``) and derives
+what several flags decide (``rl_plugin.flags``); ``Config.from_args(args)`` is generic.
 ``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
 in the process that builds it.
 """
@@ -32,7 +35,7 @@ from rl_plugin.configs.model import ModelConfig, MoEConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.rollout import RolloutConfig
 from rl_plugin.configs.train import TrainConfig
-from rl_plugin.loss import LossConfig
+from rl_plugin.loss_config import LossConfig
 
 __all__ = [
     "BatchingConfig",

@@ -1,27 +1,147 @@
-"""BatchingConfig: micro-batches (by count or token budget) and the sizes of a step."""
+"""BatchingConfig: how a rollout becomes optimizer steps and micro-batches (by count or token budget)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from rl_plugin.errors import fail
+from rl_plugin.flags import MEGATRON, Bounds, Declared, derived, flag, option
+from rl_plugin.loss_config import LossConfig
+
+GROUP = "batching"
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
 
 @dataclass(frozen=True)
-class BatchingConfig:
-    micro_batch_size: int = 1
-    max_tokens_per_gpu: Optional[int] = None  # the token budget, set only with --use-dynamic-batch-size
-    global_batch_size: Optional[int] = None
-    docs_per_step: Optional[int] = None
-    n_samples_per_prompt: int = 8
-    rollout_batch_size: Optional[int] = None
+class BatchingConfig(Declared):
+    micro_batch_size: int = flag(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="Samples per micro-batch per data-parallel rank (Megatron-LM).",
+        bounds=Bounds(1, "--micro-batch-size 1"),
+        **MEGATRON,
+    )
+    max_tokens_per_gpu: Optional[int] = derived(  # the token budget, set only with --use-dynamic-batch-size
+        lambda args: args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
+        None,
+        inputs=[
+            option(
+                "--use-dynamic-batch-size",
+                action="store_true",
+                help="Form micro-batches by a token budget (--max-tokens-per-gpu) instead of --micro-batch-size, as in slime.",
+                group=GROUP,
+            ),
+            option(
+                "--max-tokens-per-gpu",
+                type=int,
+                default=None,
+                help="Token budget of one micro-batch with --use-dynamic-batch-size.",
+                group=GROUP,
+            ),
+        ],
+    )
+    global_batch_size: Optional[int] = flag(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step over all data-parallel ranks (Megatron-LM). Mutually exclusive with --docs-per-step.",
+        **MEGATRON,
+    )
+    docs_per_step: Optional[int] = flag(
+        "--docs-per-step",
+        type=int,
+        default=None,
+        help="Size a step by documents instead of --global-batch-size: a step ends once the global document count reaches this target (micro-batches are accumulated until it does). For token-budget micro-batching (--use-dynamic-batch-size), where a fixed sample count per step does not fit.",
+        group=GROUP,
+    )
+    n_samples_per_prompt: int = flag(
+        "--n-samples-per-prompt",
+        type=int,
+        default=8,
+        help="Responses sampled per prompt; one prompt's responses form a group for group-relative advantages and prompt_mean.",
+        group=GROUP,
+        bounds=Bounds(1, "--n-samples-per-prompt 8"),
+    )
+    rollout_batch_size: Optional[int] = flag(  # required with --prompt-data; the embedded run sets it
+        "--rollout-batch-size",
+        type=int,
+        default=None,
+        group="rollout",
+        help="Prompts per rollout; each yields --n-samples-per-prompt responses. Default: 16 for the embedded task, else required.",
+    )
 
     @classmethod
-    def from_args(cls, args) -> "BatchingConfig":
-        return cls(
-            micro_batch_size=int(args.micro_batch_size),
-            max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-            global_batch_size=args.global_batch_size,
-            docs_per_step=args.docs_per_step,
-            n_samples_per_prompt=int(args.n_samples_per_prompt),
-            rollout_batch_size=args.rollout_batch_size,
-        )
+    def check(cls, args) -> None:
+        n = args.n_samples_per_prompt
+        if args.advantage_estimator in LossConfig.GROUP_RELATIVE and n < 2:
+            baseline = "leave-one-out mean" if args.advantage_estimator == "rloo" else "group mean"
+            fail(
+                f"--n-samples-per-prompt {n} with --advantage-estimator {args.advantage_estimator}",
+                f"the advantage subtracts the {baseline} of the prompt's samples, so a group of one sample has advantage 0 "
+                "and every optimizer step is a no-op (>= 2 samples per prompt needed)",
+                "use --n-samples-per-prompt >= 2 (GRPO recipes use 8-16)",
+            )
+        mode = LossConfig.resolved_mode(args)
+        if args.docs_per_step is not None:
+            cls._check_docs_per_step(args, mode)
+        gbs = args.global_batch_size
+        if gbs is not None and gbs < 1:
+            fail("--global-batch-size", f"must be >= 1 (got {gbs})", "use a positive sample count")
+        rollout = args.rollout_batch_size * n if args.rollout_batch_size is not None else None
+        if gbs is not None and rollout is not None and args.docs_per_step is None and rollout % gbs != 0:
+            fail(
+                f"--global-batch-size {gbs}",
+                f"a rollout of --rollout-batch-size x --n-samples-per-prompt = {args.rollout_batch_size} x {n} = {rollout} samples must split into whole optimizer steps",
+                f"use a --global-batch-size that divides {rollout}, e.g. {_largest_divisor_at_most(rollout, gbs)}",
+            )
+        if mode == "prompt_mean" and gbs is not None and gbs % n != 0:
+            fail(
+                f"--loss-aggregation prompt_mean with --global-batch-size {gbs} and --n-samples-per-prompt {n}",
+                "a step must never split a prompt group, so the global batch must be a multiple of the group size",
+                f"use --global-batch-size {max(n, gbs // n * n)} or {(gbs // n + 1) * n}",
+            )
+        if args.context_parallel_size > 1 and args.qkv_format == "bshd" and args.seq_length is None:
+            fail(
+                f"--context-parallel-size {args.context_parallel_size} with --qkv-format bshd",
+                "bshd chunks every sample by the padded length, which is --seq-length, and it is missing",
+                "pass --seq-length (the padded length), or use --qkv-format thd",
+            )
+        if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
+            fail("--use-dynamic-batch-size", "needs a token budget per micro-batch", "pass --max-tokens-per-gpu N")
+        if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 1:
+            fail("--max-tokens-per-gpu", f"must be >= 1 (got {args.max_tokens_per_gpu})", "use a positive token budget")
+
+    @classmethod
+    def _check_docs_per_step(cls, args, mode: str) -> None:
+        if args.docs_per_step < 1:
+            fail("--docs-per-step", f"must be >= 1 (got {args.docs_per_step})", "use a positive document count")
+        if args.global_batch_size is not None:
+            fail(
+                "--docs-per-step with --global-batch-size",
+                "a step is sized by one or the other: docs-per-step ends a step once the global document count reaches its target",
+                "drop one of the two flags",
+            )
+        if mode == "prompt_mean":
+            fail(
+                "--loss-aggregation prompt_mean with --docs-per-step",
+                "a docs-per-step boundary falls wherever the document count crosses the target and can split a prompt group across two optimizer steps",
+                f"size steps with --global-batch-size, a multiple of --n-samples-per-prompt ({args.n_samples_per_prompt})",
+            )
+
+    @classmethod
+    def check_world(cls, args, *, dp_size: int) -> None:
+        """Checks that need the data-parallel size (known once the world is up)."""
+        gbs = args.global_batch_size
+        if gbs is not None and not args.use_dynamic_batch_size:
+            mbs = args.micro_batch_size
+            if gbs % (mbs * dp_size) != 0:
+                fail(
+                    f"--global-batch-size {gbs} with --micro-batch-size {mbs} on {dp_size} data-parallel ranks",
+                    "every data-parallel rank must run a whole number of micro-batches per step",
+                    f"make --global-batch-size a multiple of micro-batch-size x DP = {mbs * dp_size}",
+                )

@@ -9,9 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.configs.megatron import MEGATRON
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag
+from rl_plugin.flags import MEGATRON, Bounds, Declared, flag
 
 GROUP = "checkpointing"
 

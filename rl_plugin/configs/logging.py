@@ -7,9 +7,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.configs.megatron import MEGATRON
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag
+from rl_plugin.flags import MEGATRON, Bounds, Declared, flag
 
 GROUP = "logging"
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.configs.megatron import MEGATRON
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag
+from rl_plugin.flags import MEGATRON, Bounds, Declared, flag
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,14 @@ class OptimizerConfig(Declared):
 
     @classmethod
     def check(cls, args) -> None:
+        decay_style = getattr(args, "lr_decay_style", "constant")
+        if decay_style != "constant" and getattr(args, "lr_decay_iters", None) is None:
+            fail(
+                f"--lr-decay-style {decay_style}",
+                "the decay schedule needs its length, and an RL run has no --train-iters to default it to "
+                "(it would otherwise silently never decay)",
+                "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant",
+            )
         lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
         if lr is not None and min_lr is not None and min_lr > lr:
             fail(

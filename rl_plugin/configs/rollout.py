@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from rl_plugin.configs._checks import positive
+from rl_plugin.configs.batching import BatchingConfig
 from rl_plugin.configs.custom_generation import CustomGenerationConfig
 from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig as Dyn
 from rl_plugin.configs.engine import EngineConfig
@@ -111,16 +112,9 @@ class RolloutConfig(Declared):
         group="rollout",
         help="Shuffle the prompts at every epoch (seeded by --seed and the epoch, so resume is exact).",
     )
-    rollout_batch_size: Optional[int] = flag(  # required with --prompt-data; the embedded run sets it
-        "--rollout-batch-size",
-        type=int,
-        default=None,
-        group="rollout",
-        help="Prompts per rollout; each yields --n-samples-per-prompt responses. Default: 16 for the embedded task, else required.",
-    )
-    # --n-samples-per-prompt (declared with batching: a group is also the unit of a step);
-    # becomes same_as(<its config>, "n_samples_per_prompt") once that config declares it
-    n_samples_per_prompt: int = derived(lambda args: args.n_samples_per_prompt, 8)
+    # declared with batching: a rollout's groups are also what its steps split
+    rollout_batch_size: Optional[int] = same_as(BatchingConfig, "rollout_batch_size")
+    n_samples_per_prompt: int = same_as(BatchingConfig, "n_samples_per_prompt")
     num_rollout: Optional[int] = flag(  # required with --prompt-data; the embedded run sets it
         "--num-rollout",
         type=int,

@@ -1,38 +1,78 @@
-"""TrainConfig: everything one training process needs."""
+"""TrainConfig: everything one training process needs, and the rules of ``--train-backend``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from rl_plugin.configs.batching import BatchingConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
-from rl_plugin.loss import LossConfig
+from rl_plugin.configs.routing_replay import RoutingReplaySettings
+from rl_plugin.errors import fail
+from rl_plugin.flags import Declared, flag, nested
+from rl_plugin.loss_config import LossConfig
+from rl_plugin.registries import TRAIN_BACKENDS
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(RoutingReplaySettings, Declared):
     """Everything one training process needs (``TrainBackend.from_config``, ``TrainActor.init``)."""
 
-    train_backend: str = "megatron"
-    model: ModelConfig = ModelConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    batching: BatchingConfig = BatchingConfig()
-    loss: LossConfig = LossConfig()
-    use_rollout_logprobs: bool = False  # old log-probs = the engine's (no recompute pass)
-    routing_replay: Optional[str] = None  # "rollout" (R3) | "old" (R2) | None (rl_plugin.routing.mode)
+    train_backend: str = flag(
+        "--train-backend",
+        choices=TRAIN_BACKENDS.names,
+        default="megatron",
+        help="megatron: megatron-core GPTModel (TP, CP with transformer-engine, distributed optimizer). fsdp: PyTorch FSDP2 on the Hugging Face model (DP only), for models without a Megatron definition.",
+        group="training backend",
+    )
+    model: ModelConfig = nested(ModelConfig)
+    optimizer: OptimizerConfig = nested(OptimizerConfig)
+    batching: BatchingConfig = nested(BatchingConfig)
+    loss: LossConfig = nested(LossConfig)
+    use_rollout_logprobs: bool = flag(  # old log-probs = the engine's (no recompute pass)
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
+        group="off-policy correction",
+    )
 
     @classmethod
-    def from_args(cls, args) -> "TrainConfig":
-        from rl_plugin.routing.mode import routing_replay_mode
-
-        return cls(
-            routing_replay=routing_replay_mode(args),
-            train_backend=args.train_backend,
-            model=ModelConfig.from_args(args),
-            optimizer=OptimizerConfig.from_args(args),
-            batching=BatchingConfig.from_args(args),
-            loss=LossConfig.from_args(args),
-            use_rollout_logprobs=bool(args.use_rollout_logprobs),
-        )
+    def check(cls, args) -> None:
+        """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
+        RoutingReplaySettings.check(args)
+        if args.train_backend == "megatron" and getattr(args, "fp16", False):
+            fail(
+                "--train-backend megatron with --fp16",
+                "rl_plugin's Megatron backend trains in bf16 or fp32 (no fp16 loss scaling path)",
+                "use --bf16 (bf16 compute, fp32 main weights and gradients)",
+            )
+        if args.train_backend != "fsdp":
+            if args.fsdp_attn_implementation != "sdpa":
+                fail(
+                    f"--fsdp-attn-implementation {args.fsdp_attn_implementation} with --train-backend {args.train_backend}",
+                    "only the FSDP backend reads it (megatron-core chooses its own attention)",
+                    "drop the flag or use --train-backend fsdp",
+                )
+            return
+        for name, value in (
+            ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+            ("--context-parallel-size", args.context_parallel_size),
+        ):
+            if value > 1:
+                fail(
+                    f"--train-backend fsdp with {name} {value}",
+                    "the FSDP backend shards over data parallelism only",
+                    f"use --train-backend megatron for {name} > 1, or set it to 1",
+                )
+        if args.pipeline_model_parallel_size > 1:
+            fail(
+                f"--train-backend fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+                "the FSDP backend shards over data parallelism only",
+                "set --pipeline-model-parallel-size 1",
+            )
+        if args.fp16:
+            fail(
+                "--train-backend fsdp with --fp16",
+                "the FSDP backend has no loss scaler, so fp16 gradients can underflow silently",
+                "use --bf16 (bf16 compute, fp32 master weights and gradient reduction)",
+            )

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rl_plugin.configs import EngineConfig, RolloutConfig
+from rl_plugin.configs import BatchingConfig, EngineConfig, RolloutConfig, TrainConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
 from rl_plugin.flags import Declared, derived, nested, same_as
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.weight_sync import SyncSettings
 
 DEFAULT_OUTPUT_DIR = "outputs/run"
@@ -31,20 +32,17 @@ def _metrics_file(args) -> Path:
     return Path(args.metrics_file or output_dir_of(args) / "metrics.jsonl")
 
 
-def _flag(name: str, default):
-    """A flag declared by a train-side config (read as given; ``same_as`` once that config declares it)."""
-    return derived(lambda args: getattr(args, name), default)
-
-
 @dataclass(frozen=True)
 class LoopConfig(Declared):
     num_rollout: Optional[int] = same_as(RolloutConfig, "num_rollout")
     rollout_batch_size: Optional[int] = same_as(RolloutConfig, "rollout_batch_size")  # prompt groups per rollout
-    train_backend: str = _flag("train_backend", "megatron")
+    train_backend: str = same_as(TrainConfig, "train_backend")
     rollout_engine: str = same_as(EngineConfig, "engine")
-    advantage_estimator: str = _flag("advantage_estimator", "grpo")
-    global_batch_size: Optional[int] = _flag("global_batch_size", None)  # None: one step per rollout
-    docs_per_step: Optional[int] = _flag("docs_per_step", None)  # --docs-per-step: the ranks plan their steps
+    advantage_estimator: str = same_as(LossConfig, "advantage_estimator")
+    global_batch_size: Optional[int] = same_as(BatchingConfig, "global_batch_size")  # None: one step per rollout
+    docs_per_step: Optional[int] = same_as(
+        BatchingConfig, "docs_per_step"
+    )  # --docs-per-step: the ranks plan their steps
     overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
     sync: SyncSettings = nested(SyncSettings)
     save: Optional[str] = same_as(Ckpt, "save")

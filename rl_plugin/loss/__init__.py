@@ -10,7 +10,6 @@ from rl_plugin.loss.advantages import compute_advantages, to_tokens
 from rl_plugin.loss.aggregation import AGGREGATION_MODES, aggregate, load_custom_reducer, token_weights
 from rl_plugin.loss.backend_api import ForwardFn, ForwardOptions, LossFn, MicroBatch, MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
@@ -22,6 +21,7 @@ from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_func
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
 from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
+from rl_plugin.loss_config import LossConfig
 
 __all__ = [
     "AGGREGATION_MODES",

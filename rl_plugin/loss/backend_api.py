@@ -30,7 +30,7 @@ import torch
 
 from rl_plugin.cp import ResponseLayout, build_response_layout
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.config import LossConfig
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState
 from rl_plugin.routing.layout import local_routed_experts
 

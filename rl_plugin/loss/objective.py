@@ -22,9 +22,9 @@ import torch
 
 from rl_plugin.loss.aggregation import weighted_sum
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts
 from rl_plugin.loss.kl import kl_estimate
+from rl_plugin.loss_config import LossConfig
 
 
 @dataclass

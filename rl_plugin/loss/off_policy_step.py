@@ -29,10 +29,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from rl_plugin.loss.batch import StepBatch
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.offpolicy import mismatch_terms, tis_weights_and_flags
+from rl_plugin.loss_config import LossConfig
 
 
 def old_from_forward_unsupported(cfg: LossConfig, cp_size: int, has_rollout_log_probs: bool) -> Optional[str]:

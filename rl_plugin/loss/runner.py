@@ -77,10 +77,10 @@ from rl_plugin.cp import exclusive_cumsum, expand_runs
 from rl_plugin.loss.backend_api import ForwardOptions, MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches
 from rl_plugin.loss.off_policy_step import old_from_forward_unsupported
 from rl_plugin.loss.step import prepare_step
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState, broadcast_from_last_stage, broadcast_object_from_last_stage
 
 _EMPTY = torch.zeros(0, dtype=torch.long)

@@ -47,7 +47,6 @@ from rl_plugin.loss.aggregation import token_weights, weighted_sum
 from rl_plugin.loss.backend_api import MicroBatch, MicroBatchInputs
 from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.comm import gather_micro_batch_responses
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.objective import MicroBatchLoss, custom_pg_term, kl_and_entropy_terms
@@ -64,6 +63,7 @@ from rl_plugin.loss.step_metrics import (
     union_over_group,
     with_counts_and_aliases,
 )
+from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState
 
 
@@ -91,9 +91,13 @@ class StepContext:
     ):
         self.batch, self.cfg, self.ps, self.counts = batch, cfg, ps, counts
         self.device = device = torch.device("cpu") if device is None else torch.device(device)
-        mode = "token_mean" if cfg.calculate_per_token_loss else cfg.loss_aggregation
         pg_weights = token_weights(
-            mode, counts, batch.loss_mask, batch.response_lengths, batch.group_ids, cfg.loss_aggregation_divisor
+            cfg.loss_aggregation,
+            counts,
+            batch.loss_mask,
+            batch.response_lengths,
+            batch.group_ids,
+            cfg.loss_aggregation_divisor,
         )
         sm_weights = token_weights("sample_mean", counts, batch.loss_mask, batch.response_lengths, batch.group_ids)
         self.pg_weights, self.sample_mean_weights = _to(pg_weights, device), _to(sm_weights, device)

@@ -26,10 +26,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rl_plugin.loss.aggregation import weighted_sum
-from rl_plugin.loss.config import LossConfig
 from rl_plugin.loss.counts import StepCounts
 from rl_plugin.loss.metrics import MetricAccumulator
 from rl_plugin.loss.policy import clamped_log_ratio
+from rl_plugin.loss_config import LossConfig
 
 SUM_METRICS_BASIC = (
     "pg_clipfrac",

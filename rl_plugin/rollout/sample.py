@@ -62,9 +62,10 @@ class Sample:
         """Number of prompt ids at the front of ``tokens``."""
         return len(self.tokens) - self.response_length
 
-    def get_reward_value(self, args) -> float:
-        """The number of ``reward`` (slime's accessor, what its filters read): a dict reward's
-        entry under ``args.reward_key`` (``"reward"`` when unset, as the scorer reads it)."""
+    def get_reward_value(self, config) -> float:
+        """The number of ``reward`` (slime's accessor, what its filters read, called with the
+        ``RolloutConfig`` filters receive as ``args``): a dict reward's entry under
+        ``--reward-key`` (``"reward"`` when unset, as the scorer reads it)."""
         if isinstance(self.reward, dict):
-            return self.reward[getattr(args, "reward_key", None) or "reward"]
+            return self.reward[getattr(config, "reward_key", None) or "reward"]
         return self.reward

@@ -17,32 +17,38 @@ Every parameter travels at most once per sync: tied names never, a frozen tensor
 first sync), a trained tensor when it changed (``changed_at``), a fused q/k/v or gate/up group
 whole (``buckets.py``). In the loop the sync rides on calls made anyway: the train call of rollout
 k publishes at its end, the next manager call (generate or evaluate) loads before it samples.
+
+The names below resolve lazily (``__getattr__``): importing ``SyncSettings`` (the flags' config, read
+by the parser) imports no torch.
 """
 
-from rl_plugin.weight_sync.buckets import changed_bitwise, fused_group, iter_buckets, plan_buckets, tensor_bytes
-from rl_plugin.weight_sync.fingerprint import compare_fingerprints, weights_fingerprint
-from rl_plugin.weight_sync.handle import SyncHandle, SyncRequest, node_id
-from rl_plugin.weight_sync.ledger import WeightLedger
-from rl_plugin.weight_sync.publisher import WeightPublisher
-from rl_plugin.weight_sync.receiver import WeightReceiver, load_sync
-from rl_plugin.weight_sync.settings import SyncSettings
-from rl_plugin.weight_sync.transport import TRANSPORTS
+from __future__ import annotations
 
-__all__ = [
-    "TRANSPORTS",
-    "SyncHandle",
-    "SyncRequest",
-    "SyncSettings",
-    "WeightLedger",
-    "WeightPublisher",
-    "WeightReceiver",
-    "changed_bitwise",
-    "compare_fingerprints",
-    "fused_group",
-    "iter_buckets",
-    "load_sync",
-    "node_id",
-    "plan_buckets",
-    "tensor_bytes",
-    "weights_fingerprint",
-]
+import importlib
+
+_EXPORTS = {
+    "changed_bitwise": "buckets",
+    "fused_group": "buckets",
+    "iter_buckets": "buckets",
+    "plan_buckets": "buckets",
+    "tensor_bytes": "buckets",
+    "compare_fingerprints": "fingerprint",
+    "weights_fingerprint": "fingerprint",
+    "SyncHandle": "handle",
+    "SyncRequest": "handle",
+    "node_id": "handle",
+    "WeightLedger": "ledger",
+    "WeightPublisher": "publisher",
+    "WeightReceiver": "receiver",
+    "load_sync": "receiver",
+    "SyncSettings": "settings",
+    "TRANSPORTS": "transport",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"rl_plugin.weight_sync.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'rl_plugin.weight_sync' has no attribute {name!r}")

@@ -2,20 +2,23 @@
 defaults are the parser's, and nothing below the CLI reads the flags' namespace."""
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from rl_plugin.arguments import parse_args
+from rl_plugin.arguments import build_parser, parse_args
 from rl_plugin.configs import (
     BatchingConfig,
     EngineConfig,
     LossConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     RolloutConfig,
     TrainConfig,
 )
+from rl_plugin.flags import SPEC, Derived, Flag
 
 CONFIGS = [ModelConfig, OptimizerConfig, BatchingConfig, LossConfig, EngineConfig, RolloutConfig, TrainConfig]
 
@@ -116,16 +119,42 @@ ARGS_READ = re.compile(r"getattr\(args\b|\bargs\.[a-z_]|self\.args\b")
 
 
 def test_nothing_below_the_cli_reads_the_namespace():
-    """Backends, train/engine actors, the rollout side and the loss core receive typed configs;
-    ``LossConfig.from_args`` is the one place in them that reads flags."""
+    """Backends, train/engine actors, the rollout side and the loss core receive typed configs
+    (``LossConfig``'s declaration, its flags and rules, is ``rl_plugin/loss_config/``, below them)."""
     root = Path(__file__).resolve().parents[2] / "rl_plugin"
     offenders = []
     for part in BELOW_CLI:
         paths = [root / part] if part.endswith(".py") else sorted((root / part).rglob("*.py"))
         for path in paths:
-            if path.name == "config.py" and path.parent.name == "loss":
-                continue
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 if ARGS_READ.search(line):
                     offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+TRAIN_SIDE = [ModelConfig, MoEConfig, OptimizerConfig, BatchingConfig, LossConfig, TrainConfig]
+
+
+@pytest.mark.parametrize("cls", TRAIN_SIDE, ids=lambda c: c.__name__)
+def test_every_field_is_declared_once(cls):
+    """Each field is a flag (its default the parser's), a same_as / derived / nested field, or
+    explicitly runtime-only: no setting has a second default."""
+    parser = build_parser()
+    defaults = {a.dest: a.default for a in parser._actions}
+    for f in fields(cls):
+        spec = f.metadata.get(SPEC)
+        assert spec is not None, f"{cls.__name__}.{f.name} is neither a flag nor same_as / derived / nested / runtime"
+        if isinstance(spec, Flag):
+            assert defaults[spec.dest] == f.default, f"{cls.__name__}.{f.name}: the parser's default differs"
+        if isinstance(spec, Derived):
+            for one in spec.inputs:
+                assert defaults[one.dest] == one.default, f"{one.names[0]}: the parser's default differs"
+
+
+def test_the_loss_config_holds_the_mode_once():
+    """--calculate-per-token-loss is the legacy spelling of token_mean: the config holds the mode,
+    ``calculate_per_token_loss`` is read off it."""
+    cfg = LossConfig.from_args(parse_args(["--calculate-per-token-loss"]))
+    assert cfg.loss_aggregation == "token_mean" and cfg.calculate_per_token_loss
+    assert not LossConfig(loss_aggregation="prompt_mean").calculate_per_token_loss
+    assert LossConfig(loss_aggregation="token_mean").calculate_per_token_loss

@@ -6,7 +6,19 @@ from dataclasses import dataclass, fields
 import pytest
 
 from rl_plugin.errors import RLArgumentError
-from rl_plugin.flags import Bounds, Declared, check_bounds, declared_flags, derived, flag, nested, same_as
+from rl_plugin.flags import (
+    Bounds,
+    Declared,
+    check_bounds,
+    declared_flags,
+    derived,
+    flag,
+    flag_of,
+    nested,
+    option,
+    runtime,
+    same_as,
+)
 
 
 @dataclass(frozen=True)
@@ -51,3 +63,28 @@ def test_bounds_name_the_flag_the_range_and_a_fix():
 def test_a_flag_needs_dashes():
     with pytest.raises(ValueError):
         flag("width", help="w", group="g")
+
+
+@dataclass(frozen=True)
+class Resolved(Declared):
+    """A value resolved from two input flags it declares, and runtime state."""
+
+    mode: str = derived(
+        lambda args: args.mode or ("b" if args.legacy_b else "a"),
+        "a",
+        inputs=[
+            option("--mode", choices=["a", "b"], default=None, help="m", group="g"),
+            option("--legacy-b", action="store_true", help="l", group="g"),
+        ],
+    )
+    loaded: object = runtime()
+
+
+def test_a_derived_field_declares_its_inputs():
+    assert [spec.names[0] for _, spec in declared_flags(Resolved)] == ["--mode", "--legacy-b"]
+    p = argparse.ArgumentParser()
+    for _, spec in declared_flags(Resolved):
+        p.add_argument(*spec.names, **spec.argparse_kwargs())
+    assert Resolved.from_args(p.parse_args([])) == Resolved()
+    assert Resolved.from_args(p.parse_args(["--legacy-b"]), loaded=1) == Resolved(mode="b", loaded=1)
+    assert flag_of(Resolved, "legacy_b").names == ("--legacy-b",)  # same_as may name an input by its dest

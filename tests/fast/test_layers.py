@@ -53,6 +53,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.user_code",
             "rl_plugin.errors",
             "rl_plugin.flags",
+            "rl_plugin.loss_config",
             "rl_plugin.urls",
             "rl_plugin.routing",
             "rl_plugin.models",

@@ -117,7 +117,7 @@ def test_flag_layer_lists_names_without_importing_torch():
     no torch (the registries hold 'module:attr' strings)."""
     code = (
         "import sys; from rl_plugin.arguments import parse_args; parse_args([]); "
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('rl_plugin.loss') or m.startswith('rl_plugin.rollout')))"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m == 'rl_plugin.loss' or m.startswith(('rl_plugin.loss.', 'rl_plugin.rollout'))))"
     )
     assert _fresh(code) == "[]"
 

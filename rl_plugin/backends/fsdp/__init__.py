@@ -1,7 +1,7 @@
 """FSDP2 backend: PyTorch ``fully_shard`` on a Hugging Face causal LM, trained on the shared loss core.
 
 Data parallelism only (cp = tp = 1); ``--context-parallel-size`` / ``--tensor-model-parallel-size``
-> 1 are rejected at start-up (``rl_plugin.arguments.training``). Files:
+> 1 are rejected at start-up (``TrainConfig.check``). Files:
 
 - ``model.py``      load the HF model, ``--fp32-lm-head``, shard it (per decoder layer, then root)
 - ``packing.py``    model inputs of a packed (thd) or padded (bshd) micro-batch; logits -> rows

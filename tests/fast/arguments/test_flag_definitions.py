@@ -1,13 +1,12 @@
 """How the flags are defined: once each, slime's spellings accepted, and validation that does not
-depend on the order the flag modules run in."""
+depend on the order the configs' rules and the flag modules run in."""
 
 import argparse
 import copy
-import importlib
 
 import pytest
 
-from rl_plugin.arguments import FLAG_MODULES, RLArgumentError, build_parser, parse_args
+from rl_plugin.arguments import RLArgumentError, build_parser, parse_args
 from rl_plugin.arguments._util import DuplicateFlagError, add_flag
 
 
@@ -92,11 +91,18 @@ ORDER_CASES = [
 ]
 
 
-def _outcome(argv, order):
+def _rules():
+    """Every rule set: the configs' ``check`` methods."""
+    from rl_plugin.arguments import _configs
+
+    return [(cls.__name__, cls.check) for cls in _configs() if hasattr(cls, "check")]
+
+
+def _outcome(argv, rules):
     args = build_parser().parse_args(argv)
     try:
-        for name in order:
-            importlib.import_module(f"rl_plugin.arguments.{name}").validate(args)
+        for _, rule in rules:
+            rule(args)
     except RLArgumentError as exc:
         return "error", str(exc)
     return "ok", None
@@ -105,14 +111,15 @@ def _outcome(argv, order):
 @pytest.mark.parametrize("argv", ORDER_CASES, ids=[" ".join(a) or "defaults" for a in ORDER_CASES])
 def test_rules_do_not_write_args_and_do_not_depend_on_order(argv):
     args = build_parser().parse_args(argv)
-    for name in FLAG_MODULES:  # a rule never writes the namespace (derived values are pure functions)
+    rules = _rules()
+    for name, rule in rules:  # a rule never writes the namespace (derived values are pure functions)
         before = copy.deepcopy(vars(args))
         try:
-            importlib.import_module(f"rl_plugin.arguments.{name}").validate(args)
+            rule(args)
         except RLArgumentError:
             pass
-        assert vars(args) == before, f"rl_plugin.arguments.{name}.validate wrote args"
-    forward, backward = _outcome(argv, FLAG_MODULES), _outcome(argv, FLAG_MODULES[::-1])
+        assert vars(args) == before, f"the rules of {name} wrote args"
+    forward, backward = _outcome(argv, rules), _outcome(argv, rules[::-1])
     assert forward[0] == backward[0]
 
 

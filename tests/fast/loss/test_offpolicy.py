@@ -1,6 +1,6 @@
 """Off-policy correction and DAPO rollout control, single process: the reference ``tis_weights``
 against hand-computed values, identical policies leave the loss bitwise unchanged, every
-fail-loud rule of ``arguments/off_policy.py`` (message names the flags, the rule and the fix),
+fail-loud rule of ``LossConfig`` and ``arguments/off_policy.py`` (message names the flags, the rule and the fix),
 the group filter and over-long shaping, and dynamic sampling through the real rollout manager
 (tiny HF model, real generate). Distributed parity lives in parity/test_loss_layouts.py."""
 
@@ -207,7 +207,7 @@ RULES = [
         ["--over-sampling-batch-size 16 with --rollout-batch-size 32", "cannot fill the batch", ">= 32"],
     ),
     # a group of one sample (no reward variance, no group passes) is refused for every estimator by
-    # the --n-samples-per-prompt rule of arguments/policy.py, tested in arguments/test_arguments.py
+    # the --n-samples-per-prompt rule of BatchingConfig.check, tested in arguments/test_arguments.py
     (
         "--dynamic-sampling-filter-path rl_plugin.rollout.filters.nope",
         ["--dynamic-sampling-filter-path: cannot load the function", "no callable 'nope'"],

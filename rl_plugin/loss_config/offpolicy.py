@@ -1,33 +1,35 @@
-"""Flags of off-policy correction and DAPO-era rollout control.
-
-- Truncated / masked importance sampling between the engine's sampling policy and the trainer's
-  old policy (``rl_plugin/loss/offpolicy.py``), and ``--use-rollout-logprobs``.
-- DeepSpeed parity: the gradient-scale decoupling and DeepSpeed's metric names.
+"""Off-policy correction between the engine's sampling policy and the trainer's old policy:
+truncated / masked importance sampling (``rl_plugin.loss.offpolicy``), and DeepSpeed parity (the
+gradient-scale decoupling and DeepSpeed's metric names).
 
 Names follow slime where slime has the flag (``--use-tis``, ``--tis-clip``, ``--tis-clip-low``,
-``--custom-tis-function-path``, ``--use-rollout-logprobs``); level and mode follow verl's ``rollout_is_level`` /
-``rollout_is_mode``.
-"""
+``--custom-tis-function-path``); level and mode follow verl's ``rollout_is_level`` /
+``rollout_is_mode``. The field names match slime's args, for custom TIS functions."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from rl_plugin.arguments._util import RLArgumentError, add_flag, fail
-from rl_plugin.arguments.aggregation import resolved_mode
+from rl_plugin.errors import fail
+from rl_plugin.flags import derived, flag, option
+from rl_plugin.loss_config.aggregation import resolved_mode
 from rl_plugin.registries import TIS_LEVELS, TIS_MODES
-from rl_plugin.user_code import FORMS, UserCodeError, load_function
+from rl_plugin.user_code import check_importable, load_function
 
+GROUP = "off-policy correction"
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 
 
-def add_arguments(parser):
-    g = parser.add_argument_group(
-        "off-policy correction and rollout control",
-        "Importance sampling between the rollout engine and the trainer; DeepSpeed parity.",
-    )
-    add_flag(
-        g,
+def _tis_function(args) -> Optional[Callable]:
+    path = args.custom_tis_function_path  # slime's signature (rl_plugin.loss.offpolicy.load_custom_tis_function)
+    return load_function(path, "--custom-tis-function-path") if path else None
+
+
+@dataclass(frozen=True)
+class OffPolicySettings:
+    use_tis: bool = flag(
         "--use-tis",
         action="store_true",
         help=(
@@ -36,23 +38,23 @@ def add_arguments(parser):
             "secretly brings you off-policy RL training'; slime --use-tis, verl rollout_is). Use with a real inference "
             "engine (bf16, its own kernels) or asynchronous rollouts, whose log-probs differ from the trainer's."
         ),
+        group=GROUP,
     )
-    add_flag(
-        g,
+    tis_clip: float = flag(
         "--tis-clip",
         type=float,
         default=DEFAULT_TIS_CLIP,
         help="Upper bound C of the importance weight (truncate: w = min(rho, C); mask: tokens/sequences with rho > C get w = 0). slime's default 2.0; verl uses 2.0 for token level.",
+        group=GROUP,
     )
-    add_flag(
-        g,
+    tis_clip_low: float = flag(
         "--tis-clip-low",
         type=float,
         default=DEFAULT_TIS_CLIP_LOW,
         help="Lower bound of the weight (truncate: w = max(rho, low); mask: rho < low gets w = 0). 0 = no lower bound (plain TIS). IcePop (Ling team 2025) uses 0.5 with --tis-mode mask.",
+        group=GROUP,
     )
-    add_flag(
-        g,
+    tis_level: str = flag(
         "--tis-level",
         choices=TIS_LEVELS,
         default="token",
@@ -62,29 +64,30 @@ def add_arguments(parser):
             "mean (verl 'geometric', pair with a tight band). d_t = log pi_old - log pi_rollout over masked tokens; a sequence "
             "weight is carried by all its tokens."
         ),
+        group=GROUP,
     )
-    add_flag(
-        g,
+    tis_mode: str = flag(
         "--tis-mode",
         choices=TIS_MODES,
         default="truncate",
         help="truncate: clip the weight into [--tis-clip-low, --tis-clip] (TIS). mask: keep rho inside the band and zero the token (or sequence) outside it: masked importance sampling / IcePop, which drops tokens the engine and the trainer disagree on.",
+        group=GROUP,
     )
-    add_flag(
-        g,
-        "--custom-tis-function-path",
-        type=str,
-        default=None,
-        help="Replace the built-in weight with your function ('package.module:function' or 'file.py:function'), slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
+    custom_tis_function: Optional[Callable] = derived(
+        _tis_function,
+        None,
+        inputs=[
+            option(
+                "--custom-tis-function-path",
+                type=str,
+                default=None,
+                help="Replace the built-in weight with your function ('package.module:function' or 'file.py:function'), slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
+                group=GROUP,
+            )
+        ],
     )
-    add_flag(
-        g,
-        "--use-rollout-logprobs",
-        action="store_true",
-        help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
-    )
-    add_flag(
-        g,
+    # DeepSpeed parity: backward objective x 1/N, reported J unchanged
+    deepspeed_grad_scale: bool = flag(
         "--deepspeed-grad-scale",
         action="store_true",
         help=(
@@ -93,28 +96,22 @@ def add_arguments(parser):
             "more, so its gradient is the sum over documents / N^2). Use only to reproduce a DeepSpeed run; it shrinks "
             "the update by 1/N (under Adam mostly a change of epsilon and clipping)."
         ),
+        group=GROUP,
     )
-    add_flag(
-        g,
+    deepspeed_metric_names: bool = flag(
         "--deepspeed-metric-names",
         action="store_true",
         help="Also log the policy-gradient metrics under DeepSpeed's names (ratio_new_old, ratio_new_old_sum, ratio_new_old_squared_sum, kl_new_old, clipped_ratio_fraction, advantage, max_advantage, min_advantage, num_tokens, entropy, old_logprobs) besides the slime-style ones. (Under --docs-per-step the loop always logs num_documents / documents_seen per step.)",
+        group=GROUP,
     )
-    return parser
+
+    @classmethod
+    def check(cls, args) -> None:
+        _check_tis(args)
+        _check_deepspeed(args)
 
 
-def _importable(flag: str, path: str) -> None:
-    """Load the function now (``rl_plugin.user_code``: the forms every user-function flag takes)."""
-    try:
-        load_function(path, flag)
-    except UserCodeError as exc:  # the module raised while importing: names its file:line and the fix
-        raise RLArgumentError(str(exc)) from None
-    except ValueError as exc:
-        reason = getattr(exc, "reason", str(exc))
-        fail(flag, f"cannot load the function {path!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
-
-
-def _validate_tis(args) -> None:
+def _check_tis(args) -> None:
     tis_flags = [
         f
         for f, changed in (
@@ -140,7 +137,18 @@ def _validate_tis(args) -> None:
             "the old log-probs ARE the engine's, so every importance weight is exactly 1 and nothing is corrected",
             "drop --use-rollout-logprobs (the trainer recomputes old log-probs), or drop --use-tis",
         )
-    hi, lo = args.tis_clip, args.tis_clip_low
+    _check_band(args.tis_clip, args.tis_clip_low, args.tis_mode)
+    if args.rollout_top_p is not None and args.rollout_top_p < 1:
+        fail(
+            f"--use-tis with --rollout-top-p {args.rollout_top_p}",
+            "the engine samples from the top-p nucleus and returns log-probs of that renormalised distribution, which gives the tokens outside it probability 0 while the trainer's pi_old does not: pi_old / pi_rollout is then no importance weight for the trainer's distribution",
+            "use --rollout-top-p 1.0 with --use-tis",
+        )
+    if args.custom_tis_function_path:
+        check_importable(args.custom_tis_function_path, "--custom-tis-function-path")
+
+
+def _check_band(hi: float, lo: float, mode: str) -> None:
     if not (math.isfinite(hi) and hi > 0):
         fail("--tis-clip", f"the upper bound must be a finite number > 0 (got {hi})", "use e.g. --tis-clip 2.0")
     if not (math.isfinite(lo) and lo >= 0):
@@ -155,7 +163,7 @@ def _validate_tis(args) -> None:
             "the bounds are inverted or empty: every weight would be the same constant (truncate) or 0 (mask)",
             "use --tis-clip-low < --tis-clip, e.g. 0.5 and 2.0",
         )
-    if args.tis_mode == "truncate" and not lo <= 1 <= hi:
+    if mode == "truncate" and not lo <= 1 <= hi:
         effect = (
             f"every weight is at most {hi:g}, so every token's gradient shrinks at least {1 / hi:.3g}-fold"
             if hi < 1
@@ -166,23 +174,15 @@ def _validate_tis(args) -> None:
             f"the band excludes rho = 1, so even tokens on which the engine and the trainer agree are reweighted: {effect}",
             "use a band around 1, e.g. --tis-clip 2.0 (plain TIS, --tis-clip-low 0) or --tis-clip-low 0.5 --tis-clip 2.0",
         )
-    if args.tis_mode == "mask" and not lo < 1 < hi:
+    if mode == "mask" and not lo < 1 < hi:
         fail(
             f"--tis-mode mask with the band [{lo}, {hi}]",
             "the band excludes rho = 1, so even tokens on which the engine and the trainer agree are masked out",
             "use a band around 1, e.g. --tis-clip-low 0.5 --tis-clip 2.0",
         )
-    if args.rollout_top_p is not None and args.rollout_top_p < 1:
-        fail(
-            f"--use-tis with --rollout-top-p {args.rollout_top_p}",
-            "the engine samples from the top-p nucleus and returns log-probs of that renormalised distribution, which gives the tokens outside it probability 0 while the trainer's pi_old does not: pi_old / pi_rollout is then no importance weight for the trainer's distribution",
-            "use --rollout-top-p 1.0 with --use-tis",
-        )
-    if args.custom_tis_function_path:
-        _importable("--custom-tis-function-path", args.custom_tis_function_path)
 
 
-def _validate_deepspeed(args) -> None:
+def _check_deepspeed(args) -> None:
     if args.deepspeed_grad_scale:
         agg = resolved_mode(args)
         if agg != "sample_mean" or args.calculate_per_token_loss or args.custom_pg_loss_reducer_function_path:
@@ -197,8 +197,3 @@ def _validate_deepspeed(args) -> None:
             "there are no policy-gradient metrics to log under DeepSpeed's names",
             "use --pg-metrics basic (or with_entropy for 'entropy')",
         )
-
-
-def validate(args) -> None:
-    _validate_tis(args)
-    _validate_deepspeed(args)
