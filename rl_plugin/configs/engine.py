@@ -10,7 +10,7 @@ from rl_plugin.configs._checks import positive
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, flag, same_as
+from rl_plugin.flags import Bounds, Declared, flag, same_as
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
@@ -50,6 +50,20 @@ class EngineConfig(Declared):
         default=1,
         group="engine",
         help="GPUs per rollout engine, its tensor-parallel size (slime's flag). Use more when one GPU cannot hold the model and its KV cache; use more engines (raise --rollout-num-gpus) for throughput. hf engines take 1.",
+    )
+    max_context_len: Optional[int] = flag(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        group="engine",
+        unit="tokens",
+        bounds=Bounds(1, "--rollout-max-context-len 32768"),
+        help=(
+            "The context window (prompt + response tokens) the engine sizes its KV cache for: vLLM's max_model_len, "
+            "SGLang's --context-length (slime's flag). Default: the model's max_position_embeddings. Set it lower when a "
+            "long-context model's full window does not fit the KV cache; the hf engine has no KV cache to size and "
+            "ignores it."
+        ),
     )
     seed: int = same_as(ModelConfig, "seed")
     # --use-rollout-routing-replay (R3): the engine records each token's experts

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_plugin.arguments import build_parser, parse_args
+from rl_plugin.arguments import RLArgumentError, build_parser, parse_args
 from rl_plugin.configs import EngineConfig, RolloutConfig
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig
@@ -113,3 +113,12 @@ def test_a_rule_never_writes_args(argv):
         except RLArgumentError:
             pass
         assert vars(args) == before, f"{cls.__name__}.check wrote args"
+
+
+def test_rollout_max_context_len_is_one_field():
+    """The worked example of adding a flag (issue 32): one ``flag(...)`` field on ``EngineConfig``
+    gives the option, its default, its range check and its value in the engine's config."""
+    assert EngineConfig.from_args(parse_args(["--rollout-max-context-len", "4096"])).max_context_len == 4096
+    assert EngineConfig.from_args(parse_args([])).max_context_len is None
+    with pytest.raises(RLArgumentError, match=r"--rollout-max-context-len: must be >= 1 \(got 0\)"):
+        parse_args(["--rollout-max-context-len", "0"])

@@ -92,12 +92,22 @@ class SGLangEngine(RolloutEngine):
         if config.record_routed_experts:
             raise RuntimeError(refusal("sglang"))
         return cls.launch(
-            checkpoint_dir, device=device, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed
+            checkpoint_dir,
+            device=device,
+            tensor_parallel_size=config.tensor_parallel_size,
+            seed=config.seed,
+            context_length=config.max_context_len,
         )
 
     @classmethod
     def launch(
-        cls, checkpoint_dir: str, *, device: str, tensor_parallel_size: int = 1, seed: int = 0
+        cls,
+        checkpoint_dir: str,
+        *,
+        device: str,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        context_length: Optional[int] = None,
     ) -> "SGLangEngine":
         """Start ``python -m sglang.launch_server`` on this actor's GPUs and wait until healthy."""
         require_package("sglang")
@@ -125,6 +135,7 @@ class SGLangEngine(RolloutEngine):
             "--random-seed",
             str(seed),
             "--skip-tokenizer-init",
+            *(["--context-length", str(context_length)] if context_length else []),
         ]
         proc = popen_dying_with_parent(cmd)  # a SIGKILLed engine actor takes its server along
         url = f"http://127.0.0.1:{port}"

@@ -78,7 +78,13 @@ class VLLMEngine(RolloutEngine):
         require_package("vllm")
         if config.record_routed_experts:
             raise RuntimeError(refusal("vllm"))
-        return cls(checkpoint_dir, device=device, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed)
+        return cls(
+            checkpoint_dir,
+            device=device,
+            tensor_parallel_size=config.tensor_parallel_size,
+            max_model_len=config.max_context_len,
+            seed=config.seed,
+        )
 
     def __init__(
         self,

@@ -62,7 +62,7 @@ def _vllm_worker(ckpt: str) -> dict:
     from rl_plugin.rollout.engines.base import SamplingParams, make_engine
     from rl_plugin.weight_sync import iter_buckets
 
-    eng = make_engine(EngineConfig(engine="vllm", seed=0), ckpt)
+    eng = make_engine(EngineConfig(engine="vllm", seed=0, max_context_len=56), ckpt)  # below the model's 64
     sd = load_file(str(Path(ckpt) / "model.safetensors"))
     out = {"gens": {}}
     prompts = _prompts()
@@ -75,6 +75,7 @@ def _vllm_worker(ckpt: str) -> dict:
     split = eng.generate(prompts[:12], params, seed=9) + eng.generate(prompts[12:], params, seed=9, first_sample=12)
     out["split"] = (whole, split)
     out["read_back_initial"] = eng.weights()
+    out["max_model_len"] = eng.llm.llm_engine.model_config.max_model_len
 
     # prefix cache: a long prompt cached under the old weights, then scored under the new ones
     g = torch.Generator().manual_seed(1)
@@ -329,3 +330,8 @@ def test_train_inference_agreement_at_step_0(agreement, engine, backend, tempera
     mean, mx = agreement[(engine, backend, temperature)]
     print(f"agreement {engine} vs {backend} T={temperature}: mean {mean:.2e} max {mx:.2e}")
     assert mean < MEAN_BOUND and mx < MAX_BOUND, (mean, mx)
+
+
+def test_vllm_sizes_its_context_by_rollout_max_context_len(vllm_run):
+    """--rollout-max-context-len reaches vLLM as max_model_len (the model's own window is 64)."""
+    assert vllm_run["max_model_len"] == 56
