@@ -15,36 +15,56 @@ of the weights that sampled it; it loads with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import os
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from rl_plugin.checkpoint.layout import step_dir
+from rl_plugin.errors import LoopError
 from rl_plugin.rollout.rollout_data import RolloutData
 
 PENDING_ROLLOUT = "pending_rollout.pt"
 
 
-def write_pending_rollout(directory, rollout_id: int, data: RolloutData, staleness: int) -> None:
+@dataclass(frozen=True)
+class PendingRollout:
+    """A rollout generated before the steps of the one before it were trained on (overlapped
+    training): a schedule holds it between rollouts, a checkpoint keeps it (``pending_rollout.pt``)
+    so a resumed run trains on it as the uninterrupted run would."""
+
+    rollout_id: int
+    data: RolloutData
+    staleness: int  # how many weight versions behind the trainer's the weights that sampled it are
+
+    def data_for(self, k: int) -> RolloutData:
+        """The rollout, checked to be rollout ``k`` (the one the loop is at)."""
+        if self.rollout_id != k:
+            raise LoopError(
+                f"internal: the rollout generated ahead is rollout {self.rollout_id}, the loop is at rollout {k}"
+            )
+        return self.data
+
+
+def write_pending_rollout(directory, pending: PendingRollout) -> None:
     """Into ``directory``: the checkpoint's staging directory (``commit.begin_save``)."""
     path = Path(directory) / PENDING_ROLLOUT
     tmp = path.with_suffix(".tmp")
     payload = {
-        "rollout_id": int(rollout_id),
-        "staleness": int(staleness),
-        "data": {f.name: getattr(data, f.name) for f in fields(data)},
+        "rollout_id": int(pending.rollout_id),
+        "staleness": int(pending.staleness),
+        "data": {f.name: getattr(pending.data, f.name) for f in fields(pending.data)},
     }
     torch.save(payload, tmp)
     os.replace(tmp, path)
 
 
-def read_pending_rollout(root, step: int) -> Optional[Tuple[int, RolloutData, int]]:
-    """``(rollout_id, data, staleness)`` of the checkpoint at ``step``, or None when it holds none
+def read_pending_rollout(root, step: int) -> Optional[PendingRollout]:
+    """The rollout generated ahead that the checkpoint at ``step`` holds, or None when it holds none
     (a synchronous run's checkpoint, or the last rollout's)."""
     path = Path(step_dir(root, step)) / PENDING_ROLLOUT
     if not path.is_file():
         return None
     payload = torch.load(path, weights_only=True)
-    return int(payload["rollout_id"]), RolloutData(**payload["data"]), int(payload["staleness"])
+    return PendingRollout(int(payload["rollout_id"]), RolloutData(**payload["data"]), int(payload["staleness"]))

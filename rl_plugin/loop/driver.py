@@ -22,12 +22,13 @@ from typing import Any, Callable, Dict, List, Optional
 from rl_plugin.checkpoint.commit import remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
+from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.resume import Progress, save_checkpoint
 from rl_plugin.loop.rows import RowLogger
-from rl_plugin.loop.schedule import PendingRollout, Schedule
+from rl_plugin.loop.schedule import Schedule
 from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient

@@ -22,9 +22,10 @@ from __future__ import annotations
 import time
 from typing import Dict, Optional
 
+from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.schedule import PendingRollout, RolloutLoop
+from rl_plugin.loop.schedule import RolloutLoop
 
 
 class OverlappedSchedule:

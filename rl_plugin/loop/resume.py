@@ -17,11 +17,15 @@ from typing import Any, Dict, Optional, Sequence
 
 from rl_plugin.checkpoint.commit import begin_save, commit_save, retain
 from rl_plugin.checkpoint.layout import latest_step, step_dir
-from rl_plugin.checkpoint.pending_rollout import PENDING_ROLLOUT, read_pending_rollout, write_pending_rollout
+from rl_plugin.checkpoint.pending_rollout import (
+    PENDING_ROLLOUT,
+    PendingRollout,
+    read_pending_rollout,
+    write_pending_rollout,
+)
 from rl_plugin.errors import LoopError, RLArgumentError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import supersede_after
-from rl_plugin.loop.schedule import PendingRollout
 from rl_plugin.ray.train_group import TrainActorError
 
 
@@ -80,10 +84,9 @@ def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
 
 def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[PendingRollout]:
     """The rollout an overlapped run generated ahead before the checkpoint (None: none)."""
-    stored = read_pending_rollout(cfg.load, step)
-    if stored is None:
+    pending = read_pending_rollout(cfg.load, step)
+    if pending is None:
         return None
-    pending = PendingRollout(*stored)
     if pending.rollout_id != start_rollout:
         raise LoopError(
             f"{step_dir(cfg.load, step)}/{PENDING_ROLLOUT} holds rollout {pending.rollout_id}, but the checkpoint's "
@@ -131,7 +134,7 @@ def save_checkpoint(
         "num_rollout": cfg.num_rollout,
     }
     if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
-        write_pending_rollout(staging, pending.rollout_id, pending.data, pending.staleness)
+        write_pending_rollout(staging, pending)
         state["pending_rollout"] = PENDING_ROLLOUT
     # every rank's files seen by this process, then loop_state.json, rename, tracker
     commit_save(cfg.save, progress.step, state, written, [i["ip"] for i in group.info])

@@ -1,7 +1,8 @@
 """What a schedule is, and what it may ask of the driver.
 
 A schedule decides the order of one rollout's phases (generate, train, publish the weights) and
-owns what carries over between rollouts: the rollout generated ahead (``PendingRollout``). The
+owns what carries over between rollouts: the rollout generated ahead (``PendingRollout``, the
+value a checkpoint keeps: ``rl_plugin.checkpoint.pending_rollout``). The
 driver (``loop/driver.py``) runs ``Schedule.run_rollout(k)`` once per rollout, reads
 ``pending()`` when it writes a checkpoint and hands a resumed checkpoint's to ``resume``.
 
@@ -13,32 +14,12 @@ imports the driver nor reads its fields. The implementations: ``SyncSchedule``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol
 
-from rl_plugin.errors import LoopError
+from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.rollout.rollout_data import RolloutData
 
 Reports = List[Dict[str, Any]]  # one report per optimizer step of a rollout (J, metrics, samples, time/*)
-
-
-@dataclass(frozen=True)
-class PendingRollout:
-    """A rollout generated before the steps of the one before it were trained on (overlapped
-    training), kept in a checkpoint (``pending_rollout.pt``) so a resumed run trains on it as the
-    uninterrupted run would."""
-
-    rollout_id: int
-    data: RolloutData
-    staleness: int  # how many weight versions behind the trainer's the weights that sampled it are
-
-    def data_for(self, k: int) -> RolloutData:
-        """The rollout, checked to be rollout ``k`` (the one the loop is at)."""
-        if self.rollout_id != k:
-            raise LoopError(
-                f"internal: the rollout generated ahead is rollout {self.rollout_id}, the loop is at rollout {k}"
-            )
-        return self.data
 
 
 class RolloutLoop(Protocol):

@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.schedule import PendingRollout, RolloutLoop
+from rl_plugin.loop.schedule import RolloutLoop
 
 
 class SyncSchedule:

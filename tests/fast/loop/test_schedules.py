@@ -10,10 +10,11 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError
 from rl_plugin.loop.driver import Driver
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
-from rl_plugin.loop.schedule import PendingRollout, RolloutLoop, Schedule
+from rl_plugin.loop.schedule import RolloutLoop, Schedule
 from rl_plugin.loop.sync_schedule import SyncSchedule
 
 

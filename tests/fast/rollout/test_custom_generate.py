@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
-from rl_plugin.checkpoint.pending_rollout import read_pending_rollout, write_pending_rollout
+from rl_plugin.checkpoint.pending_rollout import PendingRollout, read_pending_rollout, write_pending_rollout
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.loop.steps import rollout_batch
@@ -101,10 +101,10 @@ def test_plain_def_rollout_function_and_a_short_rollout(tmp_path):
 
 def test_pending_rollout_and_group_selection_keep_the_mask(tmp_path):
     data = _manager(tmp_path)[0].generate(0)
-    write_pending_rollout(tmp_path, 1, data, 1)
+    write_pending_rollout(tmp_path, PendingRollout(1, data, 1))
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "iter_0000002" / "pending_rollout.pt").write_bytes((tmp_path / "pending_rollout.pt").read_bytes())
-    _, back, _ = read_pending_rollout(tmp_path, 2)
+    back = read_pending_rollout(tmp_path, 2).data
     assert torch.equal(back.loss_mask, data.loss_mask)
     part = data.select_groups(torch.tensor([2, 0]), 4)
     both = concat_rollouts([part, data.select_groups(torch.tensor([1]), 4)], 4)

@@ -91,7 +91,7 @@ def _rollout(gens):
 
 def test_routed_experts_travel_with_the_rollout(tmp_path):
     from rl_plugin.checkpoint.layout import step_dir
-    from rl_plugin.checkpoint.pending_rollout import read_pending_rollout, write_pending_rollout
+    from rl_plugin.checkpoint.pending_rollout import PendingRollout, read_pending_rollout, write_pending_rollout
     from rl_plugin.loop.steps import rollout_batch
 
     data = _rollout(_gens())
@@ -107,8 +107,8 @@ def test_routed_experts_travel_with_the_rollout(tmp_path):
     assert torch.equal(pickle.loads(pickle.dumps(data)).routed_experts, expected)
     step = Path(step_dir(tmp_path, 1))
     step.mkdir()
-    write_pending_rollout(step, 1, data, 1)
-    assert torch.equal(read_pending_rollout(tmp_path, 1)[1].routed_experts, expected)
+    write_pending_rollout(step, PendingRollout(1, data, 1))
+    assert torch.equal(read_pending_rollout(tmp_path, 1).data.routed_experts, expected)
     batch = rollout_batch(data, "grpo")
     assert torch.equal(
         batch.select(torch.tensor([3, 0])).routed_experts,
