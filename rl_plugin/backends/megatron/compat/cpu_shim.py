@@ -296,7 +296,7 @@ def install_cpu_rope(cuda: bool | None = None) -> bool:
     cuda = cuda_present() if cuda is None else cuda
     if cuda:
         return False
-    from rl_plugin.backends.megatron import rope_thd
+    from rl_plugin.backends.megatron.compat import rope_thd
 
     rope_thd.install()
     return True
