@@ -15,6 +15,7 @@ Megatron-LM and mbridge issues) except where one is named.
 | ``one_rank_collectives`` | skips a SUM/MAX/MIN all-reduce over a one-rank group (grad norm, zero count, DDP grad sync at DP 1); CPU only | megatron-core 0.16.1 ``clip_grads.py``, ``param_and_grad_buffer.py`` | gloo's round trip for an identity (~1.2 ms a step); bitwise equal | megatron-core skips one-rank groups; probe ``test_one_rank_collectives.py`` |
 | ``local_attention`` (``VarlenDotProductAttention``) | packed ``thd`` attention on the local (no-TE) spec | megatron-core 0.16.1 ``DotProductAttention`` asserts ``packed_seq_params is None`` | only TE has a thd kernel | megatron-core's local attention takes packed sequences; probe ``test_packed_attention.py::test_local_attention_refuses_thd_upstream`` |
 | ``rope_thd`` | the unfused thd RoPE without the per-sample Python loop (bitwise equal); CPU only | megatron-core 0.16.1 ``rope_utils._apply_rotary_pos_emb_thd`` | ~1000 loop iterations a rollout on the embedded run | megatron-core vectorises it; probe ``test_packed_attention.py`` (bitwise, and the install finds both call sites) |
+| ``dist_optimizer`` | the distributed optimizer's state before the first step (Adam's ``step``, SGD's missing ``init_state_fn``), the fully-reshardable save of a multi-bucket buffer, the shared ``step`` tensor and the ``step`` key on load | megatron-core 0.16.1 ``distrib_optimizer.py`` (the bucket offsets: its own TODO, issue #504) | an assert, shifted values in a resharded checkpoint, Adam's bias correction drifting after a resume | megatron-core fixes each; probes ``tests/fast/backends/megatron/test_checkpoint.py`` (bitwise resume) and ``test_reshard*.py`` |
 | ``mbridge_fixes`` 1 ``fix_rope_theta`` | copies ``rope_parameters['rope_theta']`` onto the HF config | mbridge 0.15.1 with transformers >= 5 | mbridge reads ``hf_config.rope_theta`` | mbridge reads ``rope_parameters``; probe ``test_mbridge_fixes.py`` |
 | ``mbridge_fixes`` 2 ``local_spec_bridge_class`` | the local layer spec and its norm names | mbridge 0.15.1 | mbridge builds and names only the TE spec | mbridge supports the local spec; probe ``test_mbridge_fixes.py`` |
 | ``mbridge_fixes`` 3 ``sequential_experts_bridge_class`` | MoE experts as ``SequentialMLP`` names and TP split | mbridge 0.15.1 | mbridge names only ``TEGroupedMLP`` experts | as 2; probe ``test_mbridge_fixes.py`` |
@@ -23,13 +24,9 @@ Megatron-LM and mbridge issues) except where one is named.
 
 Workarounds that stay beside the code they repair (each names megatron-core 0.16.1 there):
 
-- ``checkpoint.py``: the distributed optimizer's state for a save before the first step
-  (``_allocate_state``, SGD's missing ``init_state_fn``), the fully-reshardable save of a buffer
-  with several buckets (``_bucket_aligned_world_state``; megatron-core's own TODO, its issue #504),
-  the shared ``step`` tensor and the ``step`` key on load (``_load_optimizer``), and the
-  synchronous ``torch_dist`` save (``_sync_torch_dist_strategy``). Pinned by
-  ``tests/fast/backends/megatron/test_checkpoint.py`` and ``test_reshard*.py``. They are part of the
-  save/load path, which the checkpoint layout owns.
+- ``checkpoint.py``: the synchronous ``torch_dist`` save (``_sync_torch_dist_strategy``: megatron-core
+  0.16.1 always saves through forked writer processes), part of the save path the checkpoint
+  layout owns; pinned by ``tests/fast/backends/megatron/test_checkpoint.py``.
 - ``setup.py``: ``perform_initialization=True`` (megatron-core 0.16.1 sets the TP attributes only
   while initialising) and the refusals of layouts megatron-core 0.16.1 cannot train.
 - ``bridge._export_one_stage``: mbridge 0.15.1's ``export_weights`` minus its per-parameter PP
