@@ -192,7 +192,7 @@ def build_model(
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
-    (``moe_enable_routing_replay``; ``routing_replay.py``)."""
+    (``moe_enable_routing_replay``; ``rl_plugin.routing.megatron_replay``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
