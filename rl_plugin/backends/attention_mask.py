@@ -3,7 +3,7 @@
 Samples packed into one row (thd) with boundaries ``cu_seqlens`` must not see each other: token
 ``a`` may attend to token ``b`` iff both lie in the same sample and ``b <= a``. Running the
 packed row with this mask equals running each sample alone (positions restart per sample
-upstream). Both backends build it here: Megatron's local attention (``megatron/local_attention.py``,
+upstream). Both backends build it here: Megatron's local attention (``megatron/compat/local_attention.py``,
 which wants True where attention is NOT allowed) and FSDP's HF model (``fsdp/packing.py``: bool
 for sdpa, additive 0 / finfo.min for eager). ``[T, T]`` memory: a CPU / test path; GPU runs use
 varlen kernels that take ``cu_seqlens`` directly and never build it.

@@ -18,10 +18,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from rl_plugin.backends.routing import agreement_metrics, assemble_recorded, routing_action
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
 from rl_plugin.parallel import ParallelState
+from rl_plugin.routing.passes import agreement_metrics, assemble_recorded, routing_action
 
 
 class TrainBackend(abc.ABC):
@@ -106,7 +106,7 @@ class TrainBackend(abc.ABC):
             report.update(agreement_metrics(routing.agreement, self.parallel_state.dp_cp_group))
         return report
 
-    # -- routing replay (rl_plugin.backends.routing) ---------------------------------------------
+    # -- routing replay (rl_plugin.routing.passes) ---------------------------------------------
     routing_pass = None  # the RoutingPass of the pass running now; ``forward`` enters its context
 
     def new_routing_pass(self, action: str):

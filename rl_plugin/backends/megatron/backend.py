@@ -25,7 +25,7 @@ from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.megatron import checkpoint, moe, pipeline_export, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
-from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
+from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
 from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
@@ -111,7 +111,7 @@ class MegatronBackend(TrainBackend):
         )
 
     def new_routing_pass(self, action: str):
-        from rl_plugin.backends.megatron.routing_replay import RoutingPass
+        from rl_plugin.routing.megatron_replay import RoutingPass
 
         ps = self.parallel_state
         return RoutingPass(

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core through mbridge, with every mbridge workaround in this one file.
+"""Hugging Face <-> megatron-core through mbridge: the bridge, model building and the HF export.
 
 ``make_bridge(hf_dir, dtype=..., extra_config=...)`` returns an mbridge ``Bridge`` for the
 checkpoint's family (Qwen2, Qwen3, Llama, Mistral as Llama, and whatever else mbridge registers,
@@ -7,34 +7,19 @@ builds the bare megatron-core ``GPTModel``; ``bridge.load_weights([model], hf_di
 tensors (scattering TP shards); ``export_hf(bridge, model)`` yields ``(hf_name, tensor)`` with TP
 shards gathered, on every rank.
 
-Workarounds (mbridge 0.15.1), each pinned by ``tests/fast/backends/megatron/test_bridge.py``, which fails
-if a workaround stops being needed or stops working:
+The mbridge 0.15.1 fixes (``rope_theta`` under transformers 5, the local layer spec, sequential
+experts, the tied-embedding name map, the MoE family configs) live in
+``rl_plugin.backends.megatron.compat.mbridge_fixes``; ``make_bridge`` applies them.
 
-1. ``rope_theta``: transformers >= 5 keeps ``rope_theta`` inside ``config.rope_parameters``;
-   mbridge's ``_get_gptmodel_args`` reads ``hf_config.rope_theta`` (AttributeError). We copy it
-   onto the config before the bridge sees it.
-2. Layer spec: mbridge builds with ``get_gpt_decoder_block_spec(use_transformer_engine=True)``
-   and maps the TE fused layer-norm names (``linear_qkv.layer_norm_weight``,
-   ``linear_fc1.layer_norm_weight``). When transformer-engine is not importable we use the local
-   (megatron-core only) spec, whose norms are separate modules named ``input_layernorm`` and
-   ``pre_mlp_layernorm``; a subclass adds those two names to mbridge's maps. The local spec's
-   core attention is swapped for ``VarlenDotProductAttention`` (``local_attention.py``) so packed
-   ``thd`` micro-batches work without TE.
-3. Export at PP = 1: mbridge's ``export_weights`` runs three PP-group object collectives per
-   parameter (``all_gather_object`` of its name and tensor spec, ``broadcast_object_list``) to
-   find which stage holds it, even with one stage (~7 ms per export of the tiny model on CPU).
-   With one stage every parameter is local, so ``export_hf`` runs mbridge's own per-parameter
-   conversion (``_weight_name_mapping_mcore_local_to_global``, the TP all-gather,
-   ``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters`` directly; the
-   output equals ``export_weights``' tensor by tensor (the test compares both). A mixture-of-experts
-   layer's local experts are gathered over expert-TP, then over EP, and named by global expert
-   (``moe.expert_global_name``), in EP-rank order, as ``export_weights`` does.
-4. Tied embeddings: Qwen2Bridge (and Qwen3Bridge, its subclass) maps a tied output layer by
-   writing into the CLASS's ``_DIRECT_MAPPING``, so every later untied Qwen2/Qwen3 bridge in the
-   process maps ``output_layer.weight`` to the embedding and fails to load; LLaMABridge does not
-   map a tied output layer at all (a last pipeline stage's ``output_layer.weight`` would look
-   for an absent ``lm_head.weight``). Every bridge here keeps its own copy of the map, with the
-   output layer on ``model.embed_tokens.weight`` exactly when ``tie_word_embeddings``.
+Export at PP = 1 (``_export_one_stage``): mbridge's ``export_weights`` runs three PP-group object
+collectives per parameter (``all_gather_object`` of its name and tensor spec,
+``broadcast_object_list``) to find which stage holds it, even with one stage (~7 ms per export of
+the tiny model on CPU). With one stage every parameter is local, so ``export_hf`` runs mbridge's
+own per-parameter conversion (``_weight_name_mapping_mcore_local_to_global``, the TP all-gather,
+``_weight_merge_across_tp``, ``_weight_to_hf_format``) on ``named_parameters`` directly; the output
+equals ``export_weights``' tensor by tensor (``test_bridge.py`` compares both). A
+mixture-of-experts layer's local experts are gathered over expert-TP, then over EP, and named by
+global expert (``moe.expert_global_name``), in EP-rank order, as ``export_weights`` does.
 
 Mistral (no sliding window, as Mistral 7B v0.2+) has Llama's layers and weight names; mbridge
 0.15.1 registers no ``mistral`` bridge, so it is converted by the Llama bridge
@@ -61,17 +46,6 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def fix_rope_theta(hf_config) -> bool:
-    """Workaround 1. Returns True if the config needed it (rope_theta only in rope_parameters)."""
-    if hasattr(hf_config, "rope_theta"):
-        return False
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_theta" not in params:
-        raise ValueError(f"{type(hf_config).__name__} has neither rope_theta nor rope_parameters['rope_theta']")
-    hf_config.rope_theta = float(params["rope_theta"])
-    return True
-
-
 def _registry() -> Dict[str, type]:
     import mbridge  # noqa: F401  (registers the model families)
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -91,58 +65,6 @@ def supported_model_types() -> List[str]:
     return sorted(text + [a for a, t in MODEL_TYPE_ALIASES.items() if t in text])
 
 
-def tied_embeddings_bridge_class(base):
-    """Workaround 4: ``base`` with an instance copy of its name map (see the module docstring)."""
-    untied_output = base._DIRECT_MAPPING.get("output_layer.weight", "lm_head.weight")
-
-    class OwnMapBridge(base):
-        def _adjust_mapping_for_shared_weights(self):
-            self._DIRECT_MAPPING = dict(base._DIRECT_MAPPING)
-            tied = getattr(self.hf_config, "tie_word_embeddings", False)
-            embed = self._DIRECT_MAPPING["embedding.word_embeddings.weight"]
-            self._DIRECT_MAPPING["output_layer.weight"] = embed if tied else untied_output
-
-        def _get_hf_shared_weight_keys(self):
-            if getattr(self.hf_config, "tie_word_embeddings", False):
-                return [self._DIRECT_MAPPING["embedding.word_embeddings.weight"]]
-            return []
-
-    OwnMapBridge.__name__ = f"OwnMap{base.__name__}"
-    return OwnMapBridge
-
-
-def local_spec_bridge_class(base):
-    """Workaround 2: ``base`` (an mbridge LLMBridge subclass) on the local layer spec."""
-
-    class LocalSpecBridge(base):
-        _MLP_MAPPING = {
-            **base._MLP_MAPPING,
-            "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
-        }
-        _OTHER_MAPPING = {
-            **base._OTHER_MAPPING,
-            "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
-        }
-
-        def _get_transformer_layer_spec(self, vp_stage: Optional[int] = None):
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-            from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
-
-            self.has_vp_stage = True  # megatron-core 0.16.1 GPTModel takes vp_stage (the interleaved schedule)
-            spec = get_gpt_layer_local_spec(
-                num_experts=self.config.num_moe_experts,  # MoE: megatron-core's SequentialMLP (moe.py)
-                moe_grouped_gemm=False,
-                qk_layernorm=self.config.qk_layernorm,
-                normalization="RMSNorm",
-            )
-            spec.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
-            return spec
-
-    LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
-    return LocalSpecBridge
-
-
 def make_bridge(
     hf_dir: str,
     *,
@@ -156,12 +78,14 @@ def make_bridge(
     ``configs.MoEConfig``, default its defaults) and, without transformer-engine, sequential experts."""
     from transformers import AutoConfig
 
-    from rl_plugin.backends.megatron.moe import (
+    from rl_plugin.backends.megatron.compat.mbridge_fixes import (
         FAMILY_FIXES,
-        is_moe_config,
-        moe_config_overrides,
+        fix_rope_theta,
+        local_spec_bridge_class,
         sequential_experts_bridge_class,
+        tied_embeddings_bridge_class,
     )
+    from rl_plugin.backends.megatron.moe import is_moe_config, moe_config_overrides
     from rl_plugin.backends.model_families import MODEL_TYPE_ALIASES, megatron_unsupported_reason
     from rl_plugin.configs import MoEConfig
 
@@ -221,7 +145,7 @@ def build_gpt_chunks(bridge) -> list:
 
 def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every weight, TP shards gathered and every expert of every EP rank;
-    collective over TP, expert-TP and EP. One pipeline stage: workaround 3; else mbridge's
+    collective over TP, expert-TP and EP. One pipeline stage: ``_export_one_stage``; else mbridge's
     ``export_weights``."""
     from mbridge.core.util import unwrap_model
 
@@ -236,7 +160,7 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 def _one_stage(bridge, core) -> bool:
-    """One pipeline stage, no expert bias: workaround 3 applies (with or without expert parallelism)."""
+    """One pipeline stage, no expert bias: ``_export_one_stage`` applies (with or without expert parallelism)."""
     return not (bridge.mpu.pp_size > 1 or any("expert_bias" in k for k in core.state_dict()))
 
 
@@ -366,7 +290,7 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
 
 
 def _export_one_stage(bridge, core) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Workaround 3: mbridge's ``export_weights`` loop (0.15.1) minus its PP-stage collectives;
+    """The export at PP = 1 (module docstring): mbridge's ``export_weights`` loop (0.15.1) minus its PP-stage collectives;
     experts gathered over expert-TP and EP (``_experts_to_all``)."""
     from rl_plugin.backends.megatron.moe import is_expert_param
 

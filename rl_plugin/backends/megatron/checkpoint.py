@@ -35,6 +35,12 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.megatron.chunks import chunks_of
+from rl_plugin.backends.megatron.compat.dist_optimizer import (
+    allocate_state,
+    bucket_aligned_world_state,
+    load_optimizer,
+    optimizers,
+)
 from rl_plugin.checkpoint.compat import check_same_model
 from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
 from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter, existing
@@ -107,113 +113,9 @@ def _load_model_state(model, state) -> None:
         _unwrap(chunk).load_state_dict(state[f"model{v}"])
 
 
-def _optimizers(optimizer):
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _init_sgd_state(opt, config=None) -> None:
-    """megatron-core 0.16.1 sets no ``init_state_fn`` for SGD (optimizer/__init__.py l. 408) yet
-    ``sharded_state_dict(is_loading=True)`` calls it (optimizer.py l. 1019). Momentum buffers as
-    zeros: with dampening 0, torch SGD's first step then makes buf = grad, as its lazy clone
-    would, and a load has a tensor to fill (without one, the saved momentum would be skipped)."""
-    for group in opt.param_groups:
-        if group.get("momentum", 0):
-            for p in group["params"]:
-                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
-
-
-def _allocate_state(optimizer) -> None:
-    """Optimizer state tensors for a save or load before the first step.
-
-    A fresh DistributedOptimizer has no Adam state yet, and without Apex/TE its ``state_dict()``
-    (called by ``sharded_state_dict``) asserts on the missing ``step`` (megatron-core 0.16.1
-    distrib_optimizer.py l. 640). Allocate zeros and step 0: exactly what torch Adam's first step
-    would create, so the math is unchanged; a load overwrites them."""
-    for opt in _optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        if opt.init_state_fn is None:
-            opt.init_state_fn = _init_sgd_state
-        if hasattr(opt, "get_parameter_state_dp_zero") and not inner.state:
-            opt.init_state_fn(inner, opt.config)
-            for state in inner.state.values():
-                state.setdefault("step", torch.tensor(0.0))
-
-
-def _bucket_aligned_world_state(opt) -> None:
-    """Repair, on this DistributedOptimizer instance, megatron-core 0.16.1's fully_reshardable
-    SAVE of a buffer with several buckets (its own TODO, distrib_optimizer.py l. 1508, issue #504).
-
-    ``get_parameter_state_dp_zero`` lays each buffer's state out with the buckets back to back,
-    their end padding dropped (l. 1110-1118), but ``sharded_param_state_fully_reshardable`` slices
-    it at ``param_index_map``'s offsets, which count that padding: every parameter of a bucket
-    after a padded one is read shifted (and its tail zero-filled, "param range exceeds unpadded
-    buffer"). Only the save's values are wrong (a load writes through the parameter ranges), and
-    a save and load at the same layout shift alike, so it shows when a checkpoint is resharded.
-    The shared embedding gets a bucket of its own under the distributed optimizer (pipeline
-    stages: the tied model's first chunk), so a one-layer chunk hits it. Here each bucket's
-    slice is put back at its offset in the buffer (``bucket.offset``); with no end padding
-    between buckets nothing moves."""
-    if getattr(opt, "_rl_bucket_aligned", False) or not hasattr(opt, "get_parameter_state_dp_zero"):
-        return
-    original = opt.get_parameter_state_dp_zero
-
-    def aligned(*args, **kwargs):
-        state = original(*args, **kwargs)
-        if state is None:
-            return state
-        for gbuf_idx, buffer in enumerate(opt.buffers):
-            for world in state[gbuf_idx].values():
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    if key not in world:
-                        continue
-                    packed = world[key]
-                    out = packed.new_zeros(buffer.numel)
-                    start = 0
-                    for bucket in buffer.buckets:
-                        n = bucket.numel_unpadded
-                        out[bucket.offset : bucket.offset + n] = packed[start : start + n]
-                        start += n
-                    world[key] = out
-        return state
-
-    opt.get_parameter_state_dp_zero = aligned
-    opt._rl_bucket_aligned = True
-
-
-def _load_optimizer(optimizer, state) -> None:
-    """``optimizer.load_state_dict`` of what ``dist_checkpointing.load`` returned, with two
-    repairs for megatron-core 0.16.1 without Apex/TE (torch Adam, whose state has a ``step``):
-
-    - ``DistributedOptimizer.load_state_dict`` gives every parameter of a group the SAME ``step``
-      tensor (distrib_optimizer.py l. 820); torch Adam then increments it once per parameter per
-      step and the bias correction of a resumed run drifts. Each parameter gets its own copy.
-    - ``load_parameter_state_from_fully_reshardable`` copies every key of the parameter's Adam
-      state from the checkpoint, ``step`` included, which the checkpoint keeps in the param
-      groups instead (l. 940: KeyError 'step'). It runs with ``step`` set aside.
-    """
-    opts = _optimizers(optimizer)
-    states = [state] if len(opts) == 1 else [state[k] for k in sorted(state)]
-    for opt, st in zip(opts, states):
-        param_state = st.pop("param_state", None) if hasattr(opt, "get_parameter_state_dp_zero") else None
-        opt.load_state_dict(st)
-        if param_state is None:
-            continue
-        adam = opt.optimizer.state
-        steps = {p: s.pop("step").clone() for p, s in adam.items() if torch.is_tensor(s.get("step"))}
-        try:
-            opt.load_parameter_state_from_fully_reshardable(param_state)
-        finally:
-            for p, step in steps.items():
-                adam[p]["step"] = step
-    if len(opts) > 1:
-        optimizer._synchronize_steps()
-
-
 def _sharded_state_dict(model, optimizer, *, is_loading: bool) -> Dict[str, Any]:
-    for opt in _optimizers(optimizer):
-        _bucket_aligned_world_state(opt)
+    for opt in optimizers(optimizer):
+        bucket_aligned_world_state(opt)
     model_sd = _model_sharded_state_dict(model)
     return {
         "model": model_sd,
@@ -275,7 +177,7 @@ def save(
     from megatron.core import dist_checkpointing
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    _allocate_state(optimizer)  # a save before the first step: zeros, as that step would start from
+    allocate_state(optimizer)  # a save before the first step: zeros, as that step would start from
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
@@ -347,7 +249,7 @@ def _check_optimizer_split(src: Path, optimizer) -> None:
 
     keys = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
     saved = len({k.split(".", 1)[0] for k in keys if k.startswith("chained_")}) or 1
-    current = len(_optimizers(optimizer))
+    current = len(optimizers(optimizer))
     if saved != current:
         raise CheckpointFormatError(
             f"--load {src}: its optimizer state is in {saved} part(s), this run's optimizer in {current} (megatron-core "
@@ -374,11 +276,11 @@ def load(
         )
     check_same_model(str(src), hf_dir, *_model_shapes(src, model, ps))
     _check_optimizer_split(src, optimizer)
-    _allocate_state(optimizer)
+    allocate_state(optimizer)
     state = dist_checkpointing.load(_sharded_state_dict(model, optimizer, is_loading=True), str(src))
     _load_model_state(model, state["model"])
     with torch.no_grad():  # fp32 + distributed optimizer: the main param is a view of the model param
-        _load_optimizer(optimizer, state["optimizer"])
+        load_optimizer(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = src / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.exists():

@@ -1,28 +1,15 @@
-"""Mixture-of-experts models on the Megatron backend: mbridge's MoE bridges on megatron-core's
-sequential experts, and the MoE ``TransformerConfig`` settings from the flags.
+"""Mixture-of-experts models on the Megatron backend: expert names in the export, and the MoE
+``TransformerConfig`` settings from the flags.
 
-mbridge 0.15.1 converts Qwen3-MoE, Qwen2-MoE and Mixtral for transformer-engine's grouped experts
-(``TEGroupedMLP``), whose parameters are ``decoder.layers.L.mlp.experts.linear_fc1.weight{e}``
-(``e`` the expert's index on this EP rank). Without transformer-engine (and without the
-``grouped_gemm`` package: a CPU) the layer spec is megatron-core's local one with
-``SequentialMLP``, one ``MLP`` per local expert: ``...mlp.experts.local_experts.{e}.linear_fc1.weight``.
-``sequential_experts_bridge_class(base)`` gives mbridge that layout:
-
-- names: ``_weight_name_mapping_mcore_local_to_global`` rewrites
-  ``mlp.experts.local_experts.{e}.linear_fcN.weight`` to mbridge's
-  ``mlp.experts.linear_fcN.weight{E}``, ``E = ep_rank * local_experts + e`` (the global expert),
-  so every later step of mbridge (HF names, gate/up concatenation) is its own.
-- loading: mbridge loads a parameter whose LOCAL name lacks ``.mlp.experts.linear_fc`` through
-  the TP path (split in ``tp_size`` pieces, scattered over the TP group). A sequential expert at
-  expert-TP 1 is whole on every TP rank, so ``_weight_split_across_tp`` hands each TP rank the
-  whole tensor.
+Without transformer-engine the experts are megatron-core's sequential ones, which mbridge 0.15.1
+converts only through ``compat.mbridge_fixes.sequential_experts_bridge_class`` (fix 3 there);
+mbridge's MoE configs need the corrections ``compat.mbridge_fixes.FAMILY_FIXES`` (fix 5).
 
 The export (``bridge.export_hf`` / ``stream_hf`` / ``hf_specs``) gathers each local expert over
 expert-TP, then over EP (``bridge._experts_to_all`` / ``_experts_to_root``), and names the pieces by
 global expert (``expert_global_name``), in EP-rank order, as mbridge's ``export_weights`` does.
 
-mbridge's MoE configs need two corrections (``FAMILY_FIXES``, each pinned by
-``tests/fast/moe/test_megatron_moe.py``). The router-loss metrics: ``aux_loss_metrics``; idle
+The router-loss metrics: ``aux_loss_metrics``; idle
 passes leave megatron-core's loss tracker as it was (``untracked``).
 
 ``moe_config_overrides(moe, use_te=...)`` is what the flags set on the ``TransformerConfig``
@@ -37,39 +24,13 @@ objective is the one the command line states.
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Dict, List
 
 import torch
 
-SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-
 
 def is_moe_config(hf_config) -> bool:
     return bool(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None))
-
-
-def sequential_experts_bridge_class(base):
-    """``base`` (an mbridge MoE bridge on the local spec) with sequential-expert names (module doc)."""
-
-    class SequentialExpertsBridge(base):
-        def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True) -> Dict[str, str]:
-            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
-            local = self.config.num_moe_experts // self.mpu.ep_size
-            offset = self.mpu.ep_rank * local if consider_ep else 0
-            for k, v in names.items():
-                m = SEQUENTIAL_EXPERT.search(v)
-                if m:
-                    names[k] = f"{v[: m.start()]}.mlp.experts.{m.group(2)}.weight{int(m.group(1)) + offset}"
-            return names
-
-        def _weight_split_across_tp(self, mcore_weights_name, mcore_weights, param, tp_split_size):
-            if ".mlp.experts.local_experts." in mcore_weights_name and self.mpu.etp_size == 1:
-                return [mcore_weights] * tp_split_size  # whole on every TP rank (module docstring)
-            return super()._weight_split_across_tp(mcore_weights_name, mcore_weights, param, tp_split_size)
-
-    SequentialExpertsBridge.__name__ = f"SequentialExperts{base.__name__}"
-    return SequentialExpertsBridge
 
 
 def expert_global_name(name: str, ep_rank: int, num_local: int) -> str:
@@ -95,16 +56,6 @@ def moe_config_overrides(moe, *, use_te: bool) -> dict:
     if not use_te:  # sequential experts; no TE / apex kernels
         out.update(moe_grouped_gemm=False, persist_layer_norm=False, moe_permute_fusion=False, moe_router_fusion=False)
     return out
-
-
-# Corrections of mbridge 0.15.1's MoE configs, per model type (each pinned by a test of the
-# logits against the HF model): MixtralBridge sets ``moe_router_pre_softmax=True`` (softmax over
-# all experts, top-k weights not renormalised), but Mixtral renormalises its top-k softmax weights
-# (transformers ``MixtralTopKRouter``), which is megatron-core's top-k-then-softmax
-# (``moe_router_pre_softmax=False``). Qwen2MoEBridge maps ``mlp.shared_experts.gate_weight`` but
-# never sets ``moe_shared_expert_gate``, so megatron-core builds the shared expert without its
-# sigmoid gate and the HF ``shared_expert_gate`` weight is neither loaded nor exported.
-FAMILY_FIXES = {"mixtral": dict(moe_router_pre_softmax=False), "qwen2_moe": dict(moe_shared_expert_gate=True)}
 
 
 # -- aux-loss metrics ---------------------------------------------------------------------------

@@ -173,7 +173,7 @@ def init_parallel(cfg: ModelConfig, vpp=None) -> ParallelState:
 def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
     """The ``TransformerConfig`` overrides rl_plugin passes to the bridge: ``_CONFIG_OVERRIDES``,
     the parallel layout, CPU-side init without CUDA, and (without CUDA only) the fusions off."""
-    from rl_plugin.backends.megatron.cpu_shim import cpu_config_overrides
+    from rl_plugin.backends.megatron.compat.cpu_shim import cpu_config_overrides
 
     overrides = dict(_CONFIG_OVERRIDES)
     overrides.update(cpu_config_overrides(cuda))
@@ -192,11 +192,11 @@ def build_model(
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
-    (``moe_enable_routing_replay``; ``routing_replay.py``)."""
+    (``moe_enable_routing_replay``; ``rl_plugin.routing.megatron_replay``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from rl_plugin.backends.megatron.cpu_shim import install_cpu_rope
+    from rl_plugin.backends.megatron.compat.cpu_shim import install_cpu_rope
 
     bf16 = cfg.bf16
     if cfg.fp16:
@@ -235,7 +235,7 @@ def build_optimizer(opt: RLOptimizerConfig, model, total_steps: int = 10**9, *, 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from rl_plugin.backends.megatron import one_rank_collectives
+    from rl_plugin.backends.megatron.compat import one_rank_collectives
 
     # gloo's one-rank all-reduces (grad norm; DDP grads at DP 1) cost ~0.5 ms each and are skipped,
     # bitwise equal; NCCL's cost microseconds, so megatron-core stays untouched on GPU machines

@@ -5,7 +5,7 @@ router, all-to-all dispatcher and sequential experts, under gloo:
 - HF -> megatron-core -> HF bit-exact (every expert, the router, the shared expert and its gate);
 - packed (thd) log-probs equal the HF model's within fp32 rounding, which pins the router
   semantics (softmax / top-k / renormalisation) of each family, and mbridge's two config fixes
-  (``moe.FAMILY_FIXES``) are still needed (each family is also run without its fix: the log-probs
+  (``compat.mbridge_fixes.FAMILY_FIXES``) are still needed (each family is also run without its fix: the log-probs
   then differ by far more than rounding).
 """
 
@@ -45,8 +45,8 @@ def hf_log_probs(hf_dir, batch) -> torch.Tensor:
 def _families_worker(rank, world, dirs, ep):
     from safetensors.torch import load_file
 
-    from rl_plugin.backends.megatron import moe
     from rl_plugin.backends.megatron.backend import MegatronBackend
+    from rl_plugin.backends.megatron.compat import mbridge_fixes as moe
     from tests.support.megatron_common import make_args, synthetic_batch
 
     batch, _ = synthetic_batch(seed=5, num_prompts=2, n_per_prompt=2)

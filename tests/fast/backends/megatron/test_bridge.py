@@ -1,14 +1,9 @@
 """mbridge conversion: HF -> megatron-core -> HF bit-exact (in memory and through ``--save-hf``),
-logits equal the HF model, and the mbridge workarounds in ``bridge.py`` are still needed and
-still work (3, the one-stage export, equals mbridge's ``export_weights`` tensor by tensor).
-
-If a workaround test fails with "no longer needed", mbridge / transformers fixed it upstream:
-delete the workaround from ``bridge.py`` and this test.
+logits equal the HF model, and the one-stage export equals mbridge's ``export_weights`` tensor by
+tensor. The probes of the mbridge fixes are in ``compat/test_mbridge_fixes.py``.
 """
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
@@ -23,46 +18,6 @@ def tiny_dirs(tiny_checkpoint, tiny_qwen2):
         "llama": tiny_checkpoint("llama", seed=1),
         "qwen3": tiny_checkpoint("qwen3", seed=2),  # q/k norm, TP-replicated
     }
-
-
-# -- workaround 1: rope_theta -----------------------------------------------------------------
-def test_rope_theta_workaround_still_needed_and_works(tiny_dirs):
-    from mbridge.core.llm_bridge import LLMBridge
-    from transformers import AutoConfig
-
-    from rl_plugin.backends.megatron.bridge import fix_rope_theta
-
-    cfg = AutoConfig.from_pretrained(tiny_dirs["qwen2"])
-    fake_bridge = types.SimpleNamespace(hf_config=cfg)
-    with pytest.raises(AttributeError, match="rope_theta"):  # fails here => no longer needed
-        LLMBridge._get_gptmodel_args(fake_bridge)
-    assert fix_rope_theta(cfg) is True
-    assert LLMBridge._get_gptmodel_args(fake_bridge)["rotary_base"] == 10000.0
-    assert fix_rope_theta(cfg) is False  # idempotent
-
-
-# -- workaround 2: local layer spec names ---------------------------------------------------------
-LOCAL_NAMES = {
-    "decoder.layers.1.input_layernorm.weight": ["model.layers.1.input_layernorm.weight"],
-    "decoder.layers.1.pre_mlp_layernorm.weight": ["model.layers.1.post_attention_layernorm.weight"],
-}
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_local_spec_names_workaround_still_needed_and_works(family):
-    import mbridge  # noqa: F401
-    from mbridge.core.bridge import _MODEL_REGISTRY
-
-    from rl_plugin.backends.megatron.bridge import local_spec_bridge_class
-
-    plain = _MODEL_REGISTRY[family]
-    fixed = local_spec_bridge_class(plain)
-    for name, hf_names in LOCAL_NAMES.items():
-        with pytest.raises(NotImplementedError):  # fails here => mbridge maps local names itself
-            plain._weight_name_mapping_mcore_to_hf(plain.__new__(plain), name)
-        assert fixed._weight_name_mapping_mcore_to_hf(fixed.__new__(fixed), name) == hf_names
-    # The subclass leaves mbridge's own class maps untouched.
-    assert "pre_mlp_layernorm.weight" not in plain._MLP_MAPPING
 
 
 # -- round trip and logits, in real processes --------------------------------------------------
@@ -143,38 +98,3 @@ def test_hf_roundtrip_bit_exact_and_logits_match(run_world, tiny_dirs, family, t
         assert logp_diff < FP32_MODEL, logp_diff  # two fp32 implementations of one model
         if logits_diff is not None:
             assert logits_diff < FP32_MODEL, logits_diff
-
-
-# -- workaround 4: tied embeddings, one name map per bridge ----------------------------------------
-def test_tied_map_workaround_still_needed_and_works(tiny_dirs, tmp_path):
-    import mbridge  # noqa: F401
-    from mbridge.core.bridge import _MODEL_REGISTRY
-    from transformers import AutoConfig
-
-    from rl_plugin.backends.megatron.bridge import tied_embeddings_bridge_class
-    from rl_plugin.models.tiny import tiny_config
-
-    tiny_config("qwen2", tie_word_embeddings=True).save_pretrained(tmp_path)
-    tied, untied = AutoConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tiny_dirs["qwen2"])
-    plain = _MODEL_REGISTRY["qwen2"]
-    saved = dict(plain._DIRECT_MAPPING)
-    try:
-        b = plain.__new__(plain)
-        b.hf_config = tied
-        b._adjust_mapping_for_shared_weights()
-        # fails here => mbridge no longer writes a tied model's map into the class
-        assert plain._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
-    finally:
-        plain._DIRECT_MAPPING.clear()
-        plain._DIRECT_MAPPING.update(saved)
-    for family in ("qwen2", "llama"):
-        fixed = tied_embeddings_bridge_class(_MODEL_REGISTRY[family])
-        maps = {}
-        for label, cfg in (("tied", tied), ("untied", untied), ("tied again", tied)):
-            b = fixed.__new__(fixed)
-            b.hf_config = cfg
-            b._adjust_mapping_for_shared_weights()
-            maps[label] = (b._DIRECT_MAPPING["output_layer.weight"], b._get_hf_shared_weight_keys())
-        assert maps["tied"] == maps["tied again"] == ("model.embed_tokens.weight", ["model.embed_tokens.weight"])
-        assert maps["untied"] == ("lm_head.weight", [])
-        assert _MODEL_REGISTRY[family]._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"

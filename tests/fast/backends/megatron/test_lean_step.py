@@ -8,7 +8,7 @@ batch (short samples, so the padded grid is chosen) in two micro-batches of diff
 (the caches must follow the layout), one ``train_rollout`` from the same fresh state twice: lean,
 then with the plain formulas patched in (megatron-core's own per-sample RoPE loop, and the
 advanced-index pad + transpose + boolean unpad). Bitwise is legitimate: the same kernels run on
-the same values (``backends/megatron/test_packed_attention`` checks each piece alone).
+the same values (``backends/megatron/compat/test_packed_attention`` checks each piece alone).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def _worker(rank, world, hf_dir):
     from megatron.core.models.common.embeddings import rope_utils
 
     from rl_plugin.arguments import parse_args
-    from rl_plugin.backends.megatron import rope_thd
-    from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
+    from rl_plugin.backends.megatron.compat import rope_thd
+    from rl_plugin.backends.megatron.compat.local_attention import VarlenDotProductAttention
     from rl_plugin.configs import TrainConfig
     from rl_plugin.ray.train_actor import TrainActor, backend_class
     from rl_plugin.step_plan import RankPlan

@@ -97,7 +97,7 @@ def test_packed_rope_patch_is_cpu_only():
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    from rl_plugin.backends.megatron import cpu_shim, rope_thd
+    from rl_plugin.backends.megatron.compat import cpu_shim, rope_thd
 
     modules = [importlib.import_module(name) for name in rope_thd.MODULES]
 

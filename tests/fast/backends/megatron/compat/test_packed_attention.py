@@ -42,8 +42,8 @@ def _worker(rank, world):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
-    from rl_plugin.backends.megatron.local_attention import VarlenDotProductAttention
+    from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
+    from rl_plugin.backends.megatron.compat.local_attention import VarlenDotProductAttention
 
     apply_cpu_shim()
     mpu.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -89,7 +89,7 @@ def _rope_pairs(cp_group):
     """(ours, megatron-core's) packed RoPE, for both layouts of the frequency table."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from rl_plugin.backends.megatron import rope_thd
+    from rl_plugin.backends.megatron.compat import rope_thd
 
     rope_thd.install()
     original = rope_thd._ORIGINAL["fn"]
@@ -136,7 +136,7 @@ def test_lean_padded_form_is_bitwise_the_plain_one(world_results):
 
 
 def test_vectorized_thd_rope_is_bitwise_megatrons(world_results):
-    from rl_plugin.backends.megatron.rope_thd import packed_freq_rows
+    from rl_plugin.backends.megatron.compat.rope_thd import packed_freq_rows
 
     assert packed_freq_rows(torch.tensor([0, 2, 5]), 3).tolist() == [0, 1, 0, 1, 2]
     assert packed_freq_rows(torch.tensor([0, 2, 5]), 5).tolist() == [0, 1, 2, 3, 4]
@@ -144,3 +144,24 @@ def test_vectorized_thd_rope_is_bitwise_megatrons(world_results):
     for (ours, d_ours), (theirs, d_theirs) in world_results["rope"]:
         assert ours.shape == theirs.shape and ours.shape[0] == 16
         assert torch.equal(ours, theirs) and torch.equal(d_ours, d_theirs)
+
+
+def test_local_attention_refuses_thd_upstream():
+    """``compat.local_attention`` is still needed: megatron-core's local attention refuses packed
+    sequences (fails here => it takes them itself: delete ``VarlenDotProductAttention``)."""
+    import inspect
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    assert "packed_seq_params is None" in inspect.getsource(DotProductAttention.forward)
+
+
+def test_thd_rope_install_finds_megatrons_call_sites():
+    """``compat.rope_thd.install`` skips a module without ``_apply_rotary_pos_emb_thd``: both of
+    megatron-core's call sites must still have it (fails here => upstream renamed or vectorised it)."""
+    import importlib
+
+    from rl_plugin.backends.megatron.compat import rope_thd
+
+    for name in rope_thd.MODULES:
+        assert callable(getattr(importlib.import_module(name), "_apply_rotary_pos_emb_thd", None)), name

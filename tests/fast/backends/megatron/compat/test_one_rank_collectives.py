@@ -13,8 +13,8 @@ def _worker(rank, world):
     from megatron.core.distributed import param_and_grad_buffer as pgb
     from megatron.core.optimizer import clip_grads
 
-    from rl_plugin.backends.megatron import one_rank_collectives as orc
-    from rl_plugin.backends.megatron.cpu_shim import apply_cpu_shim
+    from rl_plugin.backends.megatron.compat import one_rank_collectives as orc
+    from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
 
     apply_cpu_shim()  # as the backend does first: megatron's grad norm allocates on "cuda"
     singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank builds both

@@ -82,7 +82,7 @@ def _shim_worker(rank, world):
 
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
-    from rl_plugin.backends.megatron import cpu_shim
+    from rl_plugin.backends.megatron.compat import cpu_shim
 
     before = _failures()
     original_zeros = torch.zeros
@@ -113,7 +113,7 @@ def _shim_worker(rank, world):
 
 def test_each_patch_is_needed_and_works_and_applies_once(run_world):
     out = run_world(_shim_worker, 1)[0]
-    from rl_plugin.backends.megatron.cpu_shim import PATCHES
+    from rl_plugin.backends.megatron.compat.cpu_shim import PATCHES
 
     names = [n for n, _ in PATCHES]
     assert out["applied"] == names
@@ -124,7 +124,7 @@ def test_each_patch_is_needed_and_works_and_applies_once(run_world):
 
 
 def test_shim_is_not_applied_when_cuda_is_present(monkeypatch):
-    from rl_plugin.backends.megatron import cpu_shim
+    from rl_plugin.backends.megatron.compat import cpu_shim
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     applied_before = list(cpu_shim.APPLIED)

@@ -54,6 +54,7 @@ The patches and the megatron-core 0.16.1 lines they cover:
    reads it unconditionally: without transformer-engine every router forward raises NameError.
    The name is bound to None, which selects the function's own ``torch.mm`` branch. (A GPU
    machine without transformer-engine would need it too; GPU runs here have transformer-engine.)
+   megatron-core 0.19 binds it to None itself: delete this patch with the move to 0.19.
 
 CPU-only tuning, under the same gate (``cuda_present()`` False), so none of it reaches a GPU,
 where megatron-core's (and mbridge's) defaults stand:
@@ -296,7 +297,7 @@ def install_cpu_rope(cuda: bool | None = None) -> bool:
     cuda = cuda_present() if cuda is None else cuda
     if cuda:
         return False
-    from rl_plugin.backends.megatron import rope_thd
+    from rl_plugin.backends.megatron.compat import rope_thd
 
     rope_thd.install()
     return True

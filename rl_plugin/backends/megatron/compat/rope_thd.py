@@ -87,22 +87,38 @@ TABLES = RopeTables()
 
 
 def vectorized_thd_rope(
-    t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+    t,
+    cu_seqlens,
+    freqs,
+    rotary_interleaved=False,
+    multi_latent_attention=False,
+    mscale=1.0,
+    cp_group=None,
+    **newer,
 ):
-    """Drop-in for megatron-core's ``_apply_rotary_pos_emb_thd`` (same signature and result)."""
+    """Drop-in for megatron-core's ``_apply_rotary_pos_emb_thd`` (same signature and result).
+    ``newer``: keywords of later releases, passed on as given (megatron-core 0.19 renames
+    ``multi_latent_attention`` to ``mla_rotary_interleaved`` and warns on the old name)."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    if "mla_rotary_interleaved" in newer:
+        mla = bool(newer["mla_rotary_interleaved"])
+        spelling = {}
+    else:
+        mla = bool(multi_latent_attention)
+        spelling = {"multi_latent_attention": multi_latent_attention}
     if cp_group is None or cp_group.size() != 1:
         return _ORIGINAL["fn"](
             t,
             cu_seqlens,
             freqs,
             rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention,
             mscale=mscale,
             cp_group=cp_group,
+            **spelling,
+            **newer,
         )
-    if not rotary_interleaved and not multi_latent_attention and freqs.shape[-1] == t.shape[-1]:
+    if not rotary_interleaved and not mla and freqs.shape[-1] == t.shape[-1]:
         cos_, sin_ = TABLES.get(cu_seqlens, freqs, mscale, t.dtype, t.shape[1])
         t = t.unsqueeze(1)  # [t, 1, heads, dim], the bshd kernel's layout
         x1, x2 = torch.chunk(t, 2, dim=-1)
@@ -112,8 +128,9 @@ def vectorized_thd_rope(
         t.unsqueeze(1),
         freqs[rows.to(freqs.device)],
         rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention,
         mscale=mscale,
+        **spelling,
+        **{k: v for k, v in newer.items() if k == "mla_rotary_interleaved"},
     ).squeeze(1)
 
 
