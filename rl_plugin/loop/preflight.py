@@ -3,6 +3,10 @@
 Everything that needs no world, so a bad command line or a bad file costs a second, not the
 ~15 s of cluster and model start-up (and never half a run):
 
+0. a model and data that go together (``check_setup``): no ``--hf-checkpoint`` without
+   ``--prompt-data`` (unless of the embedded family), no data without a model
+   (``rl_plugin.arguments.embedded.check_model_and_data``; the parse checks it too, this is for
+   runs built from a ``Namespace``);
 1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
    exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
+from rl_plugin.arguments.embedded import check_model_and_data
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.configs.cluster import planned_dp_size
@@ -147,8 +152,14 @@ def check_reward_server(url: str) -> None:
         )
 
 
+def check_setup(args) -> None:
+    """The setup checks of issue 38 that need the files but no world: model and data go together."""
+    check_model_and_data(args)
+
+
 def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
+    check_setup(args)
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
