@@ -32,6 +32,7 @@ from typing import Optional
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.embedded import check_model_and_data
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
@@ -153,8 +154,10 @@ def check_reward_server(url: str) -> None:
 
 
 def check_setup(args) -> None:
-    """The setup checks of issue 38 that need the files but no world: model and data go together."""
+    """The setup checks that need no world: model and data go together; flags the sequence layout
+    does not read are warned (``arguments.unread_flags``; the model's flags: ``validate_paths``)."""
     check_model_and_data(args)
+    check_layout_flags(args)
 
 
 def preflight(args) -> Optional[ResumePoint]:
