@@ -17,7 +17,7 @@ import json
 import sys
 
 from rl_plugin.arguments import RLArgumentError, validate_world
-from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.arguments.embedded import check_model_and_data, parse_train_flags
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.configs.cluster import planned_dp_size
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     try:
         args = parse_train_flags(argv, prog="python -m rl_plugin.arguments")  # argparse itself exits 2 on unknown flags
         validate_world(args, dp_size=planned_dp_size(args))
+        check_model_and_data(args)
         check_layout_flags(args)  # warnings on stderr
         if check_files:
             validate_paths(args)

@@ -53,7 +53,20 @@ def is_embedded(args) -> bool:
 
 
 def check_model_and_data(args) -> None:
-    """Refuse a model without data and data without a model (``RLArgumentError``, exit 2)."""
+    """Refuse a model without data and data without a model (``RLArgumentError``, exit 2). The
+    checker and preflight run both; the trainer's parse the first (``check_model_without_data``),
+    so that a parse alone still accepts data without a model (tests parse such command lines)."""
+    check_model_without_data(args)
+    if args.prompt_data is not None and args.hf_checkpoint is None:
+        fail(
+            f"--prompt-data {args.prompt_data} without --hf-checkpoint",
+            "the loop needs a model to train (the embedded tiny model reads only the digit task's characters)",
+            "pass --hf-checkpoint DIR (a Hugging Face model directory)",
+        )
+
+
+def check_model_without_data(args) -> None:
+    """A ``--hf-checkpoint`` outside the embedded family with no ``--prompt-data``: refused."""
     if args.prompt_data is None and not is_embedded(args):
         d = EMBEDDED_DEFAULTS
         fail(
@@ -67,21 +80,15 @@ def check_model_and_data(args) -> None:
             "or --custom-rm-path file.py:rm), plus --apply-chat-template for an instruction-tuned model; or drop "
             "--hf-checkpoint to run the embedded demo",
         )
-    if args.prompt_data is not None and args.hf_checkpoint is None:
-        fail(
-            f"--prompt-data {args.prompt_data} without --hf-checkpoint",
-            "the loop needs a model to train (the embedded tiny model reads only the digit task's characters)",
-            "pass --hf-checkpoint DIR (a Hugging Face model directory)",
-        )
 
 
 def parse_train_flags(argv: Optional[List[str]] = None, *, prog: str = "rl-plugin-train"):
     """Parse and validate (phase 1) a trainer command line, with the embedded defaults when it
     runs the embedded task (``is_embedded``); a model without data, or data without a model, is
-    refused (``check_model_and_data``)."""
+    refused (``check_model_without_data``; data without a model: by the checker and preflight)."""
     parser = build_parser(prog=prog)
     first = parser.parse_args(argv)
-    check_model_and_data(first)
+    check_model_without_data(first)
     if is_embedded(first):  # the embedded default: its own defaults, explicit flags win
         defaults = dict(EMBEDDED_DEFAULTS)
         if first.custom_rm_path is not None:

@@ -18,7 +18,7 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
-   (``rl_plugin.rollout.data.prompt_check``).
+   (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -136,6 +136,7 @@ def check_reward_and_data(args) -> None:
                 hf_checkpoint=args.hf_checkpoint,
                 rm_type=args.rm_type,
                 vocab_size=vocab,
+                answers_are_targets=False,  # True under the SFT loss (--loss-type sft_loss, not yet a flag)
             )
 
 

@@ -81,7 +81,9 @@ def test_virtual_pipeline_chunks_must_split_the_layers(tmp_path):
     with pytest.raises(RLArgumentError) as err:
         _check(f"{pp2} --num-virtual-stages-per-pipeline-rank 2", d)
     msg = str(err.value)
-    assert "do not split evenly" in msg and "Fix: use --num-virtual-stages-per-pipeline-rank with one of 3, 5, 15" in msg, msg
+    assert (
+        "do not split evenly" in msg and "Fix: use --num-virtual-stages-per-pipeline-rank with one of 3, 5, 15" in msg
+    ), msg
     with pytest.raises(RLArgumentError, match="one chunk of 15 layers per stage, the plain 1F1B schedule"):
         _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 15", d)
 
