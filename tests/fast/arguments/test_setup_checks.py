@@ -119,3 +119,12 @@ def test_seq_length_without_bshd_is_warned_as_unread(capsys):
     assert rc == 0 and "warning: --seq-length 64 with --qkv-format thd: nothing reads it" in err, err
     rc, err = _checker(capsys, ["--seq-length", "64", "--qkv-format", "bshd"])
     assert rc == 0 and "warning" not in err, err
+
+
+def test_a_bad_flag_value_is_one_line_not_the_usage(capsys):
+    """Before: argparse printed ~120 lines of usage before the error."""
+    with pytest.raises(SystemExit) as info:
+        check(["--apply-chat-template", "--apply-chat-template-kwargs", "{enable_thinking: false}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: argument --apply-chat-template-kwargs: '{enable_thinking: false}' is not valid JSON")
