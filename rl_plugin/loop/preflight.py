@@ -12,7 +12,8 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
    exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
    backend trains (``rl_plugin.backends.model_families``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
-   ``--num-rollout`` (``loop_state.json`` of the step dir);
+   ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
+   changed since it was written (``note_changed_settings``);
 4. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-type remote_rm``, the server at ``--rm-url`` accepts connections;
 5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
@@ -26,6 +27,7 @@ aside) are the driver's, taken right after these checks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +36,7 @@ from rl_plugin.arguments.embedded import check_model_and_data
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.checkpoint.run_settings import resume_note
 from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
@@ -161,6 +164,17 @@ def check_setup(args) -> None:
     check_layout_flags(args)
 
 
+def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
+    """A resume with another batch size, aggregation or data file than the checkpoint's: one note
+    on stderr naming each change (``rl_plugin.checkpoint.run_settings``)."""
+    if point is None:
+        return
+    state = read_loop_state(args.load, point.step) or {}
+    note = resume_note(args.load, point.step, state.get("settings"), args)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
+
+
 def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     check_setup(args)
@@ -169,5 +183,6 @@ def preflight(args) -> Optional[ResumePoint]:
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
     point = check_resume_point(args)
+    note_changed_settings(args, point)
     check_reward_and_data(args)
     return point
