@@ -198,19 +198,24 @@ def virtual_pipeline_size(
         size = per_rank // layers_per_chunk if per_rank and per_rank % layers_per_chunk == 0 else None
     else:
         size = chunks_per_rank if per_rank and per_rank % chunks_per_rank == 0 else None
+    # the fixes are stated in the units of the flag given: layers per chunk N, or chunks per rank V
+    fits = [d for d in range(1, (per_rank or 0) + 1) if per_rank % d == 0]
+    fits = [d for d in fits if d < per_rank] if layers_per_chunk is not None else [d for d in fits if d >= 2]
+    name = flag.split()[0]
     if size is None:
-        fits = [d for d in range(1, (per_rank or 0) + 1) if per_rank % d == 0]
         fail(
             f"{flag} with --pipeline-model-parallel-size {pp}",
             f"the model's {num_layers} layers do not split evenly into {pp} stages x equal chunks of that size",
-            f"use layers per chunk dividing {per_rank} ({', '.join(map(str, fits))})"
+            f"use {name} with one of {', '.join(map(str, fits))} ({per_rank} layers per stage)"
             if fits
-            else f"use a --pipeline-model-parallel-size that divides {num_layers}",
+            else f"use a --pipeline-model-parallel-size that divides {num_layers} into stages of 2 layers or more",
         )
     if size < 2:
         fail(
             f"{flag} with --pipeline-model-parallel-size {pp}",
             f"that is one chunk of {per_rank} layers per stage, the plain 1F1B schedule",
-            "drop the virtual pipeline flag, or use fewer layers per chunk",
+            f"drop the virtual pipeline flag, or use {name} with one of {', '.join(map(str, fits))}"
+            if fits
+            else "drop the virtual pipeline flag",
         )
     return size

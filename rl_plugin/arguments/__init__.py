@@ -166,10 +166,16 @@ def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
             check(args, dp_size=dp_size)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line error (a bad value, an unknown flag): ``error: ...`` and
+    exit 2, without the ~120 lines of usage argparse prints first."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (all flags: {self.prog} --help)\n")
+
+
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False
-    )
+    parser = _Parser(prog=prog, description="rl_plugin: RL post-training on Megatron-Core.", allow_abbrev=False)
     _add_declared(parser, megatron=True)
     return add_rl_arguments(parser)
 

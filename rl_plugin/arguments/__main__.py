@@ -3,7 +3,9 @@
 Checks what needs no world, exactly as ``rl-plugin-train`` does in its first second: the flag
 rules (with the embedded defaults when there is no ``--prompt-data``), the data-parallel rules
 for the DP size the cluster flags imply, and the files the flags name (``arguments.paths``).
-Prints the resolved settings as JSON and exits 0; an invalid combination exits 2 with the
+Flags that nothing reads in the chosen configuration are refused or warned
+(``arguments.unread_flags``; a warning is a ``warning:`` line on stderr). Prints the resolved
+settings as JSON and exits 0; an invalid combination exits 2 with the
 message on stderr. Run it on a job's flags before queueing it on a cluster; on a machine that
 does not hold the job's files, add ``--no-file-checks`` (a checker option, not a trainer flag)
 to check the flags alone.
@@ -15,8 +17,9 @@ import json
 import sys
 
 from rl_plugin.arguments import RLArgumentError, validate_world
-from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.arguments.embedded import check_model_and_data, parse_train_flags
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.configs.cluster import planned_dp_size
 
 NO_FILE_CHECKS = "--no-file-checks"
@@ -29,6 +32,8 @@ def main(argv=None) -> int:
     try:
         args = parse_train_flags(argv, prog="python -m rl_plugin.arguments")  # argparse itself exits 2 on unknown flags
         validate_world(args, dp_size=planned_dp_size(args))
+        check_model_and_data(args)
+        check_layout_flags(args)  # warnings on stderr
         if check_files:
             validate_paths(args)
     except RLArgumentError as exc:

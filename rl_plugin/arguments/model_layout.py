@@ -12,6 +12,8 @@ that work:
   (``--expert-model-parallel-size`` where the flag exists).
 - A vLLM engine's tensor parallelism (``--rollout-num-gpus-per-engine``) splits the heads too,
   and needs CUDA GPUs (vLLM's CPU build runs one process per engine).
+- A dense model: expert parallelism refused, the other MoE-only flags warned as unread
+  (``rl_plugin.arguments.unread_flags.check_model_flags``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 from pathlib import Path
 from typing import List
 
+from rl_plugin.arguments.unread_flags import check_model_flags
 from rl_plugin.errors import fail
 from rl_plugin.models.experts import num_experts
 from rl_plugin.parallel import virtual_pipeline_size
@@ -48,6 +51,7 @@ def check_model_layout(args) -> None:
     kv = cfg.get("num_key_value_heads") or heads
     layers = cfg.get("num_hidden_layers")
     experts = num_experts(cfg)
+    check_model_flags(args, cfg, path, experts)
     if args.train_backend == "megatron":
         if heads:
             _split("--tensor-model-parallel-size", args.tensor_model_parallel_size, "attention heads", heads, path)

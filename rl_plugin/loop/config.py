@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from rl_plugin.configs import BatchingConfig, EngineConfig, RolloutConfig, TrainConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
-from rl_plugin.flags import Declared, derived, nested, same_as
+from rl_plugin.flags import Declared, derived, nested, runtime, same_as
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.weight_sync import SyncSettings
 
@@ -58,6 +58,8 @@ class LoopConfig(Declared):
     max_rollout_retries: int = same_as(FaultToleranceConfig, "max_rollout_retries")
     output_dir: Path = derived(output_dir_of, Path(DEFAULT_OUTPUT_DIR))
     metrics_file: Path = derived(_metrics_file, Path(DEFAULT_OUTPUT_DIR) / "metrics.jsonl")
+    # loop_state.json's "settings" (rl_plugin.checkpoint.run_settings.settings_of), passed by the run
+    run_settings: Tuple[Tuple[str, Any], ...] = runtime(())
 
     def eval_due(self, k: int) -> bool:
         """Whether the eval runs after rollout k (every --eval-interval rollouts, and after the last)."""

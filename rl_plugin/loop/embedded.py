@@ -1,4 +1,6 @@
-"""The embedded default: ``rl-plugin-train --train-backend X`` with no data or model flags.
+"""The embedded default: ``rl-plugin-train --train-backend X`` with no data or model flags
+(``rl_plugin.arguments.embedded.is_embedded`` decides; a ``--hf-checkpoint`` alone is refused there
+unless it is of the embedded family).
 
 It builds (once, then reuses) a tiny Qwen2-architecture model with a character tokenizer over
 the digits, and the digit-copy task (``rl_plugin.rollout.data.task``) with a held-out eval split,
@@ -18,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rl_plugin.arguments.embedded import EMBEDDED_TASK_DIGITS
+from rl_plugin.arguments.embedded import EMBEDDED_TASK_DIGITS, is_embedded  # noqa: F401 - is_embedded: for the run
 from rl_plugin.rollout.data.task import DIGITS, write_task_data
 from rl_plugin.rollout.data.tokenizer import CharTokenizer
 
@@ -35,10 +37,6 @@ MODEL = dict(
     intermediate_size=128,
     max_position_embeddings=64,
 )
-
-
-def is_embedded(args) -> bool:
-    return args.prompt_data is None
 
 
 def cache_root() -> Path:

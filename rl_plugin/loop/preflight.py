@@ -3,18 +3,23 @@
 Everything that needs no world, so a bad command line or a bad file costs a second, not the
 ~15 s of cluster and model start-up (and never half a run):
 
+0. a model and data that go together (``check_setup``): no ``--hf-checkpoint`` without
+   ``--prompt-data`` (unless of the embedded family), no data without a model
+   (``rl_plugin.arguments.embedded.check_model_and_data``; the parse checks it too, this is for
+   runs built from a ``Namespace``);
 1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
    exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
    backend trains (``rl_plugin.backends.model_families``);
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
-   ``--num-rollout`` (``loop_state.json`` of the step dir);
+   ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
+   changed since it was written (``note_changed_settings``);
 4. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-type remote_rm``, the server at ``--rm-url`` accepts connections;
 5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
-   (``rl_plugin.rollout.data.prompt_check``).
+   (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -22,12 +27,16 @@ aside) are the driver's, taken right after these checks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
+from rl_plugin.arguments.embedded import check_model_and_data
 from rl_plugin.arguments.paths import validate_paths
+from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.checkpoint.run_settings import resume_note
 from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
@@ -130,6 +139,7 @@ def check_reward_and_data(args) -> None:
                 hf_checkpoint=args.hf_checkpoint,
                 rm_type=args.rm_type,
                 vocab_size=vocab,
+                answers_are_targets=False,  # True under the SFT loss (--loss-type sft_loss, not yet a flag)
             )
 
 
@@ -147,12 +157,32 @@ def check_reward_server(url: str) -> None:
         )
 
 
+def check_setup(args) -> None:
+    """The setup checks that need no world: model and data go together; flags the sequence layout
+    does not read are warned (``arguments.unread_flags``; the model's flags: ``validate_paths``)."""
+    check_model_and_data(args)
+    check_layout_flags(args)
+
+
+def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
+    """A resume with another batch size, aggregation or data file than the checkpoint's: one note
+    on stderr naming each change (``rl_plugin.checkpoint.run_settings``)."""
+    if point is None:
+        return
+    state = read_loop_state(args.load, point.step) or {}
+    note = resume_note(args.load, point.step, state.get("settings"), args)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
+
+
 def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
+    check_setup(args)
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
     point = check_resume_point(args)
+    note_changed_settings(args, point)
     check_reward_and_data(args)
     return point

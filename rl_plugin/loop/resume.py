@@ -132,6 +132,7 @@ def save_checkpoint(
         "samples_seen": progress.samples_seen,
         "train_backend": cfg.train_backend,
         "num_rollout": cfg.num_rollout,
+        "settings": dict(cfg.run_settings),  # a resume with other settings names them (checkpoint.run_settings)
     }
     if pending is not None:  # overlapped: rollout_id + 1, generated ahead, is trained on at resume
         write_pending_rollout(staging, pending)

@@ -23,6 +23,7 @@ import torch
 from rl_plugin.arguments import validate_world
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
+from rl_plugin.checkpoint.run_settings import settings_of
 from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
@@ -68,7 +69,7 @@ class TrainingRun:
                 "the loop needs a model to train",
                 "pass --hf-checkpoint DIR (a Hugging Face model directory)",
             )
-        self.cfg = cfg = LoopConfig.from_args(a)
+        self.cfg = cfg = LoopConfig.from_args(a, run_settings=settings_of(a))  # settings: for a resume's note
         self.exit = ExitRequest(
             handle_signals=a.exit_signal_handler, duration_mins=a.exit_duration_in_mins, will_save=bool(cfg.save)
         )

@@ -1,7 +1,12 @@
 """Starting or joining a Ray cluster, and placing the loop's actors with placement groups.
 
 ``RAY_ADDRESS`` set: join that cluster. Otherwise start a small local one (no dashboard, only
-the CPUs the placement needs) with ``RAY_AUTH_MODE=disabled`` unless the caller chose a mode,
+the CPUs the placement needs), always a private one: ``ray.init(address="local")``, so another
+cluster on the node (a ``ray start --head``, whose address file Ray's plain ``ray.init()`` would
+join and then refuse ``num_cpus``; a second ``rl-plugin-train``) is neither joined nor touched: the
+new cluster has its own session directory and its own ports (Ray picks free ones; only
+``ray start`` writes the node's ``ray_current_cluster`` file, so the other cluster stays the one
+``ray status`` and ``ray.init("auto")`` find) with ``RAY_AUTH_MODE=disabled`` unless the caller chose a mode,
 watched by ``rl_plugin.ray.reaper`` so that the whole local cluster (its agents included) ends
 with the driver, even when the driver is SIGKILLed.
 
@@ -103,7 +108,13 @@ def init_ray(num_cpus: int) -> bool:
         try:
             _REAPER = start_reaper()  # before ray.init(): a driver killed during start-up takes the cluster down too
             with _callers_sigterm_handler():
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, object_store_memory=store)
+                ray.init(
+                    address="local",  # a cluster of its own even when another runs on the node (see the docstring)
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    object_store_memory=store,
+                )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if _REAPER is not None:

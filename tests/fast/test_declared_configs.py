@@ -35,7 +35,7 @@ CONFIGS = [
     AsyncConfig,
     LoopConfig,
 ]
-RUNTIME_ONLY = {}  # config -> fields set at run time, not from a flag (none yet)
+RUNTIME_ONLY = {LoopConfig: {"run_settings"}}  # config -> fields set at run time, not from a flag
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)

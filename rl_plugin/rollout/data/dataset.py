@@ -8,7 +8,8 @@ is common in JSONL tools). Every record holds under the input key either
 
 - a non-empty prompt string, or
 - a chat as a non-empty list of ``{"role": str, "content": str}`` messages (slime's and verl's
-  convention, e.g. a system and a user turn), which needs ``--apply-chat-template``;
+  convention, e.g. a system and a user turn; roles from ``KNOWN_ROLES``, content one string),
+  which needs ``--apply-chat-template``;
 
 and the label key (when one is configured), and the metadata key (when one is configured: a JSON
 object, handed to a reward function that takes ``metadata``). A bad record raises naming where it
@@ -76,11 +77,24 @@ def _parquet_rows(path: Path) -> Iterator[Tuple[str, int, Any]]:
         yield f"{path} row {i}", i, row
 
 
+# The chat roles templates know (OpenAI's, plus the tool-call roles of Llama 3.1 and older OpenAI).
+# Another role is refused: templates drop it silently or render it as free text.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
 def check_messages(where: str, key: str, messages: Any) -> Messages:
-    """A chat must be a non-empty list of {"role": str, "content": str} with some content."""
+    """A chat must be a non-empty list of {"role": str, "content": str} with some content, each
+    role one of ``KNOWN_ROLES``; OpenAI's content parts (a list of {"type": "text", ...}) are
+    refused saying so."""
     if not messages:
         raise ValueError(f"{where}: {key!r} is an empty list of messages; the model needs a prompt to answer")
     for j, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
+            raise ValueError(
+                f"{where}: message {j} of {key!r} gives its content as a list of parts (OpenAI's multi-part form), which "
+                "rl_plugin does not support (text-only chat templates render one string per message). Fix: give "
+                "'content' as one string (join the text parts)"
+            )
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(
                 f"{where}: message {j} of {key!r} must be an object with string 'role' and 'content' "
@@ -88,6 +102,11 @@ def check_messages(where: str, key: str, messages: Any) -> Messages:
             )
         if not m["role"]:
             raise ValueError(f"{where}: message {j} of {key!r} has an empty 'role'")
+        if m["role"] not in KNOWN_ROLES:
+            raise ValueError(
+                f"{where}: message {j} of {key!r} has the role {m['role']!r}, which chat templates do not know (they "
+                f"drop it or render it as plain text). Fix: use one of {', '.join(KNOWN_ROLES)}"
+            )
     if not any(m["content"].strip() for m in messages):
         raise ValueError(f"{where}: every message of {key!r} is empty; the model needs a prompt to answer")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

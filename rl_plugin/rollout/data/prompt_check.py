@@ -15,6 +15,14 @@ number (``check_labels``): a null or empty label scores 0 on every response, so 
 trains with reward 0 and gradient 0 and says nothing. A missing label key is refused by the
 reader (``dataset.read_jsonl``). A ``--custom-rm-path`` function may take any label.
 
+A chat prompt must not end in an assistant turn (``check_final_turn``): the generation prompt
+comes after it, so the answer is in the prompt the model continues (reused SFT data); refused with
+file:line unless ``answers_are_targets`` (the parameter the SFT loss, ``--loss-type sft_loss``
+when it lands, sets: there the final assistant turn is the target, not part of the prompt).
+
+When the tokenizer fails on a prompt while ``--apply-chat-template-kwargs`` are set and it
+succeeds without them, the error names the kwargs, not the prompt (``_tokenizer_failure``).
+
 A tokenization is sane when it gives integer ids
 below the model's ``vocab_size`` and at least one id per ``MAX_CHARS_PER_TOKEN`` characters of the
 prompt's text::
@@ -28,6 +36,7 @@ dict's keys). Cost: one tokenizer call per prompt.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -76,14 +85,18 @@ def check_prompt_file(
     hf_checkpoint: str,
     rm_type: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    answers_are_targets: bool = False,
 ) -> int:
     """Raise ``RLArgumentError`` naming file:line of the first prompts (or labels, for
-    ``rm_type``: ``check_labels``) that fail; returns the longest prompt in tokens."""
+    ``rm_type``: ``check_labels``; or chats ending in an assistant turn: ``check_final_turn``)
+    that fail; returns the longest prompt in tokens."""
     try:
         records = read_prompts(path, input_key, label_key, metadata_key)
     except (ValueError, FileNotFoundError) as exc:
         raise RLArgumentError(f"{flag}: {exc}. Fix: correct that line of the file") from None
     check_labels(flag, path, records, rm_type=rm_type, label_key=label_key)
+    if not answers_are_targets:
+        check_final_turn(flag, path, records)
     too_long: List[Tuple[PromptRecord, int]] = []
     longest = 0
     for rec in records:
@@ -91,13 +104,8 @@ def check_prompt_file(
             ids = tokenizer.prompt_ids(rec.prompt)
         except PromptFormatError as exc:
             fail(f"{flag} {rec.where}", exc.rule, exc.fix)
-        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this line's problem
-            fail(
-                f"{flag} {rec.where}",
-                f"the tokenizer of --hf-checkpoint {hf_checkpoint} cannot encode this prompt "
-                f"({type(exc).__name__}: {exc})",
-                "remove or replace the characters it cannot encode, or use a tokenizer that covers them",
-            )
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this line's problem (or the kwargs')
+            fail(*_tokenizer_failure(flag, rec, tokenizer, exc, hf_checkpoint))
         n = len(ids)
         check_ids(flag, rec, ids, hf_checkpoint, vocab_size)
         longest = max(longest, n)
@@ -116,6 +124,48 @@ def check_prompt_file(
             f"shorten or drop those prompts, {shorter}or use a model with a longer context",
         )
     return longest
+
+
+def _tokenizer_failure(
+    flag: str, rec: PromptRecord, tokenizer, exc: Exception, hf_checkpoint: str
+) -> Tuple[str, str, str]:
+    """The (flags, rule, fix) of a tokenizer failure: ``--apply-chat-template-kwargs`` when the same
+    prompt encodes without them, else this prompt."""
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None)
+    if kwargs:
+        plain = copy.copy(tokenizer)
+        plain.chat_template_kwargs = {}
+        try:
+            plain.prompt_ids(rec.prompt)
+        except Exception:  # noqa: BLE001 - fails without them too: the prompt's problem
+            pass
+        else:
+            return (
+                f"--apply-chat-template-kwargs {json.dumps(kwargs)}",
+                f"the chat template of --hf-checkpoint {hf_checkpoint} fails with these arguments "
+                f"({type(exc).__name__}: {exc}) on {flag} {rec.where}, which it renders without them",
+                "pass only the arguments the template reads, with the types it expects (see its chat_template.jinja)",
+            )
+    return (
+        f"{flag} {rec.where}",
+        f"the tokenizer of --hf-checkpoint {hf_checkpoint} cannot encode this prompt ({type(exc).__name__}: {exc})",
+        "remove or replace the characters it cannot encode, or use a tokenizer that covers them",
+    )
+
+
+def check_final_turn(flag: str, path, records: List[PromptRecord]) -> None:
+    """Refuse chats whose last message is the assistant's, naming file:line of the first ones."""
+    bad = [rec for rec in records if not isinstance(rec.prompt, str) and rec.prompt[-1]["role"] == "assistant"]
+    if not bad:
+        return
+    unit = "rows" if is_parquet(path) else "lines"
+    at = ", ".join(str(r.lineno) for r in bad[:SHOW]) + (", ..." if len(bad) > SHOW else "")
+    fail(
+        f"{flag} {bad[0].where}",
+        "the chat ends in an assistant turn, so its answer is part of the prompt the model continues (the generation "
+        f"prompt comes after it: reused SFT data?) ({len(bad)} of {len(records)} prompts, at {unit} {at})",
+        "drop the final assistant message of those chats (keep it as the label, --label-key, if the reward needs it)",
+    )
 
 
 def _label_problem(label) -> Optional[str]:

@@ -192,19 +192,32 @@ def score_responses(
     return _checked(values, prompts, responses)
 
 
+NOT_A_REWARD = "a bool or a string is not taken for a number: return float(x), or 1.0 / 0.0 for a pass / fail"
+
+
+def reward_number(v) -> float:
+    """A reward as a float: a number (int, float, a NumPy or 0-d tensor scalar). A bool (Python's or
+    NumPy's) or a string is refused (``TypeError``): ``float(True)`` or ``float("0.5")`` would quietly
+    turn a verdict or an unparsed text into a reward."""
+    if isinstance(v, (bool, str, bytes)) or "bool" in str(getattr(v, "dtype", "")):
+        raise TypeError(NOT_A_REWARD)
+    return float(v)
+
+
 def _checked(values: List[object], prompts: Sequence[str], responses: Sequence[str]) -> List[float]:
     """``values`` as floats; a ValueError naming the first non-numeric or non-finite one."""
     try:
-        out = list(map(float, values))
+        out = list(map(reward_number, values))
     except (TypeError, ValueError):
         out = None
     if out is None or not all(map(math.isfinite, out)):
         for i, value in enumerate(values):
             try:
-                value = float(value)
+                value = reward_number(value)
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"reward function returned {value!r} for sample {i} (prompt {prompts[i]!r}); it must return a float"
+                    f"reward function returned {value!r} ({type(value).__name__}) for sample {i} (prompt {prompts[i]!r}); "
+                    f"it must return a float ({NOT_A_REWARD})"
                 ) from None
             if not math.isfinite(value):
                 raise ValueError(

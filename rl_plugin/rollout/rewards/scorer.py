@@ -36,10 +36,12 @@ import math
 from typing import Any, List, Optional, Sequence
 
 from rl_plugin.rollout.rewards.functions import (
+    NOT_A_REWARD,
     CustomReward,
     RewardFunctionError,
     _describe,
     load_reward_fn,
+    reward_number,
     score_responses,
     takes_metadata,
 )
@@ -246,8 +248,8 @@ class SampleScorer:
                 x = _number(v)
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"{self.who} returned {v!r} for sample {i} (prompt {s.prompt!r}); a reward is a number or a dict "
-                    f"with the number under {key!r}"
+                    f"{self.who} returned {v!r} for sample {i} (prompt {s.prompt!r}); a reward is a "
+                    f"number or a dict with the number under {key!r} ({NOT_A_REWARD})"
                 ) from None
             if not math.isfinite(x):
                 raise ValueError(
@@ -263,4 +265,4 @@ _MISSING = object()
 def _number(v) -> float:
     if v is _MISSING or v is None:
         raise TypeError("no reward")
-    return float(v)
+    return reward_number(v)  # a bool or a string is refused, not coerced

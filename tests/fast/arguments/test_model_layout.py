@@ -76,9 +76,14 @@ def test_virtual_pipeline_chunks_must_split_the_layers(tmp_path):
         _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 4", d)
     msg = str(err.value)
     assert "--num-layers-per-virtual-pipeline-stage 4 with --pipeline-model-parallel-size 2" in msg, msg
-    assert "30 layers" in msg and "(1, 3, 5, 15)" in msg and "Fix:" in msg
-    with pytest.raises(RLArgumentError, match="--num-virtual-stages-per-pipeline-rank 2 .* do not split evenly"):
+    assert "30 layers" in msg and "Fix: use --num-layers-per-virtual-pipeline-stage with one of 1, 3, 5 (15" in msg, msg
+    # issue 38: the fix is stated in the units of the flag given (chunks per rank here, not layers per chunk)
+    with pytest.raises(RLArgumentError) as err:
         _check(f"{pp2} --num-virtual-stages-per-pipeline-rank 2", d)
+    msg = str(err.value)
+    assert (
+        "do not split evenly" in msg and "Fix: use --num-virtual-stages-per-pipeline-rank with one of 3, 5, 15" in msg
+    ), msg
     with pytest.raises(RLArgumentError, match="one chunk of 15 layers per stage, the plain 1F1B schedule"):
         _check(f"{pp2} --num-layers-per-virtual-pipeline-stage 15", d)
 

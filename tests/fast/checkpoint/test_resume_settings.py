@@ -1,0 +1,45 @@
+"""A resume with other settings than the checkpoint's (issue 38): the loop's own save records the
+run settings in ``loop_state.json``, and preflight prints one note naming each that changed
+(before: accepted without a word). The save is ``loop.resume.save_checkpoint``, with a train
+group that writes no files (the settings are the driver's, not a rank's)."""
+
+from __future__ import annotations
+
+from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.checkpoint.layout import read_loop_state
+from rl_plugin.checkpoint.run_settings import settings_of
+from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.preflight import check_resume_point, note_changed_settings
+from rl_plugin.loop.resume import Progress, save_checkpoint
+
+
+class _NoFilesGroup:
+    world_size = 1
+    info = [{"ip": "127.0.0.1"}]
+
+    def call(self, method, per_rank):
+        return [[]]  # every rank wrote nothing (its files are not what this test reads)
+
+
+def _args(tmp_path, *flags):
+    save = str(tmp_path / "ckpt")
+    return parse_train_flags(["--save", save, "--load", save, "--num-rollout", "10", *flags])
+
+
+def test_resume_with_other_settings_names_each_change(tmp_path, capsys):
+    first = _args(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    cfg = LoopConfig.from_args(first, run_settings=settings_of(first))  # as the run builds it
+    save_checkpoint(cfg, _NoFilesGroup(), Progress(step=2), 1, {"epoch": 0, "offset": 32}, None)
+    assert read_loop_state(str(tmp_path / "ckpt"), 2)["settings"]["--rollout-batch-size"] == 16
+
+    same = _args(tmp_path)
+    note_changed_settings(same, check_resume_point(same))
+    assert capsys.readouterr().err == ""  # nothing changed: no note
+
+    other = _args(tmp_path, "--rollout-batch-size", "8", "--loss-aggregation", "token_mean")
+    note_changed_settings(other, check_resume_point(other))
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: --load {tmp_path / 'ckpt'} (step 2) was trained with other settings"), err
+    assert "--rollout-batch-size 16 -> 8; --loss-aggregation sample_mean -> token_mean." in err, err
+    assert err.count("\n") == 1
