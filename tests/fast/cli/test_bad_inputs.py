@@ -110,9 +110,9 @@ def test_a_typo_in_a_hook_name_is_refused_before_ray_naming_what_the_file_define
 def test_every_user_function_flag_is_loaded_in_preflight(tmp_path, flag):
     """Issue 38 item 7: the rollout function and the loss reducer were not loaded before the actors
     (the reducer's missing file was a raw traceback after Ray started)."""
+    from rl_plugin.arguments.embedded import parse_train_flags
     from rl_plugin.errors import RLArgumentError
     from rl_plugin.loop.preflight import check_user_functions
-    from rl_plugin.arguments.embedded import parse_train_flags
 
     hook = tmp_path / "h.py"
     hook.write_text("def fn(*a, **k):\n    return None\n")
