@@ -40,10 +40,10 @@ def is_async_callable(fn: Callable) -> bool:
 
 
 class _Job:
-    __slots__ = ("fn", "args", "kwargs", "context", "started", "done")
+    __slots__ = ("fn", "call_args", "kwargs", "context", "started", "done")
 
     def __init__(self, fn, args, kwargs):
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.fn, self.call_args, self.kwargs = fn, args, kwargs
         self.context = contextvars.copy_context()
         self.started: concurrent.futures.Future = concurrent.futures.Future()
         self.done: concurrent.futures.Future = concurrent.futures.Future()
@@ -82,7 +82,7 @@ class SerialWorker:
             if not job.done.set_running_or_notify_cancel():
                 continue
             try:
-                job.done.set_result(job.context.run(job.fn, *job.args, **job.kwargs))
+                job.done.set_result(job.context.run(job.fn, *job.call_args, **job.kwargs))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller as the call's error
                 job.done.set_exception(exc)
 

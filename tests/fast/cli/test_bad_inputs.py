@@ -84,7 +84,9 @@ def test_a_typo_in_a_hook_name_is_refused_before_ray_naming_what_the_file_define
     from pathlib import Path
 
     hook = tmp_path / "h.py"
-    hook.write_text("async def generate(args, sample, sampling_params):\n    return sample\n\n\ndef helper():\n    pass\n")
+    hook.write_text(
+        "async def generate(args, sample, sampling_params):\n    return sample\n\n\ndef helper():\n    pass\n"
+    )
     root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=str(root), RAY_ADDRESS="")
     out = subprocess.run(
