@@ -107,7 +107,7 @@ class SerialWorker:
         job = self._submit(fn, args, kwargs)
         await asyncio.wrap_future(job.started)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(job.done), timeout)
+            return await asyncio.wait_for(_bridge(job.done), timeout)
         except asyncio.TimeoutError:
             if (
                 job.done.done() and not job.done.cancelled() and job.done.exception() is not None
@@ -115,6 +115,32 @@ class SerialWorker:
                 raise
             self._abandon(q if q is not None else self._queue)
             raise UserCallTimeout(f"did not return within {what} {timeout:g} s") from None
+
+
+def _bridge(done: concurrent.futures.Future) -> asyncio.Future:
+    """``done`` as an asyncio future of the running loop, its exception passed on as the same object
+    (``asyncio.wrap_future`` replaces a ``TimeoutError`` by a new one, losing the user's file:line)."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+
+    def copy(_):
+        if out.done():
+            return
+        if done.cancelled():
+            out.cancel()
+        elif done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    def on_done(_):
+        try:
+            loop.call_soon_threadsafe(copy, None)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    done.add_done_callback(on_done)
+    return out
 
 
 async def call_with_deadline(fn: Callable, *args, timeout: float, what: str, worker: SerialWorker, **kwargs) -> Any:

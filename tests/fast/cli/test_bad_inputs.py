@@ -139,4 +139,11 @@ def test_user_function_not_found_crosses_ray_as_itself():
     exc = UserFunctionNotFound("--rollout-function-path", "h.py:typo", "'h.py' has no callable 'typo'")
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is UserFunctionNotFound and str(back) == str(exc) and back.reason == exc.reason
-    assert str(pickle.loads(pickle.dumps(UserCodeError("m")))) == "m"
+    from rl_plugin.rollout.custom_rollout import HookError
+    from rl_plugin.rollout.deadlines import UserCallTimeout
+    from rl_plugin.rollout.rewards.functions import RewardFunctionError
+    from rl_plugin.rollout.sample_check import SampleError
+
+    for cls in (UserCodeError, RewardFunctionError, HookError, SampleError, UserCallTimeout):
+        back = pickle.loads(pickle.dumps(cls("one line")))  # what the rollout actor raises, as Ray ships it
+        assert type(back) is cls and str(back) == "one line"

@@ -41,6 +41,12 @@ def stuck_sync(args, sample, sampling_params):
     sample.response_length, sample.loss_mask, sample.rollout_log_probs = 1, [1], [-0.5]
     return sample
 
+async def own_timeout(args, sample, sampling_params):
+    raise TimeoutError("the tool timed out")
+
+def own_timeout_sync(args, sample, sampling_params):
+    raise TimeoutError("the tool timed out")
+
 async def stuck_rollout(args, rollout_id, data_source, evaluation=False):
     data_source.get_samples(args.rollout_batch_size)
     await asyncio.sleep(3600)
@@ -128,6 +134,15 @@ def test_a_stuck_generate_hook_stops_at_its_deadline_naming_the_sample(tmp_path,
         f"did not return within --custom-generate-timeout 1 s on sample {sample} (group {sample // 4}, prompt '" in msg
     )
     assert "Fix: give the hook's tools" in msg
+
+
+@pytest.mark.parametrize("name", ["own_timeout", "own_timeout_sync"])
+def test_a_hooks_own_timeout_error_is_its_error_not_the_deadline(tmp_path, hooks, name):
+    m = _manager(tmp_path, hooks, name)
+    with pytest.raises(
+        HookError, match=r"raised on sample \d+ \(group \d+\): TimeoutError: the tool timed out at .*hooks.py"
+    ):
+        m.generate(0)
 
 
 @pytest.mark.parametrize("name", ["stuck_rollout", "stuck_rollout_sync"])
