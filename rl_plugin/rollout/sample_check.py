@@ -45,8 +45,8 @@ values are kept as they are (exp(1e-4) is a ratio error of 0.01%).
 
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, is_not
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -140,7 +140,7 @@ def check_samples(samples: Sequence, hook: str, vocab_size: int) -> List[Sample]
 
 
 LOG_PROB_TOL = 1e-4  # the largest log-prob accepted above 0 (rounding; module docstring)
-_TOKENS = attrgetter("tokens")
+_TOKENS, _MASK = attrgetter("tokens"), attrgetter("loss_mask")
 _SAID: set = set()
 
 
@@ -178,13 +178,25 @@ def say_once(key: str, line: str) -> None:
         print(f"warning: {line} (said once per run)", flush=True)
 
 
+def _model_tokens(samples: Sequence[Sample], rl: np.ndarray) -> np.ndarray:
+    """Each sample's loss-mask sum (None: its response length), one ``reduceat`` over all masks
+    (every response length >= 1: ``check_samples`` ran first)."""
+    masks = list(map(_MASK, samples))
+    if not any(map(is_not, masks, repeat(None))):
+        return rl.copy()
+    masks = [m if m is not None else repeat(1, r) for m, r in zip(masks, rl.tolist())]  # as ``flatten_samples``
+    flat = np.fromiter(chain.from_iterable(masks), np.int64, int(rl.sum()))
+    starts = np.concatenate(([0], np.cumsum(rl)[:-1]))
+    return np.add.reduceat(flat, starts) if flat.size else np.zeros_like(rl)
+
+
 def hold_to_limits(samples: Sequence[Sample], max_model_tokens: int, context_len: Optional[int]) -> Dict[str, float]:
     """Cut every sample past ``max_model_tokens`` model tokens or ``context_len`` tokens (module
     docstring), in place; returns the counts. Only the samples over a limit are looked at one by one."""
     n = len(samples)
     rl = np.fromiter((s.response_length for s in samples), np.int64, n)
     tl = np.fromiter(map(len, map(_TOKENS, samples)), np.int64, n)
-    model = np.fromiter((r if s.loss_mask is None else sum(s.loss_mask) for s, r in zip(samples, rl)), np.int64, n)
+    model = _model_tokens(samples, rl)
     over_len = model > max_model_tokens
     over_ctx = (tl > context_len) if context_len is not None else np.zeros(n, bool)
     for i in np.nonzero(over_len | over_ctx)[0].tolist():
