@@ -14,7 +14,8 @@ steps, each usable alone:
 - ``check_importable``: load it now, for the flag checks (``RLArgumentError``);
 - ``load_function``: import and return the callable; a module that raises while importing is named
   at the user's file:line (``UserCodeError``), a function that cannot be found is a
-  ``UserFunctionNotFound`` naming the flag, the spec and why (a bad form: ``ValueError``).
+  ``UserFunctionNotFound`` naming the flag, the spec and why, with the names the module does define
+  (a bad form: ``ValueError``). Both pickle, so they cross Ray as themselves.
 
 ``where(fn)`` is the function's own ``file:line`` (``inspect``), for errors about what it returned.
 """
@@ -40,11 +41,15 @@ class UserCodeError(ValueError):
 
 class UserFunctionNotFound(ValueError):
     """The function named by a flag cannot be found (no file, no module, no such callable);
-    ``reason`` says which, without the flag."""
+    ``reason`` says which, without the flag. Picklable (``__reduce__``): raised in a Ray actor, it
+    reaches the driver as itself, not as Ray's ``UnserializableException``."""
 
     def __init__(self, flag: str, spec: str, reason: str):
         super().__init__(f"{flag} {spec!r}: cannot load the function: {reason}")
-        self.reason = reason
+        self.flag, self.spec, self.reason = flag, spec, reason
+
+    def __reduce__(self):
+        return type(self), (self.flag, self.spec, self.reason)
 
 
 def split_spec(spec: str, flag: str) -> Tuple[str, str]:
@@ -167,7 +172,7 @@ def load_function(spec: str, flag: str) -> Callable:
         ) from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
-        raise UserFunctionNotFound(flag, spec, f"{target!r} has no callable {name!r}")
+        raise UserFunctionNotFound(flag, spec, f"{target!r} has no callable {name!r}; {defined_functions(module)}")
     return fn
 
 
@@ -181,6 +186,22 @@ def check_importable(spec: str, flag: str) -> None:
     except ValueError as exc:
         reason = getattr(exc, "reason", str(exc))
         fail(flag, f"cannot load the function {spec!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
+
+
+def defined_functions(module) -> str:
+    """What ``module`` defines at top level that a flag could name: its functions (and classes),
+    in source order, as one phrase for a "no such function" message."""
+    own = [
+        k
+        for k, v in vars(module).items()
+        if not k.startswith("_")
+        and (inspect.isfunction(v) or inspect.isclass(v))
+        and getattr(v, "__module__", None) == module.__name__
+    ]
+    if not own:
+        return "it defines no function"
+    shown = ", ".join(own[:20]) + (f" and {len(own) - 20} more" if len(own) > 20 else "")
+    return f"it defines: {shown}"
 
 
 def where(fn: Callable) -> str:

@@ -24,7 +24,12 @@ def importable(flag: str, path: str) -> None:
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
         reason = getattr(exc, "reason", str(exc))
-        fail(flag, f"cannot load the function {path!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
+        fix = (
+            "correct the name after the ':' (or define that function in the module)"
+            if "has no callable" in reason
+            else f"pass {FORMS}, importable from here (PYTHONPATH)"
+        )
+        fail(flag, f"cannot load the function {path!r}: {reason}", fix)
 
 
 def is_positive_finite(x) -> bool:

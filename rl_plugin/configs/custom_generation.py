@@ -8,9 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rl_plugin.configs._checks import is_positive_finite
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag
 from rl_plugin.user_code import FORMS
+
+# Deadlines of the user's hooks (``rl_plugin.rollout.deadlines``). Finite by default: a tool or an
+# API that never answers must stop the run with the hook and the sample named, not freeze it
+# silently. Generous, so that no real rollout meets them: a hook's samples all start together,
+# so a sample's deadline bounds its share of the whole generation (a 16k-token response at ~20
+# tokens/s on a loaded engine is ~15 min); the rollout function generates the whole rollout.
+DEFAULT_GENERATE_TIMEOUT_S = 1800.0
+DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -44,10 +53,41 @@ class CustomGenerationConfig(Declared):
         ),
     )
 
+    custom_generate_timeout: float = flag(
+        "--custom-generate-timeout",
+        type=float,
+        default=DEFAULT_GENERATE_TIMEOUT_S,
+        group="custom generation",
+        help=(
+            "Seconds one sample may spend in --custom-generate-function-path's hook (its generate_tokens calls "
+            "included; all samples start together). A sample past it stops the rollout naming the hook, its file:line "
+            "and the sample (index, group, prompt), so a stuck tool cannot freeze the run. A plain `def` hook runs in a "
+            f"worker thread, which a deadline cannot interrupt: it is left behind. Default: {DEFAULT_GENERATE_TIMEOUT_S:g} "
+            "(raise it for long agentic samples)."
+        ),
+    )
+    rollout_function_timeout: float = flag(
+        "--rollout-function-timeout",
+        type=float,
+        default=DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S,
+        group="custom generation",
+        help=(
+            "Seconds one call of --rollout-function-path's function (a whole rollout) may take; past it the rollout "
+            f"stops naming the function, its file:line and the rollout. Default: {DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S:g}."
+        ),
+    )
+
     @classmethod
     def check(cls, args) -> None:
-        """The combinations; the files themselves are checked with the other paths (``arguments.paths``)."""
+        """The combinations and the deadlines; the files themselves are loaded in preflight
+        (``loop.preflight.check_user_functions``)."""
         gen, fn = args.custom_generate_function_path, args.rollout_function_path
+        for flag_name, value in (
+            ("--custom-generate-timeout", args.custom_generate_timeout),
+            ("--rollout-function-timeout", args.rollout_function_timeout),
+        ):
+            if not is_positive_finite(value):
+                fail(flag_name, f"must be a positive number of seconds (got {value})", f"use e.g. {flag_name} 600")
         if gen and fn:
             fail(
                 "--custom-generate-function-path with --rollout-function-path",

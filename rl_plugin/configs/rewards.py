@@ -16,11 +16,16 @@ from rl_plugin.registries import REMOTE_RM_DEFAULTS, REWARDS
 from rl_plugin.urls import url_host_port
 
 DEFAULT_MAX_CONCURRENCY, DEFAULT_TIMEOUT_S, DEFAULT_MAX_RETRIES = REMOTE_RM_DEFAULTS.values()
+# --rm-timeout of a local --custom-rm-path function, per call (per group with --group-rm), when the
+# flag is unset: longer than the remote client's per-attempt 60 s, because a local call is not
+# retried and its own waits (a semaphore over all samples, a judge's queue) count; finite, so a
+# function that never returns stops the run naming the sample instead of freezing it.
+DEFAULT_LOCAL_TIMEOUT_S = 600.0
 
-# the remote client's flags (an unset flag is None: the client takes REMOTE_RM_DEFAULTS)
+# the remote client's flags (an unset flag is None: the client takes REMOTE_RM_DEFAULTS); --rm-timeout
+# is also the deadline of a local --custom-rm-path function
 REMOTE_FLAGS = (
     ("--rm-max-concurrency", "rm_max_concurrency"),
-    ("--rm-timeout", "rm_timeout"),
     ("--rm-max-retries", "rm_max_retries"),
 )
 
@@ -103,7 +108,13 @@ class RewardConfig(Declared):
         type=float,
         default=None,
         group="rewards",
-        help=f"Seconds one request to --rm-url may take before it counts as failed (and is retried). Default: {DEFAULT_TIMEOUT_S:g}.",
+        help=(
+            f"Seconds one request to --rm-url may take before it counts as failed (and is retried; default "
+            f"{DEFAULT_TIMEOUT_S:g}), or one call of --custom-rm-path's function (per sample, per group with --group-rm; "
+            f"not retried: the rollout stops naming the function, its file:line and the sample; default "
+            f"{DEFAULT_LOCAL_TIMEOUT_S:g}). A plain `def` function runs in a worker thread that a deadline cannot "
+            "interrupt: it is left behind."
+        ),
     )
     rm_max_retries: Optional[int] = flag(
         "--rm-max-retries",
@@ -149,6 +160,13 @@ class RewardConfig(Declared):
             why = url_problem(args.rm_url)
             if why is not None:
                 fail(f"--rm-url {args.rm_url}", why, "pass e.g. --rm-url http://127.0.0.1:8000/reward")
+        if args.rm_timeout is not None and not remote and not args.custom_rm_path:
+            fail(
+                "--rm-timeout without --rm-type remote_rm or --custom-rm-path",
+                "it bounds a request to the reward server or a call of your reward function; the built-in verifiers "
+                "have none, so it would be silently ignored",
+                "add --rm-type remote_rm --rm-url URL or --custom-rm-path, or drop it",
+            )
         given = [flag for flag, attr in REMOTE_FLAGS if getattr(args, attr) is not None]
         if given and not remote:
             fail(

@@ -167,6 +167,8 @@ class RolloutConfig(Declared):
     seed: int = same_as(ModelConfig, "seed")
     custom_generate_function_path: Optional[str] = same_as(CustomGenerationConfig, "custom_generate_function_path")
     rollout_function_path: Optional[str] = same_as(CustomGenerationConfig, "rollout_function_path")
+    custom_generate_timeout: float = same_as(CustomGenerationConfig, "custom_generate_timeout")
+    rollout_function_timeout: float = same_as(CustomGenerationConfig, "rollout_function_timeout")
 
     @property
     def rollout_max_response_len(self) -> Optional[int]:  # slime's name, for filters written against slime's args

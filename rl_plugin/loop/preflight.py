@@ -14,9 +14,13 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
    changed since it was written (``note_changed_settings``);
-4. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
+4. every user function a ``*-path`` flag names loads (``check_user_functions``: the generate hook,
+   the rollout function, the loss reducer; the dynamic-sampling filter and the TIS function load
+   in their flags' checks, the reward function below): a typo is named with the functions the
+   file does define, before Ray starts;
+5. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-type remote_rm``, the server at ``--rm-url`` accepts connections;
-5. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
+6. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
    (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
@@ -175,11 +179,33 @@ def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
         print(note, file=sys.stderr, flush=True)
 
 
+# the user-function flags loaded here: (flag, attribute). The other ``*-path`` flags load where
+# they are checked: --dynamic-sampling-filter-path and --custom-tis-function-path in their configs'
+# rules (at parse time), --custom-rm-path with the reward's form (``check_reward_and_data``).
+USER_FUNCTION_FLAGS = (
+    ("--custom-generate-function-path", "custom_generate_function_path"),
+    ("--rollout-function-path", "rollout_function_path"),
+    ("--custom-pg-loss-reducer-function-path", "custom_pg_loss_reducer_function_path"),
+)
+
+
+def check_user_functions(args) -> None:
+    """Import every function of ``USER_FUNCTION_FLAGS`` now (``configs._checks.importable``), so a
+    missing file or name costs a second here, not a Ray start-up and a remote traceback."""
+    from rl_plugin.configs._checks import importable
+
+    for flag, attr in USER_FUNCTION_FLAGS:
+        spec = getattr(args, attr, None)
+        if spec:
+            importable(flag, spec)
+
+
 def preflight(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
     check_setup(args)
     validate_world(args, dp_size=planned_dp_size(args))
     validate_paths(args)
+    check_user_functions(args)
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
     point = check_resume_point(args)

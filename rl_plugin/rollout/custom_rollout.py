@@ -25,9 +25,13 @@ fresh samples each, filled in as above); the function returns ``--rollout-batch-
 ``asyncio.run``). The samples are then scored by the run's reward, as a hook's are. Evaluation
 (``--eval-interval``) keeps the plain rollout (or the generate hook, when one is set).
 
-What the hooks return is checked (``sample_check``) and flattened into ``RolloutData`` with its
-per-token loss mask. An exception in a hook is re-raised naming the flag, the hook's file:line and
-the sample.
+What the hooks return is checked (``sample_check``: the contract, the same object twice, the
+limits) and flattened into ``RolloutData`` with its per-token loss mask. An exception in a hook is
+re-raised naming the flag, the hook's file:line and the sample; so is a sample past
+``--custom-generate-timeout`` and a rollout past ``--rollout-function-timeout`` (``deadlines``:
+an ``async def`` is cancelled, a plain ``def`` runs in a worker thread, left behind when stuck).
+``generate_tokens``' ``max_new_tokens`` is clamped to the flag and the model's context
+(``generate.EngineRouter.clamp``).
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ import asyncio
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from rl_plugin.configs.custom_generation import DEFAULT_GENERATE_TIMEOUT_S, DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S
+from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
 from rl_plugin.rollout.sample import Sample
+from rl_plugin.rollout.sample_check import describe_sample
 from rl_plugin.user_code import describe_exception, load_function, where
 
 GENERATE_FLAG = "--custom-generate-function-path"
@@ -54,6 +61,7 @@ class Hook:
 
     def __init__(self, fn: Callable, flag: str, spec: str):
         self.fn, self.flag, self.spec = fn, flag, spec
+        self.worker = SerialWorker(f"rl_plugin-hook-{flag.strip('-')}")  # a plain def's calls (``deadlines``)
 
     @classmethod
     def load(cls, spec: str, flag: str) -> "Hook":
@@ -130,21 +138,38 @@ def run_generate_hook(
     dispatch: Dispatch,
     seed: int,
     defaults: SamplingParams,
+    *,
+    timeout: float = DEFAULT_GENERATE_TIMEOUT_S,
+    context_len: Optional[int] = None,
 ) -> List[Any]:
-    """Every sample through the hook, concurrently (one event loop); the hooks' return values."""
+    """Every sample through the hook, concurrently (one event loop), each within ``timeout``
+    seconds (``--custom-generate-timeout``); the hooks' return values. ``context_len``: the
+    model's context, ``generate_tokens``' bound (with ``defaults.max_new_tokens``)."""
     source = hook.source()
 
     async def one(i: int, sample: Sample):
         try:
-            out = hook.fn(hook_args, sample, dict(sampling_params))
-            return await out if inspect.isawaitable(out) else out
+            return await call_with_deadline(
+                hook.fn,
+                hook_args,
+                sample,
+                dict(sampling_params),
+                timeout=timeout,
+                what="--custom-generate-timeout",
+                worker=hook.worker,
+            )
+        except UserCallTimeout as exc:
+            raise HookError(
+                f"{hook.describe()} {exc} on {describe_sample(sample, i)}. Fix: give the hook's tools (and its other "
+                "waits) their own timeouts, or raise --custom-generate-timeout if such a sample legitimately takes longer"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - re-raised naming the hook and the sample
             raise HookError(
                 f"{hook.describe()} raised on sample {i} (group {sample.group_index}): {describe_exception(exc, source)}"
             ) from exc
 
     async def main():
-        EngineRouter(dispatch, seed, defaults).bind()
+        EngineRouter(dispatch, seed, defaults, context_len).bind()
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
 
     return asyncio.run(main())
@@ -173,14 +198,31 @@ def run_rollout_function(
     seed: int,
     defaults: SamplingParams,
     evaluation: bool = False,
+    *,
+    timeout: float = DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S,
+    context_len: Optional[int] = None,
 ) -> List[List[Sample]]:
-    """The whole rollout from the user's function (module docstring): its groups."""
-    token = EngineRouter(dispatch, seed, defaults).bind()
+    """The whole rollout from the user's function (module docstring), within ``timeout`` seconds
+    (``--rollout-function-timeout``): its groups."""
+    token = EngineRouter(dispatch, seed, defaults, context_len).bind()
+    what = "--rollout-function-timeout"
     try:
-        if inspect.iscoroutinefunction(hook.fn):
-            out = asyncio.run(hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation))
-        else:
-            out = hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation)
+        if inspect.iscoroutinefunction(inspect.unwrap(hook.fn)):
+
+            async def whole():
+                return await hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation)
+
+            out = asyncio.run(call_with_deadline(whole, timeout=timeout, what=what, worker=hook.worker))
+        else:  # a plain def runs its own event loops (asyncio.run) in the worker thread
+            out = hook.worker.call(
+                hook.fn, hook_args, rollout_id, data_source, evaluation=evaluation, timeout=timeout, what=what
+            )
+    except UserCallTimeout as exc:
+        raise HookError(
+            f"{hook.describe()} {exc} on rollout {rollout_id} ({data_source.groups_given} prompt groups taken from "
+            "data_source so far). Fix: give its tools (and its other waits) their own timeouts, or raise "
+            "--rollout-function-timeout if a rollout legitimately takes longer"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - re-raised naming the function
         raise HookError(
             f"{hook.describe()} raised on rollout {rollout_id}: {describe_exception(exc, hook.source())}"

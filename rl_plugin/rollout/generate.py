@@ -30,6 +30,15 @@ different ``max_new_tokens`` share one call at the largest and each answer is cu
 limit (a cut answer is "length"): the first k tokens of an autoregressive sample are a sample of
 k tokens. Every flush is seeded ``seed_of(rollout seed, flush index)``: the same hooks on the same
 weights sample the same tokens, so a restarted rollout regenerates what the lost one would have.
+
+Limits (``EngineRouter.clamp``): ``max_new_tokens`` is clamped to ``--rollout-max-response-len``
+(the router's ``defaults``) and to the room the model's context leaves after ``input_ids``
+(``max_position_embeddings - len(input_ids)``), before any engine sees it, so every engine
+generates the same number of tokens (the ``hf`` engine would generate past the context, vLLM
+caps silently). Each kind of clamp prints one line per run, not one per call. ``input_ids`` that
+already fill the context are refused (``ValueError``: nothing can be generated). A request whose
+room is below the flag gets its own engine call (a shared call generates up to its longest
+request), so no engine runs past the context.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
@@ -49,6 +59,15 @@ TEXT_ONLY_KEYS = frozenset({"skip_special_tokens", "no_stop_trim", "spaces_betwe
 KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop"}) | TEXT_ONLY_KEYS
 
 DEFAULTS = SamplingParams()  # an engine's defaults when a router is given none
+
+_SAID: set = set()  # the clamps already reported in this process (one line per run each)
+
+
+def _say_once(key: str, line: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(f"generate_tokens: {line} (said once per run)", flush=True)
+
 
 # dispatch(prompts, params, seed) -> one Generation per prompt, in order (the manager's engines)
 Dispatch = Callable[[List[List[int]], SamplingParams, int], Awaitable[List[Generation]]]
@@ -114,8 +133,9 @@ async def generate_tokens(
             "generate_tokens runs inside a rollout: call it from a --custom-generate-function-path hook or a "
             "--rollout-function-path function, which the rollout manager runs with its engines"
         )
-    params = sampling_params_of(sampling_params, router.defaults)
-    gen = await router.submit(_check_ids(input_ids), params)
+    ids = _check_ids(input_ids)
+    params = router.clamp(ids, sampling_params_of(sampling_params, router.defaults))
+    gen = await router.submit(ids, params)
     return {
         "output_ids": list(gen.response_ids),
         "output_log_probs": list(gen.log_probs),
@@ -134,8 +154,11 @@ class EngineRouter:
     """Queues ``generate_tokens`` requests and sends them to the engines in batches (module
     docstring). One per rollout, used from one event loop; ``calls`` counts the engine calls."""
 
-    def __init__(self, dispatch: Dispatch, seed: int, defaults: SamplingParams = DEFAULTS):
+    def __init__(
+        self, dispatch: Dispatch, seed: int, defaults: SamplingParams = DEFAULTS, context_len: Optional[int] = None
+    ):
         self.dispatch, self.seed, self.defaults = dispatch, int(seed), defaults
+        self.context_len = context_len  # the model's max_position_embeddings (None: unknown, no clamp)
         self.queue: List[Tuple[List[int], SamplingParams, asyncio.Future]] = []
         self.flushes = self.calls = self.requests = 0
         self.busy = False
@@ -145,6 +168,37 @@ class EngineRouter:
         """Make this router the one ``generate_tokens`` uses in the current context (tasks
         created afterwards inherit it)."""
         return _ROUTER.set(self)
+
+    def clamp(self, ids: List[int], params: SamplingParams) -> SamplingParams:
+        """``params`` with ``max_new_tokens`` at most ``--rollout-max-response-len`` and the room
+        the context leaves after ``ids`` (module docstring)."""
+        flag_max, asked = int(self.defaults.max_new_tokens), int(params.max_new_tokens)
+        new = min(asked, flag_max)
+        if new < asked:
+            _say_once(
+                "flag",
+                f"max_new_tokens={asked} clamped to {new} (--rollout-max-response-len); raise the flag to generate more",
+            )
+        if self.context_len is not None:
+            room = int(self.context_len) - len(ids)
+            if room < 1:
+                raise ValueError(
+                    f"generate_tokens: input_ids hold {len(ids)} ids, the model's whole context "
+                    f"(max_position_embeddings {self.context_len}): nothing can be generated; end the conversation "
+                    "before it fills the context"
+                )
+            if room < new:
+                _say_once(
+                    "context",
+                    f"max_new_tokens={new} clamped to {room} for input_ids of {len(ids)} ids (the model's context: "
+                    f"max_position_embeddings {self.context_len})",
+                )
+                new = room
+        return params if new == params.max_new_tokens else replace(params, max_new_tokens=new)
+
+    def _near_context(self, ids: List[int]) -> bool:
+        """True when ``ids`` leave less room than the flag's tokens (such a request gets its own call)."""
+        return self.context_len is not None and len(ids) + int(self.defaults.max_new_tokens) > int(self.context_len)
 
     def submit(self, ids: List[int], params: SamplingParams) -> "asyncio.Future[Generation]":
         loop = asyncio.get_running_loop()
@@ -173,8 +227,10 @@ class EngineRouter:
         self.flushes += 1
         try:
             groups: Dict[SamplingParams, List[int]] = {}
-            for i, (_, params, _) in enumerate(batch):
-                key = SamplingParams(params.temperature, params.top_p, 1, params.top_k, params.stop_token_ids)
+            for i, (ids, params, _) in enumerate(batch):
+                # near the context: a call of its own length (module docstring); else any length up to the flag
+                own = params.max_new_tokens if self._near_context(ids) else 0
+                key = SamplingParams(params.temperature, params.top_p, own, params.top_k, params.stop_token_ids)
                 groups.setdefault(key, []).append(i)
             for g, (key, idx) in enumerate(groups.items()):
                 longest = max(batch[i][1].max_new_tokens for i in idx)

@@ -61,7 +61,15 @@ from rl_plugin.rollout.filters import load_filter, overlong_penalty
 from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
 from rl_plugin.rollout.sample import Sample
-from rl_plugin.rollout.sample_check import check_samples
+from rl_plugin.rollout.sample_check import (
+    check_distinct,
+    check_log_probs,
+    check_samples,
+    check_trainable,
+    duplicate_groups,
+    hold_to_limits,
+    say_once,
+)
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 
@@ -137,6 +145,8 @@ class RolloutManager:
         default = DefaultGenerate(self.tokenizer, self.params, self.engine, self.engines)
         self.generate_samples = default if self.generate_hook is None else self._hook_generate
         self._vocab_size: Optional[int] = None
+        self._context_len: Optional[int] = None
+        self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
@@ -205,47 +215,85 @@ class RolloutManager:
         dynamic-sampling filter reads them)."""
         t0 = time.perf_counter()
         samples = self.generate_samples(recs, n, seed)
-        return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=self.generate_hook is not None)
+        hook = self.generate_hook
+        who = hook.describe() if hook is not None else f"the {self.config.engine.engine} engine"
+        return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=hook is not None, who=who)
 
     def _hook_generate(self, recs, n: int, seed: int) -> List[Sample]:
         """The generate function of ``--custom-generate-function-path``: every sample through the
         user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked."""
         hook, samples = self.generate_hook, fresh_samples(self.tokenizer, recs, n)
         params = default_sampling_params(self.params)
-        out = run_generate_hook(hook, self.hook_args, samples, params, self._dispatch(), seed, self.params)
-        return self._checked(out, hook)
+        out = run_generate_hook(
+            hook,
+            self.hook_args,
+            samples,
+            params,
+            self._dispatch(),
+            seed,
+            self.params,
+            timeout=self.config.custom_generate_timeout,
+            context_len=self.context_len,
+        )
+        return self._checked(out, hook, n)
 
     def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
         """The whole rollout from ``--rollout-function-path``."""
         cfg, t0, fn = self.config, time.perf_counter(), self.rollout_fn
         source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
-        groups = run_rollout_function(fn, self.hook_args, rollout_id, source, self._dispatch(), seed, self.params)
+        groups = run_rollout_function(
+            fn,
+            self.hook_args,
+            rollout_id,
+            source,
+            self._dispatch(),
+            seed,
+            self.params,
+            timeout=cfg.rollout_function_timeout,
+            context_len=self.context_len,
+        )
         samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, fn, rollout_id)
-        return self._assemble(self._checked(samples, fn), len(groups), time.perf_counter() - t0, custom=True)[0]
+        checked = self._checked(samples, fn, cfg.n_samples_per_prompt)
+        return self._assemble(checked, len(groups), time.perf_counter() - t0, custom=True, who=fn.describe())[0]
 
-    def _checked(self, out: List[Any], hook: Hook) -> List[Sample]:
-        """A hook's samples checked (``sample_check``), a response text it left empty decoded
-        from every response id (tool output included)."""
+    def _checked(self, out: List[Any], hook: Hook, group_size: int) -> List[Sample]:
+        """A hook's samples checked (``sample_check``: the contract, each its own object, cut to
+        the limits, repeated groups counted), a response text it left empty (or that a cut
+        emptied) decoded from every response id (tool output included)."""
         samples = check_samples(out, hook.describe(), self.vocab_size)
+        check_distinct(samples, hook.describe(), group_size)
+        self._hook_stats = hold_to_limits(samples, self.params.max_new_tokens, self.context_len)
+        repeated = duplicate_groups(samples, group_size)
+        self._hook_stats["rollout/duplicate_groups"] = float(repeated)
+        if repeated:
+            say_once(
+                "duplicate_groups",
+                f"{hook.describe()} returned {repeated} group(s) whose samples repeat another group's tokens exactly; "
+                "they train that prompt twice (counted in rollout/duplicate_groups)",
+            )
         for s in samples:
             if not s.response:
                 s.response = self.tokenizer.decode(s.tokens[len(s.tokens) - s.response_length :])
         return samples
 
     def _assemble(
-        self, samples: List[Sample], num_groups: int, gen_time: float, custom: bool = False
+        self, samples: List[Sample], num_groups: int, gen_time: float, custom: bool = False, who: str = "the engine"
     ) -> Tuple[RolloutData, List[Sample]]:
         """Samples (groups contiguous) scored and flattened into ``RolloutData``; ``custom``
-        (a hook's samples) adds the ``multi_turn/*`` stats."""
+        (a hook's samples) adds the ``multi_turn/*`` stats and the hook's counts. ``who`` made the
+        samples: the hook or the engine, named when their log-probs or loss mask are refused."""
         group_size = len(samples) // max(num_groups, 1)
+        flat = flatten_samples(samples)
+        rl = flat.response_lengths
+        check_log_probs(flat.log_probs, flat.loss_mask, rl, samples, who)  # before the reward spends anything on them
+        check_trainable(flat.loss_mask, who, len(samples))
         t1 = time.perf_counter()
         rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
-        flat = flatten_samples(samples)
-        rl = flat.response_lengths
         stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
         if custom:
             stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
+            stats.update(self._hook_stats)
         data = RolloutData(
             tokens=flat.tokens,
             total_lengths=flat.total_lengths,
@@ -271,6 +319,15 @@ class RolloutManager:
 
             self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
         return self._vocab_size
+
+    @property
+    def context_len(self) -> Optional[int]:
+        """The model's context (``max_position_embeddings``; None when its config names none)."""
+        if self._context_len is None:
+            from rl_plugin.rollout.data.prompt_check import model_context_length
+
+            self._context_len = model_context_length(self.checkpoint_dir)
+        return self._context_len
 
     def _dispatch(self):
         """``generate_tokens``' way to the engines (``custom_rollout.engine_dispatch``). Built per

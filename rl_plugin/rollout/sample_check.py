@@ -15,14 +15,42 @@ For every returned sample (``rl_plugin.rollout.sample``'s contract):
 A failure raises ``SampleError`` naming the hook (flag, file:line), the sample (index, group,
 prompt) and the rule. Checks over lengths are one pass of ``map`` over the samples, the id range
 one numpy reduction over all tokens: no Python loop over tokens.
+
+Degenerate rollouts (``check_distinct``, ``duplicate_groups``, ``check_trainable``):
+
+- the same ``Sample`` object twice in a rollout (a hook returning one object for a whole group, a
+  rollout function returning one group several times) is refused: its copies have advantage 0 and
+  train nothing, or train one group k times; an ``id()`` pass over the list;
+- groups whose token sequences are all equal to another group's are only counted
+  (``rollout/duplicate_groups``, one warning line per run): a data file with a repeated prompt and a
+  nearly deterministic policy makes them legitimately;
+- a rollout with no trained token (every loss mask 0) is refused: it trains nothing while the
+  optimizer's momentum still moves the weights.
+
+Limits (``hold_to_limits``): a sample with more than ``--rollout-max-response-len`` MODEL tokens
+(loss mask 1: the engine's generation budget; tool output the hook appended is conditioned on, not
+generated, and the DAPO over-long penalty counts the same tokens) or more tokens in all than the
+model's context (``max_position_embeddings``: every token is a position) is cut after the last
+token that fits both, its status set to ``TRUNCATED`` (``finish_reason`` "length"), and counted
+(``rollout/cut_to_response_len``, ``rollout/cut_to_context``). Cut, not refused: an agent's
+turns have no view of the total, and a cut response is what an engine's length limit gives.
+
+Behaviour log-probs (``check_log_probs``, on the flattened rollout, for an engine's samples as for a
+hook's): NaN or inf anywhere (a masked NaN still poisons a mask-weighted sum), and > ``LOG_PROB_TOL``
+on a trained token, are refused naming who produced them and the sample. ``LOG_PROB_TOL`` = 1e-4:
+fp32 ``log_softmax`` of a near-certain token can come out a few ulps above 0 (|error| ~ 1e-7 x the
+logits' magnitude, ~1e-5 for logits of 100); anything larger is no log-probability. Accepted
+values are kept as they are (exp(1e-4) is a ratio error of 0.01%).
 """
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import List, Sequence
+from itertools import chain, repeat
+from operator import attrgetter, is_not
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 from rl_plugin.rollout.sample import Sample
 
@@ -31,7 +59,8 @@ class SampleError(ValueError):
     """A hook returned a sample the trainer cannot train on; the message names hook, sample, rule."""
 
 
-def _name(sample: Sample, i: int) -> str:
+def describe_sample(sample: Sample, i: int) -> str:
+    """``sample i (group g, prompt '...')``, the prompt cut to 60 characters."""
     prompt = sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt)
     short = prompt if len(prompt) <= 60 else prompt[:57] + "..."
     return f"sample {i} (group {sample.group_index}, prompt {short!r})"
@@ -48,7 +77,7 @@ def check_samples(samples: Sequence, hook: str, vocab_size: int) -> List[Sample]
             )
 
     def fail(i: int, rule: str):
-        raise SampleError(f"{hook}: {_name(samples[i], i)}: {rule}")
+        raise SampleError(f"{hook}: {describe_sample(samples[i], i)}: {rule}")
 
     n = len(samples)
     aborted = [i for i, s in enumerate(samples) if s.status == Sample.Status.ABORTED]
@@ -108,3 +137,138 @@ def check_samples(samples: Sequence, hook: str, vocab_size: int) -> List[Sample]
             f"tokens[{j}] = {int(ids[flat])} is outside the model's vocabulary [0, {vocab_size}); append ids of the run's tokenizer",
         )
     return list(samples)
+
+
+LOG_PROB_TOL = 1e-4  # the largest log-prob accepted above 0 (rounding; module docstring)
+_TOKENS, _MASK = attrgetter("tokens"), attrgetter("loss_mask")
+_SAID: set = set()
+
+
+def check_distinct(samples: Sequence[Sample], hook: str, group_size: int) -> None:
+    """The same ``Sample`` object twice is refused (module docstring)."""
+    ids = list(map(id, samples))
+    if len(set(ids)) == len(ids):
+        return
+    first: Dict[int, int] = {}
+    for j, k in enumerate(ids):
+        if k in first:
+            i = first[k]
+            gi, gj = i // max(group_size, 1), j // max(group_size, 1)
+            where = f"group {gi}" if gi == gj else f"groups {gi} and {gj}: a whole group returned twice?"
+            raise SampleError(
+                f"{hook}: samples {i} and {j} ({where}) are the same Sample object; each sample must be its own object "
+                "(copies of one sample have advantage 0 and train nothing, a repeated group trains one prompt twice). "
+                "Fix: fill in the sample each call is given, or copy.deepcopy a sample before reusing it"
+            )
+        first[k] = j
+
+
+def duplicate_groups(samples: Sequence[Sample], group_size: int) -> int:
+    """How many groups repeat an earlier group's token sequences exactly (counted, module docstring)."""
+    keys = list(map(hash, map(tuple, map(_TOKENS, samples))))
+    n = max(group_size, 1)
+    groups = [tuple(sorted(keys[g : g + n])) for g in range(0, len(keys), n)]
+    return len(groups) - len(set(groups))
+
+
+def say_once(key: str, line: str) -> None:
+    """One warning line per run (process) for ``key``."""
+    if key not in _SAID:
+        _SAID.add(key)
+        print(f"warning: {line} (said once per run)", flush=True)
+
+
+def _model_tokens(samples: Sequence[Sample], rl: np.ndarray) -> np.ndarray:
+    """Each sample's loss-mask sum (None: its response length), one ``reduceat`` over all masks
+    (every response length >= 1: ``check_samples`` ran first)."""
+    masks = list(map(_MASK, samples))
+    if not any(map(is_not, masks, repeat(None))):
+        return rl.copy()
+    masks = [m if m is not None else repeat(1, r) for m, r in zip(masks, rl.tolist())]  # as ``flatten_samples``
+    flat = np.fromiter(chain.from_iterable(masks), np.int64, int(rl.sum()))
+    starts = np.concatenate(([0], np.cumsum(rl)[:-1]))
+    return np.add.reduceat(flat, starts) if flat.size else np.zeros_like(rl)
+
+
+def hold_to_limits(samples: Sequence[Sample], max_model_tokens: int, context_len: Optional[int]) -> Dict[str, float]:
+    """Cut every sample past ``max_model_tokens`` model tokens or ``context_len`` tokens (module
+    docstring), in place; returns the counts. Only the samples over a limit are looked at one by one."""
+    n = len(samples)
+    rl = np.fromiter((s.response_length for s in samples), np.int64, n)
+    tl = np.fromiter(map(len, map(_TOKENS, samples)), np.int64, n)
+    model = _model_tokens(samples, rl)
+    over_len = model > max_model_tokens
+    over_ctx = (tl > context_len) if context_len is not None else np.zeros(n, bool)
+    for i in np.nonzero(over_len | over_ctx)[0].tolist():
+        s, r = samples[i], int(rl[i])
+        prompt = len(s.tokens) - r
+        mask = np.ones(r, np.int64) if s.loss_mask is None else np.asarray(s.loss_mask, np.int64)
+        keep = int(
+            np.searchsorted(np.cumsum(mask), max_model_tokens, side="right")
+        )  # tokens before the (L+1)-th model token
+        if context_len is not None:
+            keep = min(keep, int(context_len) - prompt)
+        if keep < 1:
+            raise SampleError(
+                f"{describe_sample(s, i)}: its prompt holds {prompt} ids, the model's whole context ({context_len}); "
+                "no response token fits. Fix: shorten the prompt (or the conversation the hook builds)"
+            )
+        s.tokens = list(s.tokens[: prompt + keep])
+        s.response_length = keep
+        s.loss_mask = None if s.loss_mask is None else list(s.loss_mask[:keep])
+        s.rollout_log_probs = list(s.rollout_log_probs[:keep])
+        if s.rollout_routed_experts is not None:
+            s.rollout_routed_experts = s.rollout_routed_experts[: len(s.tokens) - 1]
+        s.status = Sample.Status.TRUNCATED
+        s.response = ""  # re-decoded from the kept ids (``RolloutManager._checked``)
+    counts = {"rollout/cut_to_response_len": float(over_len.sum()), "rollout/cut_to_context": float(over_ctx.sum())}
+    if over_len.any():
+        say_once(
+            "response_len",
+            f"a sample held {int(model.max())} model tokens (loss mask 1), more than --rollout-max-response-len "
+            f"{max_model_tokens}; such samples are cut to the limit and counted in rollout/cut_to_response_len",
+        )
+    if over_ctx.any():
+        say_once(
+            "context",
+            f"a sample held {int(tl.max())} tokens, more than the model's context ({context_len}); such samples are "
+            "cut to it and counted in rollout/cut_to_context",
+        )
+    return counts
+
+
+def _locate(flat: int, lengths: torch.Tensor):
+    """(sample, position) of flat index ``flat`` in samples of ``lengths`` concatenated."""
+    ends = torch.cumsum(lengths, 0)
+    i = int(torch.searchsorted(ends, torch.tensor(flat), right=True))
+    return i, flat - (int(ends[i - 1]) if i else 0)
+
+
+def check_log_probs(
+    log_probs: torch.Tensor, loss_mask: torch.Tensor, response_lengths: torch.Tensor, samples: Sequence, who: str
+) -> None:
+    """Behaviour log-probs ``[sum R_i]`` finite and <= ``LOG_PROB_TOL`` on trained tokens (module
+    docstring); one vectorised pass, the offender located only on failure."""
+    bad = ~torch.isfinite(log_probs) | ((log_probs > LOG_PROB_TOL) & (loss_mask > 0))
+    if not bool(bad.any()):
+        return
+    flat = int(torch.nonzero(bad)[0])
+    i, j = _locate(flat, response_lengths)
+    value = float(log_probs[flat])
+    raise SampleError(
+        f"{who}: {describe_sample(samples[i], i)}: rollout_log_probs[{j}] = {value!r}; a behaviour log-prob is the log "
+        f"of a probability: finite and <= 0 (accepted up to +{LOG_PROB_TOL:g} for rounding), a NaN or inf poisons every "
+        "loss term it enters. Fix: pass generate_tokens' output_log_probs for the model's tokens and 0.0 for the ones "
+        "the hook appended (an engine's: check its dtype and logits)"
+    )
+
+
+def check_trainable(loss_mask: torch.Tensor, who: str, num_samples: int) -> None:
+    """A rollout with no trained token is refused (module docstring)."""
+    if loss_mask.numel() and float(loss_mask.sum()) > 0:
+        return
+    raise SampleError(
+        f"{who}: all {num_samples} samples of the rollout have loss mask 0 on every response token, so the rollout trains "
+        "nothing (loss 0, grad 0, while the optimizer's momentum still moves the weights). Fix: set loss_mask 1 on the "
+        "tokens the model generated (generate_tokens' output_ids), 0 only on the ones the hook appended"
+    )

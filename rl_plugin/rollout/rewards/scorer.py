@@ -26,15 +26,24 @@ In slime's forms and from the server, a reward is a number or a dict holding it 
 is returned (the sync three-argument form returns a float, as ``score_responses`` checks). A function that raises stops the
 rollout naming the flag, the user's file:line and the first such sample (index, prompt,
 response, label); a reward that is not a number or not finite names the sample too.
+
+Deadline: a ``--custom-rm-path`` function's every call (per sample; per group with ``--group-rm``)
+must return within ``--rm-timeout`` seconds (``DEFAULT_LOCAL_TIMEOUT_S`` when unset; the remote
+client reads the flag per request): an ``async def`` is cancelled, a plain ``def`` runs in a worker
+thread (``rollout.deadlines``; left behind when stuck), and the rollout stops naming the function,
+its file:line and the sample. The built-in verifiers run as before, without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 from typing import Any, List, Optional, Sequence
 
+from rl_plugin.configs.rewards import DEFAULT_LOCAL_TIMEOUT_S
+from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
 from rl_plugin.rollout.rewards.functions import (
     NOT_A_REWARD,
     CustomReward,
@@ -132,6 +141,12 @@ class SampleScorer:
             self.who = _describe(self.fn)
         self.source = self.fn.source if isinstance(self.fn, CustomReward) else None
         self.sync = self.form == PROMPT_RESPONSE_LABEL and not is_async(self.fn)
+        # the deadline of a user function's calls (module docstring); None: a built-in, no deadline
+        self.timeout = None
+        if isinstance(self.fn, CustomReward):
+            self.timeout = float(config.rm_timeout) if config.rm_timeout is not None else DEFAULT_LOCAL_TIMEOUT_S
+        self.worker = SerialWorker("rl_plugin-reward")
+        self._late: Optional[int] = None  # the sample whose sync call passed its deadline
 
     # -- entry points -------------------------------------------------------------------------
     def score_samples(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
@@ -165,27 +180,67 @@ class SampleScorer:
     # -- the forms ----------------------------------------------------------------------------
     def _score_sync(self, samples: Sequence[Sample]) -> List[float]:
         prompts = [s.prompt for s in samples]
-        out = score_responses(
-            self.fn,
-            prompts,
-            [s.response for s in samples],
-            [s.label for s in samples],
-            [s.metadata for s in samples],
-        )
+        fn, self._late = self.fn, None
+        if self.timeout is not None:  # the user's function, each call in the worker under the deadline
+            fn = copy.copy(self.fn)
+            fn.fn = self._deadlined(self.fn.fn)
+        try:
+            out = score_responses(
+                fn,
+                prompts,
+                [s.response for s in samples],
+                [s.label for s in samples],
+                [s.metadata for s in samples],
+            )
+        except RewardFunctionError:
+            if self._late is not None:
+                raise self._timeout_error(self._late, samples, "did not return within --rm-timeout") from None
+            raise
         for s, v in zip(samples, out):
             s.reward = v
         return out
 
+    def _deadlined(self, fn):
+        """``fn`` called in the worker under ``--rm-timeout``; a call past it records its sample
+        (the calls' count: ``score_responses`` calls once per sample, in order)."""
+        calls = [0]
+
+        def call(*args, **kwargs):
+            calls[0] += 1
+            try:
+                return self.worker.call(fn, *args, timeout=self.timeout, what="--rm-timeout", **kwargs)
+            except UserCallTimeout:
+                self._late = calls[0] - 1
+                raise
+
+        return call
+
+    def _timeout_error(self, i: int, samples: Sequence[Sample], what: str) -> RewardFunctionError:
+        s = samples[i]
+        return RewardFunctionError(
+            f"{self.who} (defined at {where(_target(self.fn))}) {what} {self.timeout:g} s on sample {i} of the rollout "
+            f"(group {s.group_index}, prompt {s.prompt!r}, response {s.response!r}). Fix: give the function's own waits "
+            "(a judge, a sandbox, an API) their timeouts, or raise --rm-timeout if a call legitimately takes longer"
+        )
+
+    def _call(self, fn, *args, **kwargs):
+        """One call of the reward: under the deadline for a user function (module docstring)."""
+        if self.timeout is None:
+            return _call(fn, *args, **kwargs)
+        return call_with_deadline(fn, *args, timeout=self.timeout, what="--rm-timeout", worker=self.worker, **kwargs)
+
     async def _score_each(self, samples: Sequence[Sample]) -> List[Any]:
-        fn = _target(self.fn)
+        fn, call = _target(self.fn), self._call
         if self.form == SAMPLE:
-            calls = [_call(fn, self.user_args, s) for s in samples]
+            calls = [call(fn, self.user_args, s) for s in samples]
         elif takes_metadata(fn):
-            calls = [_call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
+            calls = [call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
         else:
-            calls = [_call(fn, s.prompt, s.response, s.label) for s in samples]
+            calls = [call(fn, s.prompt, s.response, s.label) for s in samples]
         results = await asyncio.gather(*calls, return_exceptions=True)
         bad = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
+        if bad is not None and isinstance(results[bad], UserCallTimeout):
+            raise self._timeout_error(bad, samples, "did not return within --rm-timeout")
         if bad is not None:
             s = samples[bad]
             raise RewardFunctionError(
@@ -199,11 +254,13 @@ class SampleScorer:
         if len(samples) % size:
             raise ValueError(f"--group-rm: {len(samples)} samples do not split into groups of {size}")
         groups = [samples[i : i + size] for i in range(0, len(samples), size)]
-        calls = [_call(_target(self.fn), self.user_args, list(g)) for g in groups]
+        calls = [self._call(_target(self.fn), self.user_args, list(g)) for g in groups]
         results = await asyncio.gather(*calls, return_exceptions=True)
         out: List[Any] = []
         for k, (group, r) in enumerate(zip(groups, results)):
             first = k * size
+            if isinstance(r, UserCallTimeout):
+                raise self._timeout_error(first, samples, f"(--group-rm, group {k}) did not return within --rm-timeout")
             if isinstance(r, BaseException):
                 raise RewardFunctionError(
                     f"{self.who} (--group-rm) raised {describe_exception(r, self.source)} on group {k} of the rollout "

@@ -71,3 +71,79 @@ def test_hf_checkpoint_without_weights_is_refused_before_ray(tmp_path, capsys):
         in err
     ), err
     assert "Fix: download the complete model" in err
+
+
+def test_a_typo_in_a_hook_name_is_refused_before_ray_naming_what_the_file_defines(tmp_path):
+    """Issue 38 item 7: ``--custom-generate-function-path h.py:typo`` passed the checker and
+    preflight (only the file was compiled) and failed ~13 s later in the rollout actor, shown as
+    Ray's ``UnserializableException``. Now the real trainer refuses it in preflight: exit 2, one
+    line naming the file, the missing name and the file's functions, and no Ray started."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hook = tmp_path / "h.py"
+    hook.write_text(
+        "async def generate(args, sample, sampling_params):\n    return sample\n\n\ndef helper():\n    pass\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=str(root), RAY_ADDRESS="")
+    out = subprocess.run(
+        [sys.executable, "-m", "rl_plugin.train", "--custom-generate-function-path", f"{hook}:typo"]
+        + ["--output-dir", str(tmp_path / "o"), "--num-rollout", "1", "--no-progress-bar"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    err = out.stderr
+    assert f"--custom-generate-function-path: cannot load the function '{hook}:typo'" in err, err
+    assert "has no callable 'typo'; it defines: generate, helper" in err, err
+    assert "Fix: correct the name after the ':'" in err, err
+    assert "Traceback" not in err and "ray" not in (out.stdout + err).lower(), out.stdout + err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--rollout-function-path", "--custom-pg-loss-reducer-function-path", "--custom-generate-function-path"]
+)
+def test_every_user_function_flag_is_loaded_in_preflight(tmp_path, flag):
+    """Issue 38 item 7: the rollout function and the loss reducer were not loaded before the actors
+    (the reducer's missing file was a raw traceback after Ray started)."""
+    from rl_plugin.arguments.embedded import parse_train_flags
+    from rl_plugin.errors import RLArgumentError
+    from rl_plugin.loop.preflight import check_user_functions
+
+    hook = tmp_path / "h.py"
+    hook.write_text("def fn(*a, **k):\n    return None\n")
+    args = parse_train_flags(["--output-dir", str(tmp_path / "o")])
+    setattr(args, flag[2:].replace("-", "_"), f"{hook}:typo")
+    with pytest.raises(RLArgumentError, match=rf"{flag}: cannot load .* has no callable 'typo'; it defines: fn"):
+        check_user_functions(args)
+    setattr(args, flag[2:].replace("-", "_"), f"{tmp_path / 'missing.py'}:fn")
+    with pytest.raises(RLArgumentError, match=rf"{flag}: cannot load .*no such file .*missing.py"):
+        check_user_functions(args)
+    setattr(args, flag[2:].replace("-", "_"), f"{hook}:fn")
+    check_user_functions(args)  # a function that exists passes
+
+
+def test_user_function_not_found_crosses_ray_as_itself():
+    """Issue 38 item 7: the exception could not be unpickled (its __init__ takes three
+    arguments), so Ray showed ``UnserializableException`` instead of the message."""
+    import pickle
+
+    from rl_plugin.user_code import UserCodeError, UserFunctionNotFound
+
+    exc = UserFunctionNotFound("--rollout-function-path", "h.py:typo", "'h.py' has no callable 'typo'")
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is UserFunctionNotFound and str(back) == str(exc) and back.reason == exc.reason
+    from rl_plugin.rollout.custom_rollout import HookError
+    from rl_plugin.rollout.deadlines import UserCallTimeout
+    from rl_plugin.rollout.rewards.functions import RewardFunctionError
+    from rl_plugin.rollout.sample_check import SampleError
+
+    for cls in (UserCodeError, RewardFunctionError, HookError, SampleError, UserCallTimeout):
+        back = pickle.loads(pickle.dumps(cls("one line")))  # what the rollout actor raises, as Ray ships it
+        assert type(back) is cls and str(back) == "one line"

@@ -69,7 +69,15 @@ async def short(args, samples):
 
 
 def _args(path, **kw):
-    base = dict(rm_type=None, custom_rm_path=path, group_rm=False, reward_key=None, rm_url=None, n_samples_per_prompt=4)
+    base = dict(
+        rm_type=None,
+        custom_rm_path=path,
+        group_rm=False,
+        reward_key=None,
+        rm_url=None,
+        rm_timeout=None,
+        n_samples_per_prompt=4,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
