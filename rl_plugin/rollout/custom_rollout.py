@@ -36,6 +36,7 @@ import asyncio
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from rl_plugin.rollout import abort
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
 from rl_plugin.rollout.sample import Sample
@@ -138,6 +139,8 @@ def run_generate_hook(
         try:
             out = hook.fn(hook_args, sample, dict(sampling_params))
             return await out if inspect.isawaitable(out) else out
+        except abort.GenerationAborted:
+            raise
         except Exception as exc:  # noqa: BLE001 - re-raised naming the hook and the sample
             raise HookError(
                 f"{hook.describe()} raised on sample {i} (group {sample.group_index}): {describe_exception(exc, source)}"
@@ -147,7 +150,7 @@ def run_generate_hook(
         EngineRouter(dispatch, seed, defaults).bind()
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
 
-    return asyncio.run(main())
+    return abort.run(main(), f"the generate hook {hook.describe()}")
 
 
 class DataSource:
@@ -177,10 +180,14 @@ def run_rollout_function(
     """The whole rollout from the user's function (module docstring): its groups."""
     token = EngineRouter(dispatch, seed, defaults).bind()
     try:
+        what = f"the rollout function {hook.describe()}"
         if inspect.iscoroutinefunction(hook.fn):
-            out = asyncio.run(hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation))
+            out = abort.run(hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation), what)
         else:
-            out = hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation)
+            with abort.phase(what):
+                out = hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation)
+    except abort.GenerationAborted:
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised naming the function
         raise HookError(
             f"{hook.describe()} raised on rollout {rollout_id}: {describe_exception(exc, hook.source())}"
