@@ -143,9 +143,6 @@ class TrainingRun:
         except KeyboardInterrupt:
             where = f"during rollout {k} (after step {progress.step})" if k is not None else "during start-up"
             raise Interrupted(f"interrupted (Ctrl-C) {where}. {self.resume_hint()}") from None
-        except Interrupted as exc:  # a second exit signal: abort without saving
-            where = f"during rollout {k} (after step {progress.step})" if k is not None else "during start-up"
-            raise Interrupted(f"{exc} {where}. {self.resume_hint()}", exc.exit_code) from None
         except TrainActorError as exc:
             raise LoopError(f"{exc}. {self.resume_hint()}") from None
         except RolloutSetupError as exc:
