@@ -50,8 +50,8 @@ class FaultToleranceConfig(Declared):
         group=GROUP,
         help=(
             "Seconds from the first exit signal to the exit, whatever runs: a generate that has not answered the "
-            "abort after half of it (a generate hook or a reward that never returns) is given up, and a run still "
-            "alive at the end exits at once with 128 + the signal, the last complete checkpoint as the resume point. "
+            "abort after a quarter of it (a generate hook or a reward that never returns) is given up, the rest is "
+            "for the checkpoint and the teardown, and a run still alive at the end exits at once with 128 + the signal, the last complete checkpoint as the resume point. "
             "Keep it below the scheduler's notice (Kubernetes' terminationGracePeriodSeconds, 30 s by default; "
             "Slurm's KillWait) minus a few seconds."
         ),

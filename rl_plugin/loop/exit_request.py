@@ -9,8 +9,9 @@ KeyboardInterrupt through). The run acts on it where it waits:
   ``POLL_S`` instead of blocking in ``ray.get``. The first poll after the signal runs the
   ``actions`` once: the rollout manager aborts its generation (engines between two decode steps,
   the hooks' and rewards' asyncio tasks cancelled) and the train ranks stop before their next
-  optimizer step. A generate or eval that has not answered ``grace / 2`` after the signal is
-  given up (``StopRequested``: a sync user function that never returns cannot be interrupted).
+  optimizer step. A generate or eval that has not answered ``GIVE_UP * grace`` after the signal
+  is given up (``StopRequested``: a sync user function that never returns cannot be interrupted);
+  the rest of the grace is for the checkpoint and the teardown.
 - the run then writes the checkpoint of the last complete rollout (``--save``) and exits with
   128 + the signal (``loop/run.py``).
 - a watchdog thread makes sure of the deadline: a run still alive ``--exit-signal-grace-s`` after
@@ -36,6 +37,7 @@ from typing import Callable, Dict, List, Optional
 from rl_plugin.errors import EXIT_SIGNALS, StopRequested
 
 POLL_S = 0.2  # how often a wait of the driver looks at the request
+GIVE_UP = 0.25  # of the grace: an aborted generate has answered by then (one decode step, a cancelled task)
 
 
 class ExitRequest:
@@ -99,7 +101,7 @@ class ExitRequest:
         self._exit_now(
             128 + self.signum,
             f"the run did not stop within --exit-signal-grace-s {self.grace_s:g} s after "
-            f"{signal.Signals(self.signum).name}{what}; no new checkpoint was written",
+            f"{signal.Signals(self.signum).name}{what}; exiting now, the last complete checkpoint is the resume point",
         )
 
     def _exit_now(self, code: int, why: str) -> None:
@@ -119,7 +121,7 @@ class ExitRequest:
     def poll(self, can_abandon: bool = False) -> None:
         """Called by the driver's waits every ``POLL_S``: the first call after a signal runs the
         ``actions``; with ``can_abandon`` (a generate or an eval, whose result the run can do
-        without), a call still running ``grace / 2`` after the signal is given up."""
+        without), a call still running ``GIVE_UP * grace`` after the signal is given up."""
         if self.signum is None or self.finished:
             return
         if not self._acted:
@@ -131,11 +133,11 @@ class ExitRequest:
                     what = f"(an abort request failed: {exc})"
                 if what:
                     self.running.append(what)
-        if can_abandon and time.monotonic() >= self.signalled_at + self.grace_s / 2:
+        if can_abandon and time.monotonic() >= self.signalled_at + GIVE_UP * self.grace_s:
             running = "; ".join(self.running) or "the rollout"
             raise StopRequested(
-                f"the rollout manager did not answer within --exit-signal-grace-s / 2 = {self.grace_s / 2:g} s "
-                f"of the abort: stuck in {running}",
+                f"the rollout manager did not answer the abort within {GIVE_UP * self.grace_s:g} s "
+                f"({GIVE_UP:g} x --exit-signal-grace-s): stuck in {running}",
                 stuck=True,
             )
 
