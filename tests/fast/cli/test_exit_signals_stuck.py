@@ -10,8 +10,9 @@ to its whole process group (as Slurm and Kubernetes send it) once stuck:
 - W, a blocking ``rm(args, sample)`` judge, synchronous loop, ``--exit-signal-grace-s 20``: nothing
   can interrupt it; the run gives the generate up after a quarter of the grace, names the reward,
   saves and exits 143 within the grace;
-- D, the same judge, overlapped loop, ``--exit-signal-grace-s 40``, a second SIGTERM 0.5 s after
-  the first: the run exits at once with the resume line, before the first signal's give-up (10 s) (it used to end in ``SystemError`` from Ray's ``check_signals``).
+- D, the same judge, overlapped loop, ``--exit-signal-grace-s 40``, a checkpoint per rollout, a
+  second SIGTERM 0.5 s after the first: the run exits at once with the resume line, before the
+  first signal's give-up (10 s) (it used to end in ``SystemError`` from Ray's ``check_signals``).
 
 Every run leaves no lock and no process. The bounds on the time to exit are the flag's (with a
 wide margin for a loaded machine), never a measured one.
@@ -70,6 +71,8 @@ CASES = {
         "1",
         "--exit-signal-grace-s",
         str(SECOND_GRACE_S),
+        "--save-interval",
+        "1",  # a checkpoint per rollout: the resume line names one
     ),
 }
 
