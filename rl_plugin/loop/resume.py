@@ -90,8 +90,8 @@ def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_s
             f"next rollout is {start_rollout}: the checkpoint is inconsistent; resume from an earlier one"
         )
     print(
-        f"rollout {start_rollout} was generated before the checkpoint (ahead, overlapped; or cut by an exit signal "
-        f"before its train call) and is trained on as it was (staleness {pending.staleness})",
+        f"resuming: rollout {start_rollout} was generated ahead before the checkpoint and is trained on as it was "
+        f"(staleness {pending.staleness})",
         flush=True,
     )
     if pending.data.num_groups != rollout_batch_size:

@@ -120,7 +120,7 @@ def test_sigterm_mid_train_stops_before_the_next_step_and_saves_the_last_rollout
 def test_sigterm_during_the_teardown_of_a_finished_run(runs):
     late = runs["late"]
     assert late["rc"] == 0, late["err"][-3000:]
-    assert "rollout 2 was generated before the checkpoint" in late["out"]  # resumed on the cut rollout
+    assert "rollout 2 was generated ahead before the checkpoint" in late["out"]  # resumed on the cut rollout
     assert "received SIGTERM" in late["err"] and "Traceback" not in late["err"], late["err"][-3000:]
     assert "reward curve: " in late["out"] and "the run finished; exit 0" in late["out"], late["out"][-2000:]
     assert late["png"] and not late["lock"]
