@@ -121,8 +121,11 @@ class RolloutClient:
             try:
                 return self._get(submit() if ref is None else ref, can_abandon=True)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-                if "GenerationAborted" in error_line(exc):  # the abort of an exit signal
-                    raise StopRequested(f"{method} of rollout {k} was aborted ({error_line(exc)})") from None
+                line = error_line(exc)
+                if "GenerationAborted: " in line:  # the abort of an exit signal
+                    raise StopRequested(
+                        f"{method} of rollout {k} was {line.split('GenerationAborted: ', 1)[1]}"
+                    ) from None
                 if not actor_died(exc):
                     raise LoopError(
                         f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}"

@@ -130,7 +130,7 @@ def test_a_stuck_generate_hook_is_cancelled_named_and_the_last_rollout_saved(sto
     _common(r)
     assert r["seconds"] < GRACE_S + MARGIN_S, r["seconds"]
     assert r["last"].startswith("stopped by SIGTERM during rollout "), r["last"]
-    assert "was aborted (" in r["last"] and "--custom-generate-function-path" in r["last"], r["last"]
+    assert "was aborted on request during the generate hook --custom-generate-function-path " in r["last"], r["last"]
     assert "stuck_generate at " in r["last"] and "; saved rollout " in r["last"], r["last"]
     assert r["step"] is not None and r["step"] >= 2
 
