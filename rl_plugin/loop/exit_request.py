@@ -1,9 +1,13 @@
 """Stopping a run on purpose: exit signals and a wall-time budget (Megatron-LM's flags).
 
 ``--exit-signal-handler`` (default on): SIGTERM (what Slurm and Kubernetes send on preemption),
-SIGUSR1 (Slurm's ``--signal`` default) and SIGHUP set a request. The handler itself only records
-it (it never raises: Ray's waits run signal handlers inside their C code, which lets only
-KeyboardInterrupt through). The run acts on it where it waits:
+SIGUSR1 (Slurm's ``--signal`` default) and SIGHUP set a request. They are blocked in the driver's
+threads (every thread started after ``install`` inherits the mask: Ray's included) and taken by
+one thread of ours (``sigwait``): Ray's core worker resets SIGTERM's disposition to the default in
+the C library during ``ray.shutdown()``, and a SIGTERM that reached a thread then killed the driver
+mid-teardown (the lock left, no reward curve). The handler only records the request (it never
+raises: a handler that raised inside Ray's waits, whose C code lets only KeyboardInterrupt through,
+ended in ``SystemError``). The run acts on it where it waits:
 
 - every wait of the driver (``TrainGroup``, ``RolloutClient``) polls ``poll`` every
   ``POLL_S`` instead of blocking in ``ray.get``. The first poll after the signal runs the
@@ -61,22 +65,37 @@ class ExitRequest:
         self._previous: Dict[int, object] = {}
         self._watchdog: Optional[threading.Thread] = None
         self._cancel = threading.Event()
+        self._mask = None  # the signal mask before install (None: not blocked by us)
 
     def install(self) -> None:
         """Take over the exit signals (again after ``ray.init``, which sets its own SIGTERM handler)."""
         if not self.handle_signals:
             return
-        for sig in EXIT_SIGNALS:
+        for sig in EXIT_SIGNALS:  # a thread started before install (if any) still runs the handler
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
+        if self._mask is None:
+            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
+            threading.Thread(target=self._take_signals, name="rl_plugin-exit-signals", daemon=True).start()
+
+    def _take_signals(self) -> None:
+        while True:
+            signum = signal.sigwait(EXIT_SIGNALS)
+            if self._cancel.is_set():  # restored meanwhile: the caller's handler gets it
+                os.kill(os.getpid(), signum)
+                return
+            self._handle(signum, None)
 
     def restore(self) -> None:
-        self._cancel.set()  # the run is over: no watchdog exit
+        self._cancel.set()  # the run is over: no watchdog exit, no signal taken here
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+            self._mask = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
 
-    # -- the signal handler (main thread, between two bytecodes: never raises) -------------------
+    # -- the handler (the signal thread, or the main thread between two bytecodes: never raises) ---
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:

@@ -253,4 +253,4 @@ class TrainingRun:
             pass
         finally:
             if self.owns_ray:
-                shutdown_ray()
+                shutdown_ray()  # it resets SIGTERM's disposition: exit_request's signal thread takes them
