@@ -2,8 +2,8 @@
 
 ``--exit-signal-handler`` (default on): SIGTERM (what Slurm and Kubernetes send on preemption),
 SIGUSR1 (Slurm's ``--signal`` default) and SIGHUP set a request. They are blocked in the driver's
-threads (every thread started after ``install`` inherits the mask: Ray's included) and taken by
-one thread of ours (``sigwait``): Ray's core worker resets SIGTERM's disposition to the default in
+threads (``take_exit_signals``, first thing in ``rl-plugin-train``: every thread started after
+inherits the mask, torch's and Ray's included) and taken by one thread of ours (``sigwait``): Ray's core worker resets SIGTERM's disposition to the default in
 the C library during ``ray.shutdown()``, and a SIGTERM that reached a thread then killed the driver
 mid-teardown (the lock left, no reward curve). The handler only records the request (it never
 raises: a handler that raised inside Ray's waits, whose C code lets only KeyboardInterrupt through,
@@ -41,6 +41,36 @@ from typing import Callable, Dict, List, Optional
 from rl_plugin.errors import EXIT_SIGNALS, StopRequested
 
 POLL_S = 0.2  # how often a wait of the driver looks at the request
+
+_route: Dict[str, Optional[Callable[[int], None]]] = {"to": None}  # who takes the next exit signal
+_taker: List[threading.Thread] = []
+
+
+def take_exit_signals(to: Optional[Callable[[int], None]]) -> Optional[Callable[[int], None]]:
+    """Route the exit signals to ``to`` (None: the process's own handlers again); returns the
+    route before. The first call blocks them in the calling thread (call it before any thread
+    starts: the main thread, first) and starts the one thread that takes them."""
+    before, _route["to"] = _route["to"], to
+    if to is not None and not _taker:
+        signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
+        _taker.append(threading.Thread(target=_take, name="rl_plugin-exit-signals", daemon=True))
+        _taker[0].start()
+    elif to is None and _taker and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, EXIT_SIGNALS)  # the main thread's own handlers again
+    return before
+
+
+def _take() -> None:
+    while True:
+        signum = signal.sigwait(EXIT_SIGNALS)
+        to = _route["to"]
+        if to is None:  # no route: the main thread (unblocked again) runs the process's handler
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)
+        else:
+            to(signum)
+
+
 GIVE_UP = 0.25  # of the grace: an aborted generate has answered by then (one decode step, a cancelled task)
 
 
@@ -65,7 +95,8 @@ class ExitRequest:
         self._previous: Dict[int, object] = {}
         self._watchdog: Optional[threading.Thread] = None
         self._cancel = threading.Event()
-        self._mask = None  # the signal mask before install (None: not blocked by us)
+        self._route_before: Optional[Callable[[int], None]] = None
+        self._routed = False
 
     def install(self) -> None:
         """Take over the exit signals (again after ``ray.init``, which sets its own SIGTERM handler)."""
@@ -74,23 +105,14 @@ class ExitRequest:
         for sig in EXIT_SIGNALS:  # a thread started before install (if any) still runs the handler
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
-        if self._mask is None:
-            self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_SIGNALS)
-            threading.Thread(target=self._take_signals, name="rl_plugin-exit-signals", daemon=True).start()
-
-    def _take_signals(self) -> None:
-        while True:
-            signum = signal.sigwait(EXIT_SIGNALS)
-            if self._cancel.is_set():  # restored meanwhile: the caller's handler gets it
-                os.kill(os.getpid(), signum)
-                return
-            self._handle(signum, None)
+        if not self._routed:
+            self._route_before, self._routed = take_exit_signals(lambda signum: self._handle(signum, None)), True
 
     def restore(self) -> None:
-        self._cancel.set()  # the run is over: no watchdog exit, no signal taken here
-        if self._mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-            self._mask = None
+        self._cancel.set()  # the run is over: no watchdog exit
+        if self._routed:
+            take_exit_signals(self._route_before)
+            self._routed = False
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}

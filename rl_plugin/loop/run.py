@@ -65,25 +65,26 @@ class TrainingRun:
 
     def run(self) -> None:
         a = self.args
-        validate_engine_installed(a)
-        if is_embedded(a):
-            prepare_embedded(a)
-        if a.hf_checkpoint is None:
-            fail(
-                "--prompt-data without --hf-checkpoint",
-                "the loop needs a model to train",
-                "pass --hf-checkpoint DIR (a Hugging Face model directory)",
-            )
-        self.cfg = cfg = LoopConfig.from_args(a)
+        # first: the exit signals are blocked in every thread started from now on (exit_request)
         self.exit = ExitRequest(
             handle_signals=a.exit_signal_handler,
             duration_mins=a.exit_duration_in_mins,
-            will_save=bool(cfg.save),
+            will_save=bool(a.save),
             grace_s=a.exit_signal_grace_s,
         )
-        self.exit.resume_hint = self.resume_hint
         self.exit.install()
         try:
+            validate_engine_installed(a)
+            if is_embedded(a):
+                prepare_embedded(a)
+            if a.hf_checkpoint is None:
+                fail(
+                    "--prompt-data without --hf-checkpoint",
+                    "the loop needs a model to train",
+                    "pass --hf-checkpoint DIR (a Hugging Face model directory)",
+                )
+            self.cfg = LoopConfig.from_args(a)
+            self.exit.resume_hint = self.resume_hint
             self._checked_run()
         finally:
             self.exit.restore()
