@@ -21,18 +21,18 @@ checkpoint problem found before training; 1 the run failed (the message names th
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import List, Optional
 
-from rl_plugin.errors import EXIT_SIGNALS
 
-
-def _exit_before_start(signum, frame) -> None:
+def _exit_before_start(signum) -> None:
     """SIGTERM / SIGUSR1 / SIGHUP while the flags are parsed and checked: nothing started, nothing
-    written; one line and 128 + N. The driver installs its own handler (save, then stop) next."""
-    print(f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written", file=sys.stderr)
-    raise SystemExit(128 + signum)
+    written; one line and 128 + N. The run routes the signals to its own handler (save, then stop)
+    next (``rl_plugin.loop.exit_request``)."""
+    os.write(2, f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written\n".encode())
+    os._exit(128 + signum)
 
 
 def parse_train_args(argv: Optional[List[str]] = None):
@@ -42,12 +42,13 @@ def parse_train_args(argv: Optional[List[str]] = None):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    previous = {sig: signal.signal(sig, _exit_before_start) for sig in EXIT_SIGNALS}  # before any heavy import
+    from rl_plugin.loop.exit_request import take_exit_signals
+
+    previous = take_exit_signals(_exit_before_start)  # before any heavy import starts a thread (torch does)
     try:
         return _main(argv)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        take_exit_signals(previous)
 
 
 def _main(argv: Optional[List[str]]) -> int:

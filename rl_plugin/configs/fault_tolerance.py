@@ -35,11 +35,25 @@ class FaultToleranceConfig(Declared):
         default=True,
         group=GROUP,
         help=(
-            "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default) or SIGHUP, finish the "
-            "optimizer steps in progress, write a checkpoint when --save is set, print the last checkpoint and the "
-            "resume command, tear Ray down and exit with 128 + the signal; a second signal aborts at once (the last "
-            "complete checkpoint stays the resume point). Default on (Megatron-LM's flag, which defaults to off "
-            "there); --no-exit-signal-handler leaves the signals' default actions."
+            "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default) or SIGHUP, abort the "
+            "generation in progress and stop the train call before its next optimizer step, write the checkpoint of "
+            "the last complete rollout when --save is set, print the last checkpoint and the resume command, tear Ray "
+            "down and exit with 128 + the signal, all within --exit-signal-grace-s; a second signal exits at once "
+            "(the last complete checkpoint stays the resume point). Default on (Megatron-LM's flag, which defaults "
+            "to off there); --no-exit-signal-handler leaves the signals' default actions."
+        ),
+    )
+    exit_signal_grace_s: float = flag(
+        "--exit-signal-grace-s",
+        type=float,
+        default=20.0,
+        group=GROUP,
+        help=(
+            "Seconds from the first exit signal to the exit, whatever runs: a generate that has not answered the "
+            "abort after a quarter of it (a generate hook or a reward that never returns) is given up, the rest is "
+            "for the checkpoint and the teardown, and a run still alive at the end exits at once with 128 + the signal, the last complete checkpoint as the resume point. "
+            "Keep it below the scheduler's notice (Kubernetes' terminationGracePeriodSeconds, 30 s by default; "
+            "Slurm's KillWait) minus a few seconds."
         ),
     )
     exit_duration_in_mins: Optional[float] = flag(
@@ -62,6 +76,13 @@ class FaultToleranceConfig(Declared):
                 "--max-rollout-retries",
                 f"must be >= 0 (got {n})",
                 "use 0 to stop at the first engine death, or a small count such as 3",
+            )
+        g = args.exit_signal_grace_s
+        if g is None or not (math.isfinite(g) and g > 0):
+            fail(
+                "--exit-signal-grace-s",
+                f"must be a positive number of seconds (got {g})",
+                "pass the scheduler's notice minus a few seconds, e.g. --exit-signal-grace-s 20 for Kubernetes' 30 s",
             )
         m = args.exit_duration_in_mins
         if m is not None and not (math.isfinite(m) and m > 0):

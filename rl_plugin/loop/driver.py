@@ -23,7 +23,7 @@ from rl_plugin.checkpoint.commit import remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
-from rl_plugin.errors import LoopError
+from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.resume import Progress, save_checkpoint
@@ -54,6 +54,10 @@ class Driver:
         self.progress = progress  # shared with the run: resume sets it, the rows advance it
         self.resume_hint = resume_hint
         self.rows: Optional[RowLogger] = None  # opened once the first sync is done (``log_to``)
+        # the last rollout whose steps are done (logged) and the last one saved, in this run: what
+        # the run saves when an exit signal cuts a rollout (``loop/run.py``)
+        self.last_trained: Optional[int] = None
+        self.last_saved: Optional[int] = None
         client.on_fresh_engines = ledger.fresh_engines
         client.on_restart = self.sync_weights
         schedule = OverlappedSchedule if cfg.overlapped else SyncSchedule
@@ -89,6 +93,7 @@ class Driver:
                 f"saving step {step} failed: {full}. The unfinished save {staging} was removed. "
                 f"Fix: free space there or point --save at a larger disk. {self.resume_hint()}"
             ) from None
+        self.last_saved = k
 
     def sync_weights(self) -> None:
         """A sync as a call of its own: at the start (the trainer's weights, maybe a resumed
@@ -131,19 +136,22 @@ class Driver:
     def train_rollout(self, data: RolloutData, sync: bool = False) -> List[Dict[str, Any]]:
         """Rollout ``data``'s optimizer steps on every rank; with ``sync``, the ranks then export
         and rank 0 publishes the new weights in the same call (the ledger gives them to the next
-        manager call). Returns the step reports."""
+        manager call). Returns the step reports. A train call that an exit signal stopped before
+        its last step raises ``StopRequested`` (nothing published)."""
         g, plans = self.group, self._plans(data)
         request = self.ledger.request(self.client.engine_node_ids) if sync else None
         per_rank = [(plan, request) for plan in plans]  # one RankPlan per rank; every rank exports
         announced = self.ledger.announce(request) if request is not None else None
         if announced is None:
             reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
+            _check_complete(reports, plans[0])
             self.ledger.published(handle)
             return reports
         # distributed: the manager receives while rank 0 broadcasts at the end of its train call
         refs = g.call("train_rollout_and_sync", per_rank, return_refs=True)
         update = self.client.submit_update(announced)
         reports, handle = g.wait(refs, "train_rollout_and_sync")[0]
+        _check_complete(reports, plans[0])  # stopped: no broadcast comes; the teardown ends the update
         load = self.client.wait_update(update)
         if load is not None:
             self.ledger.loaded_while_published(handle, load)
@@ -174,6 +182,7 @@ class Driver:
         staleness: Optional[int],
     ) -> None:
         self.rows.log_steps(self.progress, k, data, reports, timings, t0, staleness)
+        self.last_trained = k
 
     def finish_rollout(
         self,
@@ -198,3 +207,13 @@ class Driver:
         ev = self.client.retrying("evaluate", k, lambda: self.client.submit_evaluate(k, self.ledger.give()))
         self.ledger.loaded(ev.pop("weight_load", None))
         return ev
+
+
+def _check_complete(reports: List[Dict[str, Any]], plan: RankPlan) -> None:
+    """``StopRequested`` when the ranks stopped (an exit signal) before the plan's last step."""
+    planned = len(plan.step_bounds)
+    if len(reports) < planned:
+        raise StopRequested(
+            f"the train call stopped before its optimizer step {len(reports) + 1} of {planned}",
+            steps_done=len(reports),
+        )

@@ -13,8 +13,9 @@ that sampled it (staleness 1); the trainer's old log-probs are recomputed on its
 and the engine's log-probs describe the sampler, so ``--use-tis`` corrects the lag and the
 ``mismatch/*`` metrics measure it. The first rollout of a run (or of a resume from a synchronous
 checkpoint) is generated in place, by the current weights. The schedule owns the rollout
-generated ahead (``PendingRollout``); a checkpoint holds it (``pending_rollout.pt``), so a
-resumed run trains on exactly what the uninterrupted one would have.
+generated ahead (``PendingRollout``) until its train call returns; a checkpoint holds it
+(``pending_rollout.pt``), so a resumed run trains on exactly what the uninterrupted one would have.
+A generate ahead that fails (or that an exit signal cut) ends the rollout with its steps logged.
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ class OverlappedSchedule:
     def run_rollout(self, k: int) -> None:
         loop, cfg = self._loop, self._cfg
         t0 = time.perf_counter()
-        staleness, wait_gen, call = 0, 0.0, None
+        wait_gen, call = 0.0, None
         if self._pending is None:
-            data = loop.generate(k)
+            self._pending = PendingRollout(k, loop.generate(k), 0)
             call = wait_gen = time.perf_counter() - t0
-        else:
-            staleness = self._pending.staleness
-            data, self._pending = self._pending.data_for(k), None
+        staleness, data = self._pending.staleness, self._pending.data_for(k)
         ahead = None
         if k + 1 < cfg.num_rollout:
             restarts = loop.manager_restarts()
@@ -56,6 +55,7 @@ class OverlappedSchedule:
         t1 = time.perf_counter()
         # a failure here ends the run; the teardown kills the generating actor
         reports = loop.train_rollout(data, sync=cfg.sync_due(k, ahead=1))
+        self._pending = None  # trained on: a checkpoint from now on holds rollout k + 1 (once generated)
         t_train = time.perf_counter() - t1
         timings: Dict[str, float] = {}
         if ahead is not None:

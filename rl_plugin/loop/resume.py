@@ -83,7 +83,7 @@ def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
 
 
 def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_size: int) -> Optional[PendingRollout]:
-    """The rollout an overlapped run generated ahead before the checkpoint (None: none)."""
+    """The rollout generated before the checkpoint and not trained on yet (None: none)."""
     pending = read_pending_rollout(cfg.load, step)
     if pending is None:
         return None
@@ -93,8 +93,8 @@ def read_pending(cfg: LoopConfig, step: int, start_rollout: int, rollout_batch_s
             f"next rollout is {start_rollout}: the checkpoint is inconsistent; resume from an earlier one"
         )
     print(
-        f"resuming an overlapped run: rollout {start_rollout} was generated ahead before the checkpoint and "
-        f"is trained on as it was (staleness {pending.staleness})",
+        f"resuming: rollout {start_rollout} was generated ahead before the checkpoint and is trained on as it was "
+        f"(staleness {pending.staleness})",
         flush=True,
     )
     if pending.data.num_groups != rollout_batch_size:

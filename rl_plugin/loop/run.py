@@ -7,6 +7,12 @@ the first weight sync; then ``Driver.run_rollout(k)`` for each rollout, stopping
 rollouts when an exit signal or ``--exit-duration-in-mins`` asks; at the end (or on any failure)
 the actors and the placement go, and Ray with them when this run started it.
 
+An exit signal also cuts the rollout in progress (``exit_request``: the driver's waits poll it;
+the generate aborts, the train call stops before its next optimizer step): the run then saves the
+last complete rollout, with the rollout generated but not trained on (``Schedule.pending``), and
+stops with 128 + N. Every way out releases the output lock, the watchdog's and the second
+signal's exit at once included.
+
 Failures end the run with a ``LoopError`` naming what broke and where to resume from; Ctrl-C ends
 it with one line naming the last checkpoint and the ``--load`` command. The metrics file keeps
 every line already written and the last complete checkpoint stays the resume point
@@ -26,7 +32,7 @@ from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
 from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
-from rl_plugin.errors import Interrupted, LoopError, Stopped, fail
+from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.driver import Driver
 from rl_plugin.loop.embedded import is_embedded, prepare_embedded
@@ -60,21 +66,26 @@ class TrainingRun:
 
     def run(self) -> None:
         a = self.args
-        validate_engine_installed(a)
-        if is_embedded(a):
-            prepare_embedded(a)
-        if a.hf_checkpoint is None:
-            fail(
-                "--prompt-data without --hf-checkpoint",
-                "the loop needs a model to train",
-                "pass --hf-checkpoint DIR (a Hugging Face model directory)",
-            )
-        self.cfg = cfg = LoopConfig.from_args(a, run_settings=settings_of(a))  # settings: for a resume's note
+        # first: the exit signals are blocked in every thread started from now on (exit_request)
         self.exit = ExitRequest(
-            handle_signals=a.exit_signal_handler, duration_mins=a.exit_duration_in_mins, will_save=bool(cfg.save)
+            handle_signals=a.exit_signal_handler,
+            duration_mins=a.exit_duration_in_mins,
+            will_save=bool(a.save),
+            grace_s=a.exit_signal_grace_s,
         )
         self.exit.install()
         try:
+            validate_engine_installed(a)
+            if is_embedded(a):
+                prepare_embedded(a)
+            if a.hf_checkpoint is None:
+                fail(
+                    "--prompt-data without --hf-checkpoint",
+                    "the loop needs a model to train",
+                    "pass --hf-checkpoint DIR (a Hugging Face model directory)",
+                )
+            self.cfg = LoopConfig.from_args(a, run_settings=settings_of(a))  # settings: for a resume's note
+            self.exit.resume_hint = self.resume_hint
             self._checked_run()
         finally:
             self.exit.restore()
@@ -90,6 +101,7 @@ class TrainingRun:
             print(warning, file=sys.stderr, flush=True)
         self._stop_if_asked(None)  # a signal during the checks: nothing started yet
         lock = RunLock(cfg.output_dir).acquire()
+        self.exit.release_lock = lock.release  # an exit at once (a second signal, the grace's end) too
         # The driver's torch work is bookkeeping on ~1e3-element tensors (advantages, step plans):
         # intra-op threads only add OpenMP hand-offs, and with the node's cores busy in the actors
         # a hand-off waits for a descheduled thread (measured: ~14 ms per repeat_interleave, ~20
@@ -123,15 +135,16 @@ class TrainingRun:
             self.rows = RowLogger(self.args, cfg, progress.start_rollout)
             self.driver.log_to(self.rows)
             for k in range(progress.start_rollout, cfg.num_rollout):
-                self.driver.run_rollout(k)
+                try:
+                    self.driver.run_rollout(k)
+                except StopRequested as exc:
+                    self._stop_cut(k, exc)
                 if k + 1 < cfg.num_rollout:
                     self._stop_if_asked(k)
+            self.exit.finished = True  # a signal from now on ends nothing: the run is done
         except KeyboardInterrupt:
             where = f"during rollout {k} (after step {progress.step})" if k is not None else "during start-up"
             raise Interrupted(f"interrupted (Ctrl-C) {where}. {self.resume_hint()}") from None
-        except Interrupted as exc:  # a second exit signal: abort without saving
-            where = f"during rollout {k} (after step {progress.step})" if k is not None else "during start-up"
-            raise Interrupted(f"{exc} {where}. {self.resume_hint()}", exc.exit_code) from None
         except TrainActorError as exc:
             raise LoopError(f"{exc}. {self.resume_hint()}") from None
         except RolloutSetupError as exc:
@@ -144,6 +157,8 @@ class TrainingRun:
             cfg.metrics_file, cfg.output_dir / "reward_curve.png", title=f"rl_plugin ({cfg.train_backend})"
         )
         print(f"metrics: {cfg.metrics_file}\nreward curve: {png}", flush=True)
+        if self.exit.signum is not None:
+            print("(the exit signal came after the last rollout: the run finished; exit 0)", flush=True)
 
     def resume_hint(self) -> str:
         return resume_hint(self.cfg, self.argv)
@@ -155,11 +170,31 @@ class TrainingRun:
         reason = self.exit.reason()
         if reason is None:
             return
-        cfg = self.cfg
-        if k is not None and cfg.save and not cfg.save_due(k):
+        if k is not None and self.cfg.save and self.driver.last_saved != k:
             self.driver.save(k)
         where = f"after rollout {k} (step {self.progress.step})" if k is not None else "before training started"
         raise Stopped(f"{reason} {where}. {self.resume_hint()}", self.exit.exit_code())
+
+    def _stop_cut(self, k: int, exc: StopRequested) -> None:
+        """An exit signal cut rollout ``k`` (``exc`` says how): write the checkpoint of the last
+        complete rollout (with rollout k when it was generated but not trained on, so a resumed
+        run trains on it) unless the trainer's weights are between two rollouts, then stop."""
+        reason, d = self.exit.reason() or "stopped", self.driver
+        head = f"{reason} during rollout {k}: {exc}"
+        if exc.steps_done:
+            raise Stopped(
+                f"{head}, after {exc.steps_done} of its optimizer steps: the trainer's weights are between two "
+                f"rollouts, which no checkpoint holds, so none was written. {self.resume_hint()}",
+                self.exit.exit_code(),
+            )
+        done = d.last_trained
+        if self.cfg.save and done is not None and d.last_saved != done:
+            d.save(done)
+            head += f"; saved rollout {done} (step {self.progress.step})"
+            pending = d.schedule.pending()
+            if pending is not None:
+                head += f" with rollout {pending.rollout_id}, generated and not trained on yet"
+        raise Stopped(f"{head}. {self.resume_hint()}", self.exit.exit_code())
 
     # -- set-up, resume, teardown -------------------------------------------------------------------
     def _start(self) -> None:
@@ -180,6 +215,10 @@ class TrainingRun:
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
         self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
+        # the driver's waits poll the exit request; its first poll after a signal aborts the
+        # rollout manager's generation and stops the train ranks before their next step
+        self.group.poll = self.client.poll = self.exit.poll
+        self.exit.actions = [self.client.abort, self.group.request_stop]
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -216,4 +255,4 @@ class TrainingRun:
             pass
         finally:
             if self.owns_ray:
-                shutdown_ray()
+                shutdown_ray()  # it resets SIGTERM's disposition: exit_request's signal thread takes them

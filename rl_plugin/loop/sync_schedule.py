@@ -7,7 +7,9 @@
 
 Every rollout is sampled by the trainer's current weights (on-policy up to the engine's kernels).
 Resumed from an overlapped run's checkpoint, the rollout that checkpoint generated ahead is
-trained on first, as it was; nothing is generated ahead after it.
+trained on first, as it was; nothing is generated ahead after it. A rollout generated but not
+yet trained on is ``pending()`` until its train call returns: a checkpoint written meanwhile (an
+exit signal stopped that call before its first step) holds it, so a resumed run trains on it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from rl_plugin.loop.schedule import RolloutLoop
 class SyncSchedule:
     def __init__(self, loop: RolloutLoop, cfg: LoopConfig):
         self._loop, self._cfg = loop, cfg
-        self._pending: Optional[PendingRollout] = None  # only from an overlapped run's checkpoint
+        self._pending: Optional[PendingRollout] = None  # generated, not yet trained on (or a checkpoint's)
 
     def pending(self) -> Optional[PendingRollout]:
         return self._pending
@@ -36,12 +38,12 @@ class SyncSchedule:
         loop = self._loop
         t0 = time.perf_counter()
         if self._pending is None:
-            data = loop.generate(k)
-        else:
-            data, self._pending = self._pending.data_for(k), None
+            self._pending = PendingRollout(k, loop.generate(k), 0)
+        data = self._pending.data_for(k)
         t_gen = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = loop.train_rollout(data, sync=self._cfg.sync_due(k, ahead=0))
+        self._pending = None
         t_train = time.perf_counter() - t1
         timings = {"time/rollout_call": t_gen, "time/train": t_train, **loop.sync_timings()}
         loop.finish_rollout(k, data, reports, timings, t0)

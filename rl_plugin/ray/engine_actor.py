@@ -17,8 +17,13 @@ import ray
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.ray.gpu_check import require_cuda
+from rl_plugin.rollout import abort
 from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+
+# One thread beside the actor's own, for ``abort`` while a call runs (a threaded actor whose
+# default group stays one thread: the calls run in order, on one thread, as before).
+CONTROL_GROUP = {"control": 1}
 
 
 class EngineActor:
@@ -38,6 +43,12 @@ class EngineActor:
     ) -> List[Generation]:
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample)
 
+    def abort(self) -> None:
+        """Abort the generation in progress (the ``hf`` engine between two decode steps); runs on
+        the actor's ``control`` thread (``rl_plugin.rollout.abort``). vLLM and SGLang finish the
+        call in progress: the actor is killed at the teardown."""
+        abort.request()
+
     def node_id(self) -> str:
         return node_id()
 
@@ -50,7 +61,7 @@ class EngineActor:
 
 def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
-    remote = ray.remote(EngineActor)
+    remote = ray.remote(concurrency_groups=CONTROL_GROUP)(EngineActor)
     actors = [
         remote.options(**placement.engine_options(i), max_restarts=0).remote(config, checkpoint_dir)
         for i in range(placement.num_engines)

@@ -8,7 +8,7 @@ import signal
 import ray
 
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.ray.engine_actor import create_engines
+from rl_plugin.ray.engine_actor import CONTROL_GROUP, create_engines
 from rl_plugin.rollout.manager import RolloutManager
 
 
@@ -23,7 +23,7 @@ def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str
         engines = create_engines(config.engine, placement, checkpoint_dir)
         opts = placement.rollout_options(args.rollout_num_gpus or args.rollout_num_gpus_per_engine)
         actor = (
-            ray.remote(RolloutManager)
+            ray.remote(concurrency_groups=CONTROL_GROUP)(RolloutManager)  # abort() while generate runs
             .options(**opts, max_restarts=0)
             .remote(config, checkpoint_dir, train_data, eval_data, engines or None, args=args)
         )

@@ -8,6 +8,10 @@ the dataset position of before the failed call, handed the trainer's current wei
 sync (``on_restart``), and the call is resubmitted: at most ``--max-rollout-retries`` times a run.
 Generation is seeded by ``seed + k``, so a retried rollout yields the samples the first try would.
 
+Its waits poll (``POLL_S``) and call ``poll(can_abandon)`` in between (the run's exit request,
+``rl_plugin.loop.exit_request``): ``abort`` asks the manager, on its ``control`` thread, to abort
+the rollout in progress; a generate that ends aborted becomes ``StopRequested``.
+
 It also keeps the manager's dataset position after the last generate (``dataset_state``), which
 a checkpoint saves. The loop hands it what it reads of the run's settings (the engine's name for
 messages, ``--max-rollout-retries``) and the resume hint its messages end with.
@@ -19,9 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ray
 
-from rl_plugin.errors import LoopError
+from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, fault_points, generate_ref
 from rl_plugin.rollout.rollout_data import RolloutData
+
+POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
 
 def actor_died(exc: Exception) -> bool:
@@ -43,6 +49,18 @@ class RolloutClient:
         self.restarts = 0  # dead rollout managers replaced so far (--max-rollout-retries)
         self.dataset_state = None  # the manager's dataset position before the next generate
         self.faults = fault_points()
+        self.poll: Callable[[bool], None] = lambda can_abandon: None  # the run's exit request
+
+    def _get(self, ref: ray.ObjectRef, can_abandon: bool):
+        """``ray.get(ref)``, polling the run's exit request while it runs (module docstring)."""
+        while not ray.wait([ref], timeout=POLL_S)[0]:
+            self.poll(can_abandon)
+        return ray.get(ref)
+
+    def abort(self) -> Optional[str]:
+        """Abort the rollout in progress (an exit signal); returns what the manager was running."""
+        what = ray.get(self.manager.abort.options(concurrency_group="control").remote(), timeout=10)
+        return f"{what} in the rollout manager" if what else None
 
     def _create(self):
         a = self._args
@@ -81,7 +99,7 @@ class RolloutClient:
         """The manager's answer to a weight load (bytes, the slowest engine's seconds); None when
         it died and was replaced (the fresh manager and engines were synced by the restart)."""
         try:
-            return ray.get(update)
+            return self._get(update, can_abandon=False)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             if not actor_died(exc):
                 raise LoopError(
@@ -101,8 +119,13 @@ class RolloutClient:
         ref = first
         while True:
             try:
-                return ray.get(submit() if ref is None else ref)
+                return self._get(submit() if ref is None else ref, can_abandon=True)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                line = error_line(exc)
+                if "GenerationAborted: " in line:  # the abort of an exit signal
+                    raise StopRequested(
+                        f"{method} of rollout {k} was {line.split('GenerationAborted: ', 1)[1]}"
+                    ) from None
                 if not actor_died(exc):
                     raise LoopError(
                         f"rollout manager failed during {method}: {error_line(exc)}. {self.resume_hint()}"

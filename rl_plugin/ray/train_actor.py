@@ -9,6 +9,13 @@ log-probs and the separate forward is skipped (``rl_plugin.loss.runner.old_log_p
 same numbers, bit for bit; the rule lists where the separate pass stays).
 ``train_rollout_and_sync`` then exports the new weights (collective) and rank 0 publishes them
 for the engines in the same call, so the weight sync costs the loop no round trip of its own.
+
+Stopping (an exit signal): ``request_stop`` runs on the actor's ``control`` thread while a train
+call runs on its own (a threaded actor whose default group stays one thread, so every torch,
+CUDA and collective call stays on one thread as before). The train call reads the request before
+each optimizer step; the ranks agree on it with one all-reduce (a rank that stopped alone would
+leave the others in a collective), and stop together: the call returns the reports of the steps
+done, and the export is skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -31,6 +39,11 @@ from rl_plugin.weight_sync import node_id
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
 # step (1-based), to exercise the driver's dead-actor report and --load resume.
 FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
+# Test hook: "STEP" makes rank 0 send SIGTERM to the driver (pid ``DRIVER_PID_ENV``, same node) when
+# it is about to run that optimizer step, and wait for the stop request that follows, so the stop
+# lands before that step as a preemption mid-train would.
+SIGNAL_ENV = "RL_PLUGIN_FAULT_SIGTERM_DRIVER_AT_STEP"
+DRIVER_PID_ENV = "RL_PLUGIN_DRIVER_PID"
 
 
 def backend_class(name: str):
@@ -47,6 +60,7 @@ class TrainActor:
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
+        self._stop = threading.Event()  # set by request_stop (an exit signal); read before each step
         # 1 by default: 2 keep the embedded run's numbers but cost ~10x per rollout on 2 shared
         # cores (benchmarks/thread_settings.py); a machine with idle cores may set more
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
@@ -93,10 +107,29 @@ class TrainActor:
             rank, at = (int(x) for x in spec.split(":"))
             if rank == self.rank and step == at:
                 os.kill(os.getpid(), signal.SIGKILL)
+        at = os.environ.get(SIGNAL_ENV)
+        if at and int(at) == step and self.rank == 0:
+            os.kill(int(os.environ[DRIVER_PID_ENV]), signal.SIGTERM)
+            self._stop.wait(timeout=60)
+
+    def request_stop(self) -> None:
+        """Stop the train call in progress before its next optimizer step (module docstring)."""
+        self._stop.set()
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop: every rank calls this at the same point."""
+        if self.world_size == 1:
+            return self._stop.is_set()
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self._stop.is_set())], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def train_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
-        ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``)."""
+        ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``); fewer reports
+        than steps when a stop was requested (module docstring)."""
         batch = plan.batch
         t0 = time.perf_counter()
         old_from_forward = False
@@ -115,6 +148,8 @@ class TrainActor:
         reports = []
         for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
             self._maybe_fault(self.step + 1)
+            if self._stop_agreed():  # an exit signal: the steps done are reported, the rest not run
+                break
             t1 = time.perf_counter()
             kwargs = {} if micro_batches is None else {"micro_batches": micro_batches}
             if old_from_forward:
@@ -133,7 +168,8 @@ class TrainActor:
         collective). Returns ``(reports, handle)``: rank 0's ``SyncHandle``, None elsewhere or
         when no sync was asked for."""
         reports = self.train_rollout(plan)
-        return reports, (self.export_weight_buckets(request) if request is not None else None)
+        stopped = len(reports) < len(plan.step_bounds)  # the same on every rank (agreed)
+        return reports, (self.export_weight_buckets(request) if request is not None and not stopped else None)
 
     def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's

@@ -5,24 +5,31 @@ dies (killed, OOM, segfault) or raises, the wait stops at the first failure and 
 ``TrainActorError`` naming the rank, its pid and node, and Ray's cause, instead of leaving the
 surviving ranks blocked in a collective. The driver then tears the group down; checkpoints
 already written stay, so ``--load`` resumes.
+
+Waits never block in ``ray.get``: they poll every ``POLL_S`` and call ``poll`` in between (the
+run's exit request, ``rl_plugin.loop.exit_request``: it may stop the ranks with
+``request_stop``, or raise). ``request_stop`` reaches a rank while it trains, on the actor's
+``control`` thread (``rl_plugin.ray.train_actor``).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 
 from rl_plugin.configs import TrainConfig
 from rl_plugin.ray.cluster import Placement
+from rl_plugin.ray.engine_actor import CONTROL_GROUP
 from rl_plugin.ray.rollout_actor import error_line
-from rl_plugin.ray.train_actor import FAULT_ENV, TrainActor
+from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, TrainActor
 
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
 # workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, "RL_PLUGIN_TRAIN_THREADS")
+FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS")
 DEATH_GRACE_S = 30.0
+POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
 
 class TrainActorError(RuntimeError):
@@ -46,8 +53,11 @@ class TrainActorError(RuntimeError):
 class TrainGroup:
     def __init__(self, args, placement: Placement):
         self.world_size = placement.world_size
-        remote_cls = ray.remote(TrainActor)
+        self.poll: Callable[[], None] = lambda: None  # the run's exit request, between two waits
+        remote_cls = ray.remote(concurrency_groups=CONTROL_GROUP)(TrainActor)  # request_stop while training
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        if SIGNAL_ENV in env:
+            env[DRIVER_PID_ENV] = str(os.getpid())
         opts = {"runtime_env": {"env_vars": env}} if env else {}
         self.actors = [
             remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(r, self.world_size)
@@ -81,15 +91,20 @@ class TrainGroup:
         """Results of ``refs`` (ranks ``first_rank``, ``first_rank + 1``, ...), failures named."""
         return self._wait(refs, method, first_rank=first_rank)
 
+    def request_stop(self) -> None:
+        """Every rank stops its train call before its next optimizer step (they agree on it)."""
+        for a in self.actors:
+            a.request_stop.options(concurrency_group="control").remote()
+
     def _wait(self, refs: List[ray.ObjectRef], method: str, *, first_rank: int = 0) -> List[Any]:
         rank_of = {ref: first_rank + r for r, ref in enumerate(refs)}
         results: Dict[int, Any] = {}
         pending = list(refs)
         while pending:
-            if len(pending) == 1:  # the last (or only) rank: its ray.get waits, no ray.wait round trip
-                ready, pending = pending, []
-            else:
-                ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            if not ready:
+                self.poll()
+                continue
             for ref in ready:
                 try:
                     results[rank_of[ref]] = ray.get(ref)

@@ -41,6 +41,7 @@ import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from rl_plugin.configs.custom_generation import DEFAULT_GENERATE_TIMEOUT_S, DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S
+from rl_plugin.rollout import abort
 from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
@@ -158,6 +159,8 @@ def run_generate_hook(
                 what="--custom-generate-timeout",
                 worker=hook.worker,
             )
+        except abort.GenerationAborted:
+            raise
         except UserCallTimeout as exc:
             raise HookError(
                 f"{hook.describe()} {exc} on {describe_sample(sample, i)}. Fix: give the hook's tools (and its other "
@@ -172,7 +175,7 @@ def run_generate_hook(
         EngineRouter(dispatch, seed, defaults, context_len).bind()
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
 
-    return asyncio.run(main())
+    return abort.run(main(), f"the generate hook {hook.describe()}")
 
 
 class DataSource:
@@ -207,16 +210,20 @@ def run_rollout_function(
     token = EngineRouter(dispatch, seed, defaults, context_len).bind()
     what = "--rollout-function-timeout"
     try:
+        label = f"the rollout function {hook.describe()}"  # what an abort names
         if inspect.iscoroutinefunction(inspect.unwrap(hook.fn)):
 
             async def whole():
                 return await hook.fn(hook_args, rollout_id, data_source, evaluation=evaluation)
 
-            out = asyncio.run(call_with_deadline(whole, timeout=timeout, what=what, worker=hook.worker))
+            out = abort.run(call_with_deadline(whole, timeout=timeout, what=what, worker=hook.worker), label)
         else:  # a plain def runs its own event loops (asyncio.run) in the worker thread
-            out = hook.worker.call(
-                hook.fn, hook_args, rollout_id, data_source, evaluation=evaluation, timeout=timeout, what=what
-            )
+            with abort.phase(label):
+                out = hook.worker.call(
+                    hook.fn, hook_args, rollout_id, data_source, evaluation=evaluation, timeout=timeout, what=what
+                )
+    except abort.GenerationAborted:
+        raise
     except UserCallTimeout as exc:
         raise HookError(
             f"{hook.describe()} {exc} on rollout {rollout_id} ({data_source.groups_given} prompt groups taken from "

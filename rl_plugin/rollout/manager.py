@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rl_plugin.configs import RolloutConfig
+from rl_plugin.rollout import abort
 from rl_plugin.rollout.custom_rollout import (
     GENERATE_FLAG,
     ROLLOUT_FLAG,
@@ -214,7 +215,8 @@ class RolloutManager:
         default one or the user's hook), scored and flattened; the samples come back too (the
         dynamic-sampling filter reads them)."""
         t0 = time.perf_counter()
-        samples = self.generate_samples(recs, n, seed)
+        with abort.phase(f"generation on the {self.config.engine.engine} engine"):  # a hook names itself inside
+            samples = self.generate_samples(recs, n, seed)
         hook = self.generate_hook
         who = hook.describe() if hook is not None else f"the {self.config.engine.engine} engine"
         return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=hook is not None, who=who)
@@ -373,6 +375,15 @@ class RolloutManager:
         if handle.fingerprint is not None:
             out["fingerprints"] = [s["fingerprint"] for s in stats]
         return out
+
+    # -- stopping -----------------------------------------------------------------------------
+    def abort(self) -> Optional[str]:
+        """Abort the rollout in progress (``rl_plugin.rollout.abort``; called on the actor's
+        ``control`` thread while ``generate`` runs on its own): the engine actors' generations
+        too. Returns what was running (None: nothing)."""
+        for e in self.engines:
+            e.abort.options(concurrency_group="control").remote()
+        return abort.request()
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:

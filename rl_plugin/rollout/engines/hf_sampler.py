@@ -57,6 +57,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from rl_plugin.rollout import abort
+
 # Generation-config fields whose non-default values change nothing ``sample`` does: token ids
 # (the engine passes eos/pad itself), the knobs the engine overrides (do_sample, temperature,
 # top_p, top_k, lengths) and output switches. Any other non-default field -> generate.
@@ -240,6 +242,7 @@ def sample(
         unfinished &= ~torch.isin(token, eos)
         if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
+        abort.check()  # an exit signal's abort: end within one decode step
         positions = torch.full((batch, 1), length + step, dtype=torch.long, device=device)
         raw = _forward(model, token[:, None], positions, cache)
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)

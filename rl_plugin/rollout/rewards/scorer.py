@@ -43,6 +43,7 @@ import math
 from typing import Any, List, Optional, Sequence
 
 from rl_plugin.configs.rewards import DEFAULT_LOCAL_TIMEOUT_S
+from rl_plugin.rollout import abort
 from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
 from rl_plugin.rollout.rewards.functions import (
     NOT_A_REWARD,
@@ -151,12 +152,14 @@ class SampleScorer:
     # -- entry points -------------------------------------------------------------------------
     def score_samples(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
         """``score`` from synchronous code (a thread with no running event loop)."""
+        what = f"the reward {self.who} ({self.form})"  # named if an exit signal finds it running
         if self.sync:
-            return self._score_sync(samples)
+            with abort.phase(what):
+                return self._score_sync(samples)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.score(samples, group_size=group_size))
+            return abort.run(self.score(samples, group_size=group_size), what)
         raise RuntimeError(
             "SampleScorer.score_samples was called inside a running event loop, which it cannot block; "
             "use `await scorer.score(samples)` there"

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
-from rl_plugin.errors import LoopError
+from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.loop.driver import Driver
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.schedule import RolloutLoop, Schedule
@@ -185,3 +185,31 @@ def test_pending_rollout_is_frozen():
     with pytest.raises(FrozenInstanceError):
         pending.staleness = 0  # type: ignore[misc]
     assert replace(pending, staleness=0).staleness == 0
+
+
+class _StopInTrain(FakeLoop):
+    """A train call that an exit signal stops before its first step (``StopRequested``)."""
+
+    def __init__(self, stop_at: int):
+        super().__init__()
+        self.stop_at = stop_at
+
+    def train_rollout(self, data, sync=False):
+        if data.k == self.stop_at:
+            raise StopRequested("the train call stopped before its optimizer step 1 of 1")
+        return super().train_rollout(data, sync)
+
+
+@pytest.mark.parametrize("schedule", [SyncSchedule, OverlappedSchedule])
+def test_a_rollout_cut_before_its_train_call_stays_pending(schedule):
+    """Issue 38 #2: the checkpoint an exit signal writes after rollout k-1 holds rollout k (generated,
+    not trained on) whichever schedule ran, so the resumed run trains on it as this one would have."""
+    loop = _StopInTrain(stop_at=2)
+    s = schedule(loop, _Cfg(5))
+    s.run_rollout(0)
+    s.run_rollout(1)
+    with pytest.raises(StopRequested):
+        s.run_rollout(2)
+    pending = s.pending()
+    assert pending is not None and pending.rollout_id == 2 and pending.data.k == 2
+    assert pending.staleness == (1 if schedule is OverlappedSchedule else 0)
