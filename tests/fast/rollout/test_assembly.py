@@ -57,10 +57,14 @@ def test_scoring_calls_once_in_order_and_names_the_first_bad_sample():
 
     def fn(p, r, lab):
         calls.append(p)
-        return {"a": 0.5, "b": "0.25", "c": True}[p]
+        return {"a": 0.5, "b": 0.25, "c": 1}[p]
 
     assert score_responses(fn, ["a", "b", "c"], ["", "", ""], [0, 0, 0]) == [0.5, 0.25, 1.0]
     assert calls == ["a", "b", "c"]
+    # a string or a bool is not taken for a number (issue 38): named, not coerced
+    for value, shown in (("0.25", r"'0.25' \(str\)"), (True, r"True \(bool\)")):
+        with pytest.raises(ValueError, match=rf"returned {shown} for sample 1 \(prompt 'b'\)"):
+            score_responses(lambda p, r, lab, v=value: {"a": 0.5, "b": v}[p], ["a", "b"], ["", ""], [0, 0])
     bad = {"ok": 1.0, "nan": math.nan, "str": "x"}
 
     def raising(p, r, lab):
@@ -71,7 +75,7 @@ def test_scoring_calls_once_in_order_and_names_the_first_bad_sample():
     # an earlier bad value is named before a later raise, as the per-sample loop did
     with pytest.raises(ValueError, match=r"returned nan for sample 1 \(prompt 'nan'"):
         score_responses(raising, ["ok", "nan", "boom"], ["", "", ""], [0, 0, 0])
-    with pytest.raises(ValueError, match=r"returned 'x' for sample 1 \(prompt 'str'\); it must return a float"):
+    with pytest.raises(ValueError, match=r"returned 'x' \(str\) for sample 1 \(prompt 'str'\); it must return a float"):
         score_responses(raising, ["ok", "str", "nan"], ["", "", ""], [0, 0, 0])
     with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'k' .*on sample 1 of the rollout"):
         score_responses(raising, ["ok", "boom", "nan"], ["", "", ""], [0, 0, 0])
