@@ -20,7 +20,16 @@ from rl_plugin.loop.resume import Progress
 from rl_plugin.rollout.rollout_data import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
-ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean", "multi_turn/")
+# ``rollout/``: a hook's samples held to the limits and repeated groups (``rollout.sample_check``)
+ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean", "multi_turn/", "rollout/")
+
+
+def row_stats(stats: Dict[str, Any]) -> Dict[str, Any]:
+    """The rollout's stats a metrics row carries: ``ROLLOUT_STATS`` and every key under
+    ``ROLLOUT_STAT_PREFIXES`` (the rollout's timings go to the timings file instead)."""
+    out = {key: stats[key] for key in ROLLOUT_STATS}
+    out.update({key: v for key, v in stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
+    return out
 
 
 def keep_previous(metrics_file: Path) -> None:
@@ -60,8 +69,7 @@ class RowLogger:
         staleness: Optional[int],
     ) -> None:
         """One row per step report of rollout k; advances ``progress`` (step, samples seen)."""
-        stats = {key: data.stats[key] for key in ROLLOUT_STATS}
-        stats.update({key: v for key, v in data.stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
+        stats = row_stats(data.stats)
         if staleness is not None:  # overlapped runs only: the synchronous loop's metrics stay as they were
             stats["weight_staleness"] = float(staleness)
         t_engine, t_reward = (
