@@ -185,7 +185,12 @@ def check_importable(spec: str, flag: str) -> None:
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
         reason = getattr(exc, "reason", str(exc))
-        fail(flag, f"cannot load the function {spec!r}: {reason}", f"pass {FORMS}, importable from here (PYTHONPATH)")
+        fix = (
+            "correct the name after the ':' (or define that function in the module)"
+            if "has no callable" in reason
+            else f"pass {FORMS}, importable from here (PYTHONPATH)"
+        )
+        fail(flag, f"cannot load the function {spec!r}: {reason}", fix)
 
 
 def defined_functions(module) -> str:

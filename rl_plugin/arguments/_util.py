@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from rl_plugin.errors import RLArgumentError, fail  # noqa: F401 - re-exported: the flag modules raise these
 
 
@@ -37,7 +35,3 @@ def add_flag(group, *names: str, **kwargs) -> None:
         return
     action = group.add_argument(*names, **kwargs)
     setattr(action, OWNER, group.title)
-
-
-def is_positive_finite(x) -> bool:
-    return x is not None and isinstance(x, (int, float)) and math.isfinite(x) and x > 0

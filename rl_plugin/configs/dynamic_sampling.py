@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.configs._checks import importable
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag
 from rl_plugin.registries import BUILTIN_FILTER, DYNAMIC_SAMPLING_MAX_ROUNDS
+from rl_plugin.user_code import check_importable
 
 GROUP = "dynamic sampling"
 
@@ -89,7 +89,7 @@ class DynamicSamplingConfig(Declared):
                 f"use --over-sampling-batch-size >= {rbs} (DAPO over-samples, e.g. {2 * rbs})",
             )
         if path is not None:
-            importable("--dynamic-sampling-filter-path", path)
+            check_importable(path, "--dynamic-sampling-filter-path")
         cls._check_overlong(args)
 
     @staticmethod

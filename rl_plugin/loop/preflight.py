@@ -190,14 +190,14 @@ USER_FUNCTION_FLAGS = (
 
 
 def check_user_functions(args) -> None:
-    """Import every function of ``USER_FUNCTION_FLAGS`` now (``configs._checks.importable``), so a
+    """Import every function of ``USER_FUNCTION_FLAGS`` now (``user_code.check_importable``), so a
     missing file or name costs a second here, not a Ray start-up and a remote traceback."""
-    from rl_plugin.configs._checks import importable
+    from rl_plugin.user_code import check_importable
 
     for flag, attr in USER_FUNCTION_FLAGS:
         spec = getattr(args, attr, None)
         if spec:
-            importable(flag, spec)
+            check_importable(spec, flag)
 
 
 def preflight(args) -> Optional[ResumePoint]:
