@@ -53,6 +53,10 @@ GROUPS = (
         "routing replay",
         "Mixture-of-experts routing replay: the trainer routes each token to the experts the engine (R3) or the old-policy pass (R2) routed it to.",
     ),
+    (
+        "lora",
+        "Low-rank adapters: train W + (alpha/r) B A on frozen linears; only the adapters train, sync and checkpoint.",
+    ),
     ("fsdp backend", "Settings read only by --train-backend fsdp (PyTorch FSDP2 on the Hugging Face model)."),
     ("weight sync", "How the trainer's weights reach the rollout engines after every rollout."),
     ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),
@@ -86,6 +90,7 @@ def _configs():
     from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
     from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
     from rl_plugin.configs.logging import LoggingConfig
+    from rl_plugin.configs.lora import LoraConfig
     from rl_plugin.configs.rewards import RewardConfig
     from rl_plugin.loss_config import LossConfig
     from rl_plugin.weight_sync import SyncSettings
@@ -97,6 +102,7 @@ def _configs():
         BatchingConfig,
         LossConfig,
         OptimizerConfig,
+        LoraConfig,
         RolloutConfig,
         EngineConfig,
         RewardConfig,

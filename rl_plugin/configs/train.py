@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_plugin.configs.batching import BatchingConfig
+from rl_plugin.configs.lora import LoraConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
@@ -29,6 +30,7 @@ class TrainConfig(RoutingReplaySettings, Declared):
     optimizer: OptimizerConfig = nested(OptimizerConfig)
     batching: BatchingConfig = nested(BatchingConfig)
     loss: LossConfig = nested(LossConfig)
+    lora: LoraConfig = nested(LoraConfig)
     use_rollout_logprobs: bool = flag(  # old log-probs = the engine's (no recompute pass)
         "--use-rollout-logprobs",
         action="store_true",

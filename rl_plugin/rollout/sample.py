@@ -18,7 +18,13 @@ A custom generate hook (``--custom-generate-function-path``), a whole-rollout fu
 - ``rollout_routed_experts`` (MoE, ``--use-rollout-routing-replay``): ``[len(tokens) - 1,
   num_moe_layers, top_k]`` int, the experts the engine routed each token it ran to (every token but
   the last, which is never run; slime's and SGLang's layout, ``rl_plugin.routing``); ``None`` when
-  the engine did not record them.
+  the engine did not record them;
+- ``weight_versions`` (one int per response token, or None): the trainer weight version that
+  produced each token (the engine's version when it generated it, beside that version's
+  ``rollout_log_probs``); under fully asynchronous training with partial rollouts one sample can
+  span several versions. A group's staleness is the trainer's current version minus its oldest
+  token's version. None where the loop does not track versions (every token: the engine's current
+  weights).
 
 The hot path never loops over ``Sample`` objects: a rollout's samples are flattened into
 ``RolloutData``'s tensors once, in one pass.
@@ -54,6 +60,7 @@ class Sample:
     loss_mask: Optional[List[int]] = None
     rollout_log_probs: Optional[List[float]] = None
     rollout_routed_experts: Optional[Any] = None
+    weight_versions: Optional[List[int]] = None
     metadata: Dict[str, Any] = field(default_factory=dict)
     status: "Sample.Status" = Status.PENDING
 
