@@ -56,6 +56,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.loss_config",
             "rl_plugin.urls",
             "rl_plugin.routing",
+            "rl_plugin.lora",
             "rl_plugin.models",
         ),
     ),
