@@ -127,7 +127,13 @@ class MegatronBackend(TrainBackend):
         )
         if self.moe_layers:
             report.update(
-                moe.aux_loss_metrics(self.bridge.config, self.moe_layers, self._real_micro_batches, self.parallel_state)
+                moe.aux_loss_metrics(
+                    self.bridge.config,
+                    self.moe_layers,
+                    self._real_micro_batches,
+                    self.parallel_state,
+                    device=self.loss_device,
+                )
             )
         return report
 
