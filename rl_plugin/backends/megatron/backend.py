@@ -81,7 +81,7 @@ class MegatronBackend(TrainBackend):
             raise RuntimeError(
                 "MegatronBackend.from_config: initialise torch.distributed first (gloo on CPU, nccl on GPU)"
             )
-        apply_cpu_shim()  # no-op where CUDA is present
+        apply_cpu_shim()  # what this machine needs: nothing on a GPU with transformer-engine
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
