@@ -9,7 +9,8 @@ write it (``transport.py``):
   when some engine is elsewhere), or for all when /dev/shm is unusable;
 - ``shared_memory`` / ``object_store``: that one alone (shared memory refuses remote engines);
 - ``distributed`` (or ``nccl``): a broadcast group from rank 0 to the engine processes; every
-  tensor every sync.
+  tensor every sync, copied from where the export has it into the bucket on the group's device
+  (never through the host when the transport is NCCL).
 
 The answer is a ``SyncHandle``; under ``--check-weight-sync`` it carries the export's fingerprint.
 
@@ -87,13 +88,16 @@ class WeightPublisher:
             streams.append(self.dist.open(kept, handle, request))
         streams = [s for s in streams if s is not None]
         fingerprint: Optional[Dict[str, str]] = {} if request.fingerprint else None
+        # shared memory and the object store write host bytes; the distributed group alone copies
+        # each tensor into its bucket on its own device (NCCL: GPU to GPU, no round trip via the host)
+        host = self.shm is not None or self.store is not None
         try:
             for name, tensor in tensors:
                 if fingerprint is not None:
                     fingerprint[name] = tensor_fingerprint(tensor)
                 if name in self.skip:
                     continue
-                tensor = tensor.detach().to("cpu").contiguous()
+                tensor = (tensor.detach().to("cpu") if host else tensor.detach()).contiguous()
                 for stream in streams:
                     stream.add(name, tensor)
                 del tensor  # the streams keep what they still need (one bucket at most)
