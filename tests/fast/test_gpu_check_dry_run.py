@@ -41,10 +41,13 @@ def test_every_case_runs_on_the_cpu_without_the_missing_packages(tmp_path):
 
 
 def test_a_case_runs_isolated_and_a_budget_skips(tmp_path):
-    """The GPU run's mode: each case in its own process (result file); no budget left: skipped."""
-    proc = _run(tmp_path, "--only", "fused_head")
+    """The GPU run's mode: each case in its own process (result file), and a case's own child
+    processes (a throughput shape) under it; no budget left: skipped."""
+    proc = _run(tmp_path, "--only", "throughput_fsdp")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert proc.returncode == 0 and report["cases"]["fused_head"]["status"] == "ok", proc.stdout + proc.stderr
+    entry = report["cases"]["throughput_fsdp"]
+    assert proc.returncode == 0 and entry["status"] == "ok", proc.stdout + proc.stderr
+    assert entry["result"]["shapes"]["tiny"]["tokens"] > 0
     proc = _run(tmp_path / "none", "--only", "env", "--budget-s", "1")
     entry = json.loads((tmp_path / "none" / "gpu_check.json").read_text())["cases"]["env"]
     assert entry["status"] == "skipped" and "time budget" in entry["error"]

@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.gpu.common import ROOT, Ctx
+from tests.gpu.common import IN_PROCESS_ENV, ROOT, Ctx
 
 # (name, "module:function", timeout seconds, packages it needs beyond the GPU machine's own)
 CASES = (
@@ -39,8 +39,8 @@ CASES = (
     ("hf_engine", "tests.gpu.cases_rollout:hf_engine", 75, ()),
     ("shared_memory_sync", "tests.gpu.cases_rollout:shared_memory_sync", 60, ()),
     ("distributed_sync", "tests.gpu.cases_rollout:distributed_sync", 60, ()),
-    ("throughput_fsdp", "tests.gpu.cases_train:throughput_fsdp", 100, ()),
-    ("throughput_megatron", "tests.gpu.cases_train:throughput_megatron", 100, ("megatron.core", "mbridge")),
+    ("throughput_fsdp", "tests.gpu.cases_train:throughput_fsdp", 130, ()),
+    ("throughput_megatron", "tests.gpu.cases_train:throughput_megatron", 130, ("megatron.core", "mbridge")),
 )
 MIN_START_S = 20
 BLOCK_ENV = "RL_GPU_CHECK_BLOCK_IMPORTS"
@@ -149,13 +149,15 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated case names (default: all)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this many seconds")
     p.add_argument("--block-imports", default="", help="comma-separated packages made unimportable in the cases")
-    p.add_argument("--in-process", action="store_true", help="run the cases in this process (no isolation)")
+    p.add_argument("--in-process", action="store_true", help="run the cases (and their children) in this process")
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.block_imports:
         os.environ[BLOCK_ENV] = opts.block_imports
+    if opts.in_process:
+        os.environ[IN_PROCESS_ENV] = "1"  # the cases' own child processes too (common.run_child)
     if opts.child:
         return _child(opts)
     if opts.device == "cuda" and not torch.cuda.is_available():

@@ -63,6 +63,8 @@ SHAPES = {
     ),
 }
 
+IN_PROCESS_ENV = "RL_GPU_CHECK_IN_PROCESS"
+
 # Dense bf16 peak of the GPUs this project is lent (NVIDIA's datasheets, SXM, without sparsity).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -84,7 +86,17 @@ def checkpoint(ctx: Ctx, shape: str) -> str:
 
     kwargs = dict(SHAPES[shape])
     family = kwargs.pop("family")
-    return str(make_tiny_hf_checkpoint(ctx.work / f"ckpt-{shape}", family, **kwargs))
+    final = ctx.work / f"ckpt-{shape}"
+    if not final.exists():  # written aside and renamed: a case killed mid-write leaves no half checkpoint
+        tmp = ctx.work / f".ckpt-{shape}-{os.getpid()}"
+        make_tiny_hf_checkpoint(tmp, family, **kwargs)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process renamed its copy first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
 
 
 def free_port() -> int:
@@ -99,6 +111,8 @@ def one_process_world(cuda: bool):
     import torch.distributed as dist
 
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
@@ -188,7 +202,14 @@ def close(name: str, got: float, want: float, *, rtol: float, atol: float = 0.0)
 
 def run_child(module_fn: str, ctx: Ctx, out: Path, *, hide_cuda: bool, timeout: float, args: Optional[dict] = None):
     """Run ``module:function(ctx, out, **args)`` in a fresh Python (``hide_cuda``: with no visible
-    GPU, so the backends take their CPU path: the fp32 reference) and return what it wrote."""
+    GPU, so the backends take their CPU path: the fp32 reference) and return what it wrote.
+    Under ``check --in-process`` (``IN_PROCESS_ENV`` set; the CPU dry run) it runs right here."""
+    if os.environ.get(IN_PROCESS_ENV) and not (hide_cuda and torch.cuda.is_available()):
+        import importlib
+
+        module, fn = module_fn.split(":")
+        getattr(importlib.import_module(module), fn)(ctx, out, **(args or {}))
+        return torch.load(out, weights_only=False)
     env = dict(os.environ)
     if hide_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
