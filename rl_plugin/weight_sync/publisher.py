@@ -50,6 +50,14 @@ class WeightPublisher:
         self.dist: Optional[DistributedWriter] = DistributedWriter() if transport in DISTRIBUTED else None
 
     @property
+    def host_tensors(self) -> bool:
+        """Whether the transports want the export on the CPU: shared memory and the object store
+        do; the distributed group alone copies each tensor from where it is into its bucket on the
+        group's device (NCCL: GPU to GPU), so a backend streams it from the device
+        (``stream_hf_weights(host=False)``)."""
+        return self.shm is not None or self.store is not None
+
+    @property
     def changed_at(self) -> Dict[str, int]:
         """name -> the version of the sync that last changed it (tracked by the shared-memory writer)."""
         return self.shm.changed_at if self.shm is not None else {}
@@ -88,9 +96,7 @@ class WeightPublisher:
             streams.append(self.dist.open(kept, handle, request))
         streams = [s for s in streams if s is not None]
         fingerprint: Optional[Dict[str, str]] = {} if request.fingerprint else None
-        # shared memory and the object store write host bytes; the distributed group alone copies
-        # each tensor into its bucket on its own device (NCCL: GPU to GPU, no round trip via the host)
-        host = self.shm is not None or self.store is not None
+        host = self.host_tensors  # the distributed group alone: no round trip through the host
         try:
             for name, tensor in tensors:
                 if fingerprint is not None:

@@ -178,7 +178,7 @@ class MegatronBackend(TrainBackend):
         """The GPTModel of each of this rank's model chunks (one without the interleaved schedule)."""
         return [unwrap(chunk) for chunk in chunks_of(self.model)]
 
-    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def stream_hf_weights(self, *, host: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
         pipelined, each stage's TP rank 0 sends its tensors on to global rank 0 in bounded messages
         (``pipeline_export.stream_gathered_to_rank0``: the fallback, not a per-stage publish)."""
@@ -191,8 +191,9 @@ class MegatronBackend(TrainBackend):
                 dp_rank=ps.dp_rank,
                 cp_rank=ps.cp_rank,
                 pp_group=ps.pp_group,
+                host=host,
             )
-        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank)
+        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank, host=host)
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         written = checkpoint.save(
