@@ -45,9 +45,12 @@ from tests.gpu.common import (
 )
 
 EPS = 2.0**-8  # bf16 unit roundoff
-# J and the gradient norm: sums over many tokens, a few EPS relative; one gradient tensor (a bias
-# sums few products) up to 16 EPS; log-probs (magnitude log V ~ 7) up to 12 EPS mean, 128 EPS max
-BF16 = dict(loss_rtol=8 * EPS, norm_rtol=8 * EPS, grad_rel=16 * EPS, logp_mean=12 * EPS, logp_max=128 * EPS)
+# J and the gradient norm: sums over many tokens, a few EPS relative; all gradients together 8 EPS,
+# the worst single tensor 32 EPS (seen on the CPU in bf16: ~15 EPS for a k_proj bias); log-probs
+# (magnitude log V ~ 7) up to 12 EPS mean, 128 EPS max
+BF16 = dict(
+    loss_rtol=8 * EPS, norm_rtol=8 * EPS, grad_rel=8 * EPS, grad_worst=32 * EPS, logp_mean=12 * EPS, logp_max=128 * EPS
+)
 
 
 def _parity_batch(ctx: Ctx):
@@ -79,11 +82,35 @@ def _capture_grads(backend) -> Dict[str, torch.Tensor]:
     return grads
 
 
+def _capture_megatron_grads(backend) -> Dict[str, torch.Tensor]:
+    """The Megatron backend's gradients under HF names, just before the optimizer applies them:
+    each parameter's fp32 ``main_grad`` (DDP's buffer) is put in place of its weights for one
+    export (``export_hf_state_dict``: mbridge's name map and q/k/v, gate/up splits, all linear, so
+    the export of the gradients is the gradient of the export), then the weights are put back."""
+    grads: Dict[str, torch.Tensor] = {}
+    step = backend.optimizer_step
+
+    def optimizer_step():
+        params = [p for p in backend.model.parameters() if getattr(p, "main_grad", None) is not None]
+        saved = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = p.main_grad.to(p.dtype)
+            grads.update({k: v.float() for k, v in backend.export_hf_state_dict().items()})
+        finally:
+            for p, data in zip(params, saved):
+                p.data = data
+        return step()
+
+    backend.optimizer_step = optimizer_step
+    return grads
+
+
 def _one_step(ctx: Ctx, backend_name: str, *, bf16: bool) -> dict:
     batch, groups = _parity_batch(ctx)
     with one_process_world(ctx.cuda):
         backend = make_backend(train_flags(backend_name, _parity_checkpoint(ctx), bf16=bf16))
-        grads = _capture_grads(backend) if backend_name == "fsdp" else {}
+        grads = _capture_grads(backend) if backend_name == "fsdp" else _capture_megatron_grads(backend)
         logp = backend.compute_log_probs(batch).float().cpu()
         report = backend.train_step(batch, num_groups=groups)
         synchronize(ctx)
@@ -111,16 +138,21 @@ def _compare(dev: dict, ref: dict) -> list:
     checks.append(close("logp mean |diff|", float(diff.mean()), 0.0, rtol=0.0, atol=BF16["logp_mean"]))
     checks.append(close("logp max |diff|", float(diff.max()), 0.0, rtol=0.0, atol=BF16["logp_max"]))
     if dev["grads"]:
-        missing = sorted(set(ref["grads"]) ^ set(dev["grads"]))
-        checks.append(dict(check="same gradient names", got=missing, want=[], ok=not missing))
-        worst, worst_name = 0.0, None
+        missing = sorted(set(ref["grads"]) - set(dev["grads"]))
+        checks.append(dict(check="every reference gradient compared", got=missing, want=[], ok=not missing))
+        worst, worst_name, err2, ref2 = 0.0, None, 0.0, 0.0
         for name, g in ref["grads"].items():
             if name in dev["grads"]:
-                rel = float((dev["grads"][name] - g).norm() / g.norm().clamp_min(1e-12))
+                e = float((dev["grads"][name] - g).norm())
+                err2, ref2 = err2 + e**2, ref2 + float(g.norm()) ** 2
+                rel = e / max(float(g.norm()), 1e-12)
                 if rel > worst:
                     worst, worst_name = rel, name
+        total = (err2 / max(ref2, 1e-24)) ** 0.5
+        checks.append(close("all gradients rel. L2 error", total, 0.0, rtol=0.0, atol=BF16["grad_rel"]))
+        # one tensor (a bias: a sum over tokens with cancellation) is the least well-conditioned
         checks.append(
-            close(f"worst gradient rel. L2 error ({worst_name})", worst, 0.0, rtol=0.0, atol=BF16["grad_rel"])
+            close(f"worst tensor rel. L2 error ({worst_name})", worst, 0.0, rtol=0.0, atol=BF16["grad_worst"])
         )
     return checks
 
