@@ -126,7 +126,7 @@ def _reference(ctx: Ctx) -> dict:
     path = ctx.work / "reference_step.pt"
     if path.exists():
         return torch.load(path, weights_only=False)
-    return run_child("tests.gpu.cases_train:reference_step", ctx, path, hide_cuda=True, timeout=120)
+    return run_child("tests.gpu.cases_train:reference_step", ctx, path, hide_cuda=True, timeout=80)
 
 
 def _compare(dev: dict, ref: dict) -> list:
@@ -239,7 +239,7 @@ def _throughput(ctx: Ctx, backend_name: str) -> dict:
                 ctx,
                 out,
                 hide_cuda=False,
-                timeout=120 if ctx.dry_run else 60,
+                timeout=120 if ctx.dry_run else 75,
                 args=dict(backend_name=backend_name, shape=shape),
             )
         except Exception as e:  # noqa: BLE001 - one shape's failure (e.g. out of time) leaves the other's numbers

@@ -39,8 +39,8 @@ CASES = (
     ("hf_engine", "tests.gpu.cases_rollout:hf_engine", 75, ()),
     ("shared_memory_sync", "tests.gpu.cases_rollout:shared_memory_sync", 60, ()),
     ("distributed_sync", "tests.gpu.cases_rollout:distributed_sync", 60, ()),
-    ("throughput_fsdp", "tests.gpu.cases_train:throughput_fsdp", 130, ()),
-    ("throughput_megatron", "tests.gpu.cases_train:throughput_megatron", 130, ("megatron.core", "mbridge")),
+    ("throughput_fsdp", "tests.gpu.cases_train:throughput_fsdp", 150, ()),
+    ("throughput_megatron", "tests.gpu.cases_train:throughput_megatron", 150, ("megatron.core", "mbridge")),
 )
 MIN_START_S = 20
 BLOCK_ENV = "RL_GPU_CHECK_BLOCK_IMPORTS"
