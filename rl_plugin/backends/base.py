@@ -142,9 +142,11 @@ class TrainBackend(abc.ABC):
         ``export_hf_state_dict``)."""
         return None
 
-    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def stream_hf_weights(self, *, host: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """The export as a stream, collective: EVERY rank must exhaust it. Global rank 0 (the
-        exporting rank) gets ``(hf_name, CPU tensor)`` in the order of ``hf_weight_specs``, each
+        exporting rank) gets ``(hf_name, CPU tensor)`` in the order of ``hf_weight_specs`` (with
+        ``host=False``: the tensor where the gather left it, the device, for a transport that sends
+        from there: ``WeightPublisher.host_tensors``), each
         materialised only when reached and valid until the weights change; the other ranks get
         nothing and only take part in the gathers they must. This default materialises
         ``export_hf_state_dict`` on every rank (a backend without a streaming export)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -65,6 +66,18 @@ class EngineConfig(Declared):
             "ignores it."
         ),
     )
+    enforce_eager: Optional[bool] = flag(
+        "--rollout-enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        group="engine",
+        help=(
+            "vLLM's enforce_eager: run the model eagerly, without torch.compile and CUDA-graph capture. Default: eager "
+            "on a CPU engine (vLLM's CPU build), CUDA graphs on a GPU (faster decoding, at a start-up cost of tens of "
+            "seconds and some GPU memory). --rollout-enforce-eager for short smoke runs or to rule graphs out when "
+            "debugging; --no-rollout-enforce-eager to insist on graphs. vLLM only."
+        ),
+    )
     seed: int = same_as(ModelConfig, "seed")
     # --use-rollout-routing-replay (R3): the engine records each token's experts
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
@@ -94,6 +107,12 @@ class EngineConfig(Declared):
                 f"--rollout-engine hf with --rollout-num-gpus-per-engine {per_engine}",
                 "Hugging Face generate runs on one device (no tensor parallelism)",
                 "use --rollout-engine vllm or sglang for multi-GPU engines, or --rollout-num-gpus-per-engine 1",
+            )
+        if args.rollout_enforce_eager is not None and args.rollout_engine != "vllm":
+            fail(
+                f"--{'' if args.rollout_enforce_eager else 'no-'}rollout-enforce-eager with --rollout-engine {args.rollout_engine}",
+                "it sets vLLM's enforce_eager (CUDA graphs), which this engine does not have",
+                "drop it, or use --rollout-engine vllm",
             )
         flip = args.debug_engine_routing_flip
         if not 0.0 <= flip <= 1.0:

@@ -228,7 +228,8 @@ class TrainActor:
             handle = self.publisher.publish(sd, request)
             handle.export_seconds = t1 - t0
             return handle
-        stream = _Timed(self.backend.stream_hf_weights())
+        # the distributed transport alone sends from the device: the export stays there (issue 37 item 8)
+        stream = _Timed(self.backend.stream_hf_weights(host=self.publisher.host_tensors))
         try:
             handle = self.publisher.publish_stream(specs, stream, request)
         except Exception:  # a publish error: finish the collectives so the other ranks are not left waiting

@@ -16,8 +16,12 @@ from rl_plugin.weight_sync.segment import WeightLayout
 
 
 def node_id() -> str:
-    """This process's Ray node id ("local" outside Ray: every process then shares one machine)."""
-    import ray
+    """This process's Ray node id ("local" outside Ray: every process then shares one machine; also
+    where Ray is not installed, e.g. the in-process GPU check, ``tests/gpu``)."""
+    try:
+        import ray
+    except ImportError:
+        return "local"
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 

@@ -9,7 +9,8 @@ write it (``transport.py``):
   when some engine is elsewhere), or for all when /dev/shm is unusable;
 - ``shared_memory`` / ``object_store``: that one alone (shared memory refuses remote engines);
 - ``distributed`` (or ``nccl``): a broadcast group from rank 0 to the engine processes; every
-  tensor every sync.
+  tensor every sync, copied from where the export has it into the bucket on the group's device
+  (never through the host when the transport is NCCL).
 
 The answer is a ``SyncHandle``; under ``--check-weight-sync`` it carries the export's fingerprint.
 
@@ -47,6 +48,14 @@ class WeightPublisher:
         )
         self.store: Optional[ObjectStoreWriter] = ObjectStoreWriter() if transport in ("auto", "object_store") else None
         self.dist: Optional[DistributedWriter] = DistributedWriter() if transport in DISTRIBUTED else None
+
+    @property
+    def host_tensors(self) -> bool:
+        """Whether the transports want the export on the CPU: shared memory and the object store
+        do; the distributed group alone copies each tensor from where it is into its bucket on the
+        group's device (NCCL: GPU to GPU), so a backend streams it from the device
+        (``stream_hf_weights(host=False)``)."""
+        return self.shm is not None or self.store is not None
 
     @property
     def changed_at(self) -> Dict[str, int]:
@@ -87,13 +96,14 @@ class WeightPublisher:
             streams.append(self.dist.open(kept, handle, request))
         streams = [s for s in streams if s is not None]
         fingerprint: Optional[Dict[str, str]] = {} if request.fingerprint else None
+        host = self.host_tensors  # the distributed group alone: no round trip through the host
         try:
             for name, tensor in tensors:
                 if fingerprint is not None:
                     fingerprint[name] = tensor_fingerprint(tensor)
                 if name in self.skip:
                     continue
-                tensor = tensor.detach().to("cpu").contiguous()
+                tensor = (tensor.detach().to("cpu") if host else tensor.detach()).contiguous()
                 for stream in streams:
                     stream.add(name, tensor)
                 del tensor  # the streams keep what they still need (one bucket at most)

@@ -40,7 +40,8 @@ class WriteStream(ABC):
 
     @abstractmethod
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """The next tensor of the export (CPU, contiguous), in the order of the specs."""
+        """The next tensor of the export (contiguous; on the CPU unless the distributed group alone
+        writes, then where the export has it), in the order of the specs."""
 
     @abstractmethod
     def close(self) -> None:

@@ -280,15 +280,16 @@ class FSDPBackend(TrainBackend):
             for n, t in to_checkpoint(k, torch.empty(v.shape, dtype=v.dtype, device="meta"), self.model_type)
         }
 
-    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def stream_hf_weights(self, *, host: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """One parameter at a time, every rank joining its gather (``gather_to_rank0``; a tied
-        name is gathered again rather than kept); only rank 0 holds the result, copied to the CPU.
-        The other ranks hold nothing beyond their own shard."""
+        name is gathered again rather than kept); only rank 0 holds the result, copied to the CPU
+        (``host=False``: left on the device). The other ranks hold nothing beyond their own shard."""
         exporter = dist.get_rank() == 0
         for name, value in self.model.state_dict().items():
             full = gather_to_rank0(value)
             if exporter:
-                for hf_name, t in to_checkpoint(name, full.detach().to("cpu"), self.model_type):
+                full = full.detach().to("cpu") if host else full.detach()
+                for hf_name, t in to_checkpoint(name, full, self.model_type):
                     yield hf_name, t.contiguous()
             del full
 

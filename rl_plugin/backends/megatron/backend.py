@@ -81,7 +81,7 @@ class MegatronBackend(TrainBackend):
             raise RuntimeError(
                 "MegatronBackend.from_config: initialise torch.distributed first (gloo on CPU, nccl on GPU)"
             )
-        apply_cpu_shim()  # no-op where CUDA is present
+        apply_cpu_shim()  # what this machine needs: nothing on a GPU with transformer-engine
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
@@ -127,7 +127,13 @@ class MegatronBackend(TrainBackend):
         )
         if self.moe_layers:
             report.update(
-                moe.aux_loss_metrics(self.bridge.config, self.moe_layers, self._real_micro_batches, self.parallel_state)
+                moe.aux_loss_metrics(
+                    self.bridge.config,
+                    self.moe_layers,
+                    self._real_micro_batches,
+                    self.parallel_state,
+                    device=self.loss_device,
+                )
             )
         return report
 
@@ -172,7 +178,7 @@ class MegatronBackend(TrainBackend):
         """The GPTModel of each of this rank's model chunks (one without the interleaved schedule)."""
         return [unwrap(chunk) for chunk in chunks_of(self.model)]
 
-    def stream_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def stream_hf_weights(self, *, host: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
         """Only the TP group of DP rank 0 gathers, to global rank 0 alone (``bridge.stream_hf``);
         pipelined, each stage's TP rank 0 sends its tensors on to global rank 0 in bounded messages
         (``pipeline_export.stream_gathered_to_rank0``: the fallback, not a per-stage publish)."""
@@ -185,8 +191,9 @@ class MegatronBackend(TrainBackend):
                 dp_rank=ps.dp_rank,
                 cp_rank=ps.cp_rank,
                 pp_group=ps.pp_group,
+                host=host,
             )
-        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank)
+        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank, host=host)
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         written = checkpoint.save(

@@ -239,7 +239,7 @@ def _experts_to_root(bridge, name: str, param) -> Optional[List[Tuple[str, torch
     return [(expert_global_name(name, r, _num_local_experts(bridge)), t) for r, t in enumerate(pieces)]
 
 
-def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[str, torch.Tensor]]:
+def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int, host: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """The export for the weight sync (module docstring), collective: every rank must exhaust it.
     Global rank 0 gets ``(hf_name, CPU tensor)`` in the order of ``hf_specs``; the other ranks of
     its TP group send their dense shards, the ranks of expert-data-parallel rank 0 (rank 0's EP
@@ -256,7 +256,7 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
     if not _one_stage(bridge, core):
         for name, tensor in bridge.export_weights([model]):
             if dist.get_rank() == 0:
-                yield name, tensor.detach().to("cpu")
+                yield name, _out(tensor, host)
         return
     dense_part = dp_rank == 0 and cp_rank == 0
     expert_part = bridge.config.num_moe_experts is not None and mpu.get_expert_data_parallel_rank() == 0
@@ -286,7 +286,13 @@ def stream_hf(bridge, model, *, dp_rank: int, cp_rank: int) -> Iterator[Tuple[st
             named = [(name, tensor)]
         for name, tensor in named:
             for hf_name, t in zip(*bridge._weight_to_hf_format(name, tensor)):
-                yield hf_name, t.detach().to("cpu")
+                yield hf_name, _out(t, host)
+
+
+def _out(t: torch.Tensor, host: bool) -> torch.Tensor:
+    """An exported tensor as rank 0 yields it: on the CPU, or (``host=False``, a transport that
+    sends from the device) where it is."""
+    return t.detach().to("cpu") if host else t.detach()
 
 
 def _export_one_stage(bridge, core) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -51,8 +51,13 @@ def unwrap(model):
     return model
 
 
-def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
+def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1, device=None):
     """``(input_ids, position_ids, packed_seq_params)`` of a micro-batch for GPTModel.forward.
+
+    ``device``: the model's device (None: where the layout is, the CPU). The ids, the positions
+    and every ``cu_seqlens`` tensor of the ``PackedSeqParams`` go there: transformer-engine's thd
+    attention (and its CP kernels) read ``cu_seqlens(_padded)`` on the GPU, so a host tensor fails
+    the first forward of a GPU run (issue 37, item 1).
 
     ``sp_size``: the TP size under ``--sequence-parallel`` (1 otherwise, and then nothing
     changes). megatron-core's SP scatter splits the sequence dimension over TP, so it must
@@ -79,7 +84,7 @@ def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
             ids = torch.nn.functional.pad(ids, (0, extra))
             more = torch.arange(width, width + extra, dtype=pos.dtype, device=pos.device)
             pos = torch.cat([pos, more.expand(pos.shape[0], extra)], dim=1)
-        return ids, pos, None
+        return _to(ids, device), _to(pos, device), None
     cu = layout.cu_seqlens_padded
     max_len = int(layout.padded_lengths.max()) if layout.num_samples else 0
     ids, pos = mb.input_ids, mb.position_ids
@@ -91,6 +96,7 @@ def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
         pos = torch.cat([pos, pad_pos.to(pos.device)])
         cu = torch.cat([cu, cu[-1:] + extra])
         max_len = max(max_len, extra)
+    cu = _to(cu, device)
     psp = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -100,7 +106,11 @@ def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
     )
-    return ids.view(1, -1), pos.view(1, -1), psp
+    return _to(ids.view(1, -1), device), _to(pos.view(1, -1), device), psp
+
+
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    return t if device is None else t.to(device)
 
 
 def padded_logit_index(mb: MicroBatchInputs, input_ids: torch.Tensor) -> torch.Tensor:
@@ -195,15 +205,13 @@ def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summe
     the ``Float16Module``'s fp32 output, without its fp32 ``[s, b, H]`` copy); with it the fp32
     output is gathered as before (the gather's reduce-scatter stays in fp32)."""
     gpt = unwrap(model)
-    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt))
     device = next(model.parameters()).device
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt), device=device)
     sp = bool(gpt.config.sequence_parallel)
     early = not sp and half_precision_wrapped(model)
     kwargs = {"fp32_output": False} if early else {}
     with hidden_states_only(gpt):
-        hidden = model(
-            input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
-        )  # [s, b, h]
+        hidden = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [s, b, h]
     rows = response_rows(
         hidden,
         padded_logit_index(mb, input_ids),
@@ -237,12 +245,11 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
     is the fp32 ``[b, s, V/tp]`` copy of every position's logits (and its fp32 gradient buffer
     in the backward), ``benchmarks/megatron_bf16_logits.py``."""
     if not fp32_lm_head:
-        input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(unwrap(model)))
         device = next(model.parameters()).device
+        sp_size = sequence_parallel_size(unwrap(model))
+        input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sp_size, device=device)
         kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
-        logits = model(
-            input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
-        )  # [b, s, V/tp]
+        logits = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[padded_logit_index(mb, input_ids).to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     return fp32_output_projection(rows, output_weight(gpt))
@@ -314,18 +321,25 @@ def stage_output(model, mb: MicroBatchInputs, qkv_format: str) -> torch.Tensor:
     input from the previous stage, ``set_input_tensor``, and ``input_ids`` only shape the call).
     Every stage builds the same ``position_ids`` and ``PackedSeqParams`` (RoPE, thd attention)."""
     gpt = unwrap(model)
-    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt))
     device = next(model.parameters()).device
-    return model(input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp)
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt), device=device)
+    return model(input_ids, position_ids, None, packed_seq_params=psp)
 
 
-def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str) -> MicroBatchInputs:
-    """A one-sample micro-batch of pad tokens (id 0; a one-token prompt and response, padded to the
-    CP chunking) that a pipelined DP rank with no sample runs in place of an empty micro-batch:
-    the stages must exchange real activations and gradients, and its loss is multiplied by 0."""
+def idle_inputs(*, cp_rank: int, cp_size: int, qkv_format: str, sp_size: int = 1) -> MicroBatchInputs:
+    """A one-sample micro-batch of pad tokens (id 0; a one-token response, padded to the CP
+    chunking) that a rank with no sample runs in place of an empty micro-batch: a
+    pipelined DP rank (the stages must exchange real activations and gradients) and an
+    expert-parallel rank's idle pass (``step.idle_forward``); its loss is multiplied by 0.
+
+    Its length is valid under every layout the real micro-batches take: ``2 * cp`` tokens (each CP
+    rank's two zigzag chunks are non-empty), padded by the same rule as a packed micro-batch under
+    ``--sequence-parallel`` (``cp.sequence_parallel_padding``: each CP rank's share divides by TP,
+    ``sp_size``), so bshd rows and thd streams alike split over TP without a further segment."""
     from rl_plugin.loss import StepBatch
 
     total = 2 * cp_size
+    total += sequence_parallel_padding(total, sp_size, cp_size) if cp_size > 1 or sp_size > 1 else 0
     batch = StepBatch(
         tokens=torch.zeros(total, dtype=torch.long),
         total_lengths=torch.tensor([total]),

@@ -109,10 +109,15 @@ def clear_tracker() -> None:
     clear_aux_losses_tracker()
 
 
-def aux_loss_metrics(config, num_layers: int, num_micro_batches: int, ps) -> Dict[str, float]:
+def aux_loss_metrics(config, num_layers: int, num_micro_batches: int, ps, device=None) -> Dict[str, float]:
     """``moe_<name>``: each tracked loss (without its coefficient), averaged over MoE layers and
     this rank's micro-batches, summed over CP and averaged over DP (Megatron-LM's
-    ``track_moe_metrics`` reduction); clears the tracker. Collective over DP x CP."""
+    ``track_moe_metrics`` reduction); clears the tracker. Collective over DP x CP.
+
+    Devices (``parallel``'s contract): ``cp_group`` is megatron's own group, NCCL on GPUs, so the
+    CP sum runs on ``device`` (the loss device, the model's; float64, which NCCL reduces too); the
+    DP mean on the CPU (``dp_group`` is a gloo twin). A CPU tensor on an NCCL group fails (issue 37
+    item 5)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     from rl_plugin.parallel import all_reduce
@@ -125,7 +130,8 @@ def aux_loss_metrics(config, num_layers: int, num_micro_batches: int, ps) -> Dic
     for j, name in enumerate(names):
         if name in tracker and "values" in tracker[name]:
             local[j] = float(tracker[name]["values"].double().sum()) / max(num_layers, 1) / max(num_micro_batches, 1)
-    all_reduce(local, ps.cp_group)
+    if ps.cp_group is not None:
+        local = all_reduce(local.to(device or "cpu"), ps.cp_group).cpu()
     all_reduce(local, ps.dp_group)
     local /= ps.dp_size
     clear_tracker()

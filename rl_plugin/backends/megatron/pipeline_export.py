@@ -99,11 +99,13 @@ def merged_across_tp(bridge, name: str, param: torch.Tensor, *, exporter: bool, 
     return param if exporter else None
 
 
-def stream_gathered_to_rank0(bridge, cores, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group):
+def stream_gathered_to_rank0(
+    bridge, cores, stages: List[List[Spec]], *, dp_rank: int, cp_rank: int, pp_group, host: bool = True
+):
     """The weight sync's export of a pipelined model (module docstring: the fallback through
     global rank 0), ``stages`` from ``all_stage_specs``. Collective: every rank must exhaust it;
-    global rank 0 gets ``(hf_name, CPU tensor)`` in ``pipeline_specs`` order, every other rank
-    nothing."""
+    global rank 0 gets ``(hf_name, CPU tensor)`` in ``pipeline_specs`` order (``host=False``: on
+    the device), every other rank nothing."""
     if dp_rank != 0 or cp_rank != 0:
         return
     exporter = bridge.mpu.tp_rank == 0
@@ -112,7 +114,7 @@ def stream_gathered_to_rank0(bridge, cores, stages: List[List[Spec]], *, dp_rank
         with torch.no_grad():
             _send_stage(tensors, stages[bridge.mpu.pp_rank] if exporter else [])
         return
-    yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), cores[0])
+    yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), cores[0], host)
 
 
 def message_groups(stage: List[Spec], budget: int = MESSAGE_BYTES) -> List[List[int]]:
@@ -146,10 +148,10 @@ def _send_stage(tensors, stage: List[Spec]) -> None:
         pass
 
 
-def _stream_rank0(own, stages, exporters, core):
+def _stream_rank0(own, stages, exporters, core, host: bool = True):
     """Rank 0: its own stage's tensors, then each later stage's, received message by message."""
     for name, t in _no_grad(own):
-        yield name, t.detach().to("cpu")
+        yield name, t.detach().to("cpu") if host else t.detach()
     device = next(core.parameters()).device
     for stage, src in zip(stages[1:], exporters[1:]):
         for group in message_groups(stage):
@@ -158,7 +160,7 @@ def _stream_rank0(own, stages, exporters, core):
             dist.recv(buf, src=src)
             for i, piece in zip(group, buf.split(numels)):
                 name, shape, _ = stage[i]
-                yield name, piece.view(shape).to("cpu")
+                yield name, piece.view(shape).to("cpu") if host else piece.view(shape)
 
 
 def _no_grad(gen):

@@ -172,11 +172,13 @@ def init_parallel(cfg: ModelConfig, vpp=None) -> ParallelState:
 
 def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
     """The ``TransformerConfig`` overrides rl_plugin passes to the bridge: ``_CONFIG_OVERRIDES``,
-    the parallel layout, CPU-side init without CUDA, and (without CUDA only) the fusions off."""
+    the parallel layout, CPU-side init without CUDA, and the fusions off where a machine needs it
+    (``cpu_shim.cpu_config_overrides``: all without CUDA, the masked-softmax fusion without
+    transformer-engine)."""
     from rl_plugin.backends.megatron.compat.cpu_shim import cpu_config_overrides
 
     overrides = dict(_CONFIG_OVERRIDES)
-    overrides.update(cpu_config_overrides(cuda))
+    overrides.update(cpu_config_overrides(cuda, transformer_engine_available()))
     overrides.update(
         # pipeline: thd micro-batches differ in length, so the P2P ops exchange shapes first
         variable_seq_lengths=True,

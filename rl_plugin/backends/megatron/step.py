@@ -38,8 +38,9 @@ idle micro-batch through every stage (``_pipelined_forward``).
 
 Expert parallelism (EP > 1): every forward is collective over the EP group (the token
 dispatcher's all-to-alls), so every rank runs the same number of passes P = the largest
-micro-batch count over DP x CP, a rank past its own M running idle passes (one token through the
-model, output times 0, as the FSDP backend does). megatron-core then divides by P, not M, and
+micro-batch count over DP x CP, a rank past its own M running idle passes (pad tokens through the
+model, padded as a micro-batch is under SP and CP: ``idle_forward``; output times 0, as the FSDP
+backend does). megatron-core then divides by P, not M, and
 scales the MoE aux / z losses' gradient by ``grad_scale_func(1) * cp / P`` (``schedules.py``
 l. 281-292); ``PassScale`` (the model config's ``grad_scale_func``) multiplies both the main loss
 (``backward_step`` l. 477) and that scale by ``w = P / M`` on a real pass and by 0 on an idle one,
@@ -65,7 +66,14 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
-from rl_plugin.backends.megatron.forward import idle_inputs, response_log_probs, stage_output
+from rl_plugin.backends.megatron.forward import (
+    idle_inputs,
+    model_inputs,
+    response_log_probs,
+    sequence_parallel_size,
+    stage_output,
+    unwrap,
+)
 from rl_plugin.loss import ForwardOptions, MicroBatchInputs
 from rl_plugin.parallel import ParallelState
 
@@ -87,14 +95,23 @@ class PassScale:
         return scaled if self.w == 1.0 else scaled * self.w
 
 
-def idle_forward(model, device: torch.device) -> torch.Tensor:
-    """An idle pass (EP > 1, module docstring): one token through the model so this rank joins its
-    EP peers' all-to-alls; ``[0, 2]``, carrying the graph so the backward joins them too."""
+def idle_forward(model, device: torch.device, *, cp_rank: int = 0, cp_size: int = 1, qkv_format: str = "thd"):
+    """An idle pass (EP > 1, module docstring): pad tokens through the model so this rank joins its
+    EP peers' all-to-alls; ``[0, 2]``, carrying the graph so the backward joins them too.
+
+    The input is ``forward.idle_inputs`` in the run's layout, not one bare token: under
+    ``--sequence-parallel`` (which MoE needs at TP > 1) megatron-core scatters the sequence over
+    TP, and under CP > 1 the attention cuts each rank's share into two zigzag chunks, so the
+    length follows the packed micro-batches' padding rules (``cp.sequence_parallel_padding``;
+    one token is an invalid shape under either, issue 37 item 4)."""
     from rl_plugin.backends.megatron.moe import untracked
 
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    mb = idle_inputs(
+        cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format, sp_size=sequence_parallel_size(unwrap(model))
+    )
+    ids, pos, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(unwrap(model)), device=device)
     with untracked():  # its router losses are no sample's: not logged (their gradient: w = 0)
-        logits = model(ids, torch.zeros_like(ids), None)
+        logits = model(ids, pos, None, packed_seq_params=psp)
     return (logits.float().sum() * 0.0).expand(0, 2)
 
 
@@ -125,7 +142,8 @@ def micro_batch_forward(
     ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely; an
     idle pass always does)."""
     if inputs.layout.num_samples == 0 and idle_passes:
-        return idle_forward(model, device)
+        layout = inputs.layout
+        return idle_forward(model, device, cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
     if ps.pp_size > 1:
         head = ps.is_last_stage
         if isinstance(model, ModelChunks):  # interleaved: the chunk the schedule runs; the head on the last
@@ -154,7 +172,8 @@ def _pipelined_forward(model, inputs, options, ps, *, head, qkv_format, fp32_lm_
     idle = inputs.layout.num_samples == 0
     if idle:
         layout = inputs.layout
-        inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
+        sp_size = sequence_parallel_size(unwrap(model))
+        inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format, sp_size=sp_size)
     if not head:  # a stage (a model chunk) before the last
         return stage_output(model, inputs, qkv_format)
     logp, ent = response_log_probs(

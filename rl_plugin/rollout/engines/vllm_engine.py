@@ -13,10 +13,16 @@ thing on both engines.
 Stop tokens: the EOS ids of the checkpoint's generation config; the EOS token ends the response
 and is part of it.
 
+Engine settings: ``max_model_len`` is ``--rollout-max-context-len`` (else the model's
+``max_position_embeddings``); ``enforce_eager`` is ``--rollout-enforce-eager`` (default: eager on
+a CPU engine, CUDA graphs on a GPU).
+
 Weights in place. ``update_weights(bucket)`` hands a bucket of Hugging Face tensors to vLLM's
 ``reload_weights`` (checkpoint format: vLLM fuses q/k/v and gate/up itself, so a fused group must
 arrive in one bucket), then drops the prefix cache, whose KV entries were computed under the old
-weights. Nothing is restarted and nothing touches the disk. Tied embeddings: vLLM's LM head
+weights. Nothing is restarted and nothing touches the disk. A bucket on the GPU (the distributed
+transport's NCCL receive) is handed over where it is when the worker runs in this process (one
+rank); otherwise, and on a CPU engine, through the host. Tied embeddings: vLLM's LM head
 shares the embedding's parameter, but its CPU build computes logits with a packed copy made at
 load time, and a reload re-packs only the module the checkpoint names (the embedding): the head
 would keep the old weights (measured: ~0.1 nats per token off after one sync). Every module that
@@ -84,6 +90,7 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_context_len,
             seed=config.seed,
+            enforce_eager=config.enforce_eager,
         )
 
     def __init__(
@@ -94,6 +101,7 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         max_model_len: Optional[int] = None,
         seed: int = 0,
+        enforce_eager: Optional[bool] = None,
     ):
         _engine_environment()
         from transformers import AutoConfig
@@ -105,6 +113,10 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = int(cfg.vocab_size)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.eos = eos_token_ids(checkpoint_dir)
+        # an in-process worker (one rank: VLLM_ENABLE_V1_MULTIPROCESSING=0) takes tensors where they
+        # are; several ranks receive collective_rpc's arguments pickled, so those go through the host
+        self.in_process = int(tensor_parallel_size) == 1
+        self.device = device
         self.llm = LLM(
             model=str(checkpoint_dir),
             skip_tokenizer_init=True,
@@ -113,7 +125,7 @@ class VLLMEngine(RolloutEngine):
             seed=int(seed),
             max_model_len=None if max_len is None else int(max_len),
             block_size=BLOCK_SIZE,
-            enforce_eager=True,
+            enforce_eager=device == "cpu" if enforce_eager is None else bool(enforce_eager),
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
         )
@@ -153,7 +165,10 @@ class VLLMEngine(RolloutEngine):
         return gens
 
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        items = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
+        # a bucket the distributed transport received on the GPU stays there (vLLM's loaders copy
+        # into the parameters from any device); host copies only for a CPU engine or pickled RPCs
+        host = self.device == "cpu" or not self.in_process
+        items = [(name, (t.detach().to("cpu") if host else t.detach()).contiguous()) for name, t in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
         if self.tied:
             self.llm.collective_rpc(_repack_shared)

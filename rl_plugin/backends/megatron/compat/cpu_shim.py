@@ -1,9 +1,17 @@
-"""Patches that let megatron-core 0.16.1 train on a CPU under gloo. Never active on a GPU machine.
+"""Patches that let megatron-core 0.16.1 train on a CPU under gloo, or on a GPU without
+transformer-engine.
 
-``apply_cpu_shim()`` applies every patch once, and only when ``torch.cuda.is_available()`` is
-False (a CPU-only torch build, or a machine without a GPU): there a "cuda" device would crash
-anyway, so each patch turns a crash into the CPU equivalent and changes no number. On a machine
-with CUDA it returns False and touches nothing. Idempotent: a second call is a no-op.
+Each patch and override names when it is needed (``WHEN``, decided by ``needed(when, cuda=, te=)``):
+
+- ``WITHOUT_CUDA``: a CPU-only torch build or a machine without a GPU. There a "cuda" device would
+  crash anyway, so each patch turns a crash into the CPU equivalent and changes no number; on a
+  machine with CUDA these touch nothing (patches 1-7, the CPU tuning below).
+- ``WITHOUT_TE``: wherever transformer-engine is absent (or cannot run: no CUDA), GPUs included
+  (issue 37 item 7): the local layer spec then runs megatron-core's own modules, whose gaps do
+  not depend on the device (patch 8; ``masked_softmax_fusion`` off, see ``CONFIG_OVERRIDES``).
+
+``apply_cpu_shim()`` applies the patches this process needs, once each (idempotent), and returns
+their names (empty on a GPU machine with transformer-engine).
 
 The patches and the megatron-core 0.16.1 lines they cover:
 
@@ -52,19 +60,26 @@ The patches and the megatron-core 0.16.1 lines they cover:
 8. ``router_gemm_name``: ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when
    transformer-engine imports (l. 22-39), but ``RouterGatingLinearFunction`` (l. 1192, 1225)
    reads it unconditionally: without transformer-engine every router forward raises NameError.
-   The name is bound to None, which selects the function's own ``torch.mm`` branch. (A GPU
-   machine without transformer-engine would need it too; GPU runs here have transformer-engine.)
+   The name is bound to None, which selects the function's own ``torch.mm`` branch. Needed
+   WITHOUT_TE: a GPU machine without transformer-engine raises the same NameError.
    megatron-core 0.19 binds it to None itself: delete this patch with the move to 0.19.
 
-CPU-only tuning, under the same gate (``cuda_present()`` False), so none of it reaches a GPU,
-where megatron-core's (and mbridge's) defaults stand:
+Config overrides (``cpu_config_overrides(cuda, te)``, each with its ``WHEN``; megatron-core's and
+mbridge's settings stand wherever an override is not needed):
 
-- ``cpu_config_overrides()``: the ``TransformerConfig`` fusions off (masked softmax, bias +
-  activation, bias + dropout, RoPE, gradient-accumulation fusion: CUDA kernels or apex
-  extensions) and the shared-expert overlap (a ``torch.cuda.Stream``) off; ``{}`` with CUDA.
+- ``masked_softmax_fusion`` off WITHOUT_TE: mbridge turns it on, and megatron-core's
+  ``FusedScaleMaskSoftmax`` with a causal layer (``attn_mask_type=causal``) runs
+  ``ScaledUpperTriangMaskedSoftmax``, which applies the upper-triangular mask and IGNORES the mask
+  it is given (``fusions/fused_softmax.py`` ``forward_fused_softmax``) whenever its shape rules
+  hold (bf16, 16 < sk <= 4096, multiples of 4). ``local_attention`` attends packed samples under a
+  block-diagonal causal mask: with the fusion, samples would attend to each other. (Its kernel is
+  Megatron's / apex's compiled extension besides, absent on a CPU.) With transformer-engine the
+  TE spec attends thd natively and the fusion is TE's business.
+- WITHOUT_CUDA: bias + activation, bias + dropout, RoPE, gradient-accumulation fusion (CUDA
+  kernels or apex extensions) and the shared-expert overlap (a ``torch.cuda.Stream``).
 - ``install_cpu_rope()``: ``rope_thd`` (megatron-core's unfused packed RoPE without its
   per-sample loop, bitwise equal; it keys a cache on ``cu_seqlens`` values, a host sync per call
-  on a GPU); not installed with CUDA.
+  on a GPU): WITHOUT_CUDA only.
 """
 
 from __future__ import annotations
@@ -72,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import types
 from typing import Dict, List
 
@@ -80,9 +96,25 @@ import torch
 APPLIED: List[str] = []  # names of the patches applied in this process, in order
 _ORIGINALS: Dict[str, object] = {}
 
+WITHOUT_CUDA, WITHOUT_TE = "without CUDA", "without transformer-engine"
+
 
 def cuda_present() -> bool:
     return bool(torch.cuda.is_available())
+
+
+def te_present() -> bool:
+    """Whether transformer-engine is installed (``bridge.transformer_engine_available``'s test)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def needed(when: str, *, cuda: bool, te: bool) -> bool:
+    """Whether a patch or override marked ``when`` applies on a machine with (``cuda``, ``te``)."""
+    if when == WITHOUT_CUDA:
+        return not cuda
+    if when == WITHOUT_TE:  # transformer-engine runs on CUDA only: a CPU has none to use
+        return not (te and cuda)
+    raise ValueError(f"unknown condition {when!r}")
 
 
 # -- 1. RNG tracker on CPU generator states -------------------------------------------------
@@ -251,45 +283,56 @@ def _patch_router_gemm_name() -> None:
         moe_utils.te_general_gemm = None
 
 
-PATCHES = (
-    ("rng_tracker", _patch_rng_tracker),
-    ("current_device", _patch_current_device),
-    ("cuda_device_literals", _patch_cuda_device_literals),
-    ("tensor_type_names", _patch_tensor_type_names),
-    ("cuda_synchronize", _patch_cuda_synchronize),
-    ("embedding_group_copy", _patch_embedding_group_copy),
-    ("moe_dispatcher_stream", _patch_moe_dispatcher_stream),
-    ("router_gemm_name", _patch_router_gemm_name),
+PATCHES = (  # (name, patch, when)
+    ("rng_tracker", _patch_rng_tracker, WITHOUT_CUDA),
+    ("current_device", _patch_current_device, WITHOUT_CUDA),
+    ("cuda_device_literals", _patch_cuda_device_literals, WITHOUT_CUDA),
+    ("tensor_type_names", _patch_tensor_type_names, WITHOUT_CUDA),
+    ("cuda_synchronize", _patch_cuda_synchronize, WITHOUT_CUDA),
+    ("embedding_group_copy", _patch_embedding_group_copy, WITHOUT_CUDA),
+    ("moe_dispatcher_stream", _patch_moe_dispatcher_stream, WITHOUT_CUDA),
+    ("router_gemm_name", _patch_router_gemm_name, WITHOUT_TE),
 )
 
 
-def apply_cpu_shim() -> bool:
-    """Apply every patch once when CUDA is absent. Returns True if the shim is active."""
-    if cuda_present():
-        return False
-    for name, patch in PATCHES:
-        if name not in APPLIED:
+def patches_needed(*, cuda: bool, te: bool) -> List[str]:
+    """The names of the patches a machine with (``cuda``, ``te``) needs, in order."""
+    return [name for name, _, when in PATCHES if needed(when, cuda=cuda, te=te)]
+
+
+def apply_cpu_shim(cuda: bool | None = None, te: bool | None = None) -> List[str]:
+    """Apply the patches this machine needs (``patches_needed``), each once; returns their names
+    (``cuda`` / ``te``: default what this process has)."""
+    cuda = cuda_present() if cuda is None else cuda
+    te = te_present() if te is None else te
+    names = patches_needed(cuda=cuda, te=te)
+    for name, patch, _ in PATCHES:
+        if name in names and name not in APPLIED:
             patch()
             APPLIED.append(name)
-    return True
+    return names
 
 
-# The fusions megatron-core's TransformerConfig would take from the model's bridge (mbridge turns
-# masked_softmax_fusion on): each needs a CUDA kernel or apex extension, so a CPU run turns them off.
-CPU_CONFIG_OVERRIDES = dict(
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
-    moe_shared_expert_overlap=False,  # a CUDA side stream (SharedExpertMLP); MoE models with a shared expert
+# The TransformerConfig settings overridden, each with when (module docstring). mbridge turns
+# masked_softmax_fusion on; the others are megatron-core's defaults (off) unless a bridge sets them.
+CONFIG_OVERRIDES = (  # (setting, value, when)
+    ("masked_softmax_fusion", False, WITHOUT_TE),  # the causal fused kernel ignores the packed samples' mask
+    ("bias_activation_fusion", False, WITHOUT_CUDA),
+    ("bias_dropout_fusion", False, WITHOUT_CUDA),
+    ("apply_rope_fusion", False, WITHOUT_CUDA),
+    ("gradient_accumulation_fusion", False, WITHOUT_CUDA),
+    ("moe_shared_expert_overlap", False, WITHOUT_CUDA),  # a CUDA side stream (SharedExpertMLP)
 )
+CPU_CONFIG_OVERRIDES = {k: v for k, v, _ in CONFIG_OVERRIDES}  # what a CPU run (no CUDA, no TE) sets
 
 
-def cpu_config_overrides(cuda: bool | None = None) -> dict:
-    """``CPU_CONFIG_OVERRIDES`` without CUDA, ``{}`` with it (``cuda``: default ``cuda_present()``)."""
+def cpu_config_overrides(cuda: bool | None = None, te: bool | None = None) -> dict:
+    """The ``CONFIG_OVERRIDES`` a machine with (``cuda``, ``te``) needs (default: this process's):
+    all of them on a CPU, ``masked_softmax_fusion`` alone on a GPU without transformer-engine,
+    ``{}`` on a GPU with it."""
     cuda = cuda_present() if cuda is None else cuda
-    return {} if cuda else dict(CPU_CONFIG_OVERRIDES)
+    te = te_present() if te is None else te
+    return {k: v for k, v, when in CONFIG_OVERRIDES if needed(when, cuda=cuda, te=te)}
 
 
 def install_cpu_rope(cuda: bool | None = None) -> bool:
@@ -304,4 +347,5 @@ def install_cpu_rope(cuda: bool | None = None) -> bool:
 
 
 def shim_active() -> bool:
-    return len(APPLIED) == len(PATCHES)
+    """Whether every patch a CPU machine needs is applied in this process."""
+    return set(patches_needed(cuda=False, te=False)) <= set(APPLIED)

@@ -60,10 +60,12 @@ def test_vocab_not_divisible_by_tp():
     setup.check_vocab(128, 2)
 
 
-def test_cpu_tuning_stays_off_gpus():
+def test_cpu_tuning_stays_off_gpus(monkeypatch):
     """The fusions go off only without CUDA (cpu_shim); the CPU overrides are exactly the ones
-    every CPU run used before (bitwise the same runs), a GPU keeps megatron-core's defaults."""
+    every CPU run used before (bitwise the same runs), a GPU with transformer-engine keeps
+    megatron-core's defaults (without it: ``compat/test_without_te.py``)."""
     cfg = model_config()
+    monkeypatch.setattr(setup, "transformer_engine_available", lambda: True)
     cpu = setup.config_overrides(cfg, cuda=False)
     assert cpu == dict(
         masked_softmax_fusion=False,

@@ -86,8 +86,9 @@ def _shim_worker(rank, world):
 
     before = _failures()
     original_zeros = torch.zeros
-    assert cpu_shim.apply_cpu_shim() is True
-    assert cpu_shim.apply_cpu_shim() is True  # idempotent
+    names = cpu_shim.patches_needed(cuda=False, te=False)
+    assert cpu_shim.apply_cpu_shim() == names
+    assert cpu_shim.apply_cpu_shim() == names  # idempotent
     after = _failures()
     # RNG fork: its own stream, the default stream restored on exit.
     tracker = CudaRNGStatesTracker()
@@ -115,7 +116,7 @@ def test_each_patch_is_needed_and_works_and_applies_once(run_world):
     out = run_world(_shim_worker, 1)[0]
     from rl_plugin.backends.megatron.compat.cpu_shim import PATCHES
 
-    names = [n for n, _ in PATCHES]
+    names = [n for n, _, _ in PATCHES]
     assert out["applied"] == names
     assert out["before"] == {n: True for n in names}, out["before"]  # each call fails unpatched
     assert out["after"] == {n: False for n in names}, out["after"]
@@ -123,11 +124,12 @@ def test_each_patch_is_needed_and_works_and_applies_once(run_world):
     assert out["global_torch_untouched"] and out["module_proxy"] and out["conversion_still_converts"]
 
 
-def test_shim_is_not_applied_when_cuda_is_present(monkeypatch):
+def test_shim_is_not_applied_on_a_gpu_with_transformer_engine(monkeypatch):
     from rl_plugin.backends.megatron.compat import cpu_shim
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_shim, "te_present", lambda: True)
     applied_before = list(cpu_shim.APPLIED)
-    assert cpu_shim.apply_cpu_shim() is False
+    assert cpu_shim.apply_cpu_shim() == []
     assert cpu_shim.APPLIED == applied_before == []
     assert not cpu_shim.shim_active()

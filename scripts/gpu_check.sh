@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The one-GPU check (tests/gpu/README.md): installs the carried megatron-core / mbridge wheels
+# (tests/gpu/wheels, if present) into a scratch folder, then runs every case of tests/gpu/check.py,
+# each in its own process with its own timeout, within a 420 s budget (under 8 minutes in all).
+#
+#   scripts/gpu_check.sh OUT_DIR [--only a,b] [--budget-s S] [--dry-run --device cpu]
+#
+# Writes OUT_DIR/gpu_check.json (one entry per case) and OUT_DIR/gpu_check.log (every case's
+# output). Exit status 0 when no case failed, errored or timed out (skipped ones do not count).
+set -uo pipefail
+OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR [tests.gpu.check options]}"
+shift
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+echo "[gpu_check] $(date -u +%FT%TZ) on ${HOSTNAME:-?}; python: $("$PY" -c 'import sys; print(sys.version.split()[0])')" | tee -a "$OUT/gpu_check.log"
+if compgen -G "tests/gpu/wheels/*.whl" >/dev/null; then
+    SITE="${TMPDIR:-/tmp}/rl_gpu_check_site"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" tests/gpu/wheels/*.whl >>"$OUT/gpu_check.log" 2>&1; then
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        echo "[gpu_check] installed: $(cd tests/gpu/wheels && ls -- *.whl | tr '\n' ' ')" | tee -a "$OUT/gpu_check.log"
+    else
+        echo "[gpu_check] the wheel install failed (see gpu_check.log): the Megatron cases will be skipped" | tee -a "$OUT/gpu_check.log"
+    fi
+else
+    echo "[gpu_check] no tests/gpu/wheels/*.whl (scripts/fetch_gpu_wheels.sh, and carry it): the Megatron cases will be skipped" | tee -a "$OUT/gpu_check.log"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the driver keeps to its budget; this outer limit only guards against the driver itself hanging
+timeout 470 "$PY" -m tests.gpu.check --out "$OUT" "$@"
