@@ -192,7 +192,7 @@ def adapters_disabled(model):
 def base_view(model, *, merged: bool):
     """The model as the full-model export code expects it (module docstring). The swapped
     weight is frozen (no DDP buffer, no optimizer state), so nothing else holds its storage."""
-    linears = _adapted_linears(model)
+    linears = [m for m in _adapted_linears(model) if "lora" in m._modules]  # re-entrant: an outer view holds the rest
     saved = []
     try:
         with torch.no_grad():

@@ -6,7 +6,7 @@ the tiny Qwen2 (4 heads in 2 query groups, so TP2 splits ``linear_qkv`` by group
 Inside each, with ``--lora-rank 4 --lora-alpha 8 --target-modules all-linear``:
 
 - at the start (B = 0) the adapted forward equals the adapters-off forward bitwise (``s * B A x``
-  adds exact zeros);
+  adds exact zeros); the adapters-off forward (the KL reference) stays the base's once B != 0;
 - the DDP grad buffers and the optimizer hold exactly the adapters (frozen weights: no buffer, no
   state);
 - seeded random adapters (B != 0, so A gets a gradient too) are loaded by canonical name, one
@@ -90,13 +90,18 @@ def lora_worker(rank, world, tp, pp, hf_dir, extra=(), save_dir=None, load_dir=N
     batch, num_groups = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
     local = dp_shard(batch, ps.dp_size, ps.dp_rank)
 
-    init = backend.compute_log_probs(local)
+    adapters = random_adapters(backend.lora_adapter_specs())
     base_logp = backend.compute_log_probs(local, role="ref")
-    assert torch.equal(init, base_logp), "B = 0: the adapted forward is not the base forward bitwise"
+    if "--lora-adapter-path" in extra:  # started from a PEFT file of the same adapters
+        start = _adapters_now(backend)
+        assert set(start) == set(adapters) and all(torch.equal(start[k], adapters[k]) for k in adapters)
+    else:
+        init = backend.compute_log_probs(local)
+        assert torch.equal(init, base_logp), "B = 0: the adapted forward is not the base forward bitwise"
     counts = _ddp_holds_only_adapters(backend)
 
-    adapters = random_adapters(backend.lora_adapter_specs())
     backend.load_lora_adapters(adapters)
+    assert torch.equal(backend.compute_log_probs(local, role="ref"), base_logp), "the reference is not the base"
     a0 = _adapters_now(backend)
     base0 = backend.export_base_state_dict()
     merged = backend.export_hf_state_dict()
@@ -141,15 +146,24 @@ def ckpt_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(run_world, tiny_qwen2, ckpt_dir):
-    """layout -> rank 0's result. TP1 saves its adapter checkpoint after the step; TP2 loads it."""
+def runs(run_world, tiny_qwen2, ckpt_dir, tmp_path_factory):
+    """layout -> rank 0's result. TP1 saves its adapter checkpoint after the step; TP2 loads it;
+    DP2 starts from TP1's adapters written as a PEFT adapter file (``--lora-adapter-path``)."""
+    from safetensors.torch import save_file
+
+    from rl_plugin.lora.names import peft_file_name
+
     hf = str(tiny_qwen2)
-    return {
-        "tp1": run_world(lora_worker, 1, 1, 1, hf, (), ckpt_dir)[0],
-        "tp2": run_world(lora_worker, 2, 2, 1, hf, (), None, ckpt_dir)[0],
-        "dp2": run_world(lora_worker, 2, 1, 1, hf)[0],
-        "pp2": run_world(lora_worker, 2, 1, 2, hf)[0],
-    }
+    out = {"tp1": run_world(lora_worker, 1, 1, 1, hf, (), ckpt_dir)[0]}
+    out["tp2"] = run_world(lora_worker, 2, 2, 1, hf, (), None, ckpt_dir)[0]
+    peft = tmp_path_factory.mktemp("peft_adapter")  # DP2 starts from TP1's adapters as a PEFT file
+    save_file(
+        {peft_file_name(k): v.contiguous() for k, v in out["tp1"]["adapters"].items()},
+        peft / "adapter_model.safetensors",
+    )
+    out["dp2"] = run_world(lora_worker, 2, 1, 1, hf, ("--lora-adapter-path", str(peft)))[0]
+    out["pp2"] = run_world(lora_worker, 2, 1, 2, hf)[0]
+    return out
 
 
 DIST_OPT = ("--use-distributed-optimizer", "--bf16", "--optimizer", "adam", "--lr", "1e-2")
