@@ -8,7 +8,8 @@ replicated tensor is TP rank 0's own. Stage 0's TP rank 0 (global rank 0) yields
 tensors, then every later stage's, sent to it in bounded messages with the same layout exchange
 as the full model's pipelined export (``pipeline_export.message_groups`` / ``_send_stage`` /
 ``_stream_rank0``; the per-stage layout is asked once, ``adapter_stage_specs``). Every rank must
-exhaust the stream; the others get nothing.
+exhaust the stream; the others get nothing. The tensors are copies (adapters are small), so they
+stay valid after the next optimizer step.
 
 ``adapter_specs``: the export's names, shapes and dtypes (meta tensors), for the weight sync's
 ``hf_weight_specs`` counterpart.
@@ -54,9 +55,9 @@ def adapter_specs(stages: List[List[pipeline_export.Spec]]) -> Dict[str, torch.T
 def _gathered(param: torch.Tensor, module, which: str, *, exporter: bool):
     """The full fp32 tensor at TP rank 0 (None elsewhere); collective over TP for a split one."""
     dim = module.partition_dim(which)
+    if dim is None or module.tp_size == 1:  # a copy: the stream's tensors outlive the next step
+        return param.detach().to(torch.float32, copy=True) if exporter else None
     local = param.detach().float().contiguous()
-    if dim is None or module.tp_size == 1:
-        return local if exporter else None
     group = module.tp_group
     shards = [torch.empty_like(local) for _ in range(module.tp_size)] if exporter else None
     dist.gather(local, shards, dst=dist.get_global_rank(group, 0), group=group)
