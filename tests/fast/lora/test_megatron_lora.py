@@ -24,6 +24,7 @@ equals a plain HF forward of those directly merged weights (``fsdp_common.alone_
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import pytest
@@ -93,8 +94,8 @@ def lora_worker(rank, world, tp, pp, hf_dir, extra=(), save_dir=None, load_dir=N
     adapters = random_adapters(backend.lora_adapter_specs())
     base_logp = backend.compute_log_probs(local, role="ref")
     if "--lora-adapter-path" in extra:  # started from a PEFT file of the same adapters
-        start = _adapters_now(backend)
-        assert set(start) == set(adapters) and all(torch.equal(start[k], adapters[k]) for k in adapters)
+        start = _adapters_now(backend)  # global rank 0's; the other ranks get nothing
+        assert rank or set(start) == set(adapters) and all(torch.equal(start[k], adapters[k]) for k in adapters)
     else:
         init = backend.compute_log_probs(local)
         assert torch.equal(init, base_logp), "B = 0: the adapted forward is not the base forward bitwise"
@@ -152,6 +153,7 @@ def runs(run_world, tiny_qwen2, ckpt_dir, tmp_path_factory):
     from safetensors.torch import save_file
 
     from rl_plugin.lora.names import peft_file_name
+    from rl_plugin.lora.targets import ALL_LINEAR
 
     hf = str(tiny_qwen2)
     out = {"tp1": run_world(lora_worker, 1, 1, 1, hf, (), ckpt_dir)[0]}
@@ -161,6 +163,8 @@ def runs(run_world, tiny_qwen2, ckpt_dir, tmp_path_factory):
         {peft_file_name(k): v.contiguous() for k, v in out["tp1"]["adapters"].items()},
         peft / "adapter_model.safetensors",
     )
+    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(ALL_LINEAR), "bias": "none"}
+    (peft / "adapter_config.json").write_text(json.dumps(config))
     out["dp2"] = run_world(lora_worker, 2, 1, 1, hf, ("--lora-adapter-path", str(peft)))[0]
     out["pp2"] = run_world(lora_worker, 2, 1, 2, hf)[0]
     return out
