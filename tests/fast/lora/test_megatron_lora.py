@@ -18,7 +18,8 @@ J, the grad norm and every adapter's gradient (gathered to full, canonical names
 within ``tolerance.FP32_MODEL``, as the full-model parity tests (``parity/test_pipeline.py``).
 
 Placement: the merged export (``W + s B A`` through megatron's fused layout, TP-gathered and split
-by mbridge) equals the merge done on the HF tensors directly, and the adapted megatron forward
+by mbridge; the weight sync's full-weight stream gives the same tensors on every layout) equals
+the merge done on the HF tensors directly, and the adapted megatron forward
 equals a plain HF forward of those directly merged weights (``fsdp_common.alone_log_probs``).
 """
 
@@ -106,6 +107,9 @@ def lora_worker(rank, world, tp, pp, hf_dir, extra=(), save_dir=None, load_dir=N
     a0 = _adapters_now(backend)
     base0 = backend.export_base_state_dict()
     merged = backend.export_hf_state_dict()
+    streamed = {k: v.clone() for k, v in backend.stream_hf_weights()}  # the full-weight sync's merged fallback
+    assert rank or (set(streamed) == set(merged) and all(torch.equal(streamed[k], merged[k]) for k in merged))
+    assert rank or set(backend.hf_weight_specs()) == set(merged)
     logp = backend.compute_log_probs(local)
     step = with_old_log_probs(local, logp)
     step = replace(step, ref_log_probs=backend.compute_log_probs(local, role="ref"))
