@@ -7,6 +7,12 @@
     stream = backend.stream_hf_weights()         # the weight sync's: collective, only rank 0 gets tensors
     backend.save_checkpoint(dir, step=k); backend.load_checkpoint(dir)
 
+With ``--lora-rank`` (``lora_model.py``, ``lora.py``): the base frozen, adapters on the targeted
+linears; the reference model is the actor with its adapters off; ``stream_lora_adapters`` yields
+the adapters (canonical PEFT names, full fp32), ``stream_hf_weights`` / ``export_hf_state_dict`` /
+``save_hf`` the merged weights ``W + (alpha/r) B A`` (the full-model sync's fallback); checkpoints
+hold the adapters and their optimizer state only (``lora_checkpoint.py``).
+
 See ``setup.py`` (start-up), ``step.py`` (forward, schedule, optimizer step; why the step
 applies exactly dJ/dtheta),
 ``forward.py`` (inputs and logits, ``--fp32-lm-head``), ``bridge.py`` (mbridge),
@@ -22,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
-from rl_plugin.backends.megatron import checkpoint, moe, pipeline_export, setup, step
+from rl_plugin.backends.megatron import checkpoint, lora_export, lora_model, moe, pipeline_export, setup, step
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
+from rl_plugin.backends.megatron.lora_checkpoint import lora_meta
 from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
@@ -57,6 +64,8 @@ class MegatronBackend(TrainBackend):
         self.fused_lm_head = use_fused_head(config.model, chunks_of(model)[-1])  # the head's chunk
         self._ref_model = None
         self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
+        self._lora_specs = None  # LoRA: every stage's adapter layout, asked once
+        self.lora = config.lora.enabled
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
         self.runner = StepRunner(
             self,
@@ -85,13 +94,20 @@ class MegatronBackend(TrainBackend):
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        if config.lora.enabled:
+            from rl_plugin.models.experts import checkpoint_num_experts
+
+            lora_model.check_lora_supported(m, config.lora, num_experts=checkpoint_num_experts(hf_dir))
         ps = setup.init_parallel(m, setup.virtual_pipeline(m, hf_dir))
         model, bridge = setup.build_model(
             m,
             hf_dir,
             use_distributed_optimizer=opt.use_distributed_optimizer,
             routing_replay=bool(config.routing_replay),
+            lora=config.lora,
         )
+        if config.lora.enabled and config.lora.lora_adapter_path:  # before the optimizer copies its main params
+            lora_model.load_adapters(model, read_peft_adapters(config.lora.lora_adapter_path))
         optimizer, scheduler = setup.build_optimizer(opt, model, bf16=m.bf16)
         return cls(config, model, bridge, optimizer, scheduler, ps, hf_dir)
 
@@ -155,23 +171,74 @@ class MegatronBackend(TrainBackend):
         return step.optimizer_step(self.optimizer, self.scheduler)
 
     def model_for(self, role: str):
-        return self.model if role == "actor" else self._reference_model()
+        if role == "actor" or self.lora:  # LoRA: the reference is the actor with its adapters off
+            return self.model
+        return self._reference_model()
+
+    def compute_log_probs(self, batch, *, role: str = "actor", micro_batches=None) -> torch.Tensor:
+        """The base's; with LoRA, ``role="ref"`` runs the actor with its adapters disabled (the
+        frozen base IS the ``--hf-checkpoint`` reference)."""
+        if role == "ref" and self.lora:
+            with lora_model.adapters_disabled(self.model):
+                return super().compute_log_probs(batch, role=role, micro_batches=micro_batches)
+        return super().compute_log_probs(batch, role=role, micro_batches=micro_batches)
+
+    def deterministic_forward(self) -> bool:
+        return not (self.lora and self.config.lora.lora_dropout > 0)
 
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
-        return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
+        """Full weights, HF names; with LoRA the merged ``W + (alpha/r) B A``."""
+        with lora_model.base_view(self.model, merged=True):
+            return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
+
+    def export_base_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The frozen base weights (adapters left out), HF names; without LoRA the model's."""
+        with lora_model.base_view(self.model, merged=False):
+            return {name: t.detach().to("cpu").clone() for name, t in export_hf(self.bridge, self.model)}
 
     def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
         ps = self.parallel_state
         if ps.pp_size > 1:
             return pipeline_export.pipeline_specs(self._stage_specs())
-        return hf_specs(self.bridge, self.model)
+        with lora_model.base_view(self.model, merged=False):
+            return hf_specs(self.bridge, self.model)
+
+    # -- LoRA adapters (issue 34) ---------------------------------------------------------------
+    def lora_adapter_specs(self) -> Dict[str, torch.Tensor]:
+        """What ``stream_lora_adapters`` yields, as meta tensors in stream order (collective over
+        the pipeline the first time)."""
+        if self._lora_specs is None:
+            self._lora_specs = lora_export.adapter_stage_specs(self.model, self.parallel_state.pp_cpu_group)
+        return lora_export.adapter_specs(self._lora_specs)
+
+    def stream_lora_adapters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``(canonical PEFT name, full fp32 CPU tensor)`` at global rank 0, like
+        ``stream_hf_weights`` (``lora_export``); collective: every rank must exhaust it."""
+        ps = self.parallel_state
+        self.lora_adapter_specs()
+        return lora_export.stream_adapters(
+            self.model,
+            self._lora_specs,
+            dp_rank=ps.dp_rank,
+            cp_rank=ps.cp_rank,
+            tp_rank=ps.tp_rank,
+            pp_rank=ps.pp_rank,
+            pp_group=ps.pp_group,
+        )
+
+    def load_lora_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Full adapters by canonical name (e.g. ``read_peft_adapters`` of a PEFT directory) into
+        this rank's shards, and into the optimizer's fp32 main params."""
+        lora_model.load_adapters(self.model, tensors)
+        self.optimizer.reload_model_params()
 
     def _stage_specs(self):
         """Every pipeline stage's export layout (``pipeline_export.all_stage_specs``): collective
         over the pipeline the first time, then kept (the layout never changes)."""
         if self._pipeline_specs is None:
             ps = self.parallel_state
-            self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, self._cores(), ps.pp_cpu_group)
+            with lora_model.base_view(self.model, merged=False):
+                self._pipeline_specs = pipeline_export.all_stage_specs(self.bridge, self._cores(), ps.pp_cpu_group)
         return self._pipeline_specs
 
     def _cores(self):
@@ -184,16 +251,27 @@ class MegatronBackend(TrainBackend):
         (``pipeline_export.stream_gathered_to_rank0``: the fallback, not a per-stage publish)."""
         ps = self.parallel_state
         if ps.pp_size > 1:
-            return pipeline_export.stream_gathered_to_rank0(
-                self.bridge,
-                self._cores(),
-                self._stage_specs(),
-                dp_rank=ps.dp_rank,
-                cp_rank=ps.cp_rank,
-                pp_group=ps.pp_group,
-                host=host,
-            )
-        return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank, host=host)
+            self._stage_specs()
+
+            def stream():
+                return pipeline_export.stream_gathered_to_rank0(
+                    self.bridge,
+                    self._cores(),
+                    self._stage_specs(),
+                    dp_rank=ps.dp_rank,
+                    cp_rank=ps.cp_rank,
+                    pp_group=ps.pp_group,
+                    host=host,
+                )
+
+        else:
+
+            def stream():
+                return stream_hf(self.bridge, self.model, dp_rank=ps.dp_rank, cp_rank=ps.cp_rank, host=host)
+
+        if not self.lora:
+            return stream()
+        return lora_model.stream_in_view(self.model, stream, merged=True)  # the merged fallback
 
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         written = checkpoint.save(
@@ -204,6 +282,7 @@ class MegatronBackend(TrainBackend):
             scheduler=self.scheduler,
             ps=self.parallel_state,
             extra=extra,
+            lora=lora_meta(self.config.lora),
         )
         save_hf = self.config.model.save_hf
         if save_hf:
@@ -213,7 +292,7 @@ class MegatronBackend(TrainBackend):
     def save_hf(self, path: str) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
-        with torch.no_grad():
+        with torch.no_grad(), lora_model.base_view(self.model, merged=True):
             self.bridge.save_weights(chunks_of(self.model), path)
         dist.barrier()
 
@@ -225,6 +304,7 @@ class MegatronBackend(TrainBackend):
             scheduler=self.scheduler,
             ps=self.parallel_state,
             hf_dir=self.hf_dir,
+            lora=lora_meta(self.config.lora),
         )
 
     # -- reference model (--use-kl-loss) -----------------------------------------------------
@@ -243,3 +323,20 @@ class MegatronBackend(TrainBackend):
                 p.requires_grad_(False)
             self._ref_model = ref
         return self._ref_model
+
+
+def read_peft_adapters(path: str) -> Dict[str, torch.Tensor]:
+    """``--lora-adapter-path``: a PEFT directory's ``adapter_model.safetensors`` by canonical name."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rl_plugin.lora.names import canonical_name
+
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"--lora-adapter-path {path}: no adapter_model.safetensors there. Fix: pass a PEFT adapter directory "
+            "(PeftModel.save_pretrained's, or this run's --save-hf adapter directory)"
+        )
+    return {canonical_name(k): v for k, v in load_file(str(file)).items()}

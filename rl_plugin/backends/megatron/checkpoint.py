@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from rl_plugin.backends.megatron import lora_checkpoint
 from rl_plugin.backends.megatron.chunks import chunks_of
 from rl_plugin.backends.megatron.compat.dist_optimizer import (
     allocate_state,
@@ -41,6 +42,7 @@ from rl_plugin.backends.megatron.compat.dist_optimizer import (
     load_optimizer,
     optimizers,
 )
+from rl_plugin.backends.megatron.lora_model import has_lora
 from rl_plugin.checkpoint.compat import check_same_model
 from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
 from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter, existing
@@ -94,10 +96,12 @@ def _unwrap(model):
 
 
 def _model_sharded_state_dict(model) -> Dict[str, Any]:
-    """The model's ``sharded_state_dict``; under the interleaved schedule one per chunk, as
+    """With LoRA, the adapters alone (``lora_checkpoint``: the base is never saved). The model's ``sharded_state_dict``; under the interleaved schedule one per chunk, as
     ``{"model0": ..., "model1": ...}`` (Megatron-LM's nesting). The nesting only shapes the dict
     a load returns: dist_checkpointing matches tensors by key, and each chunk keys its layers by
     their global number (``vp_stage``'s offset), so any PP x VPP layout reads any other's."""
+    if has_lora(model):
+        return lora_checkpoint.model_sharded_state_dict(model)
     chunks = chunks_of(model)
     if len(chunks) == 1:
         return _unwrap(model).sharded_state_dict()
@@ -105,6 +109,9 @@ def _model_sharded_state_dict(model) -> Dict[str, Any]:
 
 
 def _load_model_state(model, state) -> None:
+    if has_lora(model):
+        lora_checkpoint.load_model_state(model, state)
+        return
     chunks = chunks_of(model)
     if len(chunks) == 1:
         _unwrap(model).load_state_dict(state)
@@ -168,7 +175,15 @@ def _without_param_state(common: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def save(
-    directory: str, *, step: int, model, optimizer, scheduler, ps: ParallelState, extra: Optional[Dict] = None
+    directory: str,
+    *,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    ps: ParallelState,
+    extra: Optional[Dict] = None,
+    lora: Optional[Dict] = None,
 ) -> List[str]:
     """Collective: every rank writes its part of ``step``'s checkpoint into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``). Returns the files this
@@ -182,6 +197,7 @@ def save(
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
+    state["lora"] = lora  # None without LoRA; with it, the adapters' rank / alpha / targets (lora_checkpoint)
     written: Set[str] = set()
     dist_checkpointing.save(
         state,
@@ -259,7 +275,14 @@ def _check_optimizer_split(src: Path, optimizer) -> None:
 
 
 def load(
-    directory: str, *, model, optimizer, scheduler, ps: ParallelState, hf_dir: Optional[str] = None
+    directory: str,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    ps: ParallelState,
+    hf_dir: Optional[str] = None,
+    lora: Optional[Dict] = None,
 ) -> Dict[str, Any]:
     """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from one
     complete step directory (``iter_*``); returns ``{"step", "extra"}``."""
@@ -274,6 +297,9 @@ def load(
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )
+    lora_checkpoint.check_lora_meta(src, common.get("lora"), lora)
+    if lora is not None:
+        lora_checkpoint.base_identity_hook(src, hf_dir)
     check_same_model(str(src), hf_dir, *_model_shapes(src, model, ps))
     _check_optimizer_split(src, optimizer)
     allocate_state(optimizer)

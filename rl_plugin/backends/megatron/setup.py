@@ -190,11 +190,19 @@ def config_overrides(cfg: ModelConfig, *, cuda: bool) -> dict:
 
 
 def build_model(
-    cfg: ModelConfig, hf_dir: str, *, use_distributed_optimizer: bool = False, routing_replay: bool = False
+    cfg: ModelConfig,
+    hf_dir: str,
+    *,
+    use_distributed_optimizer: bool = False,
+    routing_replay: bool = False,
+    lora=None,
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
-    (``moe_enable_routing_replay``; ``rl_plugin.routing.megatron_replay``)."""
+    (``moe_enable_routing_replay``; ``rl_plugin.routing.megatron_replay``).
+    ``lora`` (a ``LoraConfig``, enabled): the local layer spec (megatron-core's own linears), the
+    base frozen and the adapters added after the HF weights load and before DDP wraps the model
+    (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -208,13 +216,24 @@ def build_model(
     overrides = config_overrides(cfg, cuda=cuda)
     if routing_replay:
         overrides["moe_enable_routing_replay"] = True
-    bridge = make_bridge(hf_dir, dtype=torch.bfloat16 if bf16 else torch.float32, extra_config=overrides, moe=cfg.moe)
+    use_lora = lora is not None and lora.enabled
+    bridge = make_bridge(
+        hf_dir,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+        extra_config=overrides,
+        moe=cfg.moe,
+        use_te=False if use_lora else None,
+    )
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     chunks = build_gpt_chunks(bridge)
     if torch.cuda.is_available():
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     bridge.load_weights(chunks, hf_dir)
+    if use_lora:
+        from rl_plugin.backends.megatron.lora_model import apply_lora
+
+        apply_lora(chunks, lora, seed=cfg.seed)
     config = bridge.config
     if bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
