@@ -44,6 +44,7 @@ GROUPS = (
     ),
     ("batching", "How rollouts become optimizer steps and micro-batches."),
     ("policy loss", "Advantage estimator, clipping, KL and entropy terms."),
+    ("sft and distillation", "Supervised fine-tuning (--loss-type sft_loss) and on-policy distillation (--use-opd)."),
     ("loss aggregation", "How per-token policy losses become the step objective J."),
     ("off-policy correction", "Importance sampling between the rollout engine and the trainer; DeepSpeed parity."),
     ("log-probs", "How training log-probs are computed from logits."),

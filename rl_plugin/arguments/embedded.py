@@ -93,6 +93,8 @@ def parse_train_flags(argv: Optional[List[str]] = None, *, prog: str = "rl-plugi
         defaults = dict(EMBEDDED_DEFAULTS)
         if first.custom_rm_path is not None:
             defaults.pop("rm_type")  # the user's reward replaces the built-in one
+        if first.loss_type == "sft_loss":  # SFT: one sample per task record (its answer), nothing scored
+            defaults.update(n_samples_per_prompt=1)
         parser.set_defaults(**defaults)
         first = parser.parse_args(argv)
     return validate_rl_args(first)

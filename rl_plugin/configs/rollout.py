@@ -201,9 +201,10 @@ class RolloutConfig(Declared):
     @staticmethod
     def _check_custom_data(args) -> None:
         """A ``--prompt-data`` run names its sizes and its reward (the embedded task has defaults)."""
+        sft = args.loss_type == "sft_loss"  # trains on the data's own answers: nothing sampled, no reward
         sizes = (
             ("--rollout-batch-size", args.rollout_batch_size),
-            ("--rollout-max-response-len", args.rollout_max_response_len),
+            ("--rollout-max-response-len", 0 if sft else args.rollout_max_response_len),
             ("--num-rollout", args.num_rollout),
         )
         missing = [f for f, v in sizes if v is None]
@@ -213,7 +214,7 @@ class RolloutConfig(Declared):
                 "a custom dataset has no embedded defaults for the rollout size",
                 f"pass {' '.join(m + ' N' for m in missing)}",
             )
-        if not (args.rm_type or args.custom_rm_path):
+        if not (args.rm_type or args.custom_rm_path or sft):
             fail(
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",

@@ -107,7 +107,7 @@ class StepContext:
         self.sample_tokens = _to(counts.sample_tokens, device)
         self._resp_offsets = exclusive_cumsum(batch.response_lengths.long())
         self.metrics = MetricAccumulator(device)
-        self.policy_loss = get_policy_loss(cfg.policy_loss)
+        self.policy_loss = get_policy_loss("sft_nll" if cfg.is_sft else cfg.policy_loss)
         self.custom_tis_names: List[str] = []
         self.grad_scale = 1.0 / counts.num_samples if cfg.deepspeed_grad_scale else 1.0
         self.old_from_forward = old_from_forward
