@@ -187,8 +187,18 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     return add_rl_arguments(parser)
 
 
+def with_loss_type_defaults(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
+    """``--loss-type sft_loss``: a conversation is one sample, so --n-samples-per-prompt defaults to
+    1 (an explicit value > 1 is refused by ``LossTypeSettings.check``); other runs unchanged."""
+    if args.loss_type != "sft_loss":
+        return args
+    parser.set_defaults(n_samples_per_prompt=1)
+    return parser.parse_args(argv)
+
+
 def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = with_loss_type_defaults(parser, parser.parse_args(argv), argv)
     return validate_rl_args(args) if validate else args
 
 

@@ -19,10 +19,34 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.rollout.data.dataset import PromptDataset, PromptRecord
+from rl_plugin.rollout.data.dataset import PromptDataset, PromptRecord, read_prompts
 from rl_plugin.rollout.data.sft import SftExample, example_of, sft_tensors
 from rl_plugin.rollout.data.tokenizer import load_tokenizer
 from rl_plugin.rollout.rollout_data import RolloutData
+
+
+def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:
+    """The records of an SFT file: ``--input-key``, and ``--label-key`` where a record has it."""
+    return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True)
+
+
+def check_sft_file(flag: str, path, args) -> None:
+    """Template every record of an SFT file now (preflight, before Ray starts): the first bad one
+    raises ``RLArgumentError`` naming its file:line."""
+    from rl_plugin.errors import fail
+
+    cfg = RolloutConfig.from_args(args)
+    tokenizer = load_tokenizer(
+        args.hf_checkpoint,
+        apply_chat_template=cfg.apply_chat_template,
+        chat_template_kwargs=cfg.apply_chat_template_kwargs,
+        system_prompt=cfg.system_prompt,
+    )
+    try:
+        for rec in read_sft_records(path, cfg):
+            example_of(tokenizer, rec)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(f"--loss-type sft_loss {flag}", str(exc), "correct that record of the file")
 
 
 class SftData:
@@ -35,9 +59,8 @@ class SftData:
             chat_template_kwargs=cfg.apply_chat_template_kwargs,
             system_prompt=cfg.system_prompt,
         )
-        keys = (cfg.input_key, cfg.label_key, None)
-        self.train = PromptDataset.from_file(cfg.prompt_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
-        self.eval = PromptDataset.from_file(cfg.eval_prompt_data, *keys) if cfg.eval_prompt_data else None
+        self.train = PromptDataset(read_sft_records(cfg.prompt_data, cfg), shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        self.eval = PromptDataset(read_sft_records(cfg.eval_prompt_data, cfg)) if cfg.eval_prompt_data else None
         self._cache: Dict[int, SftExample] = {}
         # every record is templated now: a bad conversation fails the run before any step
         for rec in self.train.records:

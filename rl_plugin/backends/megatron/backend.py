@@ -208,6 +208,18 @@ class MegatronBackend(TrainBackend):
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
         with torch.no_grad():
             self.bridge.save_weights(chunks_of(self.model), path)
+        if dist.get_rank() == 0 and self.hf_dir:  # tokenizer, chat template, ...: as FSDP's --save-hf
+            import shutil
+            from pathlib import Path
+
+            for src in sorted(Path(self.hf_dir).iterdir()):
+                dst = Path(path) / src.name
+                if (
+                    src.is_file()
+                    and not dst.exists()
+                    and not src.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
+                ):
+                    shutil.copy(src, dst)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
