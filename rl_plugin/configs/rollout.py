@@ -20,6 +20,7 @@ from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.rewards import RewardConfig
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, derived, flag, nested, same_as
+from rl_plugin.loss_config import LossConfig
 
 # Arguments rl_plugin itself passes to apply_chat_template: a kwarg of the same name would clash.
 RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
@@ -165,6 +166,9 @@ class RolloutConfig(Declared):
         help="Testing and debugging only: subtract d from every log-prob the engine returns, i.e. simulate an engine whose sampling policy disagrees with the trainer by log pi_old - log pi_rollout = d on every token, so the TIS weight (exp(d), then clipped) and the mismatch metrics (|d|, e^d - 1 - d) are known exactly. Never use it in training.",
     )
     seed: int = same_as(ModelConfig, "seed")
+    use_opd: bool = same_as(LossConfig, "use_opd")  # --use-opd: an engine-served teacher scores here (hf / vllm)
+    opd_type: str = same_as(LossConfig, "opd_type")
+    opd_teacher_load: Optional[str] = same_as(LossConfig, "opd_teacher_load")
     custom_generate_function_path: Optional[str] = same_as(CustomGenerationConfig, "custom_generate_function_path")
     rollout_function_path: Optional[str] = same_as(CustomGenerationConfig, "rollout_function_path")
     custom_generate_timeout: float = same_as(CustomGenerationConfig, "custom_generate_timeout")

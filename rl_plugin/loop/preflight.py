@@ -45,6 +45,7 @@ from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family
+from rl_plugin.loop.opd_preflight import check_opd
 
 
 @dataclass
@@ -217,4 +218,5 @@ def preflight(args) -> Optional[ResumePoint]:
                 check_sft_file(flag, path, args)
     else:
         check_reward_and_data(args)
+    check_opd(args)
     return point

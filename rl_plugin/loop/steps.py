@@ -27,6 +27,7 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
         group_ids=data.group_ids.clone(),
         rollout_log_probs=data.rollout_log_probs,
         routed_experts=data.routed_experts,
+        teacher_log_probs=data.teacher_log_probs,  # --use-opd with an engine-served teacher; else the actors'
     ).validate()
 
 

@@ -31,6 +31,7 @@ import torch
 from rl_plugin.loss.aggregation import weighted_sum
 from rl_plugin.loss.counts import StepCounts
 from rl_plugin.loss.metrics import MetricAccumulator
+from rl_plugin.loss.opd import OPD_SUMS
 from rl_plugin.loss.policy import clamped_log_ratio
 from rl_plugin.loss_config import LossConfig
 
@@ -123,6 +124,8 @@ def step_metric_names(
         if cfg.use_tis and cfg.custom_tis_function is None:
             names_sum += list(TIS_SUMS)
     names_sum += list(custom_tis_names)
+    if cfg.use_opd:
+        names_sum += list(OPD_SUMS)
     return names_sum, names_max, names_min
 
 

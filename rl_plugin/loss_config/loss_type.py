@@ -77,7 +77,7 @@ class LossTypeSettings:
                 args.n_samples_per_prompt > 1,
                 "every conversation would be trained on that many times per step (a conversation is one sample)",
             ),
-            ("--use-opd", getattr(args, "use_opd", False), "distillation needs the student's own samples"),
+            ("--use-opd", args.use_opd, "distillation needs the student's own samples"),
             ("--custom-rm-path", args.custom_rm_path, "SFT trains on the data's answers; nothing is scored"),
         ]
         for name, on, why in refused:

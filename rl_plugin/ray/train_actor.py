@@ -146,6 +146,8 @@ class TrainActor:
             batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
         if self.config.loss.use_kl_loss and not self.config.loss.is_sft:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
+        if self.config.loss.use_opd and batch.teacher_log_probs is None:  # --opd-type megatron: the teacher is here
+            batch.teacher_log_probs = self.backend.compute_log_probs(batch, role="teacher")
         logprob_time = time.perf_counter() - t0
         reports = []
         for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):

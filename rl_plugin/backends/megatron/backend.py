@@ -56,6 +56,7 @@ class MegatronBackend(TrainBackend):
         self.fp32_lm_head = config.model.fp32_lm_head
         self.fused_lm_head = use_fused_head(config.model, chunks_of(model)[-1])  # the head's chunk
         self._ref_model = None
+        self._teacher_model = None  # --use-opd --opd-type megatron, built on first use
         self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
         self.loss_device = next(model.parameters()).device  # the logits' device: the loss runs there
         self.runner = StepRunner(
@@ -149,6 +150,8 @@ class MegatronBackend(TrainBackend):
         return step.optimizer_step(self.optimizer, self.scheduler)
 
     def model_for(self, role: str):
+        if role == "teacher":
+            return self._teacher()
         return self.model if role == "actor" else self._reference_model()
 
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -236,15 +239,25 @@ class MegatronBackend(TrainBackend):
     def _reference_model(self):
         """A frozen copy of the starting weights (``--hf-checkpoint``), built on first use."""
         if self._ref_model is None:
-            from rl_plugin.backends.megatron.bridge import build_gpt_chunks
-
-            chunks = build_gpt_chunks(self.bridge)
-            if torch.cuda.is_available():
-                for chunk in chunks:
-                    chunk.cuda(torch.cuda.current_device())
-            self.bridge.load_weights(chunks, self.hf_dir)
-            ref = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
-            for p in ref.parameters():
-                p.requires_grad_(False)
-            self._ref_model = ref
+            self._ref_model = self._frozen_model(self.hf_dir)
         return self._ref_model
+
+    def _teacher(self):
+        """The OPD teacher (``--opd-teacher-load``), built on first use with the policy's layout:
+        the same architecture (other sizes: ``--opd-type hf`` / ``vllm``, checked in preflight)."""
+        if self._teacher_model is None:
+            self._teacher_model = self._frozen_model(self.config.loss.opd_teacher_load)
+        return self._teacher_model
+
+    def _frozen_model(self, hf_dir: str):
+        from rl_plugin.backends.megatron.bridge import build_gpt_chunks
+
+        chunks = build_gpt_chunks(self.bridge)
+        if torch.cuda.is_available():
+            for chunk in chunks:
+                chunk.cuda(torch.cuda.current_device())
+        self.bridge.load_weights(chunks, hf_dir)
+        model = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
