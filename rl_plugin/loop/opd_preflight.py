@@ -45,7 +45,15 @@ def check_opd(args) -> None:
             "no Hugging Face checkpoint there (config.json missing)",
             "pass the teacher's Hugging Face directory (e.g. the --save-hf output of its run)",
         )
-    if _vocabulary(student) != _vocabulary(teacher):
+    try:
+        same = _vocabulary(student) == _vocabulary(teacher)
+    except ValueError as exc:  # no tokenizer files
+        fail(
+            f"--opd-teacher-load {teacher}",
+            f"its tokenizer cannot be read ({exc})",
+            "use a teacher checkpoint with its tokenizer files",
+        )
+    if not same:
         fail(
             f"--use-opd: the student --hf-checkpoint {student} and the teacher --opd-teacher-load {teacher}",
             "have different tokenizers; the teacher scores the student's token ids, so every id must mean the same "

@@ -7,7 +7,6 @@ same teacher log-probs of the same sampled tokens, to fp32 rounding; and they ar
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.support.fsdp_common import make_step, step_batch
 
