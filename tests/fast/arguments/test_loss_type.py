@@ -31,3 +31,29 @@ def test_sft_defaults_one_sample_per_conversation_and_needs_no_reward(tmp_path):
     args = parse_args(f"{SFT} --prompt-data {tmp_path}/d.jsonl --rollout-batch-size 4 --num-rollout 2".split())
     assert args.loss_type == "sft_loss" and args.n_samples_per_prompt == 1
     assert parse_args([]).loss_type == "policy_loss" and parse_args([]).n_samples_per_prompt == 8
+
+
+OPD_RULES = [
+    ("--opd-kl-coef 0.5", ["--opd-kl-coef without --use-opd", "silently ignored", "add --use-opd"]),
+    ("--opd-teacher-load d --opd-type hf", ["--opd-type, --opd-teacher-load without --use-opd"]),
+    ("--use-opd", ["--use-opd without --opd-teacher-load", "needs a teacher", "pass --opd-teacher-load DIR"]),
+    (
+        "--use-opd --opd-teacher-load d --opd-type sglang",
+        ["--opd-type sglang", "cannot run", "use --opd-type megatron"],
+    ),
+    ("--use-opd --opd-teacher-load d --opd-kl-coef 0", ["--opd-kl-coef 0.0", "must be > 0"]),
+    ("--use-opd --opd-teacher-load d --opd-kl-coef -1", ["--opd-kl-coef -1.0", "must be > 0"]),
+    ("--use-opd --opd-teacher-load d --opd-teacher-ckpt-step 3", ["--opd-teacher-ckpt-step", "--save-hf directory"]),
+    (f"{SFT} --use-opd --opd-teacher-load d", ["--loss-type sft_loss with --use-opd", "student's own samples"]),
+]
+
+
+@pytest.mark.parametrize("flags,fragments", OPD_RULES, ids=[r[0] for r in OPD_RULES])
+def test_opd_rule_fails_loud_with_flags_rule_and_fix(flags, fragments):
+    assert_refused(flags, fragments)
+
+
+@pytest.mark.parametrize("kind", ["megatron", "hf", "vllm"])
+def test_opd_types_accepted(kind):
+    args = parse_args(["--use-opd", "--opd-teacher-load", "d", "--opd-type", kind])
+    assert args.use_opd and args.opd_type == kind and args.opd_kl_coef == 1.0
