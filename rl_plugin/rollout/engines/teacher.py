@@ -50,10 +50,23 @@ class HFTeacher:
 
 
 class VLLMTeacher:
-    def __init__(self, path: str, *, temperature: float = 1.0, seed: int = 0):
+    def __init__(self, path: str, *, temperature: float = 1.0, seed: int = 0, device: str = "cpu"):
+        from rl_plugin.rollout.engines.vllm_engine import BLOCK_SIZE, _engine_environment
+
+        _engine_environment()  # before ``import vllm``: in-process core, a small CPU KV cache
+        from transformers import AutoConfig
         from vllm import LLM
 
-        self.llm = LLM(model=path, dtype="float32", seed=seed, enforce_eager=True, gpu_memory_utilization=0.3)
+        max_len = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        self.llm = LLM(
+            model=str(path),
+            skip_tokenizer_init=True,  # ids in, log-probs out
+            dtype="float32" if device == "cpu" else "auto",
+            seed=int(seed),
+            max_model_len=None if max_len is None else int(max_len),
+            block_size=BLOCK_SIZE,
+            enforce_eager=True,
+        )
         self.temperature = float(temperature)
 
     def log_probs(
@@ -67,7 +80,7 @@ class VLLMTeacher:
                 "use --opd-type megatron or hf with --rollout-temperature"
             )
         seqs: List[List[int]] = [t.tolist() for t in tokens.split(total_lengths.long().tolist())]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         vals: List[float] = []
         for seq, r, out in zip(seqs, response_lengths.long().tolist(), outs):
