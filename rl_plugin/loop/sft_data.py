@@ -111,7 +111,9 @@ class SftData:
 
     # -- the RolloutClient surface -------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return self.train.state_dict()
+        """The rollout manager's form (``{"train_dataset": ...}``): an SFT checkpoint ``--load``s
+        into an RL run, whose manager continues at the same data position."""
+        return {"train_dataset": self.train.state_dict()}
 
     def read_dataset_state(self) -> None:
         self.dataset_state = self.state_dict()
@@ -119,7 +121,7 @@ class SftData:
     def call(self, method: str, *args):
         if method != "load_state_dict":
             raise ValueError(f"the SFT data source has no {method!r} (no rollout manager runs under sft_loss)")
-        self.train.load_state_dict(args[0])
+        self.train.load_state_dict(args[0]["train_dataset"])
         self.dataset_state = self.state_dict()
 
     def engine_node_ids(self):

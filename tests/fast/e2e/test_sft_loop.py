@@ -144,3 +144,16 @@ def test_sft_step1_loss_is_the_independent_nll_and_falls(setup, tmp_path, backen
         argv += ["--num-rollout", "1", "--output-dir", str(rl), "--no-progress-bar"]
         assert main(argv) == 0
         assert any('"reward_mean"' in x for x in (rl / "metrics.jsonl").read_text().splitlines())
+
+
+def test_sft_checkpoint_loads_into_an_rl_run_on_the_embedded_task(setup, tmp_path):
+    """The embedded task's records are prompt + label pairs: SFT trains on ``<bos> prompt |
+    label <eos>`` (the character tokenizer), and its checkpoint --load-s into the RL run on the same
+    file, which continues the step and rollout counters and the data position."""
+    ckpt, common = tmp_path / "ckpt", ["--train-backend", "fsdp", "--no-progress-bar", "--save", str(tmp_path / "ckpt")]
+    assert main(["--loss-type", "sft_loss", "--num-rollout", "2", "--output-dir", str(tmp_path / "sft"), *common]) == 0
+    sft = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert sft[-1]["sft/tokens"] == 16 * 4  # 16 records a batch, 3 digits + <eos> each
+    assert main(["--num-rollout", "3", "--load", str(ckpt), "--output-dir", str(tmp_path / "rl"), *common]) == 0
+    rl = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
+    assert [(r["rollout_id"], r["step"]) for r in rl] == [(2, 3)]
