@@ -114,7 +114,14 @@ def _sft(backend, model, data, out, *extra):
 
 
 @pytest.mark.parametrize(
-    "backend, agg", [("megatron", ["--calculate-per-token-loss"]), ("fsdp", ["--loss-aggregation", "token_mean"])]
+    "backend, agg",
+    [
+        ("megatron", ["--calculate-per-token-loss"]),
+        ("fsdp", ["--loss-aggregation", "token_mean"]),
+        ("megatron", ["--calculate-per-token-loss", "--tensor-model-parallel-size", "2"]),
+        ("megatron", ["--calculate-per-token-loss", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["megatron-dp2", "fsdp-dp2", "megatron-tp2", "megatron-pp2"],
 )
 def test_sft_step1_loss_is_the_independent_nll_and_falls(setup, tmp_path, backend, agg):
     model, data = setup
