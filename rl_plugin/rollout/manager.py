@@ -150,7 +150,7 @@ class RolloutManager:
         self.teacher = None
         if cfg.use_opd and cfg.opd_type in ("hf", "vllm"):
             self.teacher = make_teacher(
-                cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed
+                cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed, device=device
             )
         self._vocab_size: Optional[int] = None
         self._context_len: Optional[int] = None

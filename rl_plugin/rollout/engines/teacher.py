@@ -95,10 +95,10 @@ def _ranks(lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
 
 
-def make_teacher(kind: str, path: str, *, temperature: float, seed: int = 0):
-    """The engine-served teacher of ``--opd-type kind`` (``hf`` or ``vllm``)."""
+def make_teacher(kind: str, path: str, *, temperature: float, seed: int = 0, device: str = "cpu"):
+    """The engine-served teacher of ``--opd-type kind`` (``hf`` or ``vllm``) on ``device``."""
     if kind == "hf":
-        return HFTeacher(path, temperature=temperature)
+        return HFTeacher(path, temperature=temperature, device=device)
     if kind == "vllm":
-        return VLLMTeacher(path, temperature=temperature, seed=seed)
+        return VLLMTeacher(path, temperature=temperature, seed=seed, device=device)
     raise ValueError(f"--opd-type {kind}: no engine-served teacher of that kind (hf, vllm)")
