@@ -66,7 +66,7 @@ class OpdSettings:
         "--opd-teacher-ckpt-step",
         type=int,
         default=None,
-        help="With an rl_plugin checkpoint directory as --opd-teacher-load: the step whose --save-hf weights to use (default: not supported yet, see docs).",
+        help="slime's step of a teacher checkpoint. A teacher is read from a Hugging Face directory only (pass the teacher run's --save-hf output), so this is refused for now.",
         group=GROUP,
     )
 
