@@ -1,5 +1,5 @@
 """Issue 35, on-policy distillation through the real loop (``--use-opd``) on the embedded task, with
-a multi-turn custom generate hook (tool ids masked) and TIS:
+a multi-turn custom generate hook (tool ids masked), TIS and (FSDP) the overlapped loop:
 
 - the engine-served teacher (``--opd-type hf``, FSDP) and the in-trainer one (``--opd-type
   megatron``, Megatron) score the same first rollout with the same teacher log-probs
@@ -71,9 +71,11 @@ def _first_row(d):
 def test_engine_and_in_trainer_teachers_agree_in_the_loop(setup, tmp_path):
     _, teacher = setup
     rows = {}
-    for backend, kind in (("fsdp", "hf"), ("megatron", "megatron")):
+    # FSDP runs the overlapped loop (rollout 1 generated while rollout 0 trains): its first step is still
+    # on rollout 0, sampled by the initial weights, as the synchronous Megatron run's
+    for backend, kind, loop in (("fsdp", "hf", ["--max-weight-staleness", "1"]), ("megatron", "megatron", [])):
         d = tmp_path / kind
-        argv = ["--train-backend", backend, "--opd-type", kind, "--opd-teacher-load", str(teacher)]
+        argv = ["--train-backend", backend, "--opd-type", kind, "--opd-teacher-load", str(teacher), *loop]
         assert main([*argv, "--output-dir", str(d), *FLAGS]) == 0
         rows[kind] = _first_row(d)
     hf, mg = rows["hf"], rows["megatron"]
