@@ -4,7 +4,7 @@ Entries are ``"package.module:attr"`` strings (``Registry.register_lazy``), so i
 module imports no torch: the flag layer (``rl_plugin.arguments``) reads ``names()`` for argparse
 ``choices``, and the code that runs a piece resolves it with ``get(name)``.
 
-- ``POLICY_LOSSES``: chosen by ``--advantage-estimator`` (gspo -> gspo, else ppo_clip); ``rl_plugin.loss.policy``
+- ``POLICY_LOSSES``: chosen by ``--advantage-estimator`` (gspo -> gspo, else ppo_clip; ``--loss-type sft_loss`` -> sft_nll); ``rl_plugin.loss.policy``
 - ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages``
 - ``LOSS_AGGREGATIONS``: ``--loss-aggregation``; ``rl_plugin.loss.aggregation``
 - ``KL_ESTIMATORS``: ``--kl-loss-type``; ``rl_plugin.loss.kl``
@@ -28,6 +28,7 @@ DISTRIBUTED_TRANSPORTS = ("distributed", "nccl")
 POLICY_LOSSES = Registry("policy loss")
 POLICY_LOSSES.register_lazy("ppo_clip", "rl_plugin.loss.policy:ppo_clip_loss")
 POLICY_LOSSES.register_lazy("gspo", "rl_plugin.loss.policy:gspo_loss")
+POLICY_LOSSES.register_lazy("sft_nll", "rl_plugin.loss.policy:sft_nll_loss")  # --loss-type sft_loss
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "--advantage-estimator")
 ADVANTAGE_ESTIMATORS.register_lazy("grpo", "rl_plugin.loss.advantages:grpo_advantages")

@@ -44,6 +44,7 @@ GROUPS = (
     ),
     ("batching", "How rollouts become optimizer steps and micro-batches."),
     ("policy loss", "Advantage estimator, clipping, KL and entropy terms."),
+    ("sft and distillation", "Supervised fine-tuning (--loss-type sft_loss) and on-policy distillation (--use-opd)."),
     ("loss aggregation", "How per-token policy losses become the step objective J."),
     ("off-policy correction", "Importance sampling between the rollout engine and the trainer; DeepSpeed parity."),
     ("log-probs", "How training log-probs are computed from logits."),
@@ -186,8 +187,18 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     return add_rl_arguments(parser)
 
 
+def with_loss_type_defaults(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
+    """``--loss-type sft_loss``: a conversation is one sample, so --n-samples-per-prompt defaults to
+    1 (an explicit value > 1 is refused by ``LossTypeSettings.check``); other runs unchanged."""
+    if args.loss_type != "sft_loss":
+        return args
+    parser.set_defaults(n_samples_per_prompt=1)
+    return parser.parse_args(argv)
+
+
 def parse_args(argv: Optional[List[str]] = None, *, validate: bool = True) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = with_loss_type_defaults(parser, parser.parse_args(argv), argv)
     return validate_rl_args(args) if validate else args
 
 

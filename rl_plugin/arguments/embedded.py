@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from rl_plugin.arguments import build_parser, validate_rl_args
+from rl_plugin.arguments import build_parser, validate_rl_args, with_loss_type_defaults
 from rl_plugin.errors import fail
 
 EMBEDDED_TASK_DIGITS = 3  # the digit-copy task copies this many digits (+ <eos>)
@@ -95,4 +95,5 @@ def parse_train_flags(argv: Optional[List[str]] = None, *, prog: str = "rl-plugi
             defaults.pop("rm_type")  # the user's reward replaces the built-in one
         parser.set_defaults(**defaults)
         first = parser.parse_args(argv)
+    first = with_loss_type_defaults(parser, first, argv)
     return validate_rl_args(first)

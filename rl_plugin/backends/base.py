@@ -68,9 +68,10 @@ class TrainBackend(abc.ABC):
         self, batch: StepBatch, *, role: str = "actor", micro_batches: Optional[List[torch.Tensor]] = None
     ) -> torch.Tensor:
         """Forward only: per-response-token log-probs ``[sum R_i]`` (fp32, CPU, full responses, at
-        ``--rollout-temperature``) of the ``actor`` or the frozen ``ref`` model."""
-        if role not in ("actor", "ref"):
-            raise ValueError(f"compute_log_probs: role must be 'actor' or 'ref', got {role!r}")
+        ``--rollout-temperature``) of the ``actor``, the frozen ``ref`` model or the ``teacher``
+        (``--use-opd --opd-type megatron``: ``--opd-teacher-load``, forward only)."""
+        if role not in ("actor", "ref", "teacher"):
+            raise ValueError(f"compute_log_probs: role must be 'actor', 'ref' or 'teacher', got {role!r}")
         action = routing_action(self.config.routing_replay, batch.routed_experts, role=role, training=False)
         records = [] if action == "record" else None
         with self._routing(action):

@@ -78,7 +78,8 @@ class BatchingConfig(Declared):
     @classmethod
     def check(cls, args) -> None:
         n = args.n_samples_per_prompt
-        if args.advantage_estimator in LossConfig.GROUP_RELATIVE and n < 2:
+        sft = args.loss_type == "sft_loss"  # no advantage: one sample per conversation
+        if args.advantage_estimator in LossConfig.GROUP_RELATIVE and n < 2 and not sft:
             baseline = "leave-one-out mean" if args.advantage_estimator == "rloo" else "group mean"
             fail(
                 f"--n-samples-per-prompt {n} with --advantage-estimator {args.advantage_estimator}",

@@ -20,6 +20,7 @@ from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.rewards import RewardConfig
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, derived, flag, nested, same_as
+from rl_plugin.loss_config import LossConfig
 
 # Arguments rl_plugin itself passes to apply_chat_template: a kwarg of the same name would clash.
 RESERVED_CHAT_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
@@ -165,6 +166,9 @@ class RolloutConfig(Declared):
         help="Testing and debugging only: subtract d from every log-prob the engine returns, i.e. simulate an engine whose sampling policy disagrees with the trainer by log pi_old - log pi_rollout = d on every token, so the TIS weight (exp(d), then clipped) and the mismatch metrics (|d|, e^d - 1 - d) are known exactly. Never use it in training.",
     )
     seed: int = same_as(ModelConfig, "seed")
+    use_opd: bool = same_as(LossConfig, "use_opd")  # --use-opd: an engine-served teacher scores here (hf / vllm)
+    opd_type: str = same_as(LossConfig, "opd_type")
+    opd_teacher_load: Optional[str] = same_as(LossConfig, "opd_teacher_load")
     custom_generate_function_path: Optional[str] = same_as(CustomGenerationConfig, "custom_generate_function_path")
     rollout_function_path: Optional[str] = same_as(CustomGenerationConfig, "rollout_function_path")
     custom_generate_timeout: float = same_as(CustomGenerationConfig, "custom_generate_timeout")
@@ -201,9 +205,10 @@ class RolloutConfig(Declared):
     @staticmethod
     def _check_custom_data(args) -> None:
         """A ``--prompt-data`` run names its sizes and its reward (the embedded task has defaults)."""
+        sft = args.loss_type == "sft_loss"  # trains on the data's own answers: nothing sampled, no reward
         sizes = (
             ("--rollout-batch-size", args.rollout_batch_size),
-            ("--rollout-max-response-len", args.rollout_max_response_len),
+            ("--rollout-max-response-len", 0 if sft else args.rollout_max_response_len),
             ("--num-rollout", args.num_rollout),
         )
         missing = [f for f, v in sizes if v is None]
@@ -213,7 +218,7 @@ class RolloutConfig(Declared):
                 "a custom dataset has no embedded defaults for the rollout size",
                 f"pass {' '.join(m + ' N' for m in missing)}",
             )
-        if not (args.rm_type or args.custom_rm_path):
+        if not (args.rm_type or args.custom_rm_path or sft):
             fail(
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",

@@ -43,6 +43,7 @@ class LoopConfig(Declared):
     docs_per_step: Optional[int] = same_as(
         BatchingConfig, "docs_per_step"
     )  # --docs-per-step: the ranks plan their steps
+    sft: bool = derived(lambda args: args.loss_type == "sft_loss", False)  # --loss-type sft_loss: the SFT schedule
     overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
     sync: SyncSettings = nested(SyncSettings)
     save: Optional[str] = same_as(Ckpt, "save")

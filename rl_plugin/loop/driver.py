@@ -3,7 +3,8 @@
 It holds the train group (one actor per rank), the rollout client (the manager actor, its
 engines, retries), the weight ledger (which weights the engines hold), the run's progress and the
 row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default) or
-``OverlappedSchedule`` (``--max-weight-staleness 1``). The schedule calls the named pieces below
+``OverlappedSchedule`` (``--max-weight-staleness 1``), or ``SftSchedule`` (``--loss-type sft_loss``:
+its data source ``SftData`` stands in for the rollout client, no engine, no sync). The schedule calls the named pieces below
 (the ``RolloutLoop`` protocol); per rollout k::
 
     data    = generate(k)                  # the manager loads the newest published weights first
@@ -17,6 +18,7 @@ actors, resume, stopping and the run's errors are the run's (``loop/run.py``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Optional
 
 from rl_plugin.checkpoint.commit import remove_partial
@@ -29,7 +31,8 @@ from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.resume import Progress, save_checkpoint
 from rl_plugin.loop.rows import RowLogger
 from rl_plugin.loop.schedule import Schedule
-from rl_plugin.loop.steps import rollout_batch
+from rl_plugin.loop.sft_schedule import SftSchedule
+from rl_plugin.loop.steps import rollout_batch, sft_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup
@@ -60,8 +63,10 @@ class Driver:
         self.last_saved: Optional[int] = None
         client.on_fresh_engines = ledger.fresh_engines
         client.on_restart = self.sync_weights
-        schedule = OverlappedSchedule if cfg.overlapped else SyncSchedule
-        self.schedule: Schedule = schedule(self, cfg)
+        if cfg.sft:  # ``client`` is the SFT data source (``loop/sft_data.py``)
+            self.schedule: Schedule = SftSchedule(self, cfg, client)
+        else:
+            self.schedule = (OverlappedSchedule if cfg.overlapped else SyncSchedule)(self, cfg)
 
     # -- what the run calls ---------------------------------------------------------------------
     def log_to(self, rows: RowLogger) -> None:
@@ -160,7 +165,7 @@ class Driver:
     def _plans(self, data: RolloutData) -> List[RankPlan]:
         """The advantages, then each rank's plan of optimizer steps (``rl_plugin.step_plan``)."""
         cfg, g = self.cfg, self.group
-        batch = rollout_batch(data, cfg.advantage_estimator)
+        batch = sft_batch(data) if cfg.sft else rollout_batch(data, cfg.advantage_estimator)
         if cfg.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
             return g.call("plan_docs_steps", [(shares[g.dp_rank(r)], data.num_groups) for r in range(g.world_size)])
@@ -203,10 +208,26 @@ class Driver:
         self.rows.advance(data, timings, self.progress.step)
 
     def _evaluate(self, k: int) -> Dict[str, float]:
-        """The eval after rollout k, on the weights after its steps (loaded first when not yet)."""
+        """The eval after rollout k, on the weights after its steps (loaded first when not yet);
+        SFT: the held-out NLL, on the train ranks."""
+        if self.cfg.sft:
+            return self._sft_eval()
         ev = self.client.retrying("evaluate", k, lambda: self.client.submit_evaluate(k, self.ledger.give()))
         self.ledger.loaded(ev.pop("weight_load", None))
         return ev
+
+    def _sft_eval(self) -> Dict[str, float]:
+        """``eval/nll`` (token mean over every held-out assistant token), ``eval/ppl``, ``eval/tokens``:
+        each DP rank scores its share with a forward pass (``TrainActor.eval_nll``)."""
+        g, data = self.group, self.client.eval_data()
+        batch = sft_batch(data)
+        by_dp = plan_global_batch_steps(batch, global_batch_size=batch.num_samples, dp_size=g.dp_size)
+        sums = g.call("eval_nll", [(by_dp[g.dp_rank(r)].batch,) for r in range(g.world_size)])
+        first = {g.dp_rank(r): r for r in reversed(range(g.world_size))}  # one rank per DP share
+        nll = sum(sums[r][0] for r in first.values())
+        tokens = sum(sums[r][1] for r in first.values())
+        mean = nll / max(tokens, 1.0)
+        return {"eval/nll": mean, "eval/ppl": math.exp(min(mean, 700.0)), "eval/tokens": tokens}
 
 
 def _check_complete(reports: List[Dict[str, Any]], plan: RankPlan) -> None:

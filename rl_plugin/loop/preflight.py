@@ -45,6 +45,7 @@ from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family
+from rl_plugin.loop.opd_preflight import check_opd
 
 
 @dataclass
@@ -143,7 +144,6 @@ def check_reward_and_data(args) -> None:
                 hf_checkpoint=args.hf_checkpoint,
                 rm_type=args.rm_type,
                 vocab_size=vocab,
-                answers_are_targets=False,  # True under the SFT loss (--loss-type sft_loss, not yet a flag)
             )
 
 
@@ -210,5 +210,13 @@ def preflight(args) -> Optional[ResumePoint]:
     check_output_dirs(args)
     point = check_resume_point(args)
     note_changed_settings(args, point)
-    check_reward_and_data(args)
+    if args.loss_type == "sft_loss":  # no reward; the data are conversations to template
+        from rl_plugin.loop.sft_data import check_sft_file
+
+        for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+            if path is not None:
+                check_sft_file(flag, path, args)
+    else:
+        check_reward_and_data(args)
+    check_opd(args)
     return point

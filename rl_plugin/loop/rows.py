@@ -27,7 +27,7 @@ ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean",
 def row_stats(stats: Dict[str, Any]) -> Dict[str, Any]:
     """The rollout's stats a metrics row carries: ``ROLLOUT_STATS`` and every key under
     ``ROLLOUT_STAT_PREFIXES`` (the rollout's timings go to the timings file instead)."""
-    out = {key: stats[key] for key in ROLLOUT_STATS}
+    out = {key: stats[key] for key in ROLLOUT_STATS if key in stats}  # an SFT batch has no reward
     out.update({key: v for key, v in stats.items() if key.startswith(ROLLOUT_STAT_PREFIXES)})
     return out
 
@@ -104,8 +104,9 @@ class RowLogger:
     def advance(self, data: RolloutData, timings: Dict[str, float], step: int) -> None:
         """The progress bar after a rollout: its reward and phase seconds."""
         stats = data.stats
+        head = {"reward": f"{stats['reward_mean']:.3f}"} if "reward_mean" in stats else {}  # SFT: no reward
         self.bar.set_postfix(
-            reward=f"{stats['reward_mean']:.3f}",
+            **head,
             gen_s=f"{stats.get('rollout_gen_time', 0.0):.2f}",
             reward_s=f"{stats.get('rollout_reward_time', 0.0):.2f}",
             train_s=f"{timings.get('time/train', 0.0):.2f}",

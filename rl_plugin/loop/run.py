@@ -42,6 +42,7 @@ from rl_plugin.loop.preflight import check_progress, finished_message, is_finish
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
+from rl_plugin.loop.sft_data import SftData
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
@@ -75,7 +76,8 @@ class TrainingRun:
         )
         self.exit.install()
         try:
-            validate_engine_installed(a)
+            if a.loss_type != "sft_loss":  # SFT starts no engine
+                validate_engine_installed(a)
             if is_embedded(a):
                 prepare_embedded(a)
             if a.hf_checkpoint is None:
@@ -130,7 +132,8 @@ class TrainingRun:
             if progress.step == 0:
                 keep_previous(cfg.metrics_file)
             self.client.read_dataset_state()
-            self.driver.sync_weights()
+            if not cfg.sft:  # SFT: no engine to hold the weights
+                self.driver.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.args, cfg, progress.start_rollout)
             self.driver.log_to(self.rows)
@@ -203,13 +206,16 @@ class TrainingRun:
         self.exit.install()  # ray.init sets its own SIGTERM handler (exit at once): take it back
         self.placement = create_placement(a)
         ledger = WeightLedger(cfg.sync)
-        self.client = RolloutClient(
-            a,
-            self.placement,
-            self.resume_hint,
-            rollout_engine=cfg.rollout_engine,
-            max_retries=cfg.max_rollout_retries,
-        )
+        if cfg.sft:  # the data source stands in for the rollout client (``loop/sft_data.py``)
+            self.client = SftData(a)
+        else:
+            self.client = RolloutClient(
+                a,
+                self.placement,
+                self.resume_hint,
+                rollout_engine=cfg.rollout_engine,
+                max_retries=cfg.max_rollout_retries,
+            )
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store

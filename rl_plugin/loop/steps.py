@@ -1,8 +1,11 @@
 """The whole rollout as one step batch with advantages, computed ONCE per rollout by the loss
 core over whole prompt groups (a rollout always holds whole groups); ``rl_plugin.step_plan``
-then cuts it into each rank's optimizer steps."""
+then cuts it into each rank's optimizer steps. An SFT batch (``sft_batch``) has no advantage and
+no sampler log-probs: its per-token loss is the NLL (``--loss-type sft_loss``)."""
 
 from __future__ import annotations
+
+import torch
 
 from rl_plugin.loss import StepBatch, compute_advantages, to_tokens
 from rl_plugin.rollout.rollout_data import RolloutData
@@ -24,4 +27,20 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
         group_ids=data.group_ids.clone(),
         rollout_log_probs=data.rollout_log_probs,
         routed_experts=data.routed_experts,
+        teacher_log_probs=data.teacher_log_probs,  # --use-opd with an engine-served teacher; else the actors'
+    ).validate()
+
+
+def sft_batch(data: RolloutData) -> StepBatch:
+    """A batch of SFT conversations (``rl_plugin.loop.sft_data``) as one StepBatch: the
+    assistant-span loss mask, zero advantages (read by no term of the NLL), one group per
+    conversation, no rollout log-probs."""
+    loss_mask = data.loss_mask.float()
+    return StepBatch(
+        tokens=data.tokens,
+        total_lengths=data.total_lengths,
+        response_lengths=data.response_lengths,
+        loss_mask=loss_mask,
+        advantages=torch.zeros_like(loss_mask),
+        group_ids=data.group_ids.clone(),
     ).validate()

@@ -5,7 +5,8 @@ Layout: samples are concatenated. ``tokens`` holds prompt + response of every sa
 the responses only (``[sum R_i]``). ``group_ids`` are step-local prompt-group ids in
 ``[0, num_groups)``, the same id on every DP rank for samples of the same prompt, so a group may
 straddle DP ranks. ``routed_experts`` (routing replay, ``rl_plugin.routing``) is per token of
-``tokens``: ``[sum T_i, num_moe_layers, top_k]`` int.
+``tokens``: ``[sum T_i, num_moe_layers, top_k]`` int. ``teacher_log_probs`` (``--use-opd``) is
+per response token, like the reference log-probs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
 from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.tensor_pickle import reduce_dataclass
 
-PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs")
+PER_TOKEN_FIELDS = (
+    "loss_mask",
+    "advantages",
+    "old_log_probs",
+    "ref_log_probs",
+    "rollout_log_probs",
+    "teacher_log_probs",
+)
 
 
 @dataclass
@@ -33,6 +41,7 @@ class StepBatch:
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd: the teacher's log-prob of each response token
     routed_experts: Optional[torch.Tensor] = None
 
     @property

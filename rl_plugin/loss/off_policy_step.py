@@ -41,6 +41,8 @@ def old_from_forward_unsupported(cfg: LossConfig, cp_size: int, has_rollout_log_
     same weights, deterministic forward) are the caller's (``runner.old_log_probs_rule``)."""
     if cfg.use_tis and cfg.custom_tis_function is not None:
         return "--custom-tis-function-path reads the full old log-probs before the loss"
+    if cfg.use_opd:
+        return "--use-opd shifts the advantages by the old log-probs before the step"
     if cp_size > 1 and has_rollout_log_probs:
         return (
             "context parallelism: the mismatch metrics and sequence-level TIS weights need every CP chunk's "

@@ -24,6 +24,9 @@ CP group, and M_i is the full-sequence count (the true, possibly fractional, mas
 M_i = 0 is replaced by 1). Tokens whose sample id is out of range (padding) are dropped from
 every sum.
 
+SFT (``--loss-type sft_loss``, registered as ``sft_nll``): l_t = -logp_t, the NLL of the target
+token; no ratio, no advantage, nothing clipped. The aggregation modes apply to it unchanged.
+
 Overflow guard (as verl's ``compute_policy_loss``, bound 20): every log-ratio is clamped to
 [-20, 20] before ``exp`` (per token, and GSPO's sequence log-ratio too), so r <= e^20 ~ 4.9e8 is
 finite; the clamp is the identity (value and gradient) inside the bound. A masked token is
@@ -135,3 +138,8 @@ def gspo_loss(
     seq_ratio = torch.cat([seq_ratio, seq_ratio.new_ones(1)])[bins]
     loss, clipped = _clipped_objective(seq_ratio, advantages.to(dtype), eps_clip, eps_clip_high, eps_clip_c)
     return loss * (bins < num_samples).to(dtype), clipped
+
+
+def sft_nll_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, **_unused):
+    """SFT's per-token loss ``-log p(y_t)`` (``[T]``) and no clipping (zeros): ``--loss-type sft_loss``."""
+    return -log_probs, torch.zeros_like(log_probs)

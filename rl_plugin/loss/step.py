@@ -56,6 +56,7 @@ from rl_plugin.loss.off_policy_step import (
     forward_tis_weights,
     off_policy_weights,
 )
+from rl_plugin.loss.opd import opd_advantages, record_opd_metrics
 from rl_plugin.loss.policy import get_policy_loss
 from rl_plugin.loss.step_metrics import (
     record_micro_batch,
@@ -107,7 +108,9 @@ class StepContext:
         self.sample_tokens = _to(counts.sample_tokens, device)
         self._resp_offsets = exclusive_cumsum(batch.response_lengths.long())
         self.metrics = MetricAccumulator(device)
-        self.policy_loss = get_policy_loss(cfg.policy_loss)
+        if cfg.use_opd:  # on-policy distillation: the advantages shifted once per step (loss/opd.py)
+            self.advantages = self._opd_advantages(batch, counts)
+        self.policy_loss = get_policy_loss("sft_nll" if cfg.is_sft else cfg.policy_loss)
         self.custom_tis_names: List[str] = []
         self.grad_scale = 1.0 / counts.num_samples if cfg.deepspeed_grad_scale else 1.0
         self.old_from_forward = old_from_forward
@@ -122,6 +125,19 @@ class StepContext:
             self.tis_weights = None  # built per micro-batch (loss)
         else:
             self.tis_weights = self._off_policy_weights(self.old_log_probs)
+
+    def _opd_advantages(self, batch: StepBatch, counts: StepCounts) -> torch.Tensor:
+        """``--use-opd``: A - coef * m * (old - teacher) on the loss device, and its metrics."""
+        if self.old_log_probs is None or batch.teacher_log_probs is None:
+            missing = "old_log_probs (a separate old pass)" if self.old_log_probs is None else "teacher_log_probs"
+            raise ValueError(
+                f"--use-opd needs the student's old and the teacher's log-probs; the step batch has no {missing}"
+            )
+        teacher = _to(batch.teacher_log_probs, self.device)
+        record_opd_metrics(
+            self.metrics, self.old_log_probs, teacher, self.loss_mask, float(counts.total_tokens), self.ps.cp_rank
+        )
+        return opd_advantages(self.advantages, self.old_log_probs, teacher, self.loss_mask, self.cfg.opd_kl_coef)
 
     def _off_policy_weights(self, old: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """TIS weights of this rank's full responses (or None), and the mismatch metrics."""

@@ -10,7 +10,10 @@ w_sm-weighted sum over every micro-batch of every DP x CP rank IS the step's sam
     ratio_sum      sum_t m r                     ratio_sq_sum sum_t m r^2
     advantage_max / advantage_min over trained tokens,  r = exp(clamped(logp - old))
 
-``--pg-metrics none`` keeps only the four loss terms. The off-policy sums (``mismatch/*``,
+``--pg-metrics none`` keeps only the four loss terms. ``--loss-type sft_loss`` keeps the four loss
+terms and ``sft/nll_sum`` = sum_t m_t (-logp_t) (the ratio and advantage metrics are constants
+there); ``with_counts_and_aliases`` turns it into ``sft/tokens`` (the global trained-token count),
+``sft/nll`` (the token-mean NLL, whatever the mode) and ``sft/ppl`` = exp(sft/nll). The off-policy sums (``mismatch/*``,
 ``tis/*``) are recorded by ``off_policy_step``. ``step_metric_names`` fixes the key set every
 rank reduces (a rank without a micro-batch still joins with the same keys), ``union_over_group``
 does so for the custom TIS function's own names, and ``with_counts_and_aliases`` adds the step's
@@ -28,6 +31,7 @@ import torch
 from rl_plugin.loss.aggregation import weighted_sum
 from rl_plugin.loss.counts import StepCounts
 from rl_plugin.loss.metrics import MetricAccumulator
+from rl_plugin.loss.opd import OPD_SUMS
 from rl_plugin.loss.policy import clamped_log_ratio
 from rl_plugin.loss_config import LossConfig
 
@@ -79,6 +83,10 @@ def record_micro_batch(
     acc.add("pg_loss", pg_term)
     acc.add("kl_loss", kl_term if kl_term is not None else objective.new_zeros(()))
     acc.add("entropy_loss", entropy_term if entropy_term is not None else objective.new_zeros(()))
+    if cfg.is_sft:
+        with torch.no_grad():
+            acc.add("sft/nll_sum", weighted_sum(-log_probs, mask))
+        return
     if cfg.pg_metrics == "none":
         return
     with torch.no_grad():
@@ -103,7 +111,9 @@ def step_metric_names(
     """``(sums, maxes, mins)``: the names every rank reduces at the end of the step."""
     names_sum: List[str] = list(LOSS_TERMS)
     names_max, names_min = [], []
-    if cfg.pg_metrics != "none":
+    if cfg.is_sft:
+        names_sum.append("sft/nll_sum")
+    elif cfg.pg_metrics != "none":
         names_sum += list(SUM_METRICS_BASIC)
         names_max, names_min = ["advantage_max"], ["advantage_min"]
         if cfg.pg_metrics == "with_entropy":
@@ -114,6 +124,8 @@ def step_metric_names(
         if cfg.use_tis and cfg.custom_tis_function is None:
             names_sum += list(TIS_SUMS)
     names_sum += list(custom_tis_names)
+    if cfg.use_opd:
+        names_sum += list(OPD_SUMS)
     return names_sum, names_max, names_min
 
 
@@ -136,8 +148,13 @@ def with_counts_and_aliases(
     out["samples"] = float(counts.num_samples)
     out["tokens"] = float(counts.total_tokens)
     out["groups"] = float(counts.num_groups)
+    if cfg.is_sft:
+        tokens = float(counts.total_tokens)
+        out["sft/tokens"] = tokens
+        out["sft/nll"] = out.pop("sft/nll_sum") / tokens if tokens > 0 else 0.0
+        out["sft/ppl"] = math.exp(min(out["sft/nll"], 700.0))  # exp(700) is still a finite double
     if measure_mismatch:
         out["rollout_log_prob_diff"] = out["mismatch/abs_diff_mean"]  # the name of earlier releases
-    if cfg.deepspeed_metric_names and cfg.pg_metrics != "none":
+    if cfg.deepspeed_metric_names and cfg.pg_metrics != "none" and not cfg.is_sft:
         out.update({ds: out[ours] for ds, ours in DEEPSPEED_NAMES.items() if ours in out})
     return out

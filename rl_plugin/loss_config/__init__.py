@@ -6,7 +6,7 @@ torch or the loss core.
 One flat object (custom TIS functions read slime's names off it), composed of its parts, each
 with its flags and rules: ``aggregation`` (the mode, resolved once), ``policy`` (estimator,
 clipping, KL, entropy, metrics), ``logprobs`` (temperature, layout, chunking) and ``offpolicy``
-(importance sampling, DeepSpeed parity). User functions named by flags (custom reducer, custom
+(importance sampling, DeepSpeed parity), ``loss_type`` (the policy loss or SFT's NLL) and ``opd`` (on-policy distillation). User functions named by flags (custom reducer, custom
 TIS) are loaded when the config is built, in the process that builds it.
 """
 
@@ -17,14 +17,18 @@ from dataclasses import dataclass
 from rl_plugin.flags import Declared
 from rl_plugin.loss_config.aggregation import AggregationSettings, resolved_mode
 from rl_plugin.loss_config.logprobs import LogProbSettings
+from rl_plugin.loss_config.loss_type import LossTypeSettings
 from rl_plugin.loss_config.offpolicy import OffPolicySettings
+from rl_plugin.loss_config.opd import OpdSettings
 from rl_plugin.loss_config.policy import GROUP_RELATIVE, PolicySettings
 
-PARTS = (AggregationSettings, PolicySettings, LogProbSettings, OffPolicySettings)
+PARTS = (AggregationSettings, PolicySettings, LogProbSettings, OffPolicySettings, LossTypeSettings, OpdSettings)
 
 
 @dataclass(frozen=True)
-class LossConfig(OffPolicySettings, LogProbSettings, PolicySettings, AggregationSettings, Declared):
+class LossConfig(
+    OpdSettings, LossTypeSettings, OffPolicySettings, LogProbSettings, PolicySettings, AggregationSettings, Declared
+):
     """The loss core's settings (fields in ``PARTS`` order)."""
 
     GROUP_RELATIVE = GROUP_RELATIVE  # estimators whose baseline is the prompt group (the batching rules read it)

@@ -133,7 +133,9 @@ class TrainActor:
         batch = plan.batch
         t0 = time.perf_counter()
         old_from_forward = False
-        if self.config.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
+        if self.config.loss.is_sft:  # the NLL needs no old / reference log-probs
+            batch.old_log_probs = None
+        elif self.config.use_rollout_logprobs:  # slime: the engine's log-probs are the old policy's
             if batch.rollout_log_probs is None:
                 raise ValueError("--use-rollout-logprobs: the rollout carries no engine log-probs")
             batch.old_log_probs = batch.rollout_log_probs.clone()
@@ -142,8 +144,10 @@ class TrainActor:
             old_from_forward = True
         else:
             batch.old_log_probs = self.backend.compute_log_probs(batch, role="actor")
-        if self.config.loss.use_kl_loss:
+        if self.config.loss.use_kl_loss and not self.config.loss.is_sft:
             batch.ref_log_probs = self.backend.compute_log_probs(batch, role="ref")
+        if self.config.loss.use_opd and batch.teacher_log_probs is None:  # --opd-type megatron: the teacher is here
+            batch.teacher_log_probs = self.backend.compute_log_probs(batch, role="teacher")
         logprob_time = time.perf_counter() - t0
         reports = []
         for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
@@ -161,6 +165,13 @@ class TrainActor:
             report["time/log_probs"] = logprob_time if k == 0 else 0.0
             reports.append(report)
         return reports
+
+    def eval_nll(self, batch: StepBatch) -> Tuple[float, float]:
+        """SFT's held-out loss on this rank's share: ``(sum_t m_t * -log p_t, sum_t m_t)``
+        (a forward pass, no step)."""
+        logp = self.backend.compute_log_probs(batch, role="actor")
+        mask = batch.loss_mask.to(logp.dtype)
+        return float(-(logp * mask).sum()), float(mask.sum())
 
     def train_rollout_and_sync(self, plan: RankPlan, request=None) -> Tuple[List[Dict[str, Any]], Optional[Any]]:
         """``train_rollout``, then, given a ``SyncRequest``, the export and publish of the weights

@@ -58,6 +58,7 @@ from rl_plugin.rollout.data.tokenizer import load_tokenizer
 from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.engines.teacher import make_teacher
 from rl_plugin.rollout.filters import load_filter, overlong_penalty
 from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
@@ -145,6 +146,12 @@ class RolloutManager:
         # the generate function: (records, n, seed) -> Samples; the user's hook replaces the default
         default = DefaultGenerate(self.tokenizer, self.params, self.engine, self.engines)
         self.generate_samples = default if self.generate_hook is None else self._hook_generate
+        # --use-opd --opd-type hf|vllm: the teacher scores each rollout's tokens here (engines/teacher.py)
+        self.teacher = None
+        if cfg.use_opd and cfg.opd_type in ("hf", "vllm"):
+            self.teacher = make_teacher(
+                cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed, device=device
+            )
         self._vocab_size: Optional[int] = None
         self._context_len: Optional[int] = None
         self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
@@ -186,6 +193,8 @@ class RolloutManager:
             data.stats["overlong/penalty_mean"] = float(penalty.mean())
             data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
             data.stats["reward_shaped_mean"] = float(data.rewards.mean())
+        if self.teacher is not None:
+            data.teacher_log_probs = self.teacher.log_probs(data.tokens, data.total_lengths, data.response_lengths)
         data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         data.weight_load = self._finish_load(handle, loading)
         return data

@@ -48,6 +48,7 @@ class RolloutData:
     weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
     routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
     loss_mask: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd with an engine-served teacher, [sum R_i]
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -84,6 +85,7 @@ class RolloutData:
             num_groups=int(groups.numel()),
             loss_mask=self.loss_mask[resp],
             routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
+            teacher_log_probs=None if self.teacher_log_probs is None else self.teacher_log_probs[resp],
         )
 
 
@@ -97,6 +99,7 @@ RolloutData.TENSOR_FIELDS = (
     "group_ids",
     "loss_mask",
     "routed_experts",
+    "teacher_log_probs",
 )
 
 
@@ -180,6 +183,9 @@ def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
         num_groups=num_groups,
         loss_mask=torch.cat([p.loss_mask for p in parts]),
         routed_experts=None if parts[0].routed_experts is None else torch.cat([p.routed_experts for p in parts]),
+        teacher_log_probs=None
+        if parts[0].teacher_log_probs is None
+        else torch.cat([p.teacher_log_probs for p in parts]),
     )
 
 

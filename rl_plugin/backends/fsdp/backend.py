@@ -140,6 +140,7 @@ class FSDPBackend(TrainBackend):
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.optimizer_steps = 0
         self._ref_model = None
+        self._teacher_model = None  # --use-opd --opd-type megatron, built on first use
         self.runner = StepRunner(
             self,
             micro_batch_size=config.batching.micro_batch_size,
@@ -151,9 +152,17 @@ class FSDPBackend(TrainBackend):
         return cls(config)
 
     # -- model ------------------------------------------------------------------------------
-    def _build_model(self, *, frozen: bool = False):
+    def _build_model(self, *, frozen: bool = False, source: Optional[str] = None):
+        """The policy (or, ``frozen``, a forward-only copy) from ``--hf-checkpoint``; ``source``: a
+        forward-only model from another directory (the OPD teacher), which sets nothing here."""
         from transformers import AutoConfig
 
+        if source is not None:
+            model = load_hf_model(source, attn_implementation=self.attn_implementation)
+            if self._use_fused_head(model):
+                install_fused_head(model, fp32=self.config.model.fp32_lm_head)
+            model.requires_grad_(False).eval().to(self.device)
+            return shard_model(model, self.mesh, bf16=self.config.model.bf16)
         dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
         model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
@@ -182,7 +191,15 @@ class FSDPBackend(TrainBackend):
             self._ref_model = self._build_model(frozen=True)
         return self._ref_model
 
+    def _teacher(self):
+        """The OPD teacher (``--opd-teacher-load``), frozen, built on first use."""
+        if self._teacher_model is None:
+            self._teacher_model = self._build_model(source=self.config.loss.opd_teacher_load)
+        return self._teacher_model
+
     def model_for(self, role: str):
+        if role == "teacher":
+            return self._teacher()
         return self.model if role == "actor" else self._reference()
 
     def deterministic_forward(self) -> bool:

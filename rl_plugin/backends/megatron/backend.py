@@ -63,6 +63,7 @@ class MegatronBackend(TrainBackend):
         self.fp32_lm_head = config.model.fp32_lm_head
         self.fused_lm_head = use_fused_head(config.model, chunks_of(model)[-1])  # the head's chunk
         self._ref_model = None
+        self._teacher_model = None  # --use-opd --opd-type megatron, built on first use
         self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
         self._lora_specs = None  # LoRA: every stage's adapter layout, asked once
         self.lora = config.lora.enabled
@@ -171,6 +172,8 @@ class MegatronBackend(TrainBackend):
         return step.optimizer_step(self.optimizer, self.scheduler)
 
     def model_for(self, role: str):
+        if role == "teacher":
+            return self._teacher()
         if role == "actor" or self.lora:  # LoRA: the reference is the actor with its adapters off
             return self.model
         return self._reference_model()
@@ -294,6 +297,18 @@ class MegatronBackend(TrainBackend):
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
         with torch.no_grad(), lora_model.base_view(self.model, merged=True):
             self.bridge.save_weights(chunks_of(self.model), path)
+        if dist.get_rank() == 0 and self.hf_dir:  # tokenizer, chat template, ...: as FSDP's --save-hf
+            import shutil
+            from pathlib import Path
+
+            for src in sorted(Path(self.hf_dir).iterdir()):
+                dst = Path(path) / src.name
+                if (
+                    src.is_file()
+                    and not dst.exists()
+                    and not src.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
+                ):
+                    shutil.copy(src, dst)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
@@ -311,18 +326,28 @@ class MegatronBackend(TrainBackend):
     def _reference_model(self):
         """A frozen copy of the starting weights (``--hf-checkpoint``), built on first use."""
         if self._ref_model is None:
-            from rl_plugin.backends.megatron.bridge import build_gpt_chunks
-
-            chunks = build_gpt_chunks(self.bridge)
-            if torch.cuda.is_available():
-                for chunk in chunks:
-                    chunk.cuda(torch.cuda.current_device())
-            self.bridge.load_weights(chunks, self.hf_dir)
-            ref = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
-            for p in ref.parameters():
-                p.requires_grad_(False)
-            self._ref_model = ref
+            self._ref_model = self._frozen_model(self.hf_dir)
         return self._ref_model
+
+    def _teacher(self):
+        """The OPD teacher (``--opd-teacher-load``), built on first use with the policy's layout:
+        the same architecture (other sizes: ``--opd-type hf`` / ``vllm``, checked in preflight)."""
+        if self._teacher_model is None:
+            self._teacher_model = self._frozen_model(self.config.loss.opd_teacher_load)
+        return self._teacher_model
+
+    def _frozen_model(self, hf_dir: str):
+        from rl_plugin.backends.megatron.bridge import build_gpt_chunks
+
+        chunks = build_gpt_chunks(self.bridge)
+        if torch.cuda.is_available():
+            for chunk in chunks:
+                chunk.cuda(torch.cuda.current_device())
+        self.bridge.load_weights(chunks, hf_dir)
+        model = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
 
 
 def read_peft_adapters(path: str) -> Dict[str, torch.Tensor]:

@@ -112,11 +112,12 @@ def check_messages(where: str, key: str, messages: Any) -> Messages:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _record(where, lineno, row, index, input_key, label_key, metadata_key) -> PromptRecord:
+def _record(where, lineno, row, index, input_key, label_key, metadata_key, label_optional=False) -> PromptRecord:
     kind = "row" if " row " in where else "JSON object"
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a {kind}, got {type(row).__name__}")
-    for key, flag in ((input_key, "--input-key"), (label_key, "--label-key"), (metadata_key, "--metadata-key")):
+    required_label = None if label_optional else label_key
+    for key, flag in ((input_key, "--input-key"), (required_label, "--label-key"), (metadata_key, "--metadata-key")):
         if key is not None and key not in row:
             raise ValueError(f"{where}: no key {key!r} ({flag}); keys are {sorted(row)}")
     prompt = row[input_key]
@@ -147,16 +148,18 @@ def _record(where, lineno, row, index, input_key, label_key, metadata_key) -> Pr
 
 
 def read_prompts(
-    path, input_key: str, label_key: Optional[str], metadata_key: Optional[str] = None
+    path, input_key: str, label_key: Optional[str], metadata_key: Optional[str] = None, label_optional: bool = False
 ) -> List[PromptRecord]:
-    """All records of a JSONL or Parquet prompt file (see the module docstring for the rules)."""
+    """All records of a JSONL or Parquet prompt file (see the module docstring for the rules);
+    ``label_optional``: a record without the label key has label None (SFT chats, whose answers
+    are their assistant turns)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--prompt-data {path}: no such file")
     rows = _parquet_rows(path) if is_parquet(path) else _jsonl_rows(path)
     records: List[PromptRecord] = []
     for where, lineno, row in rows:
-        records.append(_record(where, lineno, row, len(records), input_key, label_key, metadata_key))
+        records.append(_record(where, lineno, row, len(records), input_key, label_key, metadata_key, label_optional))
     if not records:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")
     return records

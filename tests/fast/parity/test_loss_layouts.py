@@ -38,6 +38,7 @@ DIVISOR = 7.0
 EPS, EPS_HIGH, DUAL_C = 0.2, 0.28, 3.0
 KL_COEF, ENT_COEF = 0.1, 0.01
 SEQ_LEN = 24  # bshd padded length
+OPD_COEF = 0.7
 
 
 def make_step(seed: int = 0, *, tool_turn: bool = True):
@@ -71,7 +72,9 @@ def make_step(seed: int = 0, *, tool_turn: bool = True):
     ent = torch.rand(r, generator=g, dtype=torch.float64) * 2
     tokens = torch.randint(3, 50, (int(total.sum()),), generator=g)
     rollout = old + 0.3 * torch.randn(r, generator=g, dtype=torch.float64)  # the engine's log-probs
+    teacher = logp + 0.4 * torch.randn(r, generator=g, dtype=torch.float64)  # an OPD teacher's (drawn last)
     return dict(
+        teacher=teacher,
         groups=groups,
         total=total,
         resp=resp,
@@ -126,9 +129,14 @@ def reference_values(step, mode, kind):
     leaf = (step["x"] if kind == "raw" else step["logp"]).clone().requires_grad_(True)
     if kind == "raw":
         j = ref.objective(leaf, step["mask"], lengths, step["groups"], mode, DIVISOR)
+    elif kind == "sft":  # issue 35: the NLL under the mode, nothing else
+        j = ref.objective(-leaf, step["mask"], lengths, step["groups"], mode, DIVISOR)
     else:
         if kind in ("ppo", "ds-scale"):
             tok = ref.ppo_tokens(leaf, step["old"], step["adv"], EPS, EPS_HIGH, DUAL_C)
+        elif kind == "opd":  # issue 35: A - coef * m * (old - teacher), coef = OPD_COEF
+            adv = step["adv"] - OPD_COEF * step["mask"] * (step["old"] - step["teacher"])
+            tok = ref.ppo_tokens(leaf, step["old"], adv, EPS, EPS_HIGH, DUAL_C)
         elif kind.startswith("tis"):
             level, tis_mode, low, high = tis_setting(kind)
             w = ref.tis_weights(step["old"], step["rollout"], step["mask"], lengths, level, tis_mode, low, high)
@@ -181,6 +189,7 @@ def _worker(rank, world, dp, cp, step, combos):
             old_log_probs=step["old"][my_resp],
             ref_log_probs=step["ref"][my_resp],
             rollout_log_probs=step["rollout"][my_resp],
+            teacher_log_probs=step["teacher"][my_resp] if kind == "opd" else None,
         )
         custom = kind == "custom"
         tis = tis_setting(kind) if kind.startswith("tis") else ("token", "truncate", 0.0, 2.0)
@@ -190,10 +199,13 @@ def _worker(rank, world, dp, cp, step, combos):
             policy_loss="gspo" if kind == "gspo" else "ppo_clip",
             eps_clip=EPS,
             eps_clip_high=EPS_HIGH,
-            eps_clip_c=DUAL_C if kind in ("ppo", "custom", "ds-scale") or kind.startswith("tis") else None,
-            use_kl_loss=kind != "raw",
-            kl_loss_coef=KL_COEF if kind != "raw" else 0.0,
-            entropy_coef=ENT_COEF if kind != "raw" else 0.0,
+            eps_clip_c=DUAL_C if kind in ("ppo", "custom", "ds-scale", "opd") or kind.startswith("tis") else None,
+            use_kl_loss=kind not in ("raw", "sft"),
+            kl_loss_coef=KL_COEF if kind not in ("raw", "sft") else 0.0,
+            entropy_coef=ENT_COEF if kind not in ("raw", "sft") else 0.0,
+            loss_type="sft_loss" if kind == "sft" else "policy_loss",
+            use_opd=kind == "opd",
+            opd_kl_coef=OPD_COEF,
             custom_pg_reducer=custom_sample_mean if custom else None,
             qkv_format=fmt,
             max_seq_len=SEQ_LEN if fmt == "bshd" else None,
@@ -247,7 +259,7 @@ def references(step):
     out = {(mode, kind): reference_values(step, mode, kind) for mode in MODES for kind in KINDS}
     out[("sample_mean", "custom")] = reference_values(step, "sample_mean", "ppo")
     out[("sample_mean", "ds-scale")] = reference_values(step, "sample_mean", "ppo")
-    for kind in TIS_KINDS + ("tis-custom",):
+    for kind in TIS_KINDS + ("tis-custom", "sft", "opd"):
         for mode in MODES:
             out[(mode, kind)] = reference_values(step, mode, kind)
     return out
@@ -279,6 +291,10 @@ def test_objective_and_gradient_match_reference(run_world, dp, cp, step, referen
     combos = list(itertools.product(("thd", "bshd"), (1, 3), (torch.float64, torch.float32), MODES, KINDS))
     combos += [(fmt, 2, torch.float64, "sample_mean", "custom") for fmt in ("thd", "bshd")]
     combos += tis_combos()
+    # issue 35: SFT's NLL in every mode, OPD's shifted advantages (fp64 and fp32)
+    combos += [(fmt, 3, torch.float64, mode, "sft") for fmt in ("thd", "bshd") for mode in MODES]
+    combos += [("thd", 1, torch.float32, "token_mean", "sft"), ("bshd", 3, torch.float32, "sample_mean", "opd")]
+    combos += [(fmt, 3, torch.float64, mode, "opd") for fmt, mode in (("thd", "sample_mean"), ("bshd", "token_mean"))]
     results = run_world(_worker, dp * cp, dp, cp, step, combos)[0]
     log_scale = max(1.0, max_abs(step["logp"], step["old"], step["ref"]))  # L in the module docstring
     n = step["total"].numel()

@@ -1,0 +1,112 @@
+"""On-policy distillation (OPD; slime's ``--use-opd`` flags): the student samples, a teacher
+scores each sampled token, and the per-token reverse-KL estimate shifts the advantage
+
+    A_t <- A_t - coef * (log p_student(y_t) - log p_teacher(y_t))      (loss mask 1 tokens)
+
+added to whatever ``--advantage-estimator`` gives (GRPO + OPD; pure OPD with a constant reward,
+whose group advantages are 0). ``log p_student`` is the old policy's (the log-probs the ratio is
+taken against), so at the first step of a rollout the policy gradient of the shifted term is the
+gradient of -coef * KL(student || teacher) estimated on the student's own samples (Agarwal et al.
+2024, "On-policy distillation of language models"; Thinking Machines 2025, "On-policy
+distillation"). Teacher log-probs come from a forward-only teacher in the train actors
+(``megatron``, slime's name for "in the trainer": both backends) or from an engine that scores the
+student's tokens as prompt log-probs (``hf``, ``vllm``; ``sglang`` is refused here: it cannot run
+on this machine). The loss core applies the shift (``rl_plugin.loss.opd``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rl_plugin.errors import fail
+from rl_plugin.flags import flag
+
+GROUP = "sft and distillation"
+OPD_TYPES = ("megatron", "sglang", "vllm", "hf")
+
+
+@dataclass(frozen=True)
+class OpdSettings:
+    use_opd: bool = flag(
+        "--use-opd",
+        action="store_true",
+        help=(
+            "On-policy distillation: shift each sampled token's advantage by -coef * (log p_student - log p_teacher), "
+            "the per-token reverse KL to a teacher (Agarwal et al. 2024; slime --use-opd). Works with any "
+            "--advantage-estimator; a constant reward gives pure distillation. Needs --opd-teacher-load."
+        ),
+        group=GROUP,
+    )
+    opd_type: str = flag(
+        "--opd-type",
+        choices=OPD_TYPES,
+        default="megatron",
+        help=(
+            "Where the teacher runs. megatron: a forward-only teacher in the train actors (either --train-backend; "
+            "slime's name); hf / vllm: an engine beside the rollout engine scores the student's tokens (prompt "
+            "log-probs), for a teacher that does not fit the trainer's layout; sglang: refused here."
+        ),
+        group=GROUP,
+    )
+    opd_kl_coef: float = flag(
+        "--opd-kl-coef",
+        type=float,
+        default=1.0,
+        help="coef of the OPD advantage shift (1.0: the reverse KL with the weight of a unit reward).",
+        group=GROUP,
+    )
+    opd_teacher_load: Optional[str] = flag(
+        "--opd-teacher-load",
+        default=None,
+        help="The teacher: a Hugging Face checkpoint directory (e.g. the --save-hf output of a trained run). Its tokenizer must be the student's.",
+        group=GROUP,
+    )
+    opd_teacher_ckpt_step: Optional[int] = flag(
+        "--opd-teacher-ckpt-step",
+        type=int,
+        default=None,
+        help="slime's step of a teacher checkpoint. A teacher is read from a Hugging Face directory only (pass the teacher run's --save-hf output), so this is refused for now.",
+        group=GROUP,
+    )
+
+    @classmethod
+    def check(cls, args) -> None:
+        given = [
+            f
+            for f, on in (
+                ("--opd-type", args.opd_type != "megatron"),
+                ("--opd-kl-coef", args.opd_kl_coef != 1.0),
+                ("--opd-teacher-load", args.opd_teacher_load is not None),
+                ("--opd-teacher-ckpt-step", args.opd_teacher_ckpt_step is not None),
+            )
+            if on
+        ]
+        if not args.use_opd:
+            if given:
+                fail(
+                    f"{', '.join(given)} without --use-opd",
+                    "distillation is off, so these settings would be silently ignored",
+                    "add --use-opd, or drop them",
+                )
+            return
+        if args.opd_teacher_load is None:
+            fail("--use-opd without --opd-teacher-load", "distillation needs a teacher", "pass --opd-teacher-load DIR")
+        if args.opd_type == "sglang":
+            fail(
+                "--opd-type sglang",
+                "the SGLang engine cannot run on this build (no CUDA kernels), so it cannot serve the teacher",
+                "use --opd-type megatron (in the trainer), hf or vllm",
+            )
+        if args.opd_teacher_ckpt_step is not None:
+            fail(
+                "--opd-teacher-ckpt-step",
+                "a teacher is read from a Hugging Face directory only in this release",
+                "pass the teacher run's --save-hf directory as --opd-teacher-load and drop --opd-teacher-ckpt-step",
+            )
+        if not args.opd_kl_coef > 0:
+            fail(
+                f"--opd-kl-coef {args.opd_kl_coef}",
+                "the coefficient must be > 0 (0 turns distillation off; < 0 pushes the student away from the teacher)",
+                "use e.g. --opd-kl-coef 1.0, or drop --use-opd",
+            )

@@ -1,0 +1,169 @@
+"""SFT conversations as token ids and a loss mask (``--loss-type sft_loss``).
+
+A record of ``--prompt-data`` (``dataset.read_prompts``) becomes one conversation:
+
+- chat ``messages`` under ``--input-key`` (system / user / assistant / tool turns; at least one
+  assistant turn), with, when ``--label-key`` names a string, that string appended as one more
+  assistant turn;
+- a prompt string under ``--input-key`` and its completion under ``--label-key``: the chat
+  ``[user: prompt, assistant: completion]``.
+
+Templated once (HF tokenizers, ``--apply-chat-template``): the whole conversation is rendered ONCE
+by the tokenizer's chat template (``--system-prompt`` and ``--apply-chat-template-kwargs`` as for
+RL prompts), and the loss mask is 1 on the assistant turns' tokens only. For assistant turn i the
+trained span is ``[len(render(turns < i, add_generation_prompt=True)),
+len(render(turns <= i)))`` cut after its last end-of-turn token (the tokenizer's EOS; ChatML's
+``<|im_end|>``). So the span is the assistant's content AND its end-of-turn token (the model learns
+to stop: at generation the engine stops on that token), but NOT the ``<|im_start|>assistant\\n``
+header (the template writes it, the model never has to: it is the generation prompt an RL rollout
+starts from) and NOT the newline the template writes after ``<|im_end|>`` (the engine stops before
+it). Each prefix render must be a token prefix of the whole conversation's ids; a template that
+rewrites earlier turns (e.g. one that drops the reasoning of past assistant turns) is not
+prefix-stable and is refused naming the sample, never trained on silently misaligned masks.
+
+Character tokenizer (the embedded tiny model, no template): prompt + completion pairs only;
+``<bos> prompt`` is conditioned on and ``completion <eos>`` is trained.
+
+A conversation is one sample of the loss core's layout: its "prompt" is everything before its first
+trained token, its "response" the rest (later user turns inside it carry mask 0, like a tool turn a
+custom generate hook appended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from rl_plugin.rollout.data.dataset import Messages, PromptRecord, check_messages
+from rl_plugin.rollout.data.tokenizer import CharTokenizer, _as_ids
+
+_IDS, _MASK = attrgetter("ids"), attrgetter("mask")
+
+
+@dataclass
+class SftExample:
+    """One templated conversation: ``ids`` (``[T]``) and ``mask`` (1 on trained tokens, ``[T]``)."""
+
+    ids: List[int]
+    mask: List[int]
+    where: str
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens before the first trained one (the loss core's prompt)."""
+        return self.mask.index(1)
+
+
+def conversation(record: PromptRecord) -> Messages:
+    """The chat a record holds (module docstring); raises naming the record when it has no
+    assistant turn to train on."""
+    where = record.where or f"record {record.index}"
+    label = record.label
+    if isinstance(record.prompt, str):
+        if not isinstance(label, str) or not label:
+            raise ValueError(
+                f"{where}: --loss-type sft_loss with a prompt string needs its completion under --label-key "
+                f"(got {label!r}). Fix: add the completion, or give a chat 'messages' list with assistant turns"
+            )
+        return [{"role": "user", "content": record.prompt}, {"role": "assistant", "content": label}]
+    msgs = list(record.prompt)
+    if isinstance(label, str) and label:
+        msgs.append({"role": "assistant", "content": label})
+    msgs = check_messages(where, "messages", msgs)
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError(
+            f"{where}: the conversation has no assistant turn, so SFT has no token to train on. "
+            "Fix: add the assistant's answer (a message with role 'assistant', or a --label-key completion)"
+        )
+    return msgs
+
+
+def _is_prefix(prefix: Sequence[int], ids: Sequence[int]) -> bool:
+    return len(prefix) <= len(ids) and list(ids[: len(prefix)]) == list(prefix)
+
+
+def chat_example(adapter, messages: Messages, where: str) -> SftExample:
+    """The ids of ``messages`` rendered once by ``adapter``'s chat template (an
+    ``HFTokenizerAdapter``) and the assistant-span mask (module docstring)."""
+    tok, kw = adapter.tok, adapter.chat_template_kwargs
+    msgs = adapter.messages(messages)  # --system-prompt added when the chat has no system turn
+
+    def render(turns, gen: bool) -> List[int]:
+        out = tok.apply_chat_template(turns, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw)
+        return _as_ids(out, "the tokenizer's apply_chat_template")
+
+    ids = render(msgs, False)
+    mask = [0] * len(ids)
+    eos = adapter.eos_token_id
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(msgs[:i], True) if i else [], render(msgs[: i + 1], False)
+        for name, part in (("the turns before it plus the generation prompt", before), ("the turns up to it", through)):
+            if not _is_prefix(part, ids):
+                raise ValueError(
+                    f"{where}: the chat template is not prefix-stable at assistant turn {i}: rendering {name} does "
+                    "not give a token prefix of the whole conversation (the template rewrites earlier turns, e.g. "
+                    "drops past reasoning), so the assistant tokens cannot be located. Fix: use a template that "
+                    "renders each turn the same whatever follows, or split the conversation at this turn"
+                )
+        start, end = len(before), len(through)
+        span = ids[start:end]
+        if eos is not None and eos in span:  # cut after the last end-of-turn token (docstring)
+            end = start + len(span) - span[::-1].index(eos)
+        if end <= start:
+            raise ValueError(f"{where}: assistant turn {i} renders to no token after the template's header")
+        mask[start:end] = [1] * (end - start)
+    return SftExample(ids, mask, where)
+
+
+def char_example(tok: CharTokenizer, record: PromptRecord) -> SftExample:
+    """A prompt + completion pair for the character tokenizer: ``<bos> prompt | completion <eos>``."""
+    where = record.where or f"record {record.index}"
+    if not isinstance(record.prompt, str) or not isinstance(record.label, str) or not record.label:
+        raise ValueError(
+            f"{where}: the checkpoint's character tokenizer has no chat template, so SFT needs a prompt string "
+            "(--input-key) and its completion string (--label-key)"
+        )
+    prompt = tok.prompt_ids(record.prompt)
+    completion = tok.encode(record.label) + [tok.eos_token_id]
+    return SftExample(prompt + completion, [0] * len(prompt) + [1] * len(completion), where)
+
+
+def example_of(tokenizer, record: PromptRecord) -> SftExample:
+    """One record as a templated, masked conversation (either tokenizer)."""
+    if isinstance(tokenizer, CharTokenizer):
+        return char_example(tokenizer, record)
+    where = record.where or f"record {record.index}"
+    if not tokenizer.apply_chat_template:
+        raise ValueError(
+            f"{where}: --loss-type sft_loss templates the conversation with the tokenizer's chat template. "
+            "Fix: pass --apply-chat-template"
+        )
+    return chat_example(tokenizer, conversation(record), where)
+
+
+def sft_tensors(examples: Sequence[SftExample]) -> Dict[str, torch.Tensor]:
+    """The loss core's flat layout of ``examples`` (one sample each): ``tokens`` ``[sum T_i]``,
+    ``total_lengths`` / ``response_lengths`` ``[S]``, ``loss_mask`` ``[sum R_i]`` fp32, where a
+    sample's response starts at its first trained token. C-level passes (``chain``,
+    ``numpy.fromiter``), no Python loop over tokens."""
+    n = len(examples)
+    total = np.fromiter(map(len, map(_IDS, examples)), np.int64, n)
+    starts = np.fromiter((e.prompt_length for e in examples), np.int64, n)
+    tokens = np.fromiter(chain.from_iterable(map(_IDS, examples)), np.int64, int(total.sum()))
+    mask = np.fromiter(chain.from_iterable(map(_MASK, examples)), np.float32, int(total.sum()))
+    offsets = np.cumsum(total) - total
+    position = np.arange(mask.shape[0]) - np.repeat(offsets, total)  # each token's index in its sample
+    keep = position >= np.repeat(starts, total)  # the response: from the first trained token on
+    return {
+        "tokens": torch.from_numpy(tokens),
+        "total_lengths": torch.from_numpy(total),
+        "response_lengths": torch.from_numpy(total - starts),
+        "loss_mask": torch.from_numpy(np.ascontiguousarray(mask[keep])),
+    }
