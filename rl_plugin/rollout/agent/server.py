@@ -155,7 +155,7 @@ def _error(exc: RequestError) -> web.Response:
 
 def _handler(method: str) -> Callable:
     async def handle(request: web.Request) -> web.Response:
-        serving: Serving = request.app["serving"]
+        serving: Serving = request.app[SERVING]
         try:
             session = serving.table.lookup(request.match_info["sid"])
             try:
@@ -172,7 +172,7 @@ def _handler(method: str) -> Callable:
 
 
 async def _models(request: web.Request) -> web.Response:
-    serving: Serving = request.app["serving"]
+    serving: Serving = request.app[SERVING]
     try:
         serving.table.lookup(request.match_info["sid"])
     except RequestError as exc:
@@ -183,6 +183,9 @@ async def _models(request: web.Request) -> web.Response:
 async def _unknown(request: web.Request) -> web.Response:
     exc = RequestError(404, f"no route {request.method} {request.path}; use base_url + '/v1/chat/completions'", None)
     return _error(exc)
+
+
+SERVING = web.AppKey("serving", Serving)
 
 
 class AgentServer:
@@ -204,7 +207,7 @@ class AgentServer:
     async def serving(self, serving: Serving) -> AsyncIterator[Serving]:
         """Serve ``serving`` on the run's port in the running event loop until the block ends."""
         app = web.Application(client_max_size=256 * 1024 * 1024)
-        app["serving"] = serving
+        app[SERVING] = serving
         app.router.add_post("/sessions/{sid}/v1/chat/completions", _handler("chat"))
         app.router.add_post("/sessions/{sid}/v1/completions", _handler("completion"))
         app.router.add_get("/sessions/{sid}/v1/models", _models)
