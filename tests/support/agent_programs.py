@@ -50,7 +50,10 @@ async def budget(base_url, prompt, request_kwargs=None):
     for _ in range(3):
         r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=6, stop=["<|im_end|>"])
         out.append(r)
-        msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "More."}]
+        msgs = msgs + [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "More."},
+        ]
     SEEN["budget"].append(out)
     return {"reward": 1.0, "turns": 3}
 
@@ -113,7 +116,9 @@ async def refused(base_url, prompt, request_kwargs=None):
         "stop": lambda: c.chat.completions.create(model="m", messages=chat(prompt), stop=["two tokens?"]),
         "greedy": lambda: c.chat.completions.create(model="m", messages=chat(prompt), temperature=0),
         "n": lambda: c.chat.completions.create(model="m", messages=chat(prompt), n=2),
-        "top_logprobs": lambda: c.chat.completions.create(model="m", messages=chat(prompt), logprobs=True, top_logprobs=3),
+        "top_logprobs": lambda: c.chat.completions.create(
+            model="m", messages=chat(prompt), logprobs=True, top_logprobs=3
+        ),
     }
     for name, call in tries.items():
         try:

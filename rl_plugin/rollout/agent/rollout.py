@@ -43,7 +43,6 @@ from rl_plugin.rollout.engines.base import SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
 from rl_plugin.rollout.rewards.functions import reward_number
 from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
-from rl_plugin.rollout.sample import Sample
 from rl_plugin.rollout.sample_check import check_log_probs, check_trainable, describe_sample
 from rl_plugin.user_code import describe_exception, load_function, where
 
@@ -214,7 +213,9 @@ class AgentRollout:
             sample.reward = sessions[e].base.reward
             sample.response = self.tokenizer.decode(sample.tokens[sample.prompt_length :])
         per_sample = torch.tensor([episode_rewards[e] for e in owner], dtype=torch.float32)
-        stats = rollout_stats(torch.tensor(episode_rewards, dtype=torch.float32), rl, flat.truncated_frac, gen_time, reward_time)
+        stats = rollout_stats(
+            torch.tensor(episode_rewards, dtype=torch.float32), rl, flat.truncated_frac, gen_time, reward_time
+        )
         mask_sum, resp = float(flat.loss_mask.sum()), int(rl.sum())
         stats.update(episode_stats([s.records for s in sessions], seconds))
         stats["agent/masked_token_frac"] = 1.0 - mask_sum / max(resp, 1)
@@ -231,7 +232,10 @@ class AgentRollout:
             group_ids=torch.div(owner_t, n, rounding_mode="floor"),
             num_groups=len(recs),
             stats=stats,
-            examples=[{"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], per_sample)],
+            examples=[
+                {"prompt": s.prompt, "response": s.response, "reward": float(r)}
+                for s, r in zip(samples[:2], per_sample)
+            ],
             loss_mask=flat.loss_mask,
         )
 

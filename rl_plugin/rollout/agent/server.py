@@ -81,7 +81,9 @@ class Serving:
             raise RequestError(500, f"the engine failed: {exc}", kind="engine_error") from exc
         session.check_open()  # the episode ended while this generated (timeout): nothing recorded
         finish = "stop" if gen.finished else "length"
-        return TurnRecord(list(ids), list(gen.response_ids), list(gen.log_probs), finish, appended, self.version), finish
+        return TurnRecord(
+            list(ids), list(gen.response_ids), list(gen.log_probs), finish, appended, self.version
+        ), finish
 
     async def chat(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
         tpl = self.template
@@ -126,7 +128,9 @@ class Serving:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
             ids, appended = session.prompt_ids(prompt, lambda: tpl.encode(prompt, special=True), tpl.encode)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             ids, appended = list(prompt), session.ids_extend(list(prompt))
         else:
             raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
@@ -177,7 +181,9 @@ async def _models(request: web.Request) -> web.Response:
         serving.table.lookup(request.match_info["sid"])
     except RequestError as exc:
         return _error(exc)
-    return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rl_plugin"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rl_plugin"}]}
+    )
 
 
 async def _unknown(request: web.Request) -> web.Response:

@@ -86,7 +86,9 @@ class Session:
         if self.records:
             before = self._texts[-1]
             if text.startswith(before):
-                return self.records[-1].full_ids + (encode(text[len(before) :]) if len(text) > len(before) else []), True
+                return self.records[-1].full_ids + (
+                    encode(text[len(before) :]) if len(text) > len(before) else []
+                ), True
         return full_ids(), False
 
     def ids_extend(self, ids: List[int]) -> bool:

@@ -58,7 +58,7 @@ def test_two_turn_append_only_episode_is_one_sample_trained_on_the_completions(s
     assert len(seen) == 4 and data.stats["agent/non_append_turns"] == 0 and data.stats["agent/samples"] == 4
     tok = m.agent.template.tok
     by_prompt = {}
-    for base_url, prompt, r1, r2 in seen:
+    for _base_url, prompt, r1, r2 in seen:
         # turn 1: the prompt ids are the template's tokenisation of the chat
         msgs = [{"role": "user", "content": prompt}]
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -123,11 +123,15 @@ def test_episode_budget_cuts_with_length_and_completions_endpoint(setup):
     data = manager(setup, "completions", batch=1, n=2).generate(0)
     (r1, r2), _ = agents.SEEN["completions"]
     assert data.stats["agent/samples"] == 2 and data.stats["agent/non_append_turns"] == 0
-    prompt_ids, resp, mask, lp = next(s for s in split(data) if s[1][: len(r1.choices[0].token_ids)] == r1.choices[0].token_ids)
+    prompt_ids, resp, mask, lp = next(
+        s for s in split(data) if s[1][: len(r1.choices[0].token_ids)] == r1.choices[0].token_ids
+    )
     assert prompt_ids == [1, 9, 10, 11] and mask.tolist() == [1] * len(r1.choices[0].token_ids) + [0, 0] + [1] * len(
         r2.choices[0].token_ids
     )
-    assert lp[mask == 1].tolist() == pytest.approx(r1.choices[0].logprobs.token_logprobs + r2.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert lp[mask == 1].tolist() == pytest.approx(
+        r1.choices[0].logprobs.token_logprobs + r2.choices[0].logprobs.token_logprobs, abs=1e-6
+    )
 
 
 def test_64_concurrent_sessions(setup):
