@@ -11,10 +11,11 @@ the model's answer, ``sessions``), for the families the project supports — pin
 
 - ChatML as SmolLM2 writes it (``<|im_start|>role\\ncontent<|im_end|>\\n``; also the tiny chat
   model's): append-only, including tool turns (``role: tool``) and tools in the system message;
-- Qwen2 / Qwen2.5 ChatML (renders ``tools`` and ``tool_calls`` itself): append-only when the
-  assistant turns are sent back as this endpoint answered them (their raw text is re-rendered,
-  ``sessions.Session.raw_messages``); its ``<tool_response>`` wrapping of consecutive tool
-  messages is appended text;
+- Qwen2 / Qwen2.5 ChatML (renders ``tools`` and ``tool_calls`` itself): append-only by the same
+  rule when the assistant turns are sent back as this endpoint answered them (their raw text is
+  re-rendered, ``sessions.Session.raw_messages``) and its ``<tool_response>`` wrapping of tool
+  messages is appended text — reasoned from the template, not tested here (no Qwen2 tokenizer on
+  the test machine); a turn that breaks it is counted, never mis-trained;
 - templates that re-render earlier turns — Qwen3's drops the ``<think>`` block of earlier
   assistant turns, Llama-3.1's puts the date into the system turn — are not: their turns become
   separate samples (``agent/non_append_turns``).
