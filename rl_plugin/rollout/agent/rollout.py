@@ -97,6 +97,7 @@ class AgentRollout:
             )
         self.template = ChatTemplate(tok, config.apply_chat_template_kwargs)
         self.server = AgentServer(host)
+        self.engine_calls = 0
 
     def describe(self) -> str:
         return f"{AGENT_FLAG} {self.spec} ({getattr(self.fn, '__qualname__', '?')} at {where(self.fn)})"
@@ -167,9 +168,9 @@ class AgentRollout:
         bases = fresh_samples(self.tokenizer, recs, n)
         prompts = [recs[i // n].prompt for i in range(len(bases))]
         table, seconds = SessionTable(), [0.0] * len(bases)
+        router = EngineRouter(dispatch, seed, defaults, context_len)
 
         async def main():
-            router = EngineRouter(dispatch, seed, defaults, context_len)
             router.bind()
             return await self._all(bases, prompts, router, table, seconds, version)
 
@@ -178,6 +179,7 @@ class AgentRollout:
         except (AgentError, aborting.GenerationAborted):
             self._call_abort()
             raise
+        self.engine_calls = router.calls
         return sessions, rewards, seconds, table.rejected
 
     def _call_abort(self) -> None:
@@ -222,6 +224,7 @@ class AgentRollout:
         stats["agent/model_tokens"] = mask_sum
         stats["agent/samples"] = float(len(samples))
         stats["agent/rejected_requests"] = float(rejected)
+        stats["agent/engine_calls"] = float(self.engine_calls)  # batched: fewer than agent/calls
         owner_t = torch.tensor(owner, dtype=torch.long)
         return RolloutData(
             tokens=flat.tokens,

@@ -138,6 +138,8 @@ def test_64_concurrent_sessions(setup):
     m = manager(setup, "many", batch=16, n=4)
     data = m.generate(0)
     assert len(agents.SEEN["many"]) == 64 and data.stats["agent/calls"] == 128
+    assert data.stats["agent/engine_calls"] < 64  # the sessions' requests share engine calls
+    print("64 sessions:", {k: v for k, v in data.stats.items() if k.startswith("agent/")})
     assert data.stats["agent/model_tokens"] == sum(agents.SEEN["many"])  # trained tokens = usage the agents got
     assert data.num_groups == 16 and data.group_ids.bincount().tolist() == [4] * 16
     assert m.agent.server.port > 0
