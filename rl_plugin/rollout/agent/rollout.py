@@ -151,11 +151,14 @@ class AgentRollout:
             ]
             try:
                 done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                for t in pending:
+                failed = next((t for t in tasks if t in done and t.exception() is not None), None)
+                for t in pending:  # the first failure stops the rollout: the other episodes are cancelled
                     t.cancel()
                 if pending:
                     await asyncio.gather(*pending, return_exceptions=True)
-                return sessions, [t.result() for t in tasks]  # the first failure raises here
+                if failed is not None:
+                    raise failed.exception()
+                return sessions, [t.result() for t in tasks]
             finally:
                 for t in tasks:
                     t.cancel()
