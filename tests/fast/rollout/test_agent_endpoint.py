@@ -84,6 +84,9 @@ def test_two_turn_append_only_episode_is_one_sample_trained_on_the_completions(s
             assert lp[mask == 1].tolist() == pytest.approx(api_lp, abs=1e-6)  # recorded as served
             assert (lp[mask == 0] == 0).all()
     assert matched == 4
+    # the run's reward (RM: len(response) % 3) on the final conversation: every token after the prompt
+    want = [float(len(tok.decode(resp, skip_special_tokens=True)) % 3) for _, resp, _, _ in samples]
+    assert data.rewards.tolist() == want
     assert data.stats["agent/model_tokens"] == data.stats["agent/completion_tokens"] == data.loss_mask.sum()
 
 
