@@ -16,8 +16,9 @@ got it, so the episode is append-only and trains as one sample whose loss mask c
 model's completions (the tool results and the template's turn markers are masked).
 
 ``reward(prompt, response, label)`` (``--custom-rm-path examples/agent_calculator.py:reward``)
-sees the final conversation after the prompt: 0.2 for a well-formed calculator call, 0.8 when
-the last integer of the conversation (the final answer) is the label.
+sees the final conversation after the prompt: 0.2 for a well-formed calculator call, and
+0.8 * max(0, 1 - |v - label| / 20) for the last integer v of the conversation (the final answer),
+graded by distance so a 135M model that is close has a gradient.
 
 ``python examples/agent_calculator.py prepare OUT`` writes ``train.jsonl`` / ``eval.jsonl``
 (``{"prompt": "What is 23 + 19?", "label": "42"}``); ``examples/agent_calculator_cpu.sh`` trains
@@ -102,14 +103,15 @@ async def run_agent(base_url, prompt, request_kwargs=None):
 
 
 def reward(prompt, response, label) -> float:
-    """0.2 for a well-formed calculator call, + 0.8 when the final answer (the last integer) is right."""
+    """0.2 for a well-formed calculator call, + 0.8 graded by the final answer's distance (module docstring)."""
     called = any(
         safe_eval(json.loads(m).get("arguments", {}).get("expression")) is not None
         for m in re.findall(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", response, re.S)
         if _is_json_object(m)
     )
     numbers = re.findall(r"-?\d+", response)
-    return 0.2 * called + 0.8 * (bool(numbers) and numbers[-1] == str(label))
+    close = max(0.0, 1.0 - abs(int(numbers[-1]) - int(label)) / 20) if numbers else 0.0
+    return 0.2 * called + 0.8 * close
 
 
 def _is_json_object(text: str) -> bool:

@@ -35,7 +35,8 @@ def test_tool_and_reward():
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "23+19"}}\n</tool_call>'
     assert calc.reward("p", f"{call}\ntool\n42\nassistant\n42", "42") == pytest.approx(1.0)
     assert calc.reward("p", "42", "42") == pytest.approx(0.8)
-    assert calc.reward("p", f"{call} 41", "42") == pytest.approx(0.2)
+    assert calc.reward("p", f"{call} 32", "42") == pytest.approx(0.2 + 0.4)
+    assert calc.reward("p", "The answer is 99", "42") == 0.0
     assert calc.reward("p", "no idea", "42") == 0.0
 
 
