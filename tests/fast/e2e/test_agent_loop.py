@@ -85,6 +85,7 @@ def test_trained_tokens_equal_the_completion_tokens_the_agent_received(ray_clust
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
     assert len(usage) == 4 and len(rows) == 1
     served = sum(sum(u) for u in usage)
+    print(f"{engine}: usage.completion_tokens served {served}, step tokens {rows[0]['tokens']}", flush=True)
     assert rows[0]["tokens"] == served == rows[0]["agent/model_tokens"] == rows[0]["agent/completion_tokens"]
     assert rows[0]["agent/calls"] == 8 and rows[0]["agent/non_append_turns"] == 0 and rows[0]["samples"] == 4
     assert 0 < rows[0]["agent/masked_token_frac"] < 1
