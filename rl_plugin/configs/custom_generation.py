@@ -20,6 +20,7 @@ from rl_plugin.user_code import FORMS
 # tokens/s on a loaded engine is ~15 min); the rollout function generates the whole rollout.
 DEFAULT_GENERATE_TIMEOUT_S = 1800.0
 DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S = 3600.0
+DEFAULT_AGENT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,33 @@ class CustomGenerationConfig(Declared):
         ),
     )
 
+    custom_agent_function_path: Optional[str] = flag(
+        "--custom-agent-function-path",
+        type=str,
+        default=None,
+        group="custom generation",
+        help=(
+            f"Generate every sample with an unmodified agent program ({FORMS}), miles' signature: async def "
+            "run_agent(base_url, prompt, request_kwargs=None) [-> reward number or dict], with an optional async def "
+            "abort(args) beside it. The rollout serves an OpenAI-compatible endpoint on its node (one port per run, "
+            "printed at start); each sample is one session: the agent calls base_url + '/v1/chat/completions' (or "
+            "'/v1/completions') with any OpenAI client, as often as it likes. Every completion's token ids and "
+            "log-probs are recorded as generated; an append-only session becomes one sample (loss mask 1 on the "
+            "model's completions only), else one sample per turn (agent/non_append_turns). The reward: the agent's "
+            "return value, else the run's reward on the final conversation. docs/design.md, 'Agent sessions'."
+        ),
+    )
+    agent_timeout: float = flag(
+        "--agent-timeout",
+        type=float,
+        default=DEFAULT_AGENT_TIMEOUT_S,
+        group="custom generation",
+        help=(
+            "Seconds one agent episode (one sample's run_agent call, its requests included; all episodes start "
+            "together) may take; past it the agent is cancelled, its session answers 409, and the rollout stops naming "
+            f"the agent and the sample. Default: {DEFAULT_AGENT_TIMEOUT_S:g}."
+        ),
+    )
     custom_generate_timeout: float = flag(
         "--custom-generate-timeout",
         type=float,
@@ -85,6 +113,7 @@ class CustomGenerationConfig(Declared):
         for flag_name, value in (
             ("--custom-generate-timeout", args.custom_generate_timeout),
             ("--rollout-function-timeout", args.rollout_function_timeout),
+            ("--agent-timeout", args.agent_timeout),
         ):
             if not is_positive_finite(value):
                 fail(flag_name, f"must be a positive number of seconds (got {value})", f"use e.g. {flag_name} 600")
@@ -94,9 +123,35 @@ class CustomGenerationConfig(Declared):
                 "the rollout function replaces the rollout that would call the generate function",
                 "drop one of the two (call your generate function from the rollout function)",
             )
+        cls._check_agent(args)
         if fn and args.dynamic_sampling_filter_path:
             fail(
                 "--rollout-function-path with --dynamic-sampling-filter-path",
                 "the rollout function replaces the rollout, dynamic sampling's rounds included",
                 "filter inside the rollout function, or drop --rollout-function-path",
+            )
+
+    @staticmethod
+    def _check_agent(args) -> None:
+        """The agent replaces per-sample generation; its rollout's sample count varies (a turn
+        that rewrote the history is a sample of its own), so its steps are sized by the rollout."""
+        if not args.custom_agent_function_path:
+            return
+        for other, value in (
+            ("--custom-generate-function-path", args.custom_generate_function_path),
+            ("--rollout-function-path", args.rollout_function_path),
+            ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
+        ):
+            if value:
+                fail(
+                    f"--custom-agent-function-path with {other}",
+                    "the agent generates every sample through its session; the other hook would replace or filter that",
+                    f"drop one of the two (call your tools from the agent instead of {other})",
+                )
+        if args.global_batch_size is not None:
+            fail(
+                "--custom-agent-function-path with --global-batch-size",
+                "an agent rollout's sample count varies (a turn whose prompt does not extend the previous one becomes a "
+                "sample of its own), so a fixed number of samples per step may not divide it",
+                "drop --global-batch-size (one optimizer step per rollout) or size steps with --docs-per-step",
             )

@@ -173,6 +173,8 @@ class RolloutConfig(Declared):
     rollout_function_path: Optional[str] = same_as(CustomGenerationConfig, "rollout_function_path")
     custom_generate_timeout: float = same_as(CustomGenerationConfig, "custom_generate_timeout")
     rollout_function_timeout: float = same_as(CustomGenerationConfig, "rollout_function_timeout")
+    custom_agent_function_path: Optional[str] = same_as(CustomGenerationConfig, "custom_agent_function_path")
+    agent_timeout: float = same_as(CustomGenerationConfig, "agent_timeout")
 
     @property
     def rollout_max_response_len(self) -> Optional[int]:  # slime's name, for filters written against slime's args

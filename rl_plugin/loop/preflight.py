@@ -185,6 +185,7 @@ def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
 USER_FUNCTION_FLAGS = (
     ("--custom-generate-function-path", "custom_generate_function_path"),
     ("--rollout-function-path", "rollout_function_path"),
+    ("--custom-agent-function-path", "custom_agent_function_path"),
     ("--custom-pg-loss-reducer-function-path", "custom_pg_loss_reducer_function_path"),
 )
 

@@ -40,6 +40,7 @@ import torch
 
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout import abort
+from rl_plugin.rollout.agent.rollout import AgentRollout
 from rl_plugin.rollout.custom_rollout import (
     GENERATE_FLAG,
     ROLLOUT_FLAG,
@@ -152,6 +153,8 @@ class RolloutManager:
             self.teacher = make_teacher(
                 cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed, device=device
             )
+        agent = cfg.custom_agent_function_path  # an agent program per sample (rl_plugin.rollout.agent)
+        self.agent = AgentRollout(agent, self.tokenizer, cfg, self.hook_args) if agent else None
         self._vocab_size: Optional[int] = None
         self._context_len: Optional[int] = None
         self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
@@ -167,6 +170,12 @@ class RolloutManager:
         cfg = self.config
         if self.rollout_fn is not None:
             data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
+        elif self.agent is not None:
+            recs = self.train.next_batch(cfg.rollout_batch_size)
+            n, seed = cfg.n_samples_per_prompt, cfg.seed + rollout_id
+            args = (self._dispatch(), self.params, self.context_len, self.scorer)
+            with abort.phase(f"the agent {self.agent.describe()}"):
+                data = self.agent.rollout(recs, n, seed, *args)
         elif self.group_filter is None:
             recs = self.train.next_batch(cfg.rollout_batch_size)
             data, _ = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)

@@ -133,3 +133,34 @@ def test_max_rollout_retries_not_negative():
     assert msg.startswith("--max-rollout-retries: must be >= 0 (got -1)") and "Fix:" in msg
     assert parse_args(["--max-rollout-retries", "0"]).max_rollout_retries == 0
     assert parse_args([]).max_rollout_retries == 3
+
+
+AGENT = ["--custom-agent-function-path", "tests.support.agent_programs:two_turns"]
+
+
+@pytest.mark.parametrize(
+    "other, value",
+    [
+        ("--custom-generate-function-path", "m:f"),
+        ("--rollout-function-path", "m:f"),
+        ("--dynamic-sampling-filter-path", "m:f"),
+    ],
+)
+def test_agent_replaces_the_other_generation_hooks(other, value):
+    msg = _err(CUSTOM + AGENT + [other, value])
+    assert f"--custom-agent-function-path with {other}" in msg and "Fix: drop one of the two" in msg
+
+
+def test_agent_rollouts_are_not_cut_into_fixed_size_steps():
+    msg = _err(CUSTOM + AGENT + ["--global-batch-size", "4", "--n-samples-per-prompt", "2"])
+    assert "--custom-agent-function-path with --global-batch-size" in msg and "--docs-per-step" in msg
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_agent_timeout_must_be_positive(value):
+    assert "--agent-timeout: must be a positive number of seconds" in _err(CUSTOM + AGENT + ["--agent-timeout", value])
+
+
+def test_agent_flags_pass():
+    args = parse_args(CUSTOM + AGENT + ["--agent-timeout", "60"])
+    assert args.custom_agent_function_path.endswith(":two_turns") and args.agent_timeout == 60.0

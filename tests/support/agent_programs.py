@@ -1,0 +1,134 @@
+"""Agent programs for the agent-endpoint tests (``--custom-agent-function-path
+tests.support.agent_programs:NAME``), written with the real ``openai`` client. Each records what
+it received in ``SEEN`` (the tests run the rollout manager in their own process, so they read it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import openai
+from openai import AsyncOpenAI
+
+SEEN = defaultdict(list)
+
+
+def client(base_url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(prompt):
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+async def two_turns(base_url, prompt, request_kwargs=None):
+    """Append-only: the first answer as it came back, then a user turn."""
+    c, msgs = client(base_url), chat(prompt)
+    kw = {**(request_kwargs or {}), "max_tokens": 5}
+    extra = {"return_prompt_token_ids": True}
+    r1 = await c.chat.completions.create(model="m", messages=msgs, logprobs=True, extra_body=extra, **kw)
+    msgs = msgs + [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
+    r2 = await c.chat.completions.create(model="m", messages=msgs, logprobs=True, extra_body=extra, **kw)
+    SEEN["two_turns"].append((base_url, prompt, r1, r2))
+
+
+async def rewrite_history(base_url, prompt, request_kwargs=None):
+    """Not append-only: the second request changes the first user turn."""
+    c, msgs = client(base_url), chat(prompt)
+    kw = {**(request_kwargs or {}), "max_tokens": 4}
+    r1 = await c.chat.completions.create(model="m", messages=msgs, logprobs=True, **kw)
+    edited = [{"role": "user", "content": "Forget that. What is 1+1?"}]
+    r2 = await c.chat.completions.create(model="m", messages=edited, logprobs=True, **kw)
+    SEEN["rewrite_history"].append((r1, r2))
+    return 0.5  # the agent's reward wins
+
+
+async def budget(base_url, prompt, request_kwargs=None):
+    """Three turns of 6 tokens asked, 8 allowed per episode."""
+    c, msgs, out = client(base_url), chat(prompt), []
+    for _ in range(3):
+        r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=6, stop=["<|im_end|>"])
+        out.append(r)
+        msgs = msgs + [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "More."},
+        ]
+    SEEN["budget"].append(out)
+    return {"reward": 1.0, "turns": 3}
+
+
+async def completions(base_url, prompt, request_kwargs=None):
+    """/v1/completions with token ids, then the same ids + the answer + more: one sample."""
+    c = client(base_url)
+    r1 = await c.completions.create(model="m", prompt=[1, 9, 10, 11], max_tokens=3, logprobs=1)
+    ids = [1, 9, 10, 11] + r1.choices[0].token_ids + [12, 13]
+    r2 = await c.completions.create(model="m", prompt=ids, max_tokens=3, logprobs=1)
+    SEEN["completions"].append((r1, r2))
+
+
+async def many(base_url, prompt, request_kwargs=None):
+    """One short turn, then a second one after a random pause (64 of these run at once)."""
+    c, msgs = client(base_url), chat(prompt)
+    r1 = await c.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+    await asyncio.sleep(0.01 * (hash(base_url) % 5))
+    msgs = msgs + [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "ok"}]
+    r2 = await c.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+    SEEN["many"].append(r1.usage.completion_tokens + r2.usage.completion_tokens)
+
+
+async def raises(base_url, prompt, request_kwargs=None):
+    """The first episode raises; the others would wait a minute (they are cancelled at once)."""
+    await client(base_url).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
+    SEEN["raises"].append(base_url)
+    if len(SEEN["raises"]) > 1:
+        await asyncio.sleep(60)
+    raise KeyError("the tool's answer had no 'result'")
+
+
+async def sleeps(base_url, prompt, request_kwargs=None):
+    SEEN["sleeps"].append(base_url)
+    await asyncio.sleep(60)
+
+
+async def abort(args):
+    SEEN["abort"].append(args is not None)
+
+
+async def unused(base_url, prompt, request_kwargs=None):
+    return 1.0
+
+
+_ENDED = {}
+
+
+async def refused(base_url, prompt, request_kwargs=None):
+    """One completion each; the first episode then ends, and the second tries what must be refused."""
+    c = client(base_url)
+    await c.chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
+    if not _ENDED:
+        _ENDED["url"] = base_url
+        return None
+    await asyncio.sleep(0.05)  # the first episode has returned by now
+    out = {}
+    tries = {
+        "ended": lambda: client(_ENDED["url"]).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2),
+        "unknown": lambda: client(base_url[:-6] + "ffffff").chat.completions.create(
+            model="m", messages=chat(prompt), max_tokens=2
+        ),
+        "stream": lambda: c.chat.completions.create(model="m", messages=chat(prompt), stream=True),
+        "stop": lambda: c.chat.completions.create(model="m", messages=chat(prompt), stop=["two tokens?"]),
+        "greedy": lambda: c.chat.completions.create(model="m", messages=chat(prompt), temperature=0),
+        "n": lambda: c.chat.completions.create(model="m", messages=chat(prompt), n=2),
+        "top_logprobs": lambda: c.chat.completions.create(
+            model="m", messages=chat(prompt), logprobs=True, top_logprobs=3
+        ),
+    }
+    for name, call in tries.items():
+        try:
+            await call()
+            out[name] = None
+        except openai.APIStatusError as exc:
+            out[name] = (exc.status_code, exc.body.get("param") if isinstance(exc.body, dict) else None, str(exc))
+    SEEN["refused"].append(out)
+    _ENDED.clear()
