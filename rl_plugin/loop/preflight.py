@@ -106,7 +106,7 @@ def check_reward_and_data(args) -> None:
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
     try:
-        scorer = SampleScorer(args)  # loads the function and checks its form against --group-rm
+        SampleScorer(args)  # loads the function and checks its form against --group-rm
     except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:

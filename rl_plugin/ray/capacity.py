@@ -66,7 +66,9 @@ def describe_ask(args, world: int, engines: int, gpus: bool) -> str:
         )
     else:
         n = (args.rollout_num_gpus or args.rollout_num_gpus_per_engine) if gpus else 1
-        parts.append(f"the rollout manager holding the {args.rollout_engine} engine ({_n(n)} {dev}, --rollout-num-gpus)")
+        parts.append(
+            f"the rollout manager holding the {args.rollout_engine} engine ({_n(n)} {dev}, --rollout-num-gpus)"
+        )
     return ", ".join(parts)
 
 

@@ -1,9 +1,10 @@
 """The remote reward model (``--rm-type remote_rm --rm-url URL``, slime's spelling).
 
 Contract with the server: one HTTP ``POST URL`` per sample with the JSON body
-``{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}`` (``prompt`` is the dataset's
-input as it is: a string or the chat messages; ``metadata`` is the ``--metadata-key`` object, ``{}``
-without one). The answer is a JSON number, or an object carrying it under ``"reward"`` (or under
+``{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}`` (``prompt`` is
+``Sample.prompt``, slime's form: the dataset's prompt after the chat template with
+``--apply-chat-template``, the string itself without; ``metadata`` is the ``--metadata-key``
+object, ``{}`` without one). The answer is a JSON number, or an object carrying it under ``"reward"`` (or under
 ``--reward-key``); an object is kept whole as ``Sample.reward``.
 
 Client behaviour (``aiohttp``, one session per ``score`` call):

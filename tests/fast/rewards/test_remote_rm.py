@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.errors import RLArgumentError
 from rl_plugin.loop.preflight import check_reward_server
-from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout.rewards.remote_rm import RemoteRewardError, probe, remote_rm, shared_client
 from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.sample import Sample
