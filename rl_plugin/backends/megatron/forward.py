@@ -103,6 +103,23 @@ def model_inputs(mb: MicroBatchInputs, qkv_format: str, *, sp_size: int = 1):
     return ids.view(1, -1), pos.view(1, -1), psp
 
 
+def moe_padding_kwargs(gpt, mb: MicroBatchInputs, input_ids: torch.Tensor) -> dict:
+    """``{"padding_mask": [b, s] bool}`` for an MoE model's forward, True at the padding positions
+    of ``input_ids`` (``model_inputs``: CP and bshd padding, ``input_index`` -1, and the
+    sequence-parallel padding): megatron-core 0.16.1 then leaves them out of the router's aux
+    losses, z-loss and expert-bias counts, which count real tokens only (as the FSDP backend's
+    ``router_losses``). ``{}`` for a dense model."""
+    if not getattr(gpt.config, "num_moe_experts", None):
+        return {}
+    pad = mb.layout.input_index.reshape(mb.input_ids.shape) < 0
+    if pad.dim() == 1:
+        pad = pad.view(1, -1)
+    extra = input_ids.shape[-1] - pad.shape[-1]
+    if extra:
+        pad = torch.nn.functional.pad(pad, (0, extra), value=True)
+    return {"padding_mask": pad.view(input_ids.shape)}
+
+
 def padded_logit_index(mb: MicroBatchInputs, input_ids: torch.Tensor) -> torch.Tensor:
     """``mb.layout.logit_index`` into the model output of ``input_ids`` (``model_inputs``): the
     same except for ``bshd`` rows widened under sequence parallelism (``b``-major flattening:
@@ -200,6 +217,7 @@ def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summe
     sp = bool(gpt.config.sequence_parallel)
     early = not sp and half_precision_wrapped(model)
     kwargs = {"fp32_output": False} if early else {}
+    kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(gpt, mb, input_ids).items()})
     with hidden_states_only(gpt):
         hidden = model(
             input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
@@ -240,6 +258,7 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
         input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(unwrap(model)))
         device = next(model.parameters()).device
         kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
+        kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(unwrap(model), mb, input_ids).items()})
         logits = model(
             input_ids.to(device), position_ids.to(device), None, packed_seq_params=psp, **kwargs
         )  # [b, s, V/tp]

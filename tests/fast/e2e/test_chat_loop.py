@@ -37,8 +37,8 @@ ROWS = [
 ]
 REWARD = """
 def reward(prompt, response, label, metadata):
-    ok = isinstance(prompt, str) and prompt.startswith("<|im_start|>system\nAnswer with the number only.<|im_end|>")
-    if not (ok and " + 2?<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")):
+    ok = isinstance(prompt, str) and prompt.startswith("<|im_start|>system\\nAnswer with the number only.<|im_end|>")
+    if not (ok and " + 2?<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\\n")):
         raise ValueError(f"the reward got {prompt!r}, not the record's messages after the chat template")
     return float(metadata["w"])
 """
