@@ -11,7 +11,7 @@ Client behaviour (``aiohttp``, one session per ``score`` call):
 
 - one client per process for a run's settings (``shared_client``): the ``--rm-type remote_rm``
   scorer and every ``remote_rm(args, sample)`` call (slime's helper, awaited inside a user's
-  ``--custom-rm-path`` rm that reads ``args.rm_url``) share it, so its bound covers them all;
+  ``--custom-rm-path`` rm that reads the run's ``rm_url``) share it, so its bound covers them all;
 - at most ``--rm-max-concurrency`` requests in flight (a semaphore per event loop and the
   connector's limit), across concurrent ``score`` calls in one event loop (a user rm called for
   every sample at once, a hook scoring sample by sample);
