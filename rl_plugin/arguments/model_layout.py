@@ -10,8 +10,10 @@ that work:
   (``--pipeline-model-parallel-size``, into equal chunks per stage under the interleaved schedule's
   ``--num-layers-per-virtual-pipeline-stage``); expert parallelism the experts
   (``--expert-model-parallel-size`` where the flag exists).
-- A vLLM engine's tensor parallelism (``--rollout-num-gpus-per-engine``) splits the heads too,
-  and needs CUDA GPUs (vLLM's CPU build runs one process per engine).
+- A vLLM engine's tensor parallelism (``--rollout-num-gpus-per-engine``) splits the heads too.
+  That it needs GPUs is the engine config's rule (``configs.engine.check_engine_device``), decided
+  by the placement from the Ray cluster's resources, never by the driver's own CUDA (a CPU head
+  node with ``RAY_ADDRESS`` on a GPU cluster runs multi-GPU engines on the GPU nodes).
 - A dense model: expert parallelism refused, the other MoE-only flags warned as unread
   (``rl_plugin.arguments.unread_flags.check_model_flags``).
 """
@@ -75,14 +77,5 @@ def check_model_layout(args) -> None:
                     "use --pipeline-model-parallel-size 1 (--expert-model-parallel-size splits the experts)",
                 )
     if args.rollout_engine == "vllm" and args.rollout_num_gpus_per_engine > 1:
-        import torch
-
-        if not torch.cuda.is_available():
-            fail(
-                f"--rollout-engine vllm --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
-                "a multi-GPU vLLM engine (its tensor parallelism) needs CUDA GPUs; vLLM's CPU build runs each engine in "
-                "one process",
-                "use --rollout-num-gpus-per-engine 1 on this machine (several engines: --rollout-num-gpus N)",
-            )
         if heads:
             _split("--rollout-num-gpus-per-engine", args.rollout_num_gpus_per_engine, "attention heads", heads, path)

@@ -114,6 +114,8 @@ class EngineConfig(Declared):
                 "it sets vLLM's enforce_eager (CUDA graphs), which this engine does not have",
                 "drop it, or use --rollout-engine vllm",
             )
+        if args.placement_device == "cpu":  # auto: the cluster decides, at placement (rl_plugin.ray.cluster)
+            check_engine_device(args.rollout_engine, per_engine, gpu_bundles=False, why="--placement-device cpu")
         flip = args.debug_engine_routing_flip
         if not 0.0 <= flip <= 1.0:
             fail(f"--debug-engine-routing-flip {flip}", "it is a fraction of tokens, in [0, 1]", "e.g. 0.3, or 0 (off)")
@@ -123,6 +125,23 @@ class EngineConfig(Declared):
                 "the hook flips the hf engine's routers",
                 "--rollout-engine hf",
             )
+
+
+def check_engine_device(engine: str, per_engine: Optional[int], gpu_bundles: bool, why: str) -> None:
+    """A multi-GPU vLLM engine (its tensor parallelism, ``--rollout-num-gpus-per-engine`` > 1) needs
+    GPU bundles: vLLM's CPU build runs each engine in one process. ``gpu_bundles`` is the
+    placement's device, decided by the Ray cluster's resources (``ray.cluster_resources()``,
+    ``rl_plugin.ray.cluster.placement_uses_gpus``) or by ``--placement-device cpu`` (``why`` says
+    which), never by the driver's own CUDA: a CPU head node with ``RAY_ADDRESS`` on a GPU cluster
+    places multi-GPU engines on the GPU nodes."""
+    if engine == "vllm" and per_engine is not None and per_engine > 1 and not gpu_bundles:
+        fail(
+            f"--rollout-engine vllm --rollout-num-gpus-per-engine {per_engine} with {why}",
+            "a multi-GPU vLLM engine (its tensor parallelism) needs GPU bundles; vLLM's CPU build runs each engine in "
+            "one process",
+            "run on a Ray cluster with GPUs (RAY_ADDRESS, --placement-device auto or gpu), or use "
+            "--rollout-num-gpus-per-engine 1 (several engines: --rollout-num-gpus N)",
+        )
 
 
 def validate_engine_installed(args) -> None:

@@ -67,7 +67,7 @@ class MoEConfig(Declared):
         "--moe-token-dispatcher-type",
         choices=DISPATCHERS,
         default="alltoall",
-        help="megatron-core's token dispatcher (Megatron-LM's default is allgather; RL recipes use alltoall). Both run over gloo on CPU.",
+        help="megatron-core's token dispatcher (Megatron-LM's default is allgather; RL recipes use alltoall). Both run over gloo on CPU; allgather only at --expert-model-parallel-size 1 (it gathers equal token counts from every EP rank, and RL micro-batches differ in length).",
         **MOE,
     )
     router_dtype: Optional[str] = flag(
@@ -101,6 +101,14 @@ class MoEConfig(Declared):
                 f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}",
                 "rl_plugin's Megatron backend loads and exports experts that are whole (1) or split like the dense layers",
                 f"use --expert-tensor-parallel-size 1 or {tp}",
+            )
+        if ep > 1 and args.moe_token_dispatcher_type == "allgather":
+            fail(
+                f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {ep}",
+                "the allgather dispatcher gathers the same number of tokens from every rank of an expert-parallel "
+                "group, and RL micro-batches differ in length across the data-parallel ranks EP spans (megatron-core "
+                "refuses it with variable sequence lengths)",
+                "use --moe-token-dispatcher-type alltoall (the default), or --expert-model-parallel-size 1",
             )
         world = args.actor_num_nodes * args.actor_num_gpus_per_node
         pp = args.pipeline_model_parallel_size

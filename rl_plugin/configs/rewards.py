@@ -94,7 +94,7 @@ class RewardConfig(Declared):
         type=str,
         default=None,
         group="rewards",
-        help='The reward server of --rm-type remote_rm (slime\'s flag): every sample is POSTed as JSON {"prompt", "response", "label", "metadata"}; the answer is a number or {"reward": x}. A server that is down fails the run at start-up, naming the URL.',
+        help='The reward server of --rm-type remote_rm (slime\'s flag): every sample is POSTed as JSON {"prompt", "response", "label", "metadata"}; the answer is a number or {"reward": x}. With --custom-rm-path, your rm reads it as args.rm_url and may await slime\'s remote_rm(args, sample) (rl_plugin.rollout.rewards.remote_rm), which shares one client per process (--rm-max-concurrency, --rm-max-retries hold over all its calls). A server that is down fails the run at start-up, naming the URL.',
     )
     rm_max_concurrency: Optional[int] = flag(
         "--rm-max-concurrency",
@@ -144,17 +144,21 @@ class RewardConfig(Declared):
     @staticmethod
     def _check_remote(args) -> None:
         remote = args.rm_type == "remote_rm"  # --custom-rm-path with --rm-type is refused above
+        # the client is on for remote_rm, and for a --custom-rm-path rm that calls slime's
+        # remote_rm(args, sample) itself (it reads args.rm_url, as in slime)
+        client = remote or (args.custom_rm_path is not None and args.rm_url is not None)
         if remote and args.rm_url is None:
             fail(
                 "--rm-type remote_rm without --rm-url",
                 "the remote reward model needs the address of its server",
                 'pass --rm-url http://HOST:PORT/PATH (the server answers POST {prompt, response, label, metadata} with a number or {"reward": x})',
             )
-        if args.rm_url is not None and not remote:
+        if args.rm_url is not None and not client:
             fail(
-                "--rm-url without --rm-type remote_rm",
-                "only the remote reward model reads --rm-url, so it would be silently ignored",
-                "add --rm-type remote_rm, or drop --rm-url",
+                "--rm-url without --rm-type remote_rm or --custom-rm-path",
+                "only the remote reward model (or your reward function, through remote_rm(args, sample)) reads --rm-url, "
+                "so it would be silently ignored",
+                "add --rm-type remote_rm (or --custom-rm-path with an rm that calls remote_rm), or drop --rm-url",
             )
         if args.rm_url is not None:
             why = url_problem(args.rm_url)
@@ -168,11 +172,12 @@ class RewardConfig(Declared):
                 "add --rm-type remote_rm --rm-url URL or --custom-rm-path, or drop it",
             )
         given = [flag for flag, attr in REMOTE_FLAGS if getattr(args, attr) is not None]
-        if given and not remote:
+        if given and not client:
             fail(
-                f"{', '.join(given)} without --rm-type remote_rm",
-                "they set the remote reward model's client, which is off, so they would be silently ignored",
-                "add --rm-type remote_rm --rm-url URL, or drop them",
+                f"{', '.join(given)} without --rm-url",
+                "they set the remote reward model's client (--rm-type remote_rm, or remote_rm(args, sample) called by "
+                "--custom-rm-path's function), which is off, so they would be silently ignored",
+                "add --rm-type remote_rm --rm-url URL (or --rm-url with --custom-rm-path), or drop them",
             )
         if args.rm_max_concurrency is not None and args.rm_max_concurrency < 1:
             fail(

@@ -19,7 +19,8 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
    in their flags' checks, the reward function below): a typo is named with the functions the
    file does define, before Ray starts;
 5. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
-   with ``--rm-type remote_rm``, the server at ``--rm-url`` accepts connections;
+   with ``--rm-url`` (``--rm-type remote_rm``, or a ``--custom-rm-path`` rm calling ``remote_rm``),
+   the server there accepts connections;
 6. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
@@ -106,7 +107,7 @@ def check_reward_and_data(args) -> None:
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
     try:
-        scorer = SampleScorer(args)  # loads the function and checks its form against --group-rm
+        SampleScorer(args)  # loads the function and checks its form against --group-rm
     except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
@@ -115,8 +116,8 @@ def check_reward_and_data(args) -> None:
             str(exc),
             "pass package.module:function or path/to/file.py:function",
         )
-    if scorer.remote is not None:
-        check_reward_server(scorer.remote.url)
+    if args.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
+        check_reward_server(args.rm_url)
     try:
         tokenizer = load_tokenizer(
             args.hf_checkpoint,
@@ -148,14 +149,14 @@ def check_reward_and_data(args) -> None:
 
 
 def check_reward_server(url: str) -> None:
-    """``--rm-type remote_rm``: something accepts connections at ``--rm-url`` (a TCP connect, a few
+    """``--rm-url``: something accepts connections there (a TCP connect, a few
     seconds at most), so a server that is down is named before Ray starts."""
     from rl_plugin.rollout.rewards.remote_rm import PROBE_TIMEOUT_S, probe
 
     why = probe(url)
     if why is not None:
         fail(
-            f"--rm-type remote_rm --rm-url {url}",
+            f"--rm-url {url}",
             f"the reward server is not reachable ({why}; probed for {PROBE_TIMEOUT_S:g} s before starting Ray)",
             "start the reward server first, or correct the host and port of --rm-url",
         )

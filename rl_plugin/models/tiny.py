@@ -36,7 +36,7 @@ def tiny_config(
     Mistral and Gemma carry it explicitly, with large defaults). Mistral without a sliding window
     (as Mistral 7B v0.2+), Gemma 1 (scaled embedding, (1 + w) RMSNorm, GeGLU; tied by design,
     here as ``tie_word_embeddings`` says). The MoE families (``tiny_moe``) take ``moe_kwargs``
-    (``num_experts``, ``top_k``, ``moe_intermediate_size``)."""
+    (``num_experts``, ``top_k``, ``moe_intermediate_size``, ``norm_topk_prob``)."""
     from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(

@@ -25,9 +25,12 @@ def tiny_moe_config(
     top_k: int = 2,
     moe_intermediate_size: int = 32,
     head_dim: int | None = None,
+    norm_topk_prob: bool | None = None,
 ):
     """The HF config of MoE ``family`` from ``tiny_config``'s shared ``common`` sizes (its
-    ``intermediate_size`` is the shared expert's in Qwen2-MoE, unused by the others)."""
+    ``intermediate_size`` is the shared expert's in Qwen2-MoE, unused by the others).
+    ``norm_topk_prob``: the Qwen families' renormalisation of the top-k weights (default: as the
+    released models, module docstring); Mixtral always renormalises and refuses it."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0}
@@ -35,15 +38,18 @@ def tiny_moe_config(
     if head_dim is not None and head_dim * heads != hidden and family != "mixtral":
         raise ValueError(f"{family}: head_dim {head_dim} must equal hidden_size {hidden} / num_heads {heads}")
     sparse = dict(num_experts_per_tok=top_k, router_aux_loss_coef=0.01, output_router_logits=False)
+    if norm_topk_prob is not None and family == "mixtral":
+        raise ValueError("mixtral has no norm_topk_prob: its top-k weights are always renormalised")
+    norm = {"qwen3_moe": True, "qwen2_moe": False}.get(family) if norm_topk_prob is None else bool(norm_topk_prob)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(
             **common, **sparse, rope_parameters=rope, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
+            norm_topk_prob=norm, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
         )  # fmt: skip
     if family == "qwen2_moe":
         return Qwen2MoeConfig(
             **common, **sparse, rope_parameters=rope, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
-            shared_expert_intermediate_size=common["intermediate_size"], norm_topk_prob=False, decoder_sparse_step=1,
+            shared_expert_intermediate_size=common["intermediate_size"], norm_topk_prob=norm, decoder_sparse_step=1,
             mlp_only_layers=[], qkv_bias=True,
         )  # fmt: skip
     if family == "mixtral":

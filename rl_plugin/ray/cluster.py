@@ -22,7 +22,10 @@ the rollout manager gets one bundle, and each engine process (``engine_processes
 (``--rollout-num-gpus-per-engine`` GPUs, or one CPU). With ``--colocate`` the manager shares
 rank 0's bundle and engine i rank ``i % world``'s with the training ranks (fractional, time-shared).
 The ``hf`` engine with a single engine runs inside the manager (it then holds the rollout GPUs).
-Engine bundles are in (node, GPU id) order too.
+Engine bundles are in (node, GPU id) order too. Bundles the cluster can never hold (more GPUs or
+CPUs than it has, a bundle larger than any node) are refused before Ray is asked, in seconds,
+naming the ask, the nodes and the flags that change it (``rl_plugin.ray.capacity``); a multi-GPU
+vLLM engine on CPU bundles is refused there too (``configs.engine.check_engine_device``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_plugin.configs.engine import check_engine_device
 from rl_plugin.errors import EXIT_SIGNALS, LoopError  # the exit signals are blocked in the local cluster
 from rl_plugin.ray.bundle_order import (
     BundleSite,
@@ -48,8 +52,10 @@ from rl_plugin.ray.bundle_order import (
     check_node_count,
     sorted_sites,
 )
+from rl_plugin.ray.capacity import check_bundles_fit, placement_timeout_error
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
 
+PLACEMENT_TIMEOUT_S = 300.0  # resources the cluster has but other jobs hold: how long to wait for them
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
 
 
@@ -260,6 +266,12 @@ def required_cpus(args) -> int:
 
 def create_placement(args) -> Placement:
     gpus = placement_uses_gpus(args.placement_device, ray.cluster_resources().get("GPU", 0))
+    check_engine_device(
+        args.rollout_engine,
+        args.rollout_num_gpus_per_engine,
+        gpus,
+        f"--placement-device {args.placement_device} on a Ray cluster with {'' if gpus else 'no '}GPUs",
+    )
     device = "GPU" if gpus else "CPU"
     check_node_count(args.actor_num_nodes, alive_nodes_with(device), device)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
@@ -273,21 +285,14 @@ def create_placement(args) -> Placement:
         rollout_bundle = world
         engine_bundles = list(range(world + 1, world + 1 + engines))
         bundles += [{"CPU": 1, "GPU": per_engine} if gpus else {"CPU": 1} for _ in range(engines)]
+    check_bundles_fit(args, bundles, ray.nodes(), world, engines, gpus)  # never fits: fail now, not after the wait
     pg = placement_group(bundles, strategy="PACK")
     try:
-        ray.get(pg.ready(), timeout=300)
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
-        raise RuntimeError(
-            f"Ray could not place {len(bundles)} bundles {bundles} in 300 s: the cluster lacks the resources for "
-            f"--actor-num-nodes x --actor-num-gpus-per-node = {world} training ranks"
-            + (
-                ""
-                if args.colocate
-                else f" plus the rollout manager and {engines} engine(s) (--rollout-num-gpus, "
-                "--rollout-num-gpus-per-engine)"
-            )
-            + ". Check `ray status`."
+        raise placement_timeout_error(
+            args, bundles, ray.available_resources(), PLACEMENT_TIMEOUT_S, world, engines, gpus
         ) from None
     try:
         train_sites = sorted_sites(bundle_sites(pg, range(world), [1 if gpus else 0] * world))

@@ -4,7 +4,9 @@
 
     async def generate(args, sample: Sample, sampling_params: dict) -> Sample
 
-``sample`` arrives with ``prompt`` (the prompt text after the chat template), ``tokens`` (the
+``sample`` arrives with ``prompt`` (slime's: the text after the chat template with
+``--apply-chat-template``, the string itself without; the default path's samples carry the same,
+so the reward sees one form), ``tokens`` (the
 prompt ids, ``response_length`` 0), ``label``, ``metadata`` (a copy of the record's), ``index`` and
 ``group_index``; the hook generates with ``rl_plugin.rollout.generate_tokens`` (as often as it
 likes, calling tools between turns), appends the response ids to ``tokens`` and sets

@@ -13,9 +13,11 @@ The engines answer with ``Generation``s (the engine boundary: engines know no ``
 become ``Sample``s here (``build_samples``), once per rollout, with what the flattener
 (``rollout_data.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
 response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts`` and the status
-(``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is the record's
-prompt as the dataset holds it (what a reward function receives); a generate hook's samples
-carry the chat-templated text instead (``custom_rollout.fresh_samples``).
+(``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is slime's: the
+record's prompt after the chat template with ``--apply-chat-template`` (the text whose ids the
+engine got, ``--system-prompt`` and ``--apply-chat-template-kwargs`` included), the string itself
+without (``tokenizer.prompt_text``), the same form a generate hook's samples carry
+(``custom_rollout.fresh_samples``), so one reward function sees one form in both paths.
 """
 
 from __future__ import annotations
@@ -35,16 +37,20 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
     return [base + (1 if i < extra else 0) for i in range(num_engines)]
 
 
-def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n: int) -> List[Sample]:
+def build_samples(
+    recs, gens: Sequence[Generation], responses: Sequence[str], n: int, prompts: Optional[Sequence[Any]] = None
+) -> List[Sample]:
     """The rollout's ``Sample`` objects: group ``g`` is record ``g``'s ``n`` contiguous samples;
     ``tokens`` are the engine's prompt + response ids, the log-probs and routed experts the
-    engine's lists (not copied)."""
+    engine's lists (not copied); ``prompts[g]`` is group ``g``'s ``sample.prompt`` (default: the
+    record's prompt as it is)."""
+    prompts = [r.prompt for r in recs] if prompts is None else prompts
     done, cut = Sample.Status.COMPLETED, Sample.Status.TRUNCATED
     return [
         Sample(
             group_index=i // n,
             index=i,
-            prompt=recs[i // n].prompt,
+            prompt=prompts[i // n],
             tokens=g.prompt_ids + g.response_ids,
             response=responses[i],
             response_length=len(g.response_ids),
@@ -81,9 +87,10 @@ class DefaultGenerate:
 
     def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
+        texts = [self.tokenizer.prompt_text(r.prompt) for r in recs]  # sample.prompt (module docstring)
         gens = self.generations([p for p in prompt_ids for _ in range(n)], n, seed=seed)
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
-        samples = build_samples(recs, gens, responses, n)
+        samples = build_samples(recs, gens, responses, n, prompts=texts)
         check_responses(samples)
         return samples
 

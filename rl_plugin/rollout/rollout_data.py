@@ -10,8 +10,9 @@ checkpoint under overlapped training (``checkpoint.pending_rollout``), and becom
 (``loop.steps.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
 per token of ``tokens``, per MoE layer, the ``top_k`` experts the engine routed it to
 (``[sum T_i, num_moe_layers, top_k]`` int16; ``rl_plugin.routing``); the last token of each sample
-never ran through the engine and holds experts ``0..top_k-1`` (its hidden state reaches no
-log-prob: causal attention, and its logits predict past the sample).
+never ran through the engine and holds ``UNROUTED`` (-1) rows: the trainer's router routes it
+itself (its hidden state reaches no log-prob: causal attention, and its logits predict past the
+sample).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
+from rl_plugin.routing.layout import pad_experts
 from rl_plugin.tensor_pickle import reduce_dataclass
 
 
@@ -157,7 +159,8 @@ def flatten_samples(samples: Sequence[Any]) -> FlatSamples:
 
 def flat_routed_experts(routed: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     """``[sum T_i, layers, top_k]`` int16: each sample's routed experts (``[T_i - 1, ...]``)
-    followed by one row ``0..top_k-1`` for its last token (module docstring); one ``torch.cat``.
+    followed by one ``UNROUTED`` row for its last token, which no engine ran (the trainer's router
+    routes it itself, ``rl_plugin.routing.layout``); one ``torch.cat``.
     None when no sample carries them; all or none must."""
     missing = sum(r is None for r in routed)
     if missing == len(routed):
@@ -166,7 +169,7 @@ def flat_routed_experts(routed: Sequence[Optional[torch.Tensor]]) -> Optional[to
         i = next(i for i, r in enumerate(routed) if r is None)
         raise ValueError(f"rollout sample {i} carries no routed experts while others do (--use-rollout-routing-replay)")
     layers, top_k = routed[0].shape[1:]
-    last = torch.arange(top_k, dtype=torch.int16).expand(1, layers, top_k)
+    last = pad_experts(1, layers, top_k)
     return torch.cat([t for r in routed for t in (r.to(torch.int16), last)])
 
 

@@ -5,8 +5,8 @@ An HF MoE block routes its input ``[rows, seq, H]`` flattened row-major. ``packi
 lays a micro-batch out as the padded grid ``[S, L]`` (thd, ``segment_grid``: row ``s``, column
 ``j`` reads packed position ``gather[s, j]``), one packed row ``[1, t]`` (thd), or ``[S, len]``
 rows (bshd, already sample-major like ``MicroBatchInputs.routed_experts``). ``RoutingPass`` puts
-the micro-batch's routed experts in that order (grid padding cells take position 0's experts: no
-real token attends to them), replays them and counts the agreement of each router's own top-k on
+the micro-batch's routed experts in that order (grid padding cells are ``UNROUTED``: the
+router routes them itself, and no real token attends to them), replays them and counts the agreement of each router's own top-k on
 the routed response tokens; recording (R2's old pass) reads the grid back in packed order.
 """
 
@@ -20,7 +20,7 @@ import torch
 from rl_plugin.backends.fsdp.packing import thd_as_padded_grid
 from rl_plugin.cp import segment_grid
 from rl_plugin.routing.hf import hf_routers, replay_routing
-from rl_plugin.routing.layout import AgreementCounter, routed_response_mask
+from rl_plugin.routing.layout import UNROUTED, AgreementCounter, routed_response_mask
 
 
 class RoutingPass:
@@ -63,7 +63,7 @@ class RoutingPass:
         mask = routed_response_mask(layout.total_lengths, layout.response_lengths, layout.input_index)
         if grid is not None:
             gather, valid = grid
-            routed = routed[gather].flatten(0, 1)
+            routed = torch.where(valid[..., None, None], routed[gather], UNROUTED).flatten(0, 1)
             mask = (mask[gather] & valid).flatten()
         device = next(model.parameters()).device
         with replay_routing(routers, routed.to(device).unbind(1)) as agree:

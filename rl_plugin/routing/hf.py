@@ -15,8 +15,8 @@ transformers 5 routes with one router module per MoE layer (``Qwen3MoeTopKRouter
   disagree with the trainer's on purpose.
 - ``replay_routing`` (the FSDP backend, tests): forward hooks that replace each router's
   ``indices`` by given ones and recompute ``weights`` by the formula above at those indices, so
-  the experts' inputs and mixing weights are what the router would give had it chosen them; they
-  also report, per token, whether the router's own top-k (as a set) equals the replayed one.
+  the experts' inputs and mixing weights are what the router would give had it chosen them (rows
+  no engine routed, ``UNROUTED``: the router's own top-k); they also report, per token, whether the router's own top-k (as a set) equals the replayed one.
 
 Only the routers whose forward was read against this formula are accepted (``ROUTER_NORMALISE``);
 another MoE router class is refused by name rather than replayed wrongly.
@@ -30,6 +30,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from rl_plugin.models.experts import num_experts
+from rl_plugin.routing.layout import own_where_unrouted
 
 # router class -> the attribute saying whether the top-k weights are renormalised (None: always)
 ROUTER_NORMALISE = {
@@ -142,7 +143,8 @@ class RoutingRecorder:
 @contextlib.contextmanager
 def replay_routing(routers: Sequence[torch.nn.Module], targets: Sequence[torch.Tensor]) -> Iterator[List[torch.Tensor]]:
     """Within the block, router ``l`` routes its ``N`` tokens to ``targets[l]`` (``[N, k]``, any
-    int dtype) with the weights ``router_weights`` gives there. Yields a list that receives, per
+    int dtype; an ``UNROUTED`` row: the router's own top-k) with the weights ``router_weights``
+    gives there. Yields a list that receives, per
     router call, ``[N]`` bool: whether the router's own top-k equals the target (as sets)."""
     if len(targets) != len(routers):
         raise ValueError(f"routing replay: {len(targets)} layers of routed experts for {len(routers)} MoE layers")
@@ -156,7 +158,7 @@ def replay_routing(routers: Sequence[torch.nn.Module], targets: Sequence[torch.T
                     f"routing replay: the router saw {tuple(own.shape)} (tokens, top_k), the replayed "
                     f"experts are {tuple(target.shape)}"
                 )
-            idx = target.to(device=own.device, dtype=torch.long)
+            idx = own_where_unrouted(target, own)  # unrun / padding rows: the router's own top-k
             agree.append(same_sets(own, idx).detach())
             return logits, router_weights(module, logits, idx), idx
 

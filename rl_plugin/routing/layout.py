@@ -4,8 +4,12 @@
 ``ResponseLayout.input_index`` maps each CP-local input position to its token (-1: padding).
 ``local_routed_experts`` gathers by it: ``[n_in, layers, k]`` with ``n_in`` the positions of
 ``MicroBatchInputs.input_ids`` flattened row-major (thd: the packed stream; bshd: ``[S, len]``
-sample-major). Padding positions get experts ``0..k-1`` (any valid ids: no real token attends to
-padding, and its logits are never read).
+sample-major). Padding positions get ``UNROUTED`` rows (``-1``): no engine routed them (padding,
+each sample's last token, another CP rank's tokens), so the replays let the trainer's own router
+route them (``routing.hf.replay_routing``, ``routing.megatron_replay.replaying``): they spread
+over the experts as they would without replay, instead of all landing on experts ``0..k-1`` (EP
+rank 0's load, the expert-bias counts). No real token attends to padding and the last token's
+logits are never read, so their routing changes no log-prob.
 
 ``routed_response_mask`` marks the positions the agreement metric counts; ``AgreementCounter``
 sums it over a pass.
@@ -17,10 +21,20 @@ from typing import Optional
 
 import torch
 
+UNROUTED = -1  # an expert id no engine gave: the trainer's router routes the token itself
+
 
 def pad_experts(n: int, layers: int, top_k: int) -> torch.Tensor:
-    """``[n, layers, top_k]`` int16 rows ``0..top_k-1`` (the routing of padding positions)."""
-    return torch.arange(top_k, dtype=torch.int16).expand(n, layers, top_k).clone()
+    """``[n, layers, top_k]`` int16 ``UNROUTED`` rows (padding and unrun positions)."""
+    return torch.full((n, layers, top_k), UNROUTED, dtype=torch.int16)
+
+
+def own_where_unrouted(target: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """``[N, k]`` long: ``target``'s rows, the router's ``own`` top-k where ``target`` holds
+    ``UNROUTED`` (one vectorised ``where``)."""
+    target = target.to(device=own.device, dtype=torch.long)
+    unrouted = (target < 0).any(dim=-1, keepdim=True)
+    return torch.where(unrouted, own.long(), target)
 
 
 def local_routed_experts(input_index: torch.Tensor, routed: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

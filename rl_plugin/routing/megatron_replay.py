@@ -19,8 +19,15 @@ takes ``MicroBatchInputs.routed_experts`` (sample-major, ``rl_plugin.routing.lay
 ``from_router_order`` brings a record back (R2; without sequence parallelism, where every TP rank
 routes every token).
 
-Agreement (``routing/topk_agree_frac``): while replaying, each RouterReplay's ``get_replay_topk``
-is wrapped to also run megatron-core's own top-k on the same scores, and the fraction of
+Positions no engine routed (padding, the SP padding segment, each sample's last token) hold
+``UNROUTED`` (``rl_plugin.routing.layout``): while replaying, each RouterReplay's
+``get_replay_topk`` is wrapped to route those rows by the router's own top-k, so they spread
+over the experts (and EP ranks) as without replay; the forward also passes megatron-core's
+``padding_mask`` (``backends.megatron.forward``), so padding is in no aux loss, z-loss or
+expert-bias count.
+
+Agreement (``routing/topk_agree_frac``): the wrapper also runs megatron-core's own top-k on the
+same scores, and the fraction of
 (response token, MoE layer) pairs whose own top-k set equals the replayed one is counted over the
 response tokens the engine routed (every response token but each sample's last).
 """
@@ -34,7 +41,7 @@ from typing import Iterator, List, Optional
 import torch
 
 from rl_plugin.routing.hf import same_sets
-from rl_plugin.routing.layout import AgreementCounter
+from rl_plugin.routing.layout import UNROUTED, AgreementCounter, own_where_unrouted
 
 
 def routers_of(model) -> List[torch.nn.Module]:
@@ -63,19 +70,23 @@ def replays_of(model) -> list:
     return replays
 
 
-def to_router_order(local: torch.Tensor, *, bshd_rows: Optional[int], extra: int, sp_rank: int, sp_size: int):
+def to_router_order(
+    local: torch.Tensor, *, bshd_rows: Optional[int], extra: int, sp_rank: int, sp_size: int, fill=UNROUTED
+):
     """``local`` (``[n_in, ...]``, sample-major input order) in the router's token order
-    (module docstring): ``extra`` SP padding positions appended (thd: at the end; bshd: per row),
-    bshd transposed to sequence-major, then this rank's ``1 / sp_size`` of the sequence."""
+    (module docstring): ``extra`` SP padding positions holding ``fill`` appended (thd: at the end;
+    bshd: per row), bshd transposed to sequence-major, then this rank's ``1 / sp_size`` of the
+    sequence."""
     tail = local.shape[1:]
+    pad = local.new_full((1, *tail), fill)  # the SP padding: UNROUTED (the router's own top-k)
     if bshd_rows is None:
         if extra:
-            local = torch.cat([local, local[:1].expand(extra, *tail)])  # any valid experts: padding
+            local = torch.cat([local, pad.expand(extra, *tail)])
         seq = local.view(-1, 1, *tail)
     else:
         rows = local.view(bshd_rows, -1, *tail)
         if extra:
-            rows = torch.cat([rows, rows[:, :1].expand(bshd_rows, extra, *tail)], dim=1)
+            rows = torch.cat([rows, pad.expand(bshd_rows, extra, *tail)], dim=1)
         seq = rows.transpose(0, 1)
     share = seq.shape[0] // sp_size
     return seq[sp_rank * share : (sp_rank + 1) * share].reshape(-1, *tail)
@@ -89,20 +100,24 @@ def from_router_order(recorded: torch.Tensor, *, bshd_rows: Optional[int], n_in:
     return recorded.view(-1, bshd_rows, *tail).transpose(0, 1)[:, : n_in // bshd_rows].reshape(-1, *tail)
 
 
-def _measuring(replay, agree_out: List[torch.Tensor]):
-    """``replay.get_replay_topk`` that, replaying forward, also computes megatron-core's own top-k
-    on the same scores and appends ``[N]`` bool (own set == replayed set) to ``agree_out``."""
+def _replaying_topk(replay, agree_out: Optional[List[torch.Tensor]]):
+    """``replay.get_replay_topk`` for ``REPLAY_FORWARD``: megatron-core's (the target indices and
+    the scores gathered there), except that ``UNROUTED`` rows (padding, unrun tokens) take the
+    router's own top-k on the same scores; with ``agree_out``, also appends ``[N]`` bool (own set
+    == replayed set). Other actions: megatron-core's own method."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     original = type(replay).get_replay_topk
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        out = original(self, scores, topk, num_groups, group_topk, default_compute_topk)
-        if default_compute_topk is not None and self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
-            with torch.no_grad():
-                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            agree_out.append(same_sets(own, out[1]))
-        return out
+        if default_compute_topk is None or self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return original(self, scores, topk, num_groups, group_topk, default_compute_topk)
+        with torch.no_grad():
+            _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        top = own_where_unrouted(self.target_topk_idx, own)
+        if agree_out is not None:
+            agree_out.append(same_sets(own, top))
+        return scores.gather(1, top), top
 
     return types.MethodType(get_replay_topk, replay)
 
@@ -110,7 +125,8 @@ def _measuring(replay, agree_out: List[torch.Tensor]):
 @contextlib.contextmanager
 def replaying(model, routed: torch.Tensor, agree_out: Optional[List[torch.Tensor]] = None) -> Iterator[None]:
     """Within the block the model's routers route their tokens to ``routed`` (``[N, layers, k]``,
-    router order: ``to_router_order``); ``agree_out`` (if given) receives one ``[N]`` bool per layer."""
+    router order: ``to_router_order``; ``UNROUTED`` rows: the router's own top-k); ``agree_out``
+    (if given) receives one ``[N]`` bool per layer."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replays = replays_of(model)
@@ -124,8 +140,7 @@ def replaying(model, routed: torch.Tensor, agree_out: Optional[List[torch.Tensor
         replay.clear_indices()
         replay.set_target_indices(target)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        if agree_out is not None:
-            replay.get_replay_topk = _measuring(replay, agree_out)
+        replay.get_replay_topk = _replaying_topk(replay, agree_out)
     try:
         yield
     finally:
@@ -199,6 +214,6 @@ class RoutingPass:
         if agree:
             layout = mb.layout
             mask = routed_response_mask(layout.total_lengths, layout.response_lengths, layout.input_index)
-            mask = to_router_order(mask, **order).to(agree[0].device)
+            mask = to_router_order(mask, **order, fill=False).to(agree[0].device)
             for a in agree:
                 self.agreement.add(a, mask)

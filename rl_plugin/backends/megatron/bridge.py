@@ -79,7 +79,7 @@ def make_bridge(
     from transformers import AutoConfig
 
     from rl_plugin.backends.megatron.compat.mbridge_fixes import (
-        FAMILY_FIXES,
+        family_fixes,
         fix_rope_theta,
         local_spec_bridge_class,
         sequential_experts_bridge_class,
@@ -104,7 +104,7 @@ def make_bridge(
     if is_moe_config(hf_config):
         if not use_te:
             cls = sequential_experts_bridge_class(cls)
-        extra_config.update(FAMILY_FIXES.get(model_type, {}))
+        extra_config.update(family_fixes(model_type, hf_config))
         extra_config.update(moe_config_overrides(moe or MoEConfig(), use_te=use_te))
     bridge = cls(hf_config, dtype=dtype)
     if extra_config:

@@ -113,6 +113,23 @@ def _to(t: torch.Tensor, device) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+def moe_padding_kwargs(gpt, mb: MicroBatchInputs, input_ids: torch.Tensor) -> dict:
+    """``{"padding_mask": [b, s] bool}`` for an MoE model's forward, True at the padding positions
+    of ``input_ids`` (``model_inputs``: CP and bshd padding, ``input_index`` -1, and the
+    sequence-parallel padding): megatron-core 0.16.1 then leaves them out of the router's aux
+    losses, z-loss and expert-bias counts, which count real tokens only (as the FSDP backend's
+    ``router_losses``). ``{}`` for a dense model."""
+    if not getattr(gpt.config, "num_moe_experts", None):
+        return {}
+    pad = mb.layout.input_index.reshape(mb.input_ids.shape) < 0
+    if pad.dim() == 1:
+        pad = pad.view(1, -1)
+    extra = input_ids.shape[-1] - pad.shape[-1]
+    if extra:
+        pad = torch.nn.functional.pad(pad, (0, extra), value=True)
+    return {"padding_mask": pad.view(input_ids.shape)}
+
+
 def padded_logit_index(mb: MicroBatchInputs, input_ids: torch.Tensor) -> torch.Tensor:
     """``mb.layout.logit_index`` into the model output of ``input_ids`` (``model_inputs``): the
     same except for ``bshd`` rows widened under sequence parallelism (``b``-major flattening:
@@ -210,6 +227,7 @@ def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summe
     sp = bool(gpt.config.sequence_parallel)
     early = not sp and half_precision_wrapped(model)
     kwargs = {"fp32_output": False} if early else {}
+    kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(gpt, mb, input_ids).items()})
     with hidden_states_only(gpt):
         hidden = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [s, b, h]
     rows = response_rows(
@@ -249,6 +267,7 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
         sp_size = sequence_parallel_size(unwrap(model))
         input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sp_size, device=device)
         kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
+        kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(unwrap(model), mb, input_ids).items()})
         logits = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[padded_logit_index(mb, input_ids).to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)

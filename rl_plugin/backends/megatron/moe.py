@@ -14,7 +14,9 @@ passes leave megatron-core's loss tracker as it was (``untracked``).
 
 ``moe_config_overrides(moe, use_te=...)`` is what the flags set on the ``TransformerConfig``
 (Megatron-LM's spellings): ``--moe-router-load-balancing-type``, ``--moe-aux-loss-coeff``,
-``--moe-z-loss-coeff``, ``--moe-token-dispatcher-type``; plus, without transformer-engine, the
+``--moe-z-loss-coeff``, ``--moe-token-dispatcher-type`` (allgather: no ``moe_shared_expert_overlap``
+and no ``variable_seq_lengths``, which megatron-core allows only with alltoall); plus, without
+transformer-engine, the
 sequential experts (``moe_grouped_gemm`` False) and no ``persist_layer_norm`` (a TE / apex
 kernel). mbridge's own MoE defaults (``moe_router_load_balancing_type="none"`` "for RL",
 the HF checkpoint's ``router_aux_loss_coef``) are replaced by the flags' values, so the
@@ -53,6 +55,14 @@ def moe_config_overrides(moe, *, use_te: bool) -> dict:
         moe_token_dispatcher_type=moe.token_dispatcher_type,
         moe_router_dtype=moe.router_dtype,
     )
+    if moe.token_dispatcher_type != "alltoall":
+        # mbridge's Qwen2-MoE sets moe_shared_expert_overlap (a side stream on GPUs), which megatron-core
+        # accepts only with the alltoall dispatcher (TransformerConfig raises otherwise): the overlap is
+        # a speed-up only, so it is off with the other dispatchers. megatron-core also refuses allgather
+        # with variable_seq_lengths, which only the pipeline's P2P reads (an MoE model never runs in a
+        # pipeline here, model_layout) and which allgather cannot honour across EP ranks (EP 1 only:
+        # configs.model.MoEConfig.check)
+        out.update(moe_shared_expert_overlap=False, variable_seq_lengths=False)
     if not use_te:  # sequential experts; no TE / apex kernels
         out.update(moe_grouped_gemm=False, persist_layer_norm=False, moe_permute_fusion=False, moe_router_fusion=False)
     return out

@@ -1,7 +1,8 @@
 """Reward functions: built-in verifiers by name (``--rm-type``) and user functions (``--custom-rm-path``).
 
-A reward function is ``fn(prompt, response: str, label) -> float``; ``prompt`` is the dataset's
-input as it is (a string, or the list of chat messages). A function that also takes a keyword
+A reward function is ``fn(prompt, response: str, label) -> float``; ``prompt`` is
+``Sample.prompt``, slime's form in every path (the default generation and a generate hook): the
+dataset's prompt after the chat template with ``--apply-chat-template``, the string itself without. A function that also takes a keyword
 ``metadata`` (or ``**kwargs``) gets the sample's ``--metadata-key`` object as ``metadata=`` (``{}``
 when no metadata key is configured); the three-argument form is called as before. Built-ins:
 

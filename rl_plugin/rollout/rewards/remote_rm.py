@@ -1,15 +1,20 @@
 """The remote reward model (``--rm-type remote_rm --rm-url URL``, slime's spelling).
 
 Contract with the server: one HTTP ``POST URL`` per sample with the JSON body
-``{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}`` (``prompt`` is the dataset's
-input as it is: a string or the chat messages; ``metadata`` is the ``--metadata-key`` object, ``{}``
-without one). The answer is a JSON number, or an object carrying it under ``"reward"`` (or under
+``{"prompt": ..., "response": ..., "label": ..., "metadata": {...}}`` (``prompt`` is
+``Sample.prompt``, slime's form: the dataset's prompt after the chat template with
+``--apply-chat-template``, the string itself without; ``metadata`` is the ``--metadata-key``
+object, ``{}`` without one). The answer is a JSON number, or an object carrying it under ``"reward"`` (or under
 ``--reward-key``); an object is kept whole as ``Sample.reward``.
 
-Client behaviour (``aiohttp``, one session per rollout):
+Client behaviour (``aiohttp``, one session per ``score`` call):
 
-- at most ``--rm-max-concurrency`` requests in flight (a semaphore and the connector's limit),
-  also across concurrent ``score`` calls in one event loop (a hook scoring sample by sample);
+- one client per process for a run's settings (``shared_client``): the ``--rm-type remote_rm``
+  scorer and every ``remote_rm(args, sample)`` call (slime's helper, awaited inside a user's
+  ``--custom-rm-path`` rm that reads the run's ``rm_url``) share it, so its bound covers them all;
+- at most ``--rm-max-concurrency`` requests in flight (a semaphore per event loop and the
+  connector's limit), across concurrent ``score`` calls in one event loop (a user rm called for
+  every sample at once, a hook scoring sample by sample);
 - each attempt times out after ``--rm-timeout`` seconds;
 - a connection error, a timeout, HTTP 408, 429 or 5xx is retried up to ``--rm-max-retries``
   times, attempt ``k`` (0-based) waiting ``backoff * 2**k`` seconds first (capped at
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any, List, Optional, Sequence
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from rl_plugin.registries import REMOTE_RM_DEFAULTS
 from rl_plugin.urls import url_host_port
@@ -74,7 +81,11 @@ class RemoteRewardModel:
         self.url, self.max_concurrency, self.timeout = url, int(max_concurrency), float(timeout)
         self.max_retries, self.backoff = int(max_retries), float(backoff)
         self.retries = 0  # retried attempts since the last ``score`` call began
-        self._limit = (None, None)  # (event loop, its semaphore): concurrent ``score`` calls share the bound
+        # one semaphore per event loop: concurrent ``score`` calls in a loop share the bound (an
+        # asyncio.Semaphore belongs to one loop; a loop that ends drops its entry)
+        self._limits: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def from_config(cls, config) -> "RemoteRewardModel":
@@ -98,9 +109,9 @@ class RemoteRewardModel:
         if not samples:
             return []
         loop = asyncio.get_running_loop()
-        if self._limit[0] is not loop:
-            self._limit = (loop, asyncio.Semaphore(self.max_concurrency))
-        limit = self._limit[1]
+        limit = self._limits.get(loop)
+        if limit is None:
+            limit = self._limits[loop] = asyncio.Semaphore(self.max_concurrency)
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -177,11 +188,32 @@ def _text(body: bytes, limit: int = 200) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+_SHARED: Dict[Tuple[str, int, float, int], RemoteRewardModel] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_client(config) -> RemoteRewardModel:
+    """The process's one client for ``config``'s settings (a ``RolloutConfig``: ``rm_url``,
+    ``rm_max_concurrency``, ``rm_timeout``, ``rm_max_retries``), built on first use: every caller
+    with the same settings shares its concurrency bound."""
+    client = RemoteRewardModel.from_config(config)
+    key = (client.url, client.max_concurrency, client.timeout, client.max_retries)
+    with _SHARED_LOCK:
+        return _SHARED.setdefault(key, client)
+
+
 async def remote_rm(args, sample) -> Any:
-    """slime's ``remote_rm(args, sample)``: one sample's answer from the run's ``--rm-url`` (a
-    session of its own; ``SampleScorer`` scores a whole rollout in one session instead). The
-    registry entry of ``--rm-type remote_rm``, and usable inside a user's own ``rm(args, sample)``;
-    ``args`` is the run's parsed flags, read through ``RolloutConfig``."""
+    """slime's ``remote_rm(args, sample)``: one sample's answer from the run's ``--rm-url``, through
+    the process's shared client (``shared_client``: at most ``--rm-max-concurrency`` requests in
+    flight over all calls). The registry entry of ``--rm-type remote_rm``, and usable inside a
+    user's own ``rm(args, sample)`` (``--custom-rm-path`` with ``--rm-url``); ``args`` is the run's
+    parsed flags, read through ``RolloutConfig`` (or that config itself)."""
     from rl_plugin.configs import RolloutConfig
 
-    return (await RemoteRewardModel.from_config(RolloutConfig.from_args(args)).score([sample]))[0]
+    config = args if isinstance(args, RolloutConfig) else RolloutConfig.from_args(args)
+    if config.rm_url is None:
+        raise RemoteRewardError(
+            "remote_rm(args, sample) was called without --rm-url: it POSTs the sample to the run's reward server. "
+            "Fix: pass --rm-url http://HOST:PORT/PATH (with --custom-rm-path, or with --rm-type remote_rm)"
+        )
+    return (await shared_client(config).score([sample]))[0]

@@ -19,7 +19,9 @@ function's required positional parameters (``metadata`` not counted):
   contiguous group of ``group_size`` samples (``--n-samples-per-prompt`` by default), all groups
   concurrently; it must return one reward per sample of its group;
 - ``--rm-type remote_rm``: every sample POSTed to ``--rm-url`` (``rl_plugin.rollout.rewards.remote_rm``)
-  in one HTTP session, at most ``--rm-max-concurrency`` at a time.
+  in one HTTP session, at most ``--rm-max-concurrency`` at a time. A ``--custom-rm-path`` rm may
+  call slime's ``remote_rm(args, sample)`` itself (with ``--rm-url``): its calls go through the
+  process's one client, so the same bound holds over all of them.
 
 In slime's forms and from the server, a reward is a number or a dict holding it under
 ``--reward-key`` (default ``"reward"``); the dict is kept whole as ``sample.reward`` and the number
@@ -55,7 +57,7 @@ from rl_plugin.rollout.rewards.functions import (
     score_responses,
     takes_metadata,
 )
-from rl_plugin.rollout.rewards.remote_rm import RemoteRewardModel
+from rl_plugin.rollout.rewards.remote_rm import RemoteRewardModel, shared_client
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.user_code import describe_exception, where
 
@@ -133,7 +135,7 @@ class SampleScorer:
         self.remote: Optional[RemoteRewardModel] = None
         self.fn = None
         if rm_type == REMOTE and not custom:
-            self.remote = RemoteRewardModel.from_config(config)
+            self.remote = shared_client(config)  # the process's one client: its bound covers remote_rm() calls too
             self.form = REMOTE
             self.who = f"--rm-url {self.remote.url}"
         else:

@@ -4,7 +4,8 @@ backends, the hf engine) with --apply-chat-template on SmolLM2's real tokenizer 
 The model is a tiny random Llama that carries SmolLM2's tokenizer (vocabulary 49,152, hidden 32),
 so one rollout costs seconds; the real 135M model runs in examples/real_model_smollm2.sh. The
 reward function takes ``metadata`` and returns the record's ``metadata["w"]`` after checking that
-its prompt is the list of messages of the data: the rollout's mean reward then equals the mean
+its prompt is the record's messages rendered by the chat template (slime's ``Sample.prompt``, issue
+37 #11: the same text a generate hook's samples carry): the rollout's mean reward then equals the mean
 weight of its prompts exactly, which proves the messages and metadata reached the reward. JSONL
 trains on Megatron, Parquet on FSDP.
 """
@@ -36,8 +37,9 @@ ROWS = [
 ]
 REWARD = """
 def reward(prompt, response, label, metadata):
-    if not (isinstance(prompt, list) and prompt[-1]["role"] == "user" and prompt[-1]["content"].endswith(" + 2?")):
-        raise ValueError(f"the reward got {prompt!r}, not the record's messages")
+    ok = isinstance(prompt, str) and prompt.startswith("<|im_start|>system\\nAnswer with the number only.<|im_end|>")
+    if not (ok and " + 2?<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\\n")):
+        raise ValueError(f"the reward got {prompt!r}, not the record's messages after the chat template")
     return float(metadata["w"])
 """
 

@@ -82,3 +82,43 @@ def test_moe_families_roundtrip_and_log_probs(run_world, moe_dirs):
         assert logp < FP32_MODEL, (family, logp)
         if family in ("qwen2_moe", "mixtral"):
             assert isinstance(unfixed, str) or unfixed > 100 * FP32_MODEL, (family, unfixed)
+
+
+def _norm_topk_worker(rank, world, dirs):
+    from rl_plugin.backends.megatron.backend import MegatronBackend
+    from rl_plugin.backends.megatron.compat import mbridge_fixes as moe
+    from tests.support.megatron_common import make_args, synthetic_batch
+
+    batch, _ = synthetic_batch(seed=5, num_prompts=2, n_per_prompt=2)
+    results = {}
+    for (family, norm, dispatcher), hf_dir in dirs.items():
+        args = make_args("--hf-checkpoint", hf_dir, "--moe-token-dispatcher-type", dispatcher, world_size=world)
+        ref = hf_log_probs(hf_dir, batch)
+        fixed = float((MegatronBackend.from_args(args).compute_log_probs(batch) - ref).abs().max())
+        fix = moe.FAMILY_FIXES[family]  # mbridge's hard-coded router form: the fix without its pre-softmax
+        moe.FAMILY_FIXES[family] = lambda c, fix=fix: {k: v for k, v in fix(c).items() if k != "moe_router_pre_softmax"}
+        try:
+            unfixed = float((MegatronBackend.from_args(args).compute_log_probs(batch) - ref).abs().max())
+        finally:
+            moe.FAMILY_FIXES[family] = fix
+        results[family, norm, dispatcher] = (fixed, unfixed)
+    return results
+
+
+def test_norm_topk_prob_either_way_matches_hf(run_world, tmp_path):
+    """Issue 37 #13: Qwen2-MoE and Qwen3-MoE renormalise their top-k weights as the HF config's
+    norm_topk_prob says; each family with the setting its released models do not use matches HF
+    (mbridge's hard-coded form does not), and Qwen2-MoE (shared expert) runs on the allgather
+    dispatcher (before: megatron-core refused its shared-expert overlap and variable lengths)."""
+    from rl_plugin.models.tiny import make_tiny_moe_checkpoint
+
+    cases = [("qwen2_moe", True, "alltoall"), ("qwen3_moe", False, "alltoall"), ("qwen2_moe", True, "allgather")]
+    dirs = {}
+    for i, (family, norm, dispatcher) in enumerate(cases):
+        path = tmp_path / f"{family}_{norm}_{dispatcher}"
+        dirs[family, norm, dispatcher] = str(make_tiny_moe_checkpoint(path, family, seed=10 + i, norm_topk_prob=norm))
+    (results,) = run_world(_norm_topk_worker, 1, dirs)
+    for case, (fixed, unfixed) in results.items():
+        print(f"{case}: max |megatron - HF| log-prob {fixed:.3e}; with mbridge's router form {unfixed:.3e}")
+        assert fixed < FP32_MODEL, (case, fixed)
+        assert unfixed > 100 * FP32_MODEL, (case, unfixed)

@@ -46,6 +46,17 @@ def test_layer_losses_are_megatron_cores():
         (["--expert-model-parallel-size", "3", "--actor-num-gpus-per-node", "4"], "--expert-model-parallel-size 3"),
         (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1"),
         (
+            [
+                "--moe-token-dispatcher-type",
+                "allgather",
+                "--expert-model-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+            ],
+            "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2",
+        ),
+        (
             ["--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "2"],
             "--expert-tensor-parallel-size 3",
         ),

@@ -17,8 +17,9 @@ import pytest
 import ray
 import torch
 
-from rl_plugin.errors import LoopError
+from rl_plugin.errors import LoopError, RLArgumentError
 from rl_plugin.ray.bundle_order import BundleSite, check_groups_within_nodes, check_node_count, sorted_sites
+from rl_plugin.ray.capacity import check_bundles_fit, shortfall
 from rl_plugin.ray.cluster import create_placement, placement_uses_gpus
 
 
@@ -141,3 +142,62 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert not cpu.gpus and [s.gpu_ids for s in cpu.train_sites] == [(), ()]
     finally:
         cpu.remove()
+
+
+def test_bundles_that_never_fit_are_refused_naming_ask_cluster_and_fix():
+    """Issue 37 #14 as numbers: a driver node without GPUs and one node with 2 GPUs; 2 training
+    ranks plus the hf engine inside the rollout manager ask for 3 GPUs."""
+    nodes = [
+        {"NodeID": "head" * 4, "NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 4.0}},
+        {"NodeID": "gpu0" * 4, "NodeManagerAddress": "10.0.0.2", "Alive": True, "Resources": {"CPU": 8.0, "GPU": 2.0}},
+        {"NodeID": "dead" * 4, "NodeManagerAddress": "10.0.0.3", "Alive": False, "Resources": {"CPU": 8.0, "GPU": 8.0}},
+    ]
+    args = _args(actor_num_nodes=1, colocate=False, tensor_model_parallel_size=1)
+    bundles = [{"CPU": 1, "GPU": 1}] * 3
+    assert shortfall(bundles, [n["Resources"] for n in nodes[:2]]) == "they ask for 3 GPUs, the Ray cluster has 2"
+    with pytest.raises(LoopError) as err:
+        check_bundles_fit(args, bundles, nodes, world=2, engines=0, gpus=True)
+    msg = str(err.value)
+    assert "they ask for 3 GPUs, the Ray cluster has 2" in msg, msg  # the dead node's 8 GPUs do not count
+    assert "2 training rank(s) of 1 GPU (--actor-num-nodes 1 x --actor-num-gpus-per-node 2)" in msg, msg
+    assert "the rollout manager holding the hf engine (1 GPU, --rollout-num-gpus)" in msg, msg
+    assert "node 10.0.0.1 (headheadhead): 0 GPUs, 4 CPUs; node 10.0.0.2 (gpu0gpu0gpu0): 2 GPUs, 8 CPUs" in msg, msg
+    assert "Fix: --colocate" in msg and "--placement-device cpu" in msg, msg
+    check_bundles_fit(args, bundles[:2], nodes, world=2, engines=0, gpus=True)  # 2 of 2: fits
+    # enough GPUs in total, but an engine of 4 GPUs spans no single node
+    wide = [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 4}]
+    two_nodes = [{"CPU": 4.0, "GPU": 3.0}, {"CPU": 4.0, "GPU": 3.0}]
+    assert "no node has that much (the most GPUs on one node: 3)" in shortfall(wide, two_nodes)
+    assert shortfall([{"CPU": 1}] * 9, [{"CPU": 8.0}]) == "they ask for 9 CPUs, the Ray cluster has 8"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the driver must have no CUDA (the point of the test)")
+def test_a_gpu_shortfall_fails_in_seconds_and_a_multi_gpu_vllm_engine_follows_the_cluster(logical_gpu_cluster):
+    """Issue 37 #14: 4 logical GPUs, 2 x 2 training ranks plus the disaggregated hf engine's GPU =
+    5 are refused at once with the project's message (before: a 300 s wait, then a RuntimeError).
+    Issue 37 #6: a vLLM engine of 2 GPUs is placed on the GPU nodes although the driver has no CUDA,
+    and refused on CPU bundles."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(LoopError) as err:
+        create_placement(_args(colocate=False))
+    took = time.perf_counter() - t0
+    print(f"refused in {took:.2f} s")  # ~0.01 s here; the placement wait was 300 s
+    msg = str(err.value)
+    assert "Ray cannot place the run's 5 bundles" in msg and "they ask for 5 GPUs, the Ray cluster has 4" in msg, msg
+    assert "Fix: --colocate" in msg, msg
+    assert took < 60  # far below the 300 s placement wait (not a timing assertion: a hang guard)
+    assert not ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )  # nothing reserved
+
+    vllm = _args(colocate=False, actor_num_nodes=1, rollout_engine="vllm", rollout_num_gpus_per_engine=2)
+    p = create_placement(vllm)
+    try:
+        assert p.gpus and p.num_engines == 1 and p.gpus_per_engine == 2
+        assert p.engine_options(0)["num_gpus"] == 2  # one engine holding 2 GPUs of one node
+    finally:
+        p.remove()
+    with pytest.raises(RLArgumentError, match=r"--rollout-num-gpus-per-engine 2 with --placement-device cpu on a Ray"):
+        create_placement(SimpleNamespace(**{**vars(vllm), "placement_device": "cpu"}))

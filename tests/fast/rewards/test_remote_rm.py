@@ -10,9 +10,10 @@ import asyncio
 
 import pytest
 
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.errors import RLArgumentError
 from rl_plugin.loop.preflight import check_reward_server
-from rl_plugin.rollout.rewards.remote_rm import RemoteRewardError, probe
+from rl_plugin.rollout.rewards.remote_rm import RemoteRewardError, probe, remote_rm, shared_client
 from rl_plugin.rollout.rewards.scorer import SampleScorer
 from rl_plugin.rollout.sample import Sample
 from tests.support.reward_server import RewardServer, free_port
@@ -66,6 +67,34 @@ def test_concurrency_bound_holds_on_the_server():
         out = SampleScorer(_args(server.url, rm_max_concurrency=3)).score_samples(_samples(18))
     assert out == [1.0] * 18 and server.requests == 18
     assert 1 < server.max_in_flight <= 3  # concurrent, and never past the bound
+
+
+def test_a_user_rm_awaiting_slimes_remote_rm_keeps_the_concurrency_bound(tmp_path):
+    """Issue 37 #10: slime's pattern, a --custom-rm-path rm that calls its own server through
+    remote_rm(args, sample) reading args.rm_url. Every call shares the process's one client, so the
+    server never holds more than --rm-max-concurrency requests (before: a client per call, all 18 at
+    once; and --rm-url with --custom-rm-path was refused at parse time)."""
+    from rl_plugin.arguments import parse_args
+
+    rm = tmp_path / "my_rm.py"
+    rm.write_text(
+        "from rl_plugin.rollout.rewards.remote_rm import remote_rm\n\n"
+        "async def rm(args, sample):\n"
+        "    assert args.rm_url.endswith('/reward')\n"
+        "    return 2 * (await remote_rm(args, sample))\n"
+    )
+    with RewardServer(lambda p: int(p["label"]) / 10, delay=0.05) as server:
+        flags = ["--custom-rm-path", f"{rm}:rm", "--rm-url", server.url, "--rm-max-concurrency", "3"]
+        args = parse_args(flags)  # refused before the fix ("--rm-url without --rm-type remote_rm")
+        scorer = SampleScorer(RolloutConfig.from_args(args), user_args=args)
+        out = scorer.score_samples(_samples(18))
+        assert out == [2 * i / 10 for i in range(18)] and server.requests == 18
+        assert 1 < server.max_in_flight <= 3, server.max_in_flight  # concurrent, and never past the bound
+        # the same client serves the run's scorer of --rm-type remote_rm with these settings
+        remote = parse_args(["--rm-type", "remote_rm", "--rm-url", server.url, "--rm-max-concurrency", "3"])
+        assert SampleScorer(RolloutConfig.from_args(remote)).remote is shared_client(RolloutConfig.from_args(args))
+    with pytest.raises(RemoteRewardError, match=r"remote_rm\(args, sample\) was called without --rm-url"):
+        asyncio.run(remote_rm(parse_args(["--custom-rm-path", f"{rm}:rm"]), _samples(1)[0]))
 
 
 def test_a_500_is_retried_then_succeeds():
@@ -128,7 +157,7 @@ def test_start_up_probe_names_a_dead_server():
     assert "cannot connect to 127.0.0.1" in probe(url)
     with pytest.raises(RLArgumentError) as err:
         check_reward_server(url)
-    assert f"--rm-type remote_rm --rm-url {url}" in str(err.value) and "not reachable" in str(err.value)
+    assert f"--rm-url {url}" in str(err.value) and "not reachable" in str(err.value)
     with RewardServer() as server:
         assert probe(server.url) is None
         check_reward_server(server.url)

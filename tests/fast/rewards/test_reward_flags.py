@@ -29,6 +29,7 @@ def _err(argv):
         (["--rm-type", "remote_rm", "--rm-url", "127.0.0.1:8000"], ["--rm-url 127.0.0.1:8000", "not an http://"]),
         (["--rm-type", "remote_rm", "--rm-url", "http://h:99999/"], ["bad port"]),
         (["--rm-timeout", "3"], ["--rm-timeout without --rm-type remote_rm"]),
+        (["--custom-rm-path", "m:f", "--rm-max-concurrency", "4"], ["--rm-max-concurrency without --rm-url"]),
         (["--rm-type", "remote_rm", "--rm-url", URL, "--rm-max-concurrency", "0"], ["--rm-max-concurrency", ">= 1"]),
         (["--rm-type", "remote_rm", "--rm-url", URL, "--rm-timeout", "0"], ["--rm-timeout", "positive"]),
         (["--rm-type", "remote_rm", "--rm-url", URL, "--rm-max-retries", "-1"], ["--rm-max-retries", ">= 0"]),

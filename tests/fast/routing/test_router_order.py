@@ -11,14 +11,16 @@ from rl_plugin.routing.megatron_replay import from_router_order, to_router_order
 
 
 def _reference(local, *, bshd_rows, extra, rank, size):
-    """Position (seq p, batch b) of the model input, in the [s, b] order megatron routes."""
+    """Position (seq p, batch b) of the model input, in the [s, b] order megatron routes; the SP
+    padding positions UNROUTED (-1)."""
+    pad = torch.full((1, *local.shape[1:]), -1, dtype=local.dtype)
     if bshd_rows is None:
-        ids = torch.cat([local, local[:1].expand(extra, *local.shape[1:])]) if extra else local
+        ids = torch.cat([local, pad.expand(extra, *local.shape[1:])]) if extra else local
         grid = ids[:, None]  # [s, 1]
     else:
         rows = local.view(bshd_rows, -1, *local.shape[1:])
         if extra:
-            rows = torch.cat([rows, rows[:, :1].expand(-1, extra, *rows.shape[2:])], dim=1)
+            rows = torch.cat([rows, pad[None].expand(bshd_rows, extra, *rows.shape[2:])], dim=1)
         grid = torch.stack([rows[:, p] for p in range(rows.shape[1])])  # [s, b]
     share = grid.shape[0] // size
     return grid[rank * share : (rank + 1) * share].reshape(-1, *local.shape[1:])

@@ -98,7 +98,7 @@ def test_routed_experts_travel_with_the_rollout(tmp_path):
     sample_of = torch.repeat_interleave(torch.arange(4), data.total_lengths)
     last = torch.cumsum(data.total_lengths, 0) - 1
     expected = sample_of.to(torch.int16)[:, None, None].expand(-1, 3, 2).clone()
-    expected[last] = torch.tensor([0, 1], dtype=torch.int16)  # each sample's last token: never run, 0..k-1
+    expected[last] = -1  # each sample's last token: never run, UNROUTED (the trainer's router routes it)
     assert torch.equal(data.routed_experts, expected)
     second = data.select_groups(torch.tensor([1]), 2)  # samples 2, 3
     assert torch.equal(second.routed_experts, expected[sample_of >= 2])
@@ -117,7 +117,8 @@ def test_routed_experts_travel_with_the_rollout(tmp_path):
 
 
 def test_a_micro_batch_carries_its_tokens_experts_in_input_order():
-    """bshd pads each sample to the row length: its padding cells take experts 0..k-1."""
+    """bshd pads each sample to the row length: its padding cells are UNROUTED (-1: the trainer's
+    router routes them itself; issue 37 #12, before: experts 0..k-1)."""
     from rl_plugin.loop.steps import rollout_batch
     from rl_plugin.loss import MicroBatchInputs
 
@@ -129,7 +130,7 @@ def test_a_micro_batch_carries_its_tokens_experts_in_input_order():
     for i, t in enumerate(batch.total_lengths.tolist()):
         start = int(batch.total_lengths[:i].sum())
         assert torch.equal(rows[i, :t], batch.routed_experts[start : start + t])
-        assert bool((rows[i, t:] == torch.tensor([0, 1], dtype=torch.int16)).all())
+        assert bool((rows[i, t:] == -1).all())
 
 
 def test_a_rollout_with_some_samples_unrecorded_is_refused():

@@ -20,7 +20,7 @@ Megatron-LM and mbridge issues) except where one is named.
 | ``mbridge_fixes`` 2 ``local_spec_bridge_class`` | the local layer spec and its norm names | mbridge 0.15.1 | mbridge builds and names only the TE spec | mbridge supports the local spec; probe ``test_mbridge_fixes.py`` |
 | ``mbridge_fixes`` 3 ``sequential_experts_bridge_class`` | MoE experts as ``SequentialMLP`` names and TP split | mbridge 0.15.1 | mbridge names only ``TEGroupedMLP`` experts | as 2; probe ``test_mbridge_fixes.py`` |
 | ``mbridge_fixes`` 4 ``tied_embeddings_bridge_class`` | one name map per bridge instance | mbridge 0.15.1 Qwen2Bridge / LLaMABridge | the class map is mutated for a tied model; Llama maps no tied head | mbridge copies the map; probe ``test_mbridge_fixes.py`` |
-| ``mbridge_fixes`` 5 ``FAMILY_FIXES`` | Mixtral ``moe_router_pre_softmax=False``, Qwen2-MoE ``moe_shared_expert_gate=True`` | mbridge 0.15.1 MixtralBridge / Qwen2MoEBridge | another model than HF's (logits differ) | mbridge sets them as HF does; probes ``test_mbridge_fixes.py`` and ``tests/fast/moe/test_megatron_moe.py`` |
+| ``mbridge_fixes`` 5 ``FAMILY_FIXES`` | Mixtral ``moe_router_pre_softmax=False``, Qwen2-MoE / Qwen3-MoE ``moe_router_pre_softmax = not norm_topk_prob``, Qwen2-MoE ``moe_shared_expert_gate=True`` | mbridge 0.15.1 MixtralBridge / Qwen2MoEBridge / Qwen3MoEBridge | another model than HF's (logits differ) | mbridge sets them as HF does; probes ``test_mbridge_fixes.py`` and ``tests/fast/moe/test_megatron_moe.py`` |
 
 Workarounds that stay beside the code they repair (each names megatron-core 0.16.1 there):
 

@@ -128,11 +128,37 @@ def sequential_experts_bridge_class(base):
     return SequentialExpertsBridge
 
 
-# Fix 5. Corrections of mbridge 0.15.1's MoE configs, per model type (each pinned by a test of the
-# logits against the HF model): MixtralBridge sets ``moe_router_pre_softmax=True`` (softmax over
-# all experts, top-k weights not renormalised), but Mixtral renormalises its top-k softmax weights
-# (transformers ``MixtralTopKRouter``), which is megatron-core's top-k-then-softmax
-# (``moe_router_pre_softmax=False``). Qwen2MoEBridge maps ``mlp.shared_experts.gate_weight`` but
-# never sets ``moe_shared_expert_gate``, so megatron-core builds the shared expert without its
-# sigmoid gate and the HF ``shared_expert_gate`` weight is neither loaded nor exported.
-FAMILY_FIXES = {"mixtral": dict(moe_router_pre_softmax=False), "qwen2_moe": dict(moe_shared_expert_gate=True)}
+# Fix 5. Corrections of mbridge 0.15.1's MoE configs, per model type, from the HF config (each
+# pinned by a test of the logits against the HF model, ``tests/fast/moe/test_megatron_moe.py``):
+#
+# - the router's top-k weights. HF computes p = softmax(logits) over all experts, takes the top k
+#   and renormalises them (p_i / sum of the k) exactly when it should: always for Mixtral
+#   (``MixtralTopKRouter``), when ``norm_topk_prob`` for Qwen2-MoE and Qwen3-MoE (both configs
+#   default to False; the released Qwen3-MoE checkpoints set True, Qwen1.5/2-MoE False).
+#   megatron-core's ``moe_router_pre_softmax=False`` (top-k of the logits, softmax over the k:
+#   exp(l_i) / sum_k exp(l_j) = p_i / sum_k p_j) is the renormalised form, ``True`` (softmax over
+#   all experts, then top-k) the plain one; ``moe_router_topk_scaling_factor`` stays unset (HF scales
+#   nothing). mbridge hard-codes one per family (Mixtral True: wrong always; Qwen2-MoE True, Qwen3-MoE
+#   False: right only for the released checkpoints), so it is set from ``norm_topk_prob`` here.
+# - Qwen2MoEBridge maps ``mlp.shared_experts.gate_weight`` but never sets ``moe_shared_expert_gate``,
+#   so megatron-core builds the shared expert without its sigmoid gate and the HF
+#   ``shared_expert_gate`` weight is neither loaded nor exported.
+# (Qwen2MoEBridge's ``moe_shared_expert_overlap=True``, which megatron-core accepts only with the
+# alltoall dispatcher, is turned off with any other dispatcher by ``moe.moe_config_overrides``.)
+
+
+def _router_normalisation(hf_config) -> dict:
+    return dict(moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)))
+
+
+FAMILY_FIXES = {
+    "mixtral": lambda hf_config: dict(moe_router_pre_softmax=False),
+    "qwen2_moe": lambda hf_config: dict(moe_shared_expert_gate=True, **_router_normalisation(hf_config)),
+    "qwen3_moe": _router_normalisation,
+}
+
+
+def family_fixes(model_type: str, hf_config) -> dict:
+    """Fix 5's ``TransformerConfig`` settings for ``model_type`` (``{}`` for another family)."""
+    fix = FAMILY_FIXES.get(model_type)
+    return fix(hf_config) if fix is not None else {}

@@ -120,25 +120,61 @@ def test_sequential_experts_fix_still_needed_and_works(monkeypatch):
 
 
 # -- fix 5: the MoE family configs ---------------------------------------------------------------
-FAMILY_PROBES = {"mixtral": ("moe_router_pre_softmax", True), "qwen2_moe": ("moe_shared_expert_gate", False)}
+# (family, norm_topk_prob of the tiny checkpoint): the setting mbridge builds, and what HF needs
+FAMILY_PROBES = {
+    ("mixtral", None): ("moe_router_pre_softmax", True, False),
+    ("qwen2_moe", None): ("moe_shared_expert_gate", False, True),
+    # issue 37 #13: the Qwen routers renormalise as norm_topk_prob says; mbridge hard-codes one form
+    ("qwen2_moe", True): ("moe_router_pre_softmax", True, False),
+    ("qwen3_moe", False): ("moe_router_pre_softmax", False, True),
+}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_PROBES))
-def test_family_config_fix_still_needed(family, tmp_path):
+def _bare_bridge(family, tmp_path, norm=None):
     import mbridge  # noqa: F401
     from mbridge.core.bridge import _MODEL_REGISTRY
     from transformers import AutoConfig
 
-    from rl_plugin.backends.megatron.compat.mbridge_fixes import FAMILY_FIXES, fix_rope_theta
+    from rl_plugin.backends.megatron.compat.mbridge_fixes import fix_rope_theta
     from rl_plugin.models.tiny import make_tiny_moe_checkpoint
 
-    hf_config = AutoConfig.from_pretrained(make_tiny_moe_checkpoint(tmp_path, family, seed=0))
+    kw = {} if norm is None else {"norm_topk_prob": norm}
+    hf_config = AutoConfig.from_pretrained(make_tiny_moe_checkpoint(tmp_path, family, seed=0, **kw))
     fix_rope_theta(hf_config)
     cls = _MODEL_REGISTRY[family]
     b = cls.__new__(cls)
     b.hf_config, b.dtype, b.extra_args = hf_config, torch.float32, {}
     b.mpu = types.SimpleNamespace(tp_size=1, pp_size=1, ep_size=1, etp_size=1, vpp_size=None, cp_size=1)
-    key, upstream = FAMILY_PROBES[family]
+    return b, hf_config
+
+
+@pytest.mark.parametrize("family, norm", sorted(FAMILY_PROBES, key=str))
+def test_family_config_fix_still_needed(family, norm, tmp_path):
+    from rl_plugin.backends.megatron.compat.mbridge_fixes import family_fixes
+
+    b, hf_config = _bare_bridge(family, tmp_path, norm)
+    key, upstream, needed = FAMILY_PROBES[family, norm]
     assert getattr(b._build_config(), key) == upstream  # fails here => mbridge sets it as HF does
-    b.extra_args = dict(FAMILY_FIXES[family])
-    assert getattr(b._build_config(), key) == FAMILY_FIXES[family][key]
+    b.extra_args = family_fixes(family, hf_config)
+    assert getattr(b._build_config(), key) == needed
+
+
+def test_qwen2_moe_shared_expert_overlap_is_off_with_the_allgather_dispatcher(tmp_path):
+    """Issue 37 #13: mbridge's Qwen2-MoE sets moe_shared_expert_overlap, which megatron-core's
+    TransformerConfig refuses with any dispatcher but alltoall (on GPUs: the CPU shim turns the
+    overlap off anyway), as it refuses allgather with variable_seq_lengths (set by mbridge and the
+    backend for the pipeline's P2P); --moe-token-dispatcher-type allgather now builds, without both."""
+    import dataclasses
+
+    from rl_plugin.backends.megatron.compat.mbridge_fixes import family_fixes
+    from rl_plugin.backends.megatron.moe import moe_config_overrides
+    from rl_plugin.configs import MoEConfig
+
+    b, hf_config = _bare_bridge("qwen2_moe", tmp_path)
+    allgather = dataclasses.replace(MoEConfig(), token_dispatcher_type="allgather")
+    b.extra_args = {**family_fixes("qwen2_moe", hf_config), **moe_config_overrides(allgather, use_te=True)}
+    config = b._build_config()  # before the fix: ValueError, overlap only works with alltoall
+    assert config.moe_token_dispatcher_type == "allgather" and config.moe_shared_expert_overlap is False
+    assert config.variable_seq_lengths is False  # megatron-core refuses allgather with variable lengths
+    b.extra_args = {**family_fixes("qwen2_moe", hf_config), **moe_config_overrides(MoEConfig(), use_te=True)}
+    assert b._build_config().moe_shared_expert_overlap is True  # alltoall: mbridge's overlap stays
