@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from rl_plugin.configs import TrainConfig
+from rl_plugin.errors import WeightSyncError
 from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.registries import TRAIN_BACKENDS
@@ -57,6 +57,8 @@ class TrainActor:
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
+        self._pg_store = None  # rank 0: the process group's TCPStore, hosted by ``address``
+        self._weight_store_port: Optional[int] = None  # rank 0: the weight sync's store (``weight_store_address``)
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
@@ -66,16 +68,39 @@ class TrainActor:
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
 
     def address(self) -> Tuple[str, int, int]:
-        """(node ip, a free port, pid): rank 0's ip and port become the rendezvous point."""
+        """(node ip, port, pid): rank 0's ip and port become the rendezvous point. Rank 0 hosts the
+        process group's store now, on a port the kernel picks and the store keeps (bound once: no
+        free-port probe released and bound again later, which another process could take in
+        between); the other ranks answer port 0."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = 0
+        if self.rank == 0 and self._pg_store is None:
+            from torch.distributed import TCPStore
+            from torch.distributed.constants import default_pg_timeout
+
+            self._pg_store = TCPStore(
+                "0.0.0.0", 0, self.world_size, is_master=True, timeout=default_pg_timeout, wait_for_workers=False
+            )
+        if self._pg_store is not None:
+            port = self._pg_store.port
         return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def weight_store_address(self) -> Tuple[str, int]:
+        """Rank 0's (node ip, port) of the distributed weight sync's store: hosted here once
+        (``weight_sync.distributed.host_store``: bound and kept, never a probed free port)."""
+        import ray
+
+        from rl_plugin.weight_sync.distributed import host_store
+
+        if self._weight_store_port is None:
+            self._weight_store_port = host_store()
+        return ray.util.get_node_ip_address(), self._weight_store_port
 
     def init(self, master_addr: str, master_port: int, config: TrainConfig) -> Dict[str, int]:
         import torch.distributed as dist
+        from torch.distributed import TCPStore
+        from torch.distributed.constants import default_pg_timeout
 
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -87,7 +112,8 @@ class TrainActor:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        store = self._pg_store or TCPStore(master_addr, master_port, self.world_size, False, timeout=default_pg_timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         self.config = config
         self.backend = backend_class(config.train_backend).from_config(config)
         ps = self.backend.parallel_state
@@ -225,19 +251,31 @@ class TrainActor:
             self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
         if not streamed:
             t1 = time.perf_counter()
-            handle = self.publisher.publish(sd, request)
+            try:
+                handle = self.publisher.publish(sd, request)
+            except WeightSyncError as exc:
+                return self._failed_sync(request, exc)
             handle.export_seconds = t1 - t0
             return handle
         stream = _Timed(self.backend.stream_hf_weights())
         try:
             handle = self.publisher.publish_stream(specs, stream, request)
-        except Exception:  # a publish error: finish the collectives so the other ranks are not left waiting
+        except Exception as exc:  # a publish error: finish the collectives so the other ranks are not left waiting
             for _ in stream:
                 pass
+            if isinstance(exc, WeightSyncError):  # distributed: an engine died or stalled mid-sync
+                return self._failed_sync(request, exc)
             raise
         handle.export_seconds = stream.seconds
         handle.publish_seconds -= stream.seconds
         return handle
+
+    def _failed_sync(self, request, exc: Exception) -> Any:
+        """A sync the engines did not complete (``weight_sync.distributed``): the steps stand, the
+        handle says why, and the driver replaces the engines (their weights are unknown)."""
+        from rl_plugin.weight_sync import SyncHandle, node_id
+
+        return SyncHandle(self.publisher.version, node_id(), request.buffer_bytes, error=str(exc))
 
     def close_weight_sync(self) -> None:
         """Unlink the weight segment (teardown; a killed process's segment is swept later)."""

@@ -73,6 +73,7 @@ from rl_plugin.rollout.sample_check import (
 )
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.weight_sync.distributed import abort_waits
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
@@ -383,6 +384,7 @@ class RolloutManager:
         too. Returns what was running (None: nothing)."""
         for e in self.engines:
             e.abort.options(concurrency_group="control").remote()
+        abort_waits()  # a distributed load waiting for the train call ends too
         return abort.request()
 
     # -- resume -------------------------------------------------------------------------------
