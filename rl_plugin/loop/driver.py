@@ -121,7 +121,15 @@ class Driver:
 
     def submit_generate(self, k: int):
         """Rollout k's generate, handed the newest published weights to load first."""
+        self._offload_train()
         return self.client.submit_generate(k, self.ledger.give())
+
+    def _offload_train(self) -> None:
+        """``--offload-train`` (colocated): the ranks' training state to host memory before the
+        engines wake to generate; the next train call brings it back (``TrainActor.offload_train``).
+        Once per generation, a no-op on ranks already offloaded."""
+        if self.cfg.offload_train:
+            self.group.call("offload_train")
 
     def wait_generate(self, k: int, in_flight) -> RolloutData:
         """The answer of ``in_flight`` (or of a generate submitted now, when None), resubmitted to
@@ -217,6 +225,7 @@ class Driver:
 
     def _evaluate(self, k: int) -> Dict[str, float]:
         """The eval after rollout k, on the weights after its steps (loaded first when not yet)."""
+        self._offload_train()
         ev = self.client.retrying("evaluate", k, lambda: self.client.submit_evaluate(k, self.ledger.give()))
         self.ledger.loaded(ev.pop("weight_load", None))
         return ev

@@ -52,6 +52,13 @@ class EngineActor:
         abort_waits()
         abort.request()
 
+    def sleep(self) -> None:
+        """Colocated: free the engine's device memory between two calls (``RolloutEngine.sleep``)."""
+        self.engine.sleep()
+
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
+
     def node_id(self) -> str:
         return node_id()
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rl_plugin.backends.offload import HostOffload
 from rl_plugin.configs import TrainConfig
 from rl_plugin.errors import WeightSyncError
 from rl_plugin.loss import StepBatch, old_log_probs_rule
@@ -59,6 +60,7 @@ class TrainActor:
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
         self._pg_store = None  # rank 0: the process group's TCPStore, hosted by ``address``
         self._weight_store_port: Optional[int] = None  # rank 0: the weight sync's store (``weight_store_address``)
+        self.offload = HostOffload()  # --offload-train: the state in host memory while the engines generate
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
@@ -156,6 +158,10 @@ class TrainActor:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
         ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``); fewer reports
         than steps when a stop was requested (module docstring)."""
+        from rl_plugin.rollout.engines.phases import record
+
+        self._onload()
+        record(f"train{self.rank}.train")
         batch = plan.batch
         t0 = time.perf_counter()
         old_from_forward = False
@@ -222,6 +228,24 @@ class TrainActor:
             dp_group=self.backend.parallel_state.dp_group,
         )
 
+    # -- colocation (--offload-train) ------------------------------------------------------------
+    def offload_train(self) -> int:
+        """The training state to host memory while the colocated engines generate
+        (``backends/offload.py``); the next call that needs it (train, export, save, load)
+        brings it back first. Returns the bytes moved (0: already offloaded)."""
+        from rl_plugin.rollout.engines.phases import record
+
+        moved = self.offload.offload(self.backend.state_tensors(), torch.device(self.backend.loss_device))
+        if moved:
+            record(f"train{self.rank}.offload")
+        return moved
+
+    def _onload(self) -> None:
+        if self.offload.reload() is not None:
+            from rl_plugin.rollout.engines.phases import record
+
+            record(f"train{self.rank}.reload")
+
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:
         """Collective export; rank 0 publishes it for the engines
@@ -236,6 +260,7 @@ class TrainActor:
         materialises ``export_hf_state_dict`` first (the path before streaming; benchmarks)."""
         from rl_plugin.weight_sync import WeightPublisher
 
+        self._onload()
         t0 = time.perf_counter()
         # specs: local and cheap (meta tensors), the same answer on every rank, so all take one path
         specs = self.backend.hf_weight_specs() if self.stream_export else None
@@ -284,9 +309,11 @@ class TrainActor:
 
     def save(self, path: str, step: int, extra: Dict[str, Any]) -> List[str]:
         """This rank's part of the checkpoint into ``path``; returns the files it wrote (relative)."""
+        self._onload()
         return list(self.backend.save_checkpoint(path, step=step, extra=extra))
 
     def load(self, path: str) -> Dict[str, Any]:
+        self._onload()
         meta = self.backend.load_checkpoint(path)
         self.step = int(meta["step"])
         return meta

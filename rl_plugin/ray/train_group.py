@@ -27,7 +27,7 @@ from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, Tra
 
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
 # workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS")
+FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS", "RL_PLUGIN_COLOCATION_TRACE")
 DEATH_GRACE_S = 30.0
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
