@@ -58,6 +58,9 @@ POLL_S = 0.2  # a receiver's poll of the store while train rank 0 trains
 _STORE_CONNECT_S = 60.0  # a receiver's connection to train rank 0's store (it is up before any sync)
 _HOSTED: Dict[int, object] = {}  # port -> the TCPStore this process hosts (``host_store``)
 _ABORT = threading.Event()  # ``abort_waits``: receivers stop waiting for a plan
+# Test hook: "V" makes a receiver's process exit right after the first bucket of sync V (an engine
+# dying mid-sync), to exercise the failed sync's path end to end (the manager is replaced).
+FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RECEIVER_AT_SYNC"
 
 
 def sync_deadline_s() -> float:
@@ -228,6 +231,8 @@ class DistributedReader(TransportReader):
                 out[name] = buf[offset : offset + size].view(_dtype(dtype)).view(shape)
                 offset += size
             yield out
+            if os.environ.get(FAULT_ENV) == str(handle.version):
+                os._exit(1)
 
 
 def _wait_for_plan(store, version: int, rank: int) -> bytes:
