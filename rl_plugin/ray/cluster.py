@@ -332,7 +332,7 @@ def create_placement(args) -> Placement:
         rollout_bundle,
         engine_bundles,
         per_engine,
-        train_bundles,
-        train_sites,
-        engine_devices,
+        train_bundles=train_bundles,
+        train_sites=train_sites,
+        engine_devices=engine_devices,
     )
