@@ -114,7 +114,15 @@ class TrainActor:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-        store = self._pg_store or TCPStore(master_addr, master_port, self.world_size, False, timeout=default_pg_timeout)
+        # rank 0 hosts the store ``address`` bound (a caller that chose its own port: hosted here now)
+        store = self._pg_store or TCPStore(
+            master_addr,
+            master_port,
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=default_pg_timeout,
+            wait_for_workers=False,
+        )
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         self.config = config
         self.backend = backend_class(config.train_backend).from_config(config)
