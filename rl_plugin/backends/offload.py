@@ -84,6 +84,9 @@ class HostOffload:
 
     def __init__(self):
         self._held: List[Tuple[Any, torch.Tensor]] = []  # (the emptied storage, its bytes on the host)
+        # the host buffers, kept for the next offload: pinned memory is slow to allocate (the same
+        # storages, in the same order, every rollout); they hold the state's size in host memory
+        self._buffers: List[torch.Tensor] = []
         self.offloaded = False
         self.bytes = 0  # moved by the last offload
         self.skipped = 0  # storages left in place (not resizable)
@@ -106,7 +109,12 @@ class HostOffload:
             if not storage.resizable():
                 self.skipped += 1
                 continue
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device.type == "cuda")
+            k = len(self._held)
+            if k < len(self._buffers) and self._buffers[k].numel() == storage.nbytes():
+                host = self._buffers[k]
+            else:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=device.type == "cuda")
+                self._buffers[k:] = [host]
             host.copy_(_bytes_of(storage), non_blocking=device.type == "cuda")
             self._held.append((storage, host))
             self.bytes += storage.nbytes()
