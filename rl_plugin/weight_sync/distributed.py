@@ -123,7 +123,9 @@ class _GroupMember:
             return self.group
         from torch.distributed import ProcessGroupGloo
 
-        store, timeout = self.store(spec, rank), datetime.timedelta(seconds=sync_deadline_s())
+        # the group's own timeout is a backstop (NCCL's watchdog): each collective is waited for
+        # with the deadline itself (``_wait``), so the sync fails here first, as a WeightSyncError
+        store, timeout = self.store(spec, rank), datetime.timedelta(seconds=2 * sync_deadline_s())
         try:
             if torch.cuda.is_available():  # the GPU path: every member must have CUDA
                 from torch.distributed import ProcessGroupNCCL
@@ -131,10 +133,24 @@ class _GroupMember:
                 pg, device = ProcessGroupNCCL(store, rank, spec.world, timeout), torch.device("cuda")
             else:
                 pg, device = ProcessGroupGloo(store, rank, spec.world, timeout), torch.device("cpu")
-        except RuntimeError as exc:  # a member that never joined within the deadline
+        except RuntimeError as exc:  # a member that never joined in time
             raise _sync_error("forming the group", rank, exc) from None
         self.group = _Group(spec.epoch, store, pg, device)
         return self.group
+
+
+def _broadcast(group: _Group, buf: torch.Tensor, rank: int, during: str) -> None:
+    """One bucket's broadcast, waited for with the sync's deadline. ``wait(timeout)`` blocks on
+    NCCL too (without a timeout NCCL's wait only orders the stream, and a dead peer is seen by its
+    watchdog alone, which kills the process); a failed NCCL group is aborted (it is never used
+    again: the engines are replaced, a new epoch)."""
+    try:
+        group.pg.broadcast(buf, 0).wait(datetime.timedelta(seconds=sync_deadline_s()))
+    except RuntimeError as exc:  # a member died or stalled past the deadline
+        abort = getattr(group.pg, "abort", None)
+        if group.device.type == "cuda" and abort is not None:
+            abort()
+        raise _sync_error(during, rank, exc) from None
 
 
 def _sync_error(during: str, rank: int, exc: BaseException) -> WeightSyncError:
@@ -191,10 +207,7 @@ class _BroadcastStream(WriteStream):
         self.offset += size
         self.i += 1
         if self.i == len(self.buckets[self.k]):  # the bucket is complete: every engine receives it now
-            try:
-                self.group.pg.broadcast(self.buf, 0).wait()
-            except RuntimeError as exc:  # a receiver died or stalled past the deadline
-                raise _sync_error(f"sending bucket {self.k + 1} of {len(self.buckets)}", 0, exc) from None
+            _broadcast(self.group, self.buf, 0, f"sending bucket {self.k + 1} of {len(self.buckets)}")
             self.handle.sent_bytes += self.offset
             self.k, self.i, self.offset, self.buf = self.k + 1, 0, 0, None
 
@@ -222,10 +235,7 @@ class DistributedReader(TransportReader):
         for k, bucket in enumerate(plan):
             sizes = [torch.Size(shape).numel() * _dtype(dtype).itemsize for _, dtype, shape in bucket]
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
-            try:
-                group.pg.broadcast(buf, 0).wait()
-            except RuntimeError as exc:  # rank 0 (or the collective) failed within the deadline
-                raise _sync_error(f"receiving bucket {k + 1} of {len(plan)}", rank, exc) from None
+            _broadcast(group, buf, rank, f"receiving bucket {k + 1} of {len(plan)}")
             out, offset = {}, 0
             for (name, dtype, shape), size in zip(bucket, sizes):
                 out[name] = buf[offset : offset + size].view(_dtype(dtype)).view(shape)
