@@ -87,6 +87,7 @@ def _configs():
     from rl_plugin.configs.async_training import AsyncConfig
     from rl_plugin.configs.checkpointing import CheckpointConfig
     from rl_plugin.configs.cluster import ClusterConfig
+    from rl_plugin.configs.colocation import ColocationConfig
     from rl_plugin.configs.custom_generation import CustomGenerationConfig
     from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
     from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
@@ -111,6 +112,7 @@ def _configs():
         DynamicSamplingConfig,
         SyncSettings,
         ClusterConfig,
+        ColocationConfig,
         CheckpointConfig,
         FaultToleranceConfig,
         LoggingConfig,

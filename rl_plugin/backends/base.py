@@ -132,6 +132,16 @@ class TrainBackend(abc.ABC):
         """Whether the training forward computes what the eval forward does (no dropout)."""
         return True
 
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """The rank's training state on its device, for ``--offload-train`` (``backends/offload.py``):
+        the model's and the reference model's parameters, gradients and buffers, and the optimizer's
+        state and main params. A backend holding more (a third model) extends it."""
+        from rl_plugin.backends.offload import module_tensors, optimizer_tensors
+
+        yield from module_tensors(getattr(self, "model", None))
+        yield from module_tensors(getattr(self, "_ref_model", None))
+        yield from optimizer_tensors(getattr(self, "optimizer", None))
+
     @abc.abstractmethod
     def export_hf_state_dict(self) -> Dict[str, torch.Tensor]:
         """Full (unsharded, TP-gathered) weights under Hugging Face names, on every rank."""

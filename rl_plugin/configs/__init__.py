@@ -14,7 +14,9 @@ default)`` below the CLI); a value derived from several flags is computed here, 
 - ``TrainConfig``: one training process: the four above, ``--train-backend``, ``--use-rollout-logprobs``,
   the routing replay mode (``--use-rollout-routing-replay`` / ``--use-routing-replay``,
   ``configs/routing_replay.py``)
-- ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed
+- ``EngineConfig``: the generation engine: ``--rollout-engine``, sampling, engine TP, seed, and
+  ``ColocationConfig`` (``colocation.py``: ``--colocate``'s memory shares, ``--offload-train``, what
+  colocation refuses)
 - ``RolloutConfig``: the rollout manager: data, group sizes, evaluation; it carries the fields of
   ``RewardConfig`` (``rewards.py``), ``CustomGenerationConfig`` (``custom_generation.py``) and
   ``DynamicSamplingConfig`` (``dynamic_sampling.py``, with the over-long shaping), which declare them

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.configs._checks import positive
+from rl_plugin.configs.colocation import ColocationConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag, same_as
+from rl_plugin.flags import Bounds, Declared, flag, nested, same_as
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
@@ -79,6 +80,8 @@ class EngineConfig(Declared):
         ),
     )
     seed: int = same_as(ModelConfig, "seed")
+    # --colocate and its settings: the engine's memory share, sleep between rollouts
+    colocation: ColocationConfig = nested(ColocationConfig)
     # --use-rollout-routing-replay (R3): the engine records each token's experts
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
     debug_routing_flip: float = flag(

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 
 from rl_plugin.configs import BatchingConfig, EngineConfig, RolloutConfig, TrainConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
+from rl_plugin.configs.colocation import ColocationConfig
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
 from rl_plugin.flags import Declared, derived, nested, runtime, same_as
@@ -44,6 +45,7 @@ class LoopConfig(Declared):
         BatchingConfig, "docs_per_step"
     )  # --docs-per-step: the ranks plan their steps
     sft: bool = derived(lambda args: args.loss_type == "sft_loss", False)  # --loss-type sft_loss: the SFT schedule
+    offload_train: bool = same_as(ColocationConfig, "offload_train")  # the driver offloads before each generation
     overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
     sync: SyncSettings = nested(SyncSettings)
     save: Optional[str] = same_as(Ckpt, "save")

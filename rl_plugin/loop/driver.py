@@ -25,7 +25,7 @@ from rl_plugin.checkpoint.commit import remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
-from rl_plugin.errors import LoopError, StopRequested
+from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.resume import Progress, save_checkpoint
@@ -111,6 +111,8 @@ class Driver:
         announced = self.ledger.announce(request)  # distributed: the engines receive while rank 0 publishes
         update = self.client.submit_update(refs[0] if announced is None else announced)
         handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
+        if handle.error is not None:  # distributed: the engines died or stalled mid-sync
+            return self._replace_engines(handle)
         load = self.client.wait_update(update)
         del refs, update  # the buckets are freed once no one holds their handles
         if load is not None:
@@ -124,7 +126,15 @@ class Driver:
 
     def submit_generate(self, k: int):
         """Rollout k's generate, handed the newest published weights to load first."""
+        self._offload_train()
         return self.client.submit_generate(k, self.ledger.give())
+
+    def _offload_train(self) -> None:
+        """``--offload-train`` (colocated): the ranks' training state to host memory before the
+        engines wake to generate; the next train call brings it back (``TrainActor.offload_train``).
+        Once per generation, a no-op on ranks already offloaded."""
+        if self.cfg.offload_train:
+            self.group.call("offload_train")
 
     def wait_generate(self, k: int, in_flight) -> RolloutData:
         """The answer of ``in_flight`` (or of a generate submitted now, when None), resubmitted to
@@ -157,10 +167,21 @@ class Driver:
         update = self.client.submit_update(announced)
         reports, handle = g.wait(refs, "train_rollout_and_sync")[0]
         _check_complete(reports, plans[0])  # stopped: no broadcast comes; the teardown ends the update
+        if handle.error is not None:  # the engines died or stalled mid-sync: the steps stand
+            self._replace_engines(handle)
+            return reports
         load = self.client.wait_update(update)
         if load is not None:
             self.ledger.loaded_while_published(handle, load)
         return reports
+
+    def _replace_engines(self, failed) -> None:
+        """A distributed sync that did not complete (``weight_sync.distributed``: a member died or
+        stalled past the sync's deadline): the engines' weights are unknown, so the rollout
+        manager and its engines are replaced and fully synced, as when one dies (the old load
+        ends with them; ``--max-rollout-retries`` counts it)."""
+        self.ledger.failed(failed)
+        self.client.restart("the weight sync", WeightSyncError(failed.error))
 
     def _plans(self, data: RolloutData) -> List[RankPlan]:
         """The advantages, then each rank's plan of optimizer steps (``rl_plugin.step_plan``)."""
@@ -212,6 +233,7 @@ class Driver:
         SFT: the held-out NLL, on the train ranks."""
         if self.cfg.sft:
             return self._sft_eval()
+        self._offload_train()
         ev = self.client.retrying("evaluate", k, lambda: self.client.submit_evaluate(k, self.ledger.give()))
         self.ledger.loaded(ev.pop("weight_load", None))
         return ev

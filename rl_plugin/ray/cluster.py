@@ -20,7 +20,11 @@ an actor on a GPU bundle that sees no CUDA fails loud naming its node
 (``rl_plugin.ray.gpu_check``). Disaggregated,
 the rollout manager gets one bundle, and each engine process (``engine_processes``) one more
 (``--rollout-num-gpus-per-engine`` GPUs, or one CPU). With ``--colocate`` the manager shares
-rank 0's bundle and engine i rank ``i % world``'s with the training ranks (fractional, time-shared).
+rank 0's bundle and engine i that of rank ``i x --rollout-num-gpus-per-engine`` (fractional,
+time-shared); a colocated engine of N GPUs runs tensor-parallel over the GPUs of ranks
+``iN .. iN + N - 1`` (one node; its actor sees them through ``CUDA_VISIBLE_DEVICES``, which Ray is
+told not to narrow to the one GPU of its bundle). Colocated on GPUs, the weights cannot travel over
+NCCL (train rank 0 and engine 0 share a GPU): ``--update-weight-transport distributed`` is refused.
 The ``hf`` engine with a single engine runs inside the manager (it then holds the rollout GPUs).
 Engine bundles are in (node, GPU id) order too. Bundles the cluster can never hold (more GPUs or
 CPUs than it has, a bundle larger than any node) are refused before Ray is asked, in seconds,
@@ -42,6 +46,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_plugin.configs.colocation import DISTRIBUTED_TRANSPORTS, refuse_colocated_nccl
 from rl_plugin.configs.engine import check_engine_device
 from rl_plugin.errors import EXIT_SIGNALS, LoopError  # the exit signals are blocked in the local cluster
 from rl_plugin.ray.bundle_order import (
@@ -214,6 +219,7 @@ class Placement:
     engine_bundles: List[int] = field(default_factory=list)
     gpus_per_engine: int = 1
     train_bundles: List[int] = field(default_factory=list)  # rank r's bundle; empty: bundle r
+    engine_devices: List[str] = field(default_factory=list)  # colocated TP engines: CUDA_VISIBLE_DEVICES each
     train_sites: List[BundleSite] = field(default_factory=list)  # in rank order
 
     @property
@@ -246,6 +252,12 @@ class Placement:
         if self.colocate:
             share = (1.0 - COLOCATED_TRAIN_SHARE) / 2  # beside the manager's share of the bundle
             opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
+            if self.engine_devices:  # tensor-parallel over its ranks' GPUs, not only its bundle's
+                env = {
+                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                    "CUDA_VISIBLE_DEVICES": self.engine_devices[i],
+                }
+                opts["runtime_env"] = {"env_vars": env}
         else:
             opts = dict(num_cpus=1, num_gpus=self.gpus_per_engine if self.gpus else 0)
         return {
@@ -272,6 +284,8 @@ def create_placement(args) -> Placement:
         gpus,
         f"--placement-device {args.placement_device} on a Ray cluster with {'' if gpus else 'no '}GPUs",
     )
+    if args.colocate and gpus and args.update_weight_transport in DISTRIBUTED_TRANSPORTS:
+        refuse_colocated_nccl(args.update_weight_transport)
     device = "GPU" if gpus else "CPU"
     check_node_count(args.actor_num_nodes, alive_nodes_with(device), device)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
@@ -299,9 +313,16 @@ def create_placement(args) -> Placement:
         group = args.tensor_model_parallel_size * args.context_parallel_size
         check_groups_within_nodes(train_sites, group, "a TP x CP")
         train_bundles = [s.bundle for s in train_sites]
-        if args.colocate:
+        engine_devices: List[str] = []
+        if args.colocate:  # engine i: the bundle of rank i x per_engine, and with N GPUs the next N ranks' GPUs
             rollout_bundle = train_bundles[0]
-            engine_bundles = [train_bundles[b] for b in engine_bundles]
+            engine_bundles = [train_bundles[(i * per_engine) % world] for i in range(engines)]
+            if gpus and per_engine > 1:
+                check_groups_within_nodes(train_sites, per_engine, "a colocated engine's tensor-parallel")
+                engine_devices = [
+                    ",".join(str(g) for s in train_sites[i * per_engine : (i + 1) * per_engine] for g in s.gpu_ids)
+                    for i in range(engines)
+                ]
         elif engine_bundles:
             sites = bundle_sites(pg, engine_bundles, [per_engine if gpus else 0] * len(engine_bundles))
             engine_bundles = [s.bundle for s in sorted_sites(sites)]
@@ -309,5 +330,14 @@ def create_placement(args) -> Placement:
         remove_placement_group(pg)
         raise
     return Placement(
-        pg, world, gpus, bool(args.colocate), rollout_bundle, engine_bundles, per_engine, train_bundles, train_sites
+        pg,
+        world,
+        gpus,
+        bool(args.colocate),
+        rollout_bundle,
+        engine_bundles,
+        per_engine,
+        train_bundles=train_bundles,
+        train_sites=train_sites,
+        engine_devices=engine_devices,
     )

@@ -20,6 +20,7 @@ from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.weight_sync.distributed import abort_waits
 
 # One thread beside the actor's own, for ``abort`` while a call runs (a threaded actor whose
 # default group stays one thread: the calls run in order, on one thread, as before).
@@ -46,8 +47,17 @@ class EngineActor:
     def abort(self) -> None:
         """Abort the generation in progress (the ``hf`` engine between two decode steps); runs on
         the actor's ``control`` thread (``rl_plugin.rollout.abort``). vLLM and SGLang finish the
-        call in progress: the actor is killed at the teardown."""
+        call in progress: the actor is killed at the teardown. A distributed weight load waiting
+        for the train call ends too."""
+        abort_waits()
         abort.request()
+
+    def sleep(self) -> None:
+        """Colocated: free the engine's device memory between two calls (``RolloutEngine.sleep``)."""
+        self.engine.sleep()
+
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
 
     def node_id(self) -> str:
         return node_id()

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from rl_plugin.backends.offload import HostOffload
 from rl_plugin.configs import TrainConfig
+from rl_plugin.errors import WeightSyncError
 from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.registries import TRAIN_BACKENDS
@@ -57,6 +58,9 @@ class TrainActor:
         self.rank, self.world_size = rank, world_size
         self.backend = None
         self.publisher = None  # the weight sync's rank-0 side, made at the first export
+        self._pg_store = None  # rank 0: the process group's TCPStore, hosted by ``address``
+        self._weight_store_port: Optional[int] = None  # rank 0: the weight sync's store (``weight_store_address``)
+        self.offload = HostOffload()  # --offload-train: the state in host memory while the engines generate
         self.step = 0
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
@@ -66,16 +70,39 @@ class TrainActor:
         torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
 
     def address(self) -> Tuple[str, int, int]:
-        """(node ip, a free port, pid): rank 0's ip and port become the rendezvous point."""
+        """(node ip, port, pid): rank 0's ip and port become the rendezvous point. Rank 0 hosts the
+        process group's store now, on a port the kernel picks and the store keeps (bound once: no
+        free-port probe released and bound again later, which another process could take in
+        between); the other ranks answer port 0."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = 0
+        if self.rank == 0 and self._pg_store is None:
+            from torch.distributed import TCPStore
+            from torch.distributed.constants import default_pg_timeout
+
+            self._pg_store = TCPStore(
+                "0.0.0.0", 0, self.world_size, is_master=True, timeout=default_pg_timeout, wait_for_workers=False
+            )
+        if self._pg_store is not None:
+            port = self._pg_store.port
         return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def weight_store_address(self) -> Tuple[str, int]:
+        """Rank 0's (node ip, port) of the distributed weight sync's store: hosted here once
+        (``weight_sync.distributed.host_store``: bound and kept, never a probed free port)."""
+        import ray
+
+        from rl_plugin.weight_sync.distributed import host_store
+
+        if self._weight_store_port is None:
+            self._weight_store_port = host_store()
+        return ray.util.get_node_ip_address(), self._weight_store_port
 
     def init(self, master_addr: str, master_port: int, config: TrainConfig) -> Dict[str, int]:
         import torch.distributed as dist
+        from torch.distributed import TCPStore
+        from torch.distributed.constants import default_pg_timeout
 
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -87,7 +114,16 @@ class TrainActor:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU as device 0
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        # rank 0 hosts the store ``address`` bound (a caller that chose its own port: hosted here now)
+        store = self._pg_store or TCPStore(
+            master_addr,
+            master_port,
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=default_pg_timeout,
+            wait_for_workers=False,
+        )
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         self.config = config
         self.backend = backend_class(config.train_backend).from_config(config)
         ps = self.backend.parallel_state
@@ -130,6 +166,10 @@ class TrainActor:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
         ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``); fewer reports
         than steps when a stop was requested (module docstring)."""
+        from rl_plugin.rollout.engines.phases import record
+
+        self._onload()
+        record(f"train{self.rank}.train")
         batch = plan.batch
         t0 = time.perf_counter()
         old_from_forward = False
@@ -207,6 +247,24 @@ class TrainActor:
             dp_group=self.backend.parallel_state.dp_group,
         )
 
+    # -- colocation (--offload-train) ------------------------------------------------------------
+    def offload_train(self) -> int:
+        """The training state to host memory while the colocated engines generate
+        (``backends/offload.py``); the next call that needs it (train, export, save, load)
+        brings it back first. Returns the bytes moved (0: already offloaded)."""
+        from rl_plugin.rollout.engines.phases import record
+
+        moved = self.offload.offload(self.backend.state_tensors(), torch.device(self.backend.loss_device))
+        if moved:
+            record(f"train{self.rank}.offload")
+        return moved
+
+    def _onload(self) -> None:
+        if self.offload.reload() is not None:
+            from rl_plugin.rollout.engines.phases import record
+
+            record(f"train{self.rank}.reload")
+
     # -- weights and checkpoints --------------------------------------------------------------
     def export_weight_buckets(self, request) -> Optional[Any]:
         """Collective export; rank 0 publishes it for the engines
@@ -221,6 +279,7 @@ class TrainActor:
         materialises ``export_hf_state_dict`` first (the path before streaming; benchmarks)."""
         from rl_plugin.weight_sync import WeightPublisher
 
+        self._onload()
         t0 = time.perf_counter()
         # specs: local and cheap (meta tensors), the same answer on every rank, so all take one path
         specs = self.backend.hf_weight_specs() if self.stream_export else None
@@ -236,20 +295,32 @@ class TrainActor:
             self.publisher = WeightPublisher(request.transport, skip=getattr(self.backend, "tied_names", ()))
         if not streamed:
             t1 = time.perf_counter()
-            handle = self.publisher.publish(sd, request)
+            try:
+                handle = self.publisher.publish(sd, request)
+            except WeightSyncError as exc:
+                return self._failed_sync(request, exc)
             handle.export_seconds = t1 - t0
             return handle
         # the distributed transport alone sends from the device: the export stays there (issue 37 item 8)
         stream = _Timed(self.backend.stream_hf_weights(host=self.publisher.host_tensors))
         try:
             handle = self.publisher.publish_stream(specs, stream, request)
-        except Exception:  # a publish error: finish the collectives so the other ranks are not left waiting
+        except Exception as exc:  # a publish error: finish the collectives so the other ranks are not left waiting
             for _ in stream:
                 pass
+            if isinstance(exc, WeightSyncError):  # distributed: an engine died or stalled mid-sync
+                return self._failed_sync(request, exc)
             raise
         handle.export_seconds = stream.seconds
         handle.publish_seconds -= stream.seconds
         return handle
+
+    def _failed_sync(self, request, exc: Exception) -> Any:
+        """A sync the engines did not complete (``weight_sync.distributed``): the steps stand, the
+        handle says why, and the driver replaces the engines (their weights are unknown)."""
+        from rl_plugin.weight_sync import SyncHandle, node_id
+
+        return SyncHandle(self.publisher.version, node_id(), request.buffer_bytes, error=str(exc))
 
     def close_weight_sync(self) -> None:
         """Unlink the weight segment (teardown; a killed process's segment is swept later)."""
@@ -258,9 +329,11 @@ class TrainActor:
 
     def save(self, path: str, step: int, extra: Dict[str, Any]) -> List[str]:
         """This rank's part of the checkpoint into ``path``; returns the files it wrote (relative)."""
+        self._onload()
         return list(self.backend.save_checkpoint(path, step=step, extra=extra))
 
     def load(self, path: str) -> Dict[str, Any]:
+        self._onload()
         meta = self.backend.load_checkpoint(path)
         self.step = int(meta["step"])
         return meta

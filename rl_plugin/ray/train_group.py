@@ -27,7 +27,7 @@ from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, Tra
 
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
 # workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS")
+FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS", "RL_PLUGIN_COLOCATION_TRACE")
 DEATH_GRACE_S = 30.0
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
@@ -76,9 +76,9 @@ class TrainGroup:
         return self.info[rank]["dp_rank"]
 
     def rendezvous_address(self) -> Tuple[str, int]:
-        """Rank 0's node ip and a port free there now (the distributed weight sync's store)."""
-        host, port, _ = ray.get(self.actors[0].address.remote())
-        return host, port
+        """Rank 0's node ip and the port of the distributed weight sync's store, which rank 0 hosts
+        from now on (bound once and kept: ``TrainActor.weight_store_address``)."""
+        return tuple(ray.get(self.actors[0].weight_store_address.remote()))
 
     def call(self, method: str, per_rank_args: Optional[Sequence[tuple]] = None, *, return_refs: bool = False):
         per_rank_args = per_rank_args or [()] * self.world_size

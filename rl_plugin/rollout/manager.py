@@ -59,6 +59,7 @@ from rl_plugin.rollout.data.tokenizer import load_tokenizer
 from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
 from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.engines.phases import record
 from rl_plugin.rollout.engines.teacher import make_teacher
 from rl_plugin.rollout.filters import load_filter, overlong_penalty
 from rl_plugin.rollout.rewards.scorer import SampleScorer
@@ -75,6 +76,7 @@ from rl_plugin.rollout.sample_check import (
 )
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.weight_sync.distributed import abort_waits
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
@@ -132,6 +134,8 @@ class RolloutManager:
                 )
             install_routing_flip(self.engine.model, cfg.engine.debug_routing_flip)
         self.receiver = WeightReceiver() if self.engine is not None else None
+        self.colocated = cfg.engine.colocation.colocate  # the engines sleep between calls (docs/design.md)
+        self._sleep()  # colocated: the training ranks start beside sleeping engines
         self.scorer = SampleScorer(
             cfg, user_args=self.hook_args
         )  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
@@ -166,7 +170,8 @@ class RolloutManager:
         in ``data.weight_load``): the sync costs the loop no call of its own. Engine actors get the
         load and then their share of the rollout without a wait between: an actor runs its calls
         in order."""
-        loading = self._start_load(handle)
+        loading = self._start_load(handle, generating=True)
+        record(f"engine.generate {rollout_id}")
         cfg = self.config
         if self.rollout_fn is not None:
             data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
@@ -206,12 +211,13 @@ class RolloutManager:
             data.teacher_log_probs = self.teacher.log_probs(data.tokens, data.total_lengths, data.response_lengths)
         data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
         data.weight_load = self._finish_load(handle, loading)
+        self._sleep()
         return data
 
     def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
         """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
         ``generate``) and its load answered under ``weight_load``."""
-        loading = self._start_load(handle)
+        loading = self._start_load(handle, generating=True)
         if self.eval is None:
             raise ValueError(
                 "--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)"
@@ -225,6 +231,7 @@ class RolloutManager:
         }
         if handle is not None:
             out["weight_load"] = self._finish_load(handle, loading)
+        self._sleep()
         return out
 
     # -- one sample path: generate Samples, score them, flatten them --------------------------
@@ -368,16 +375,44 @@ class RolloutManager:
         """Load the sync behind ``handle`` (``rl_plugin.weight_sync``) into every engine,
         in place; returns the bytes per engine, the slowest engine's seconds and, under
         --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
-        return self._finish_load(handle, self._start_load(handle))
+        out = self._finish_load(handle, self._start_load(handle))
+        self._sleep()
+        return out
 
-    def _start_load(self, handle: Optional[SyncHandle]) -> Optional[List[Any]]:
+    def _start_load(self, handle: Optional[SyncHandle], *, generating: bool = False) -> Optional[List[Any]]:
         """The in-process engine loads ``handle`` now (its stats); engine actors are sent the load
-        (their ObjectRefs: later calls to them run after it)."""
-        if handle is None:
-            return None
+        (their ObjectRefs: later calls to them run after it). Colocated, the engines wake first:
+        their weights for the load, the rest (KV cache) only when ``generating``."""
+        loading = None
+        if handle is not None:
+            self._engines("wake_up", ("weights",))
+            record(f"engine.load {handle.version}")
+            if self.engine is not None:
+                loading = [load_sync(self.engine, self.receiver, _for_receiver(handle, 1))]
+            else:
+                loading = [e.update_weights.remote(_for_receiver(handle, i + 1)) for i, e in enumerate(self.engines)]
+        if generating:
+            self._engines("wake_up", None)
+        return loading
+
+    def _engines(self, method: str, *args) -> None:
+        """Colocated only (``--colocate``): ``sleep`` / ``wake_up`` on every engine, in order with
+        their other calls (an engine actor runs its calls in order; a sleep is waited for, so the
+        training ranks start on freed memory)."""
+        if not self.colocated:
+            return
+        record(f"engine.{method}" + (f" {','.join(args[0])}" if args and args[0] else ""))
         if self.engine is not None:
-            return [load_sync(self.engine, self.receiver, _for_receiver(handle, 1))]
-        return [e.update_weights.remote(_for_receiver(handle, i + 1)) for i, e in enumerate(self.engines)]
+            getattr(self.engine, method)(*args)
+            return
+        refs = [getattr(e, method).remote(*args) for e in self.engines]
+        if method == "sleep":
+            import ray
+
+            ray.get(refs)
+
+    def _sleep(self) -> None:
+        self._engines("sleep")
 
     def _finish_load(self, handle: Optional[SyncHandle], loading: Optional[List[Any]]) -> Optional[Dict[str, Any]]:
         """``update_weights``'s answer for a load ``_start_load`` began (None: none was)."""
@@ -401,6 +436,7 @@ class RolloutManager:
         too. Returns what was running (None: nothing)."""
         for e in self.engines:
             e.abort.options(concurrency_group="control").remote()
+        abort_waits()  # a distributed load waiting for the train call ends too
         return abort.request()
 
     # -- resume -------------------------------------------------------------------------------

@@ -68,3 +68,4 @@ class SyncHandle:
     sent_bytes: int = 0  # bytes written into the segment / put in the object store by rank 0
     publish_seconds: float = 0.0
     export_seconds: float = 0.0  # the backend's collective export before the publish (set by the train actor)
+    error: Optional[str] = None  # distributed: the sync failed mid-way (a member died or stalled; nothing loaded)

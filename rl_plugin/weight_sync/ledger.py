@@ -85,6 +85,11 @@ class WeightLedger:
             self.unsent, self.last_version = handle, handle.version
             self.publish_seconds += handle.export_seconds + handle.publish_seconds
 
+    def failed(self, handle: SyncHandle) -> None:
+        """A distributed sync that did not complete (``handle.error``): its version is used up
+        (train rank 0 counted it), nothing was published; the engines are replaced next."""
+        self.last_version = max(self.last_version, handle.version)
+
     def give(self) -> Optional[SyncHandle]:
         """The newest published handle for the manager call about to be sent (None: its engines
         hold the trainer's newest weights already); the manager runs calls in order, so the

@@ -78,6 +78,17 @@ class RolloutEngine(abc.ABC):
     def weights(self) -> Dict[str, torch.Tensor]:
         """The weights generation uses now (for ``--check-weight-sync``)."""
 
+    # Colocated (--colocate): the rollout manager puts its engines to sleep after each call that
+    # loaded or generated, and wakes them before the next (docs/design.md "Colocation").
+    def sleep(self) -> None:  # noqa: B027 - optional: an engine without device memory to free keeps the default
+        """Free the device memory this engine holds between two calls (KV cache dropped, weights
+        kept in host memory), so the training ranks on the same devices can use it. The weights it
+        holds are unchanged when it wakes. Default: nothing (an engine on host memory)."""
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:  # noqa: B027 - see ``sleep``
+        """Take the device memory back before a load (``tags=("weights",)``: the weights only) or a
+        generation (None: everything). Default: nothing."""
+
 
 def eos_token_ids(checkpoint_dir: str) -> List[int]:
     """The stop tokens of a checkpoint: its generation config's ``eos_token_id`` (int or list),

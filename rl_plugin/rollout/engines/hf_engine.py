@@ -123,6 +123,17 @@ class HFEngine(RolloutEngine):
                 )
             target.copy_(value.to(target.dtype))
 
+    def sleep(self) -> None:
+        """On a GPU: the model to host memory and the cached blocks back to the driver (no KV cache
+        outlives a ``generate`` here). On a CPU the model is in host memory already: nothing."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")  # the same Parameter objects: ``update_weights`` keeps working
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
     def weights(self) -> Dict[str, torch.Tensor]:
         """The weights under checkpoint names (MoE experts one tensor each)."""
         state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

@@ -97,6 +97,8 @@ class SGLangEngine(RolloutEngine):
             tensor_parallel_size=config.tensor_parallel_size,
             seed=config.seed,
             context_length=config.max_context_len,
+            mem_fraction_static=config.colocation.sglang_mem_fraction_static,
+            memory_saver=config.colocation.colocate,
         )
 
     @classmethod
@@ -108,6 +110,8 @@ class SGLangEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         context_length: Optional[int] = None,
+        mem_fraction_static: Optional[float] = None,
+        memory_saver: bool = False,
     ) -> "SGLangEngine":
         """Start ``python -m sglang.launch_server`` on this actor's GPUs and wait until healthy."""
         require_package("sglang")
@@ -136,6 +140,8 @@ class SGLangEngine(RolloutEngine):
             str(seed),
             "--skip-tokenizer-init",
             *(["--context-length", str(context_length)] if context_length else []),
+            *(["--mem-fraction-static", str(mem_fraction_static)] if mem_fraction_static else []),
+            *(["--enable-memory-saver"] if memory_saver else []),  # colocated: sleep / wake_up below
         ]
         proc = popen_dying_with_parent(cmd)  # a SIGKILLed engine actor takes its server along
         url = f"http://127.0.0.1:{port}"
@@ -147,7 +153,9 @@ class SGLangEngine(RolloutEngine):
                 )
             try:
                 urllib.request.urlopen(url + "/health", timeout=5)
-                return cls(SGLangServer(url, proc), checkpoint_dir, tensor_parallel_size=tensor_parallel_size)
+                engine = cls(SGLangServer(url, proc), checkpoint_dir, tensor_parallel_size=tensor_parallel_size)
+                engine.sleeps = memory_saver
+                return engine
             except (urllib.error.URLError, OSError):
                 time.sleep(2)
         proc.kill()
@@ -192,6 +200,18 @@ class SGLangEngine(RolloutEngine):
             {"serialized_named_tensors": [blob] * self.tp, "flush_cache": True},
         )
         self._names.update(dict.fromkeys(state_dict))
+
+    sleeps = False  # colocated: the server runs with --enable-memory-saver
+
+    def sleep(self) -> None:
+        """Colocated: the server releases its GPU memory (KV cache, weights kept in host memory;
+        slime's offload of the rollout)."""
+        if self.sleeps:
+            _post(self.server.url + "/release_memory_occupation", {})
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.sleeps:
+            _post(self.server.url + "/resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
     def weights(self) -> Dict[str, torch.Tensor]:
         out = {}

@@ -91,6 +91,8 @@ class VLLMEngine(RolloutEngine):
             max_model_len=config.max_context_len,
             seed=config.seed,
             enforce_eager=config.enforce_eager,
+            gpu_memory_utilization=config.colocation.memory_share(),
+            sleep_mode=config.colocation.colocate,
         )
 
     def __init__(
@@ -102,10 +104,13 @@ class VLLMEngine(RolloutEngine):
         max_model_len: Optional[int] = None,
         seed: int = 0,
         enforce_eager: Optional[bool] = None,
+        gpu_memory_utilization: float = 0.9,
+        sleep_mode: bool = False,
     ):
         _engine_environment()
         from transformers import AutoConfig
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         cfg = AutoConfig.from_pretrained(str(checkpoint_dir))
         # prompt + response length the KV cache is sized for: the model's own limit unless capped
@@ -117,6 +122,10 @@ class VLLMEngine(RolloutEngine):
         # are; several ranks receive collective_rpc's arguments pickled, so those go through the host
         self.in_process = int(tensor_parallel_size) == 1
         self.device = device
+        # colocated: sleep between calls (vLLM's sleep mode needs its CUDA allocator; the CPU
+        # build has none, and on a CPU the engine lives in host memory anyway: nothing to free)
+        self.sleeps = bool(sleep_mode) and device != "cpu" and current_platform.is_sleep_mode_available()
+        memory = {} if device == "cpu" else {"gpu_memory_utilization": float(gpu_memory_utilization)}
         self.llm = LLM(
             model=str(checkpoint_dir),
             skip_tokenizer_init=True,
@@ -128,6 +137,8 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=device == "cpu" if enforce_eager is None else bool(enforce_eager),
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleeps,
+            **memory,
         )
         if any(self.llm.collective_rpc(_has_prepacked_experts)):
             # the experts again through the sync's path, so the read-back knows their checkpoint layout
@@ -176,6 +187,19 @@ class VLLMEngine(RolloutEngine):
         if expert_layers:
             self.llm.collective_rpc(_repack_experts, args=(expert_layers,))
         self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
+
+    def sleep(self) -> None:
+        """Sleep level 1: the KV cache dropped, the weights copied to host memory (and back,
+        unchanged, at ``wake_up``). Not level 2, which drops the weights: a sync carries only the
+        tensors that changed since the engine's version, so the frozen rest would be lost."""
+        if self.sleeps:
+            self.llm.reset_prefix_cache()  # its KV blocks are dropped by the sleep
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``tags=("weights",)`` before a load (the KV cache stays freed), None before a generation."""
+        if self.sleeps:
+            self.llm.wake_up(tags=list(tags) if tags else None)
 
     def weights(self) -> Dict[str, torch.Tensor]:
         shards = self.llm.collective_rpc(_read_hf_weights, args=(self.vocab_size, self.tied))

@@ -82,6 +82,7 @@ def _args(**kw):
         tensor_model_parallel_size=2,
         context_parallel_size=1,
         placement_device="auto",
+        update_weight_transport="auto",
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -136,6 +137,20 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert f"node id {sites[r].node_id}" in text and "sees no CUDA" in text
     finally:
         p.remove()
+
+    # colocated vLLM engines of 2 GPUs (issue 37): engine i on rank 2i's bundle, tensor-parallel over
+    # the GPUs of ranks 2i and 2i + 1 (one node), which its actor is told to see
+    tp = create_placement(_args(rollout_engine="vllm", rollout_num_gpus_per_engine=2))
+    try:
+        sites = tp.train_sites
+        assert tp.engine_bundles == [tp.train_bundles[0], tp.train_bundles[2]]
+        assert tp.engine_devices == ["0,1", "0,1"] and sites[0].node_id != sites[2].node_id
+        env = tp.engine_options(1)["runtime_env"]["env_vars"]
+        assert env == {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    finally:
+        tp.remove()
+    with pytest.raises(RLArgumentError, match="--colocate with --update-weight-transport distributed on GPUs"):
+        create_placement(_args(update_weight_transport="distributed"))  # refused before any bundle is reserved
 
     cpu = create_placement(_args(placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=2))
     try:  # CPU bundles on a GPU cluster when asked: no GPU ids, rank order = bundle order on one node
