@@ -32,7 +32,7 @@ def split_bucket(bucket: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tenso
 
 def module_of(name: str) -> str:
     """``model.layers.0.self_attn.q_proj`` of ``model.layers.0.self_attn.q_proj.lora_A.weight``."""
-    return name.rsplit(".", 3)[0]
+    return name.rsplit(".", 2)[0]
 
 
 class KeptBaseMerge:
