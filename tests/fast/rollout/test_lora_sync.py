@@ -74,7 +74,8 @@ def worker(rank, world, ckpt):
 
 def test_hf_engine_lora_sync(run_world, tiny_qwen2):
     res = run_world(worker, 1, tiny_qwen2)[0]
-    print(f"\nhf engine vs trainer log-probs, max |diff| per sync: {[f'{s["diff"]:.1e}' for s in res['syncs']]}")
+    diffs = ", ".join(f"{s['diff']:.1e}" for s in res["syncs"])
+    print(f"\nhf engine vs trainer log-probs, max |diff| per sync: {diffs}")
     for s in res["syncs"]:
         assert s["bytes"] == res["adapter_bytes"], s  # adapters only, every one of them (all changed)
         assert s["n"] > 4
