@@ -51,6 +51,7 @@ import torch
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.rollout.engines.vllm_lora import VLLMAdapters, engine_kwargs
 from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 
@@ -84,6 +85,8 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_context_len,
             seed=config.seed,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
         )
 
     def __init__(
@@ -94,6 +97,8 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         max_model_len: Optional[int] = None,
         seed: int = 0,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
     ):
         _engine_environment()
         from transformers import AutoConfig
@@ -116,7 +121,10 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=True,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
+            **(engine_kwargs(lora_rank) if lora_rank > 0 else {}),
         )
+        # --lora-rank: vLLM's own LoRA, the adapter replaced by a new LoRARequest each sync (vllm_lora)
+        self.lora = VLLMAdapters(lora_rank, lora_alpha) if lora_rank > 0 else None
         if any(self.llm.collective_rpc(_has_prepacked_experts)):
             # the experts again through the sync's path, so the read-back knows their checkpoint layout
             self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
@@ -143,7 +151,8 @@ class VLLMEngine(RolloutEngine):
             )
             for i in range(len(prompts))
         ]
-        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        lora_request = self.lora.current(self.llm) if self.lora is not None else None
+        outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
         for p, out in zip(prompts, outs):
             c = out.outputs[0]
@@ -153,6 +162,10 @@ class VLLMEngine(RolloutEngine):
         return gens
 
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            state_dict = self.lora.receive(state_dict)  # adapters: kept for the next LoRARequest
+            if not state_dict:
+                return
         items = [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(items), is_checkpoint_format=True))
         if self.tied:
@@ -163,6 +176,9 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
 
     def weights(self) -> Dict[str, torch.Tensor]:
+        if self.lora is not None:  # what a LoRA sync carries: the adapters, read back from the LoRA layers
+            self.lora.current(self.llm)
+            return self.lora.read_back(self.llm)
         shards = self.llm.collective_rpc(_read_hf_weights, args=(self.vocab_size, self.tied))
         if len(shards) != 1:
             raise NotImplementedError(
