@@ -38,6 +38,11 @@ EMBEDDED_DEFAULTS = dict(
 )
 
 
+# --lora-rank on the embedded run: the learning rate times this (LoRA trains a rank-r update of each
+# linear through B A, B starting at 0, and commonly needs ~10x the full-model rate: Hu et al. 2021 and
+# PEFT's examples use 1e-4..1e-3 where full fine-tuning uses 1e-5..1e-4). An explicit --lr wins.
+LORA_LR_FACTOR = 10.0
+
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"  # rollout.data.tokenizer.FILENAME: the embedded family's tokenizer
 
 
@@ -93,6 +98,8 @@ def parse_train_flags(argv: Optional[List[str]] = None, *, prog: str = "rl-plugi
         defaults = dict(EMBEDDED_DEFAULTS)
         if first.custom_rm_path is not None:
             defaults.pop("rm_type")  # the user's reward replaces the built-in one
+        if first.lora_rank > 0:  # LoRA's learning rate (LORA_LR_FACTOR)
+            defaults["lr"] = LORA_LR_FACTOR * EMBEDDED_DEFAULTS["lr"]
         parser.set_defaults(**defaults)
         first = parser.parse_args(argv)
     return validate_rl_args(first)

@@ -13,6 +13,7 @@ gate/up/down (PEFT's ``all-linear`` without the LM head); explicit names may be 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -139,6 +140,15 @@ class LoraConfig(Declared):
                 "the SGLang engine here loads full weights only (no adapter loading, no merge from a kept base)",
                 "use --rollout-engine vllm (LoRARequest) or hf",
             )
+        scaling = args.lora_alpha / rank
+        if args.check_lora_weight_equal and getattr(args, "rollout_engine", "hf") == "vllm":
+            if scaling <= 0 or math.frexp(scaling)[0] != 0.5:  # not a power of two
+                fail(
+                    f"--check-lora-weight-equal with --rollout-engine vllm and --lora-alpha {args.lora_alpha:g} / "
+                    f"--lora-rank {rank} = {scaling:g}",
+                    "vLLM stores B times alpha/r, so its read-back divides by alpha/r, bitwise only for a power of two",
+                    f"use --lora-alpha {2 * rank} (alpha/r = 2), or drop the check",
+                )
         experts = _checkpoint_experts(getattr(args, "hf_checkpoint", None))
         mlp = [t for t in targets if t in MLP]
         if experts and mlp:
