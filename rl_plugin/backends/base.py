@@ -158,9 +158,10 @@ class TrainBackend(abc.ABC):
         """Whether this backend trains LoRA adapters (then a weight sync carries only them)."""
         return self.config.lora.enabled
 
-    def lora_weight_specs(self) -> Dict[str, torch.Tensor]:
+    def lora_adapter_specs(self) -> Dict[str, torch.Tensor]:
         """What ``stream_lora_adapters`` will yield: canonical name -> meta tensor (full shape,
-        fp32), in export order; local (no collective)."""
+        fp32), in export order. Every rank calls it (a backend may gather the layout over its
+        pipeline stages once; FSDP's is local)."""
         raise NotImplementedError(f"{type(self).__name__}: no LoRA adapters to describe (--lora-rank)")
 
     def stream_lora_adapters(self) -> Iterator[Tuple[str, torch.Tensor]]:

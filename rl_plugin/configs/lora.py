@@ -112,7 +112,11 @@ class LoraConfig(Declared):
                 ("--save-hf-merged", args.save_hf_merged),
             ):
                 if value:
-                    fail(f"{name} without --lora-rank", "it only means something for LoRA adapters", "add --lora-rank 8 (or drop the flag)")
+                    fail(
+                        f"{name} without --lora-rank",
+                        "it only means something for LoRA adapters",
+                        "add --lora-rank 8 (or drop the flag)",
+                    )
             return
         try:
             targets = resolve_targets(args.target_modules, args.exclude_modules)

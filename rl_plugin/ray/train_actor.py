@@ -217,7 +217,7 @@ class TrainActor:
         export = self.backend.stream_lora_adapters if lora else self.backend.stream_hf_weights
         # specs: local and cheap (meta tensors), the same answer on every rank, so all take one path
         if lora:
-            specs = self.backend.lora_weight_specs()
+            specs = self.backend.lora_adapter_specs()
         else:
             specs = self.backend.hf_weight_specs() if self.stream_export else None
         streamed = specs is not None

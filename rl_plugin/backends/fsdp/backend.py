@@ -322,7 +322,7 @@ class FSDPBackend(TrainBackend):
                     yield hf_name, t.contiguous()
             del full
 
-    def lora_weight_specs(self) -> Dict[str, torch.Tensor]:
+    def lora_adapter_specs(self) -> Dict[str, torch.Tensor]:
         return lora.adapter_specs(self.model)
 
     def stream_lora_adapters(self) -> Iterator[Tuple[str, torch.Tensor]]:

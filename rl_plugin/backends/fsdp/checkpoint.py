@@ -112,9 +112,7 @@ def load(
     check_same_model(str(src), hf_dir, saved, {k: tuple(v.shape) for k, v in model_sd.items() if torch.is_tensor(v)})
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(src))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-    )
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     rng_file = src / f"rng_rank{_rank()}.pt"
     if rng_file.exists():  # absent when the world grew since the save: keep this rank's seeding
         set_rng_state(torch.load(rng_file, weights_only=False))

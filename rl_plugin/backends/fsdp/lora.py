@@ -49,7 +49,9 @@ def hf_name(name: str) -> str:
 def refuse_experts(model: nn.Module, targets) -> None:
     """MoE expert LoRA is out of reach here: a model with experts and an MLP projection targeted is refused."""
     cfg = model.config
-    experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(cfg, k, 0)), 0)
+    experts = next(
+        (getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(cfg, k, 0)), 0
+    )
     mlp = [t for t in targets if t in MLP]
     if experts and mlp:
         raise ValueError(

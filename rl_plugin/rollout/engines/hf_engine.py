@@ -27,7 +27,6 @@ import torch
 from rl_plugin.configs import EngineConfig
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
-from rl_plugin.rollout.engines.lora_merge import KeptBaseMerge, split_bucket
 from rl_plugin.rollout.engines.hf_sampler import (
     distinct_prompts,
     model_blocker,
@@ -35,6 +34,7 @@ from rl_plugin.rollout.engines.hf_sampler import (
     sample_with_generate,
     values_blocker,
 )
+from rl_plugin.rollout.engines.lora_merge import KeptBaseMerge, split_bucket
 from rl_plugin.routing.hf import RoutingRecorder, routing_shape
 
 

@@ -83,7 +83,9 @@ class VLLMAdapters:
         from vllm import SamplingParams
 
         # vLLM copies a registered adapter into its layers' slots when a request uses it: one token
-        llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=self.request, use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=self.request, use_tqdm=False
+        )
         shards = llm.collective_rpc(_read_lora_slots, args=(self.alpha / self.rank, self.rank))
         if len(shards) != 1:
             raise NotImplementedError("LoRA read-back from a tensor-parallel vLLM engine: check with TP 1")

@@ -10,7 +10,18 @@ from rl_plugin.arguments import RLArgumentError, parse_args
 from rl_plugin.lora.peft_dir import write_peft_dir
 
 FSDP = ["--train-backend", "fsdp"]
-DATA = ["--prompt-data", "p.jsonl", "--rollout-batch-size", "4", "--rollout-max-response-len", "8", "--num-rollout", "2", "--rm-type", "math_exact"]
+DATA = [
+    "--prompt-data",
+    "p.jsonl",
+    "--rollout-batch-size",
+    "4",
+    "--rollout-max-response-len",
+    "8",
+    "--num-rollout",
+    "2",
+    "--rm-type",
+    "math_exact",
+]
 
 
 def refused(flags, *words):
@@ -34,10 +45,15 @@ def test_unknown_target_names_the_flag():
 
 
 def test_adapter_path_must_be_a_peft_directory(tmp_path):
-    refused(["--lora-rank", "8", "--lora-adapter-path", str(tmp_path)], "adapter_config.json, adapter_model.safetensors missing")
+    refused(
+        ["--lora-rank", "8", "--lora-adapter-path", str(tmp_path)],
+        "adapter_config.json, adapter_model.safetensors missing",
+    )
     import torch
 
-    write_peft_dir(str(tmp_path), {"m.q_proj.lora_A.weight": torch.zeros(8, 4)}, rank=8, alpha=16, dropout=0, targets=["q_proj"])
+    write_peft_dir(
+        str(tmp_path), {"m.q_proj.lora_A.weight": torch.zeros(8, 4)}, rank=8, alpha=16, dropout=0, targets=["q_proj"]
+    )
     parse_args(FSDP + ["--lora-rank", "8", "--lora-adapter-path", str(tmp_path)])
 
 
@@ -57,7 +73,9 @@ def test_vllm_read_back_needs_a_power_of_two_scaling():
         "bitwise only for a power of two",
         "--lora-alpha 16",
     )
-    parse_args(FSDP + ["--lora-rank", "8", "--lora-alpha", "16", "--rollout-engine", "vllm", "--check-lora-weight-equal"])
+    parse_args(
+        FSDP + ["--lora-rank", "8", "--lora-alpha", "16", "--rollout-engine", "vllm", "--check-lora-weight-equal"]
+    )
 
 
 def test_moe_expert_targets_refused(tmp_path):
@@ -68,7 +86,5 @@ def test_moe_expert_targets_refused(tmp_path):
         "--exclude-modules gate_proj up_proj down_proj",
     )
     parse_args(
-        FSDP
-        + ["--hf-checkpoint", str(tmp_path), *DATA, "--lora-rank", "8"]
-        + ["--target-modules", "q_proj", "v_proj"]
+        FSDP + ["--hf-checkpoint", str(tmp_path), *DATA, "--lora-rank", "8"] + ["--target-modules", "q_proj", "v_proj"]
     )

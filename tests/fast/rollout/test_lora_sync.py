@@ -48,14 +48,14 @@ def worker(rank, world, ckpt):
     engine = HFEngine(ckpt, lora_scaling=SCALING)
     publisher, receiver = WeightPublisher("shared_memory"), WeightReceiver()
     request = SyncRequest(buffer_bytes=3000, transport="shared_memory", engine_nodes=(node_id(),), fingerprint=True)
-    adapter_bytes = sum(t.numel() * 4 for t in backend.lora_weight_specs().values())
+    adapter_bytes = sum(t.numel() * 4 for t in backend.lora_adapter_specs().values())
     model_bytes = sum(v.numel() * 4 for v in engine.model.state_dict().values())
     prompts = [[5, 9, 17, 3], [5, 9, 17, 3], [40, 2, 77], [11, 12, 13, 14, 15]]
     out = []
     try:
         for k in range(3):
             backend.train_step(step_batch(make_step(k, with_ref=False)), num_groups=3)
-            handle = publisher.publish_stream(backend.lora_weight_specs(), backend.stream_lora_adapters(), request)
+            handle = publisher.publish_stream(backend.lora_adapter_specs(), backend.stream_lora_adapters(), request)
             stats = load_sync(engine, receiver, handle)
             compare_fingerprints(handle.fingerprint, stats["fingerprint"])  # raises on a mismatch
             gens = engine.generate(prompts, SamplingParams(max_new_tokens=6), seed=k)
@@ -66,7 +66,9 @@ def worker(rank, world, ckpt):
         fresh.update_weights(dict(backend.stream_lora_adapters()))
         live, clean = engine.model.state_dict(), fresh.model.state_dict()
         same = all(torch.equal(live[n], clean[n]) for n in live)
-        merged_moved = not torch.equal(live["model.layers.0.self_attn.q_proj.weight"], engine.lora.base["model.layers.0.self_attn.q_proj"])
+        merged_moved = not torch.equal(
+            live["model.layers.0.self_attn.q_proj.weight"], engine.lora.base["model.layers.0.self_attn.q_proj"]
+        )
     finally:
         publisher.close()
     return dict(syncs=out, adapter_bytes=adapter_bytes, model_bytes=model_bytes, same=same, moved=merged_moved)
@@ -99,7 +101,11 @@ def test_hf_engine_merge_never_accumulates(tiny_qwen2):
         return out
 
     x, y = adapters(1), adapters(2)
-    engine, fresh, base = HFEngine(tiny_qwen2, lora_scaling=SCALING), HFEngine(tiny_qwen2, lora_scaling=SCALING), HFEngine(tiny_qwen2)
+    engine, fresh, base = (
+        HFEngine(tiny_qwen2, lora_scaling=SCALING),
+        HFEngine(tiny_qwen2, lora_scaling=SCALING),
+        HFEngine(tiny_qwen2),
+    )
     for _ in range(20):
         for a in (x, y):  # A alone, then B alone: a bucket may split them
             engine.update_weights({k: v for k, v in a.items() if "lora_A" in k})
@@ -110,5 +116,7 @@ def test_hf_engine_merge_never_accumulates(tiny_qwen2):
     for name in live:
         assert torch.equal(live[name], clean[name]), name
     q = "model.layers.0.self_attn.q_proj"
-    assert torch.equal(live[f"{q}.weight"], orig[f"{q}.weight"] + SCALING * (x[f"{q}.lora_B.weight"] @ x[f"{q}.lora_A.weight"]))
+    assert torch.equal(
+        live[f"{q}.weight"], orig[f"{q}.weight"] + SCALING * (x[f"{q}.lora_B.weight"] @ x[f"{q}.lora_A.weight"])
+    )
     assert torch.equal(live["model.layers.0.self_attn.k_proj.weight"], orig["model.layers.0.self_attn.k_proj.weight"])

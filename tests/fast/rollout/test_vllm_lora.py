@@ -85,6 +85,11 @@ def test_vllm_serves_the_synced_adapters(run_world, tmp_path):
             assert torch.equal(s["read"][name], t), name
         sampled = torch.tensor([lp for g in s["gens"] for lp in g.log_probs])
         err = (trainer[k] - sampled).abs()
-        print(f"\nvLLM LoRA sync {k + 1}: |engine - trainer| log-prob mean {float(err.mean()):.1e} max {float(err.max()):.1e}")
+        print(
+            f"\nvLLM LoRA sync {k + 1}: |engine - trainer| log-prob mean {float(err.mean()):.1e} max {float(err.max()):.1e}"
+        )
         assert float(err.mean()) < MEAN_BOUND and float(err.max()) < MAX_BOUND
-    assert not torch.equal(syncs[0]["model.layers.0.self_attn.q_proj.lora_B.weight"], syncs[1]["model.layers.0.self_attn.q_proj.lora_B.weight"])
+    assert not torch.equal(
+        syncs[0]["model.layers.0.self_attn.q_proj.lora_B.weight"],
+        syncs[1]["model.layers.0.self_attn.q_proj.lora_B.weight"],
+    )

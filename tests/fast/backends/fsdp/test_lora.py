@@ -48,6 +48,17 @@ def full_grads(backend) -> dict:
     return out
 
 
+def capturing(backend, grads: dict):
+    """``backend.optimizer_step`` that first stores every adapter's full gradient in ``grads``."""
+    step_fn = backend.optimizer_step
+
+    def step():
+        grads.update(full_grads(backend))
+        return step_fn()
+
+    return step
+
+
 def worker(rank, world, ckpt, step):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
     from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
@@ -59,17 +70,11 @@ def worker(rank, world, ckpt, step):
         init = dict(backend.stream_lora_adapters())
         actor, reference = backend.compute_log_probs(local), backend.compute_log_probs(local, role="ref")
         grads = {}
-        step_fn = backend.optimizer_step
-
-        def capture():
-            grads.update(full_grads(backend))
-            return step_fn()
-
-        backend.optimizer_step = capture
+        backend.optimizer_step = capturing(backend, grads)
         report = backend.train_step(local, num_groups=3)
         trained = dict(backend.stream_lora_adapters())
         n_opt = sum(p.numel() for group in backend.optimizer.param_groups for p in group["params"])
-        n_adapters = sum(t.numel() for t in backend.lora_weight_specs().values())
+        n_adapters = sum(t.numel() for t in backend.lora_adapter_specs().values())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         base = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True))
