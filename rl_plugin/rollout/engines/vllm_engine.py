@@ -22,6 +22,10 @@ load time, and a reload re-packs only the module the checkpoint names (the embed
 would keep the old weights (measured: ~0.1 nats per token off after one sync). Every module that
 shares a reloaded parameter is re-packed after the reload (``_repack_shared``).
 
+LoRA (``--lora-rank``): vLLM's own adapters (``enable_lora``); a sync's adapter tensors become a
+new ``LoRARequest`` that every generate passes, the base weights stay the checkpoint's
+(``vllm_lora``).
+
 Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
 repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
 through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
