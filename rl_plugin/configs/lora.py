@@ -130,13 +130,13 @@ class LoraConfig(Declared):
                     f"not a PEFT adapter directory: {', '.join(missing)} missing",
                     "pass a directory written by --save-hf with --lora-rank (or PeftModel.save_pretrained)",
                 )
-        if args.lora_dropout > 0 and (args.check_lora_weight_equal or getattr(args, "use_rollout_logprobs", False)):
+        if args.lora_dropout > 0 and getattr(args, "use_rollout_logprobs", False):
             fail(
-                f"--lora-dropout {args.lora_dropout} with "
-                + ("--check-lora-weight-equal" if args.check_lora_weight_equal else "--use-rollout-logprobs"),
-                "adapter dropout makes the training forward random, so the trainer's log-probs no longer equal the "
-                "dropout-free engine's (the check and the engine-as-old-policy both need them equal)",
-                "use --lora-dropout 0 (the default)",
+                f"--lora-dropout {args.lora_dropout} with --use-rollout-logprobs",
+                "adapter dropout makes the training forward random, while the engine's log-probs (taken as the old "
+                "policy's) have none: the PPO ratio would carry dropout noise from the first step, clipping it",
+                "use --lora-dropout 0 (the default), or drop --use-rollout-logprobs (the trainer then recomputes "
+                "the old log-probs in eval mode)",
             )
         if getattr(args, "rollout_engine", "hf") == "sglang":
             fail(

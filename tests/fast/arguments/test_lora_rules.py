@@ -57,10 +57,13 @@ def test_adapter_path_must_be_a_peft_directory(tmp_path):
     parse_args(FSDP + ["--lora-rank", "8", "--lora-adapter-path", str(tmp_path)])
 
 
-@pytest.mark.parametrize("check", ["--check-lora-weight-equal", "--use-rollout-logprobs"])
-def test_dropout_refused_where_log_probs_must_match(check):
-    refused(["--lora-rank", "8", "--lora-dropout", "0.1", check], "--lora-dropout 0.1", check, "--lora-dropout 0")
-    parse_args(FSDP + ["--lora-rank", "8", "--lora-dropout", "0.1"])  # dropout alone is fine
+def test_dropout_refused_with_engine_log_probs_as_old():
+    refused(
+        ["--lora-rank", "8", "--lora-dropout", "0.1", "--use-rollout-logprobs"],
+        "--lora-dropout 0.1 with --use-rollout-logprobs",
+        "--lora-dropout 0",
+    )
+    parse_args(FSDP + ["--lora-rank", "8", "--lora-dropout", "0.1"])  # dropout alone: the old log-probs are recomputed
 
 
 def test_sglang_refused():
