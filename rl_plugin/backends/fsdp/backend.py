@@ -336,24 +336,26 @@ class FSDPBackend(TrainBackend):
         targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
         return lora_meta(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets, hf_dir=self.hf_dir)
 
-    def save_hf(self, out_dir: str) -> None:
+    def save_hf(self, out_dir: Optional[str]) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective.
-        With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there)."""
+        With LoRA: a PEFT adapter directory at ``out_dir`` (if given) and, with ``--save-hf-merged
+        DIR``, the merged model at DIR."""
         if self.lora_enabled:
             cfg = self.config.lora
-            adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
-            if dist.get_rank() == 0:
-                targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
-                write_peft_dir(
-                    out_dir,
-                    adapters,
-                    rank=cfg.lora_rank,
-                    alpha=cfg.lora_alpha,
-                    dropout=cfg.lora_dropout,
-                    targets=targets,
-                    base_model=str(self.hf_dir),
-                )
-            dist.barrier()
+            if out_dir:
+                adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
+                if dist.get_rank() == 0:
+                    targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
+                    write_peft_dir(
+                        out_dir,
+                        adapters,
+                        rank=cfg.lora_rank,
+                        alpha=cfg.lora_alpha,
+                        dropout=cfg.lora_dropout,
+                        targets=targets,
+                        base_model=str(self.hf_dir),
+                    )
+                dist.barrier()
             if not cfg.save_hf_merged:
                 return
             out_dir = cfg.save_hf_merged
@@ -373,7 +375,7 @@ class FSDPBackend(TrainBackend):
             backend_state={"optimizer_steps": self.optimizer_steps},
             lora_meta=self._lora_meta(),
         )
-        if self.config.model.save_hf:
+        if self.config.model.save_hf or (self.lora_enabled and self.config.lora.save_hf_merged):
             self.save_hf(self.config.model.save_hf)
         return written
 
