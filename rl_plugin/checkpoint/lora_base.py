@@ -81,13 +81,19 @@ def check_lora_meta(directory: str, current: Optional[Dict[str, Any]]) -> None:
             f"has rank {current['lora']['rank']} on {current['lora']['targets']}. Fix: the same --lora-rank and "
             "--target-modules / --exclude-modules as the run that saved it"
         )
-    if not _same_base(saved["base"], current["base"]):
+    check_base(directory, saved["base"], current["base"])
+
+
+def check_base(directory: str, saved: Dict[str, Any], current: Dict[str, Any]) -> None:
+    """Refuse adapters saved on the base ``saved`` (a ``base_identity``) for a run on ``current``,
+    naming both; the Megatron backend calls it with the identity it keeps in ``common.pt``."""
+    if not _same_base(saved, current):
         raise ValueError(
-            f"--load {directory}: its adapters were trained on the base model {saved['base']['path']} "
-            f"(config sha256 {str(saved['base']['config'])[:12]}, weights "
-            f"{_short(saved['base']['weights'])}), this run's base is {current['base']['path']} (config sha256 "
-            f"{str(current['base']['config'])[:12]}, weights {_short(current['base']['weights'])}): adapters only mean "
-            "something on their own base. Fix: --hf-checkpoint the base the checkpoint was trained on"
+            f"--load {directory}: its adapters were trained on the base model {saved['path']} "
+            f"(config sha256 {str(saved['config'])[:12]}, weights {_short(saved['weights'])}), this run's base is "
+            f"{current['path']} (config sha256 {str(current['config'])[:12]}, weights {_short(current['weights'])}): "
+            "adapters only mean something on their own base. Fix: --hf-checkpoint the base the checkpoint was "
+            "trained on"
         )
 
 
