@@ -3,10 +3,12 @@
 Two parts, each LoRA (``--lora-rank 8 --lora-alpha 16 --target-modules all-linear``) against the
 full model measured in the same run:
 
-- ``tiny`` (the embedded Qwen2, measured): parameters trained, AdamW state bytes (summed over the
+- ``tiny`` (the embedded Qwen2's shape with a 128-token vocabulary, measured): parameters trained, AdamW state bytes (summed over the
   optimizer's tensors after a step), checkpoint bytes (a real ``save_checkpoint``, files summed),
   step time (median of ``--steps`` train steps) and sync time (export + shared-memory publish +
   the hf engine's load: what a rollout's weight sync costs; the bytes that travel too).
+- ``smollm2-shape`` (measured, ``--smollm2-shape``): the same on a random model of SmolLM2-135M's
+  shape (Llama, 30 layers, hidden 576, 9 / 3 heads, vocabulary 49,152, tied), 3 steps.
 - ``qwen2-0.5b`` (a random Qwen2-0.5B-shaped model built on the meta device from its config, no
   download, no memory): parameters trained, AdamW state bytes (2 fp32 moments per trained
   parameter) and checkpoint bytes (fp32 trained parameters + their moments; the frozen base is not
@@ -33,6 +35,17 @@ QWEN2_05B = dict(
     num_hidden_layers=24,
     num_attention_heads=14,
     num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    intermediate_size=1536,
     tie_word_embeddings=True,
 )
 
@@ -105,13 +118,20 @@ def mib(n: float) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--smollm2-shape", action="store_true", help="also measure a random SmolLM2-135M-shaped model")
     args = ap.parse_args(argv)
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded import MODEL
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
     from tests.support.harness import run_world
 
-    ckpt = str(ensure_tiny_model(Path(tempfile.mkdtemp(prefix="lora_bench_"))))
+    shape = {k: v for k, v in MODEL.items() if k != "family"} | {"vocab_size": 128}  # the test batches' ids < 128
+    ckpt = str(make_tiny_hf_checkpoint(Path(tempfile.mkdtemp(prefix="lora_bench_")) / "m", "qwen2", **shape))
     tiny = {name: run_world(measure_tiny, 1, ckpt, name == "lora", args.steps)[0] for name in ("full", "lora")}
     big = {name: count_qwen2_05b(name == "lora") for name in ("full", "lora")}
+    mid = None
+    if args.smollm2_shape:
+        smol = str(make_tiny_hf_checkpoint(Path(tempfile.mkdtemp(prefix="lora_bench_")) / "s", "llama", **SMOLLM2))
+        mid = {name: run_world(measure_tiny, 1, smol, name == "lora", 3)[0] for name in ("full", "lora")}
     print("\n| model | quantity | full | LoRA r=8 all-linear | LoRA / full |")
     print("| --- | --- | --- | --- | --- |")
     rows = [
@@ -125,6 +145,9 @@ def main(argv=None) -> None:
         ("Qwen2-0.5B shape (meta)", "AdamW state (fp32 m, v)", big, "opt_bytes", mib),
         ("Qwen2-0.5B shape (meta)", "checkpoint (trained + AdamW, fp32)", big, "ckpt_bytes", mib),
     ]
+    if mid is not None:
+        name = "SmolLM2-135M shape (random)"
+        rows[6:6] = [(name, w, mid, k, f) for _, w, _, k, f in rows[:6]]
     for model, what, table, key, fmt in rows:
         full, lora = table["full"][key], table["lora"][key]
         print(f"| {model} | {what} | {fmt(full)} | {fmt(lora)} | {lora / full:.3g}x |")
