@@ -37,7 +37,10 @@ class LoraConfig(Declared):
             "Rank r of the LoRA adapters (Hu et al. 2021; miles --lora-rank). 0 (the default): the whole model "
             "trains. r > 0: the targeted linears are frozen and each trains W + (alpha/r) B A with A: r x in, "
             "B: out x r (B starts at 0); only the adapters get gradients, optimizer state and checkpoints, and a "
-            "weight sync carries only them."
+            "weight sync carries only them. Learning rate: LoRA's first steps move a weight ~sqrt(r / (3 in)) * "
+            "alpha/r times less than full training at the same --lr, so scale --lr by ~sqrt(3 in / r) / (alpha/r) "
+            "(~9x for a 896-wide model, ~20x at 4096: the usual ~10x); the embedded default uses 5/3x (its model "
+            "is 64 wide)."
         ),
     )
     lora_alpha: float = flag(
