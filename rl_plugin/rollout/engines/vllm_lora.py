@@ -86,7 +86,8 @@ class VLLMAdapters:
         llm.generate(
             [{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=self.request, use_tqdm=False
         )
-        shards = llm.collective_rpc(_read_lora_slots, args=(self.alpha / self.rank, self.rank))
+        modules = sorted({module_of(n) for n in self.adapters})
+        shards = llm.collective_rpc(_read_lora_slots, args=(self.alpha / self.rank, self.rank, modules))
         if len(shards) != 1:
             raise NotImplementedError("LoRA read-back from a tensor-parallel vLLM engine: check with TP 1")
         return shards[0]
@@ -95,14 +96,17 @@ class VLLMAdapters:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _read_lora_slots(worker, scaling: float, rank: int) -> Dict[str, torch.Tensor]:
-    """Runs inside a vLLM worker: slot 0 of every LoRA layer, as canonical adapter names."""
+def _read_lora_slots(worker, scaling: float, rank: int, modules) -> Dict[str, torch.Tensor]:
+    """Runs inside a vLLM worker: slot 0 of the LoRA layers of ``modules`` (HF module paths; a
+    packed layer holds several), as canonical adapter names. Other LoRA-capable layers vLLM
+    wrapped (embeddings, the head) carry no adapter of ours and are skipped."""
+    wanted = set(modules)
     model = worker.model_runner.model
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     out: Dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         a_stacked: Optional[tuple] = getattr(module, "lora_a_stacked", None)
-        if a_stacked is None or not hasattr(module, "lora_b_stacked"):
+        if not isinstance(a_stacked, (tuple, list)) or not hasattr(module, "lora_b_stacked"):
             continue
         parent, _, leaf = name.rpartition(".")
         subs = packed.get(leaf, [leaf])
@@ -110,6 +114,8 @@ def _read_lora_slots(worker, scaling: float, rank: int) -> Dict[str, torch.Tenso
             subs = [leaf]
         for sub, a, b in zip(subs, a_stacked, module.lora_b_stacked):
             path = f"{parent}.{sub}"
+            if path not in wanted:
+                continue
             out[f"{path}.lora_A.weight"] = a[0, 0, :rank].detach().to("cpu", torch.float32).clone()
             out[f"{path}.lora_B.weight"] = (b[0, 0, :, :rank].detach().to("cpu", torch.float32) / scaling).clone()
     return out
