@@ -47,6 +47,12 @@ def _options(lora: bool):
     return StateDictOptions(ignore_frozen_params=True, strict=False) if lora else None
 
 
+def _adapters_only(model_sd: Dict[str, Any], lora: bool) -> Dict[str, Any]:
+    """With LoRA, the adapters alone: ``ignore_frozen_params`` keeps a tied alias of a frozen
+    weight (``lm_head.weight`` of a tied model, 113 MB at SmolLM2's size), so filter by name too."""
+    return {k: v for k, v in model_sd.items() if ".lora_" in k} if lora else model_sd
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -70,6 +76,7 @@ def save(
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora_meta is not None))
+    model_sd = _adapters_only(model_sd, lora_meta is not None)
     writer = RecordingFileSystemWriter(str(directory))  # DCP's default writer for checkpoint_id=directory
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     written = set(writer.written) | {f"rng_rank{_rank()}.pt"}
@@ -104,6 +111,7 @@ def load(
     check_lora_meta(str(src), lora_meta)  # a LoRA checkpoint only on its own base (and LoRA-ness)
     options = _options(lora_meta is not None)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd = _adapters_only(model_sd, lora_meta is not None)
     saved = {
         k[len("model.") :]: tuple(m.size)
         for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()

@@ -1,7 +1,7 @@
 """LoRA checkpoints and exports of the FSDP backend (one gloo process, tiny Qwen2, fp32).
 
 - The step directory holds the adapters and their AdamW state only (no base tensor in DCP's
-  metadata) plus ``lora.json`` (rank, targets, the base's fingerprint); a fresh backend that
+  metadata, not even the tied head's alias of the frozen embedding) plus ``lora.json`` (rank, targets, the base's fingerprint); a fresh backend that
   loads it runs step 2 bit for bit as the uninterrupted one.
 - A load onto another base (a tiny model of another seed) is refused, naming both bases; a
   full-model run refuses a LoRA checkpoint.
@@ -84,8 +84,9 @@ def all_runs(rank, world, ckpt, other, root):
 @pytest.fixture(scope="module")
 def runs(run_world, tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_lora_ckpt")
-    ckpt = tiny_checkpoint(root, "qwen2")
-    other = tiny_checkpoint(root / "other", "qwen2", seed=1)
+    # tied embeddings: torch's ignore_frozen_params kept the frozen head's alias (regression)
+    ckpt = tiny_checkpoint(root, "qwen2", tie_word_embeddings=True)
+    other = tiny_checkpoint(root / "other", "qwen2", seed=1, tie_word_embeddings=True)
     out = run_world(all_runs, 1, ckpt, other, str(root))[0]
     return dict(root=root, ckpt=ckpt, other=other, **out)
 
