@@ -165,6 +165,25 @@ class TrainBackend(abc.ABC):
         if not dist.is_initialized() or dist.get_rank() == 0:
             yield from sd.items()
 
+    # -- LoRA (--lora-rank; rl_plugin.lora) ------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether this backend trains LoRA adapters (then a weight sync carries only them)."""
+        return self.config.lora.enabled
+
+    def lora_adapter_specs(self) -> Dict[str, torch.Tensor]:
+        """What ``stream_lora_adapters`` will yield: canonical name -> meta tensor (full shape,
+        fp32), in export order. Every rank calls it (a backend may gather the layout over its
+        pipeline stages once; FSDP's is local)."""
+        raise NotImplementedError(f"{type(self).__name__}: no LoRA adapters to describe (--lora-rank)")
+
+    def stream_lora_adapters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The adapters as a stream, collective like ``stream_hf_weights``: the exporting rank
+        (global rank 0) gets ``(canonical name, full fp32 CPU tensor)`` for every ``lora_A`` /
+        ``lora_B`` (``rl_plugin.lora.names``: PEFT's names on the HF model, whatever the
+        backend), the other ranks nothing."""
+        raise NotImplementedError(f"{type(self).__name__}: no LoRA adapters to stream (--lora-rank)")
+
     @abc.abstractmethod
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
         """Model + optimizer + RNG + step (+ the loop's ``extra`` state); collective. Returns the

@@ -9,6 +9,7 @@ from typing import Optional
 
 from rl_plugin.configs._checks import positive
 from rl_plugin.configs.colocation import ColocationConfig
+from rl_plugin.configs.lora import LoraConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
@@ -82,6 +83,9 @@ class EngineConfig(Declared):
     seed: int = same_as(ModelConfig, "seed")
     # --colocate and its settings: the engine's memory share, sleep between rollouts
     colocation: ColocationConfig = nested(ColocationConfig)
+    # --lora-rank > 0: syncs carry adapters only; the engine applies (alpha / r) B A (its own way)
+    lora_rank: int = same_as(LoraConfig, "lora_rank")
+    lora_alpha: float = same_as(LoraConfig, "lora_alpha")
     # --use-rollout-routing-replay (R3): the engine records each token's experts
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
     debug_routing_flip: float = flag(

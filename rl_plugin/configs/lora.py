@@ -13,10 +13,14 @@ gate/up/down (PEFT's ``all-linear`` without the LM head); explicit names may be 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from rl_plugin.errors import fail
 from rl_plugin.flags import Bounds, Declared, flag
+from rl_plugin.lora.peft_dir import missing_files
+from rl_plugin.lora.targets import MLP, UnknownTargetError, resolve_targets
 
 GROUP = "lora"
 
@@ -33,7 +37,10 @@ class LoraConfig(Declared):
             "Rank r of the LoRA adapters (Hu et al. 2021; miles --lora-rank). 0 (the default): the whole model "
             "trains. r > 0: the targeted linears are frozen and each trains W + (alpha/r) B A with A: r x in, "
             "B: out x r (B starts at 0); only the adapters get gradients, optimizer state and checkpoints, and a "
-            "weight sync carries only them."
+            "weight sync carries only them. Learning rate: LoRA's first steps move a weight ~sqrt(r / (3 in)) * "
+            "alpha/r times less than full training at the same --lr, so scale --lr by ~sqrt(3 in / r) / (alpha/r) "
+            "(~9x for a 896-wide model, ~20x at 4096: the usual ~10x); the embedded default uses 5/3x (its model "
+            "is 64 wide)."
         ),
     )
     lora_alpha: float = flag(
@@ -76,6 +83,16 @@ class LoraConfig(Declared):
         group=GROUP,
         help="A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start the adapters from.",
     )
+    save_hf_merged: Optional[str] = flag(
+        "--save-hf-merged",
+        default=None,
+        group=GROUP,
+        help=(
+            "With --lora-rank: at every save also write the merged model (W + (alpha/r) B A, adapters folded in) as a "
+            "Hugging Face directory here, for engines or tools without LoRA support; --save-hf then holds the PEFT "
+            "adapter directory."
+        ),
+    )
     check_lora_weight_equal: bool = flag(
         "--check-lora-weight-equal",
         action="store_true",
@@ -89,4 +106,72 @@ class LoraConfig(Declared):
 
     @classmethod
     def check(cls, args) -> None:
-        """Rules come with the backends' LoRA (issue 34)."""
+        """Fail-loud rules (``rl_plugin.errors.fail``), static: what the flags alone decide."""
+        rank = args.lora_rank
+        if not rank:
+            for name, value in (
+                ("--check-lora-weight-equal", args.check_lora_weight_equal),
+                ("--lora-adapter-path", args.lora_adapter_path),
+                ("--save-hf-merged", args.save_hf_merged),
+            ):
+                if value:
+                    fail(
+                        f"{name} without --lora-rank",
+                        "it only means something for LoRA adapters",
+                        "add --lora-rank 8 (or drop the flag)",
+                    )
+            return
+        try:
+            targets = resolve_targets(args.target_modules, args.exclude_modules)
+        except UnknownTargetError as exc:
+            fail("--target-modules / --exclude-modules", str(exc), "use all-linear, HF leaf names or Megatron names")
+        if args.lora_adapter_path:
+            missing = missing_files(args.lora_adapter_path)
+            if missing:
+                fail(
+                    f"--lora-adapter-path {args.lora_adapter_path}",
+                    f"not a PEFT adapter directory: {', '.join(missing)} missing",
+                    "pass a directory written by --save-hf with --lora-rank (or PeftModel.save_pretrained)",
+                )
+        if args.lora_dropout > 0 and getattr(args, "use_rollout_logprobs", False):
+            fail(
+                f"--lora-dropout {args.lora_dropout} with --use-rollout-logprobs",
+                "adapter dropout makes the training forward random, while the engine's log-probs (taken as the old "
+                "policy's) have none: the PPO ratio would carry dropout noise from the first step, clipping it",
+                "use --lora-dropout 0 (the default), or drop --use-rollout-logprobs (the trainer then recomputes "
+                "the old log-probs in eval mode)",
+            )
+        if getattr(args, "rollout_engine", "hf") == "sglang":
+            fail(
+                "--lora-rank with --rollout-engine sglang",
+                "the SGLang engine here loads full weights only (no adapter loading, no merge from a kept base)",
+                "use --rollout-engine vllm (LoRARequest) or hf",
+            )
+        scaling = args.lora_alpha / rank
+        if args.check_lora_weight_equal and getattr(args, "rollout_engine", "hf") == "vllm":
+            if scaling <= 0 or math.frexp(scaling)[0] != 0.5:  # not a power of two
+                fail(
+                    f"--check-lora-weight-equal with --rollout-engine vllm and --lora-alpha {args.lora_alpha:g} / "
+                    f"--lora-rank {rank} = {scaling:g}",
+                    "vLLM stores B times alpha/r, so its read-back divides by alpha/r, bitwise only for a power of two",
+                    f"use --lora-alpha {2 * rank} (alpha/r = 2), or drop the check",
+                )
+        experts = _checkpoint_experts(getattr(args, "hf_checkpoint", None))
+        mlp = [t for t in targets if t in MLP]
+        if experts and mlp:
+            fail(
+                f"--target-modules {' '.join(mlp)} on the mixture-of-experts --hf-checkpoint ({experts} experts)",
+                "LoRA on the experts is not supported (their projections are fused per layer in both backends)",
+                "--exclude-modules gate_proj up_proj down_proj (attention-only adapters)",
+            )
+
+
+def _checkpoint_experts(hf_checkpoint: Optional[str]) -> int:
+    """The routed-expert count in an HF directory's config.json (0: dense or no file)."""
+    import json
+    from pathlib import Path
+
+    if not hf_checkpoint or not (Path(hf_checkpoint) / "config.json").is_file():
+        return 0
+    cfg = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    return int(next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), 0))

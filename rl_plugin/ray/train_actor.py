@@ -276,19 +276,26 @@ class TrainActor:
         every rank (only the ranks that must gather do work) and rank 0 publishes each tensor as
         it arrives (``publish_stream``), so no rank holds a second copy of the model. With
         ``stream_export = False``, or a backend without ``hf_weight_specs``, every rank
-        materialises ``export_hf_state_dict`` first (the path before streaming; benchmarks)."""
+        materialises ``export_hf_state_dict`` first (the path before streaming; benchmarks).
+        With LoRA the stream is ``stream_lora_adapters`` (canonical adapter names, always streamed):
+        the engines keep the base and receive the adapters only."""
         from rl_plugin.weight_sync import WeightPublisher
 
         self._onload()
         t0 = time.perf_counter()
+        lora = self.backend.lora_enabled  # LoRA: the adapters alone travel (the engine keeps the base)
+        export = self.backend.stream_lora_adapters if lora else self.backend.stream_hf_weights
         # specs: local and cheap (meta tensors), the same answer on every rank, so all take one path
-        specs = self.backend.hf_weight_specs() if self.stream_export else None
+        if lora:
+            specs = self.backend.lora_adapter_specs()
+        else:
+            specs = self.backend.hf_weight_specs() if self.stream_export else None
         streamed = specs is not None
         if not streamed:
             sd = self.backend.export_hf_state_dict()
         if self.rank != 0:
             if streamed:
-                for _ in self.backend.stream_hf_weights():  # this rank's part of the gathers
+                for _ in export():  # this rank's part of the gathers
                     pass
             return None
         if self.publisher is None:
@@ -302,7 +309,7 @@ class TrainActor:
             handle.export_seconds = t1 - t0
             return handle
         # the distributed transport alone sends from the device: the export stays there (issue 37 item 8)
-        stream = _Timed(self.backend.stream_hf_weights(host=self.publisher.host_tensors))
+        stream = _Timed(export() if lora else self.backend.stream_hf_weights(host=self.publisher.host_tensors))
         try:
             handle = self.publisher.publish_stream(specs, stream, request)
         except Exception as exc:  # a publish error: finish the collectives so the other ranks are not left waiting

@@ -59,7 +59,7 @@ class WeightLedger:
             transport=s.transport,
             engine_nodes=self.engine_nodes,
             since_version=self.engine_version,
-            fingerprint=s.check_weights,
+            fingerprint=s.fingerprint,
             slots=s.slots,
             group=group,
         )
@@ -109,7 +109,7 @@ class WeightLedger:
         if load is None:
             raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
         self.load_seconds += load["seconds"]
-        if self.settings.check_weights:
+        if self.settings.fingerprint:
             for i, rollout in enumerate(load["fingerprints"]):
                 try:
                     compare_fingerprints(handle.fingerprint, rollout)

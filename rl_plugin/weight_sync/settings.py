@@ -48,6 +48,11 @@ class SyncSettings(Declared):
         group=GROUP,
         help="After every weight sync, verify that every rollout engine's weights are bitwise equal to the trainer's export (sha256 per tensor, read back from the engine: vLLM's repacked CPU linears through their own kernel); raises on a mismatch. For debugging a new backend or engine. slime spells it --check-weight-update-equal; both are accepted.",
     )
+    # fingerprint both sides of every sync: --check-weight-sync, or --check-lora-weight-equal (declared with
+    # LoRA's flags): with LoRA what travels, and so what is compared, is the adapters
+    fingerprint: bool = derived(
+        lambda args: bool(args.check_weight_sync or getattr(args, "check_lora_weight_equal", False)), False
+    )
     # 2 under --max-weight-staleness > 0 (a load of v - 1 may run while v is published)
     slots: int = derived(lambda args: 2 if args.max_weight_staleness > 0 else 1, 1)
 

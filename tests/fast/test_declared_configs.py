@@ -68,7 +68,9 @@ def test_loop_config_reads_the_loop_flags():
     )
     cfg = LoopConfig.from_args(args)
     assert (cfg.num_rollout, cfg.rollout_batch_size, cfg.save, cfg.save_interval) == (5, 4, "/ck", 2)
-    assert cfg.overlapped and cfg.sync == SyncSettings(buffer_bytes=64, transport="auto", check_weights=True, slots=2)
+    assert cfg.overlapped and cfg.sync == SyncSettings(
+        buffer_bytes=64, transport="auto", check_weights=True, fingerprint=True, slots=2
+    )
     assert not cfg.progress_bar and cfg.max_rollout_retries == 0 and cfg.log_interval == 3
     assert (cfg.output_dir, cfg.metrics_file) == (Path("/o"), Path("/o/metrics.jsonl"))
     assert cfg.save_due(1) and not cfg.save_due(2) and cfg.save_due(4)

@@ -19,6 +19,12 @@ backward) passes: the micro-batch count is MAX-reduced over DP and a rank with f
 Devices: the model and the loss live on ``self.device`` (CUDA when present). The DP group the
 loss core reduces counts and metrics over carries CPU scalars: under NCCL it is a gloo twin of
 the device mesh's group (``parallel.cpu_group``).
+
+LoRA (``--lora-rank``, ``lora.py``): PEFT's adapters on the HF model before sharding, only they
+train; the reference policy is the same model with its adapters disabled (PEFT's
+``disable_adapter``); a weight sync streams the adapters only (``stream_lora_adapters``); the
+checkpoint holds the adapters, their optimizer state and the base's identity; ``--save-hf``
+writes a PEFT adapter directory (``--save-hf-merged``: also the merged HF model).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
 from rl_plugin.backends.fsdp import checkpoint as ckpt
+from rl_plugin.backends.fsdp import lora
 from rl_plugin.backends.fsdp.model import (
     fused_head_unsupported,
     install_fp32_lm_head,
@@ -45,7 +52,10 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
+from rl_plugin.checkpoint.lora_base import lora_meta
 from rl_plugin.configs import TrainConfig
+from rl_plugin.lora.peft_dir import write_peft_dir
+from rl_plugin.lora.targets import resolve_targets
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
 from rl_plugin.models.tiny import default_tiny_checkpoint
@@ -132,6 +142,7 @@ class FSDPBackend(TrainBackend):
         random.seed(config.model.seed)
         np.random.seed(config.model.seed)
         torch.manual_seed(config.model.seed)
+        self.peft_model = None  # LoRA: PEFT's wrapper of self.model (its disable_adapter() gives the base)
         self.model = self._build_model()
         self.model_type = self.model.config.model_type  # MoE export names (models.moe_names)
         self.router_losses = RouterLosses.for_model(self.model, config.model.moe)  # MoE --moe-*-loss-coeff
@@ -171,6 +182,11 @@ class FSDPBackend(TrainBackend):
         elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
         self.tied_names = _tied_names(model)
+        if self.lora_enabled and not frozen:  # adapters on the unsharded model, before fully_shard
+            cfg = self.config.lora
+            self.peft_model = lora.apply_lora(model, cfg, self.config.model.seed)
+            if cfg.lora_adapter_path:
+                lora.load_adapter_dir(model, cfg.lora_adapter_path)
         if frozen:
             model.requires_grad_(False).eval()
         model.to(self.device)
@@ -200,7 +216,17 @@ class FSDPBackend(TrainBackend):
     def model_for(self, role: str):
         if role == "teacher":
             return self._teacher()
-        return self.model if role == "actor" else self._reference()
+        if role == "actor" or self.lora_enabled:  # LoRA: the reference is self.model, adapters off
+            return self.model
+        return self._reference()
+
+    def compute_log_probs(self, batch, *, role: str = "actor", micro_batches=None):
+        """The base's; with LoRA the ``ref`` pass runs the actor with its adapters disabled
+        (PEFT's ``disable_adapter``): the frozen base, with no second copy of it."""
+        if role == "ref" and self.lora_enabled:
+            with self.peft_model.disable_adapter():
+                return super().compute_log_probs(batch, role=role, micro_batches=micro_batches)
+        return super().compute_log_probs(batch, role=role, micro_batches=micro_batches)
 
     def deterministic_forward(self) -> bool:
         """No dropout in the training forward (the eval forward never has any): no active
@@ -286,11 +312,15 @@ class FSDPBackend(TrainBackend):
 
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         sd = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
+        if self.lora_enabled:  # the merged model: W_base + (alpha / r) B A, HF names
+            sd = lora.merged_state_dict(sd, self.config.lora.lora_alpha / self.config.lora.lora_rank)
         return model_to_checkpoint(sd, self.model_type)  # MoE: one tensor per expert (models.moe_names)
 
-    def hf_weight_specs(self) -> Dict[str, torch.Tensor]:
-        """The state dict's names (tied names included; MoE experts split as the checkpoint names
+    def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
+        """None with LoRA (a full export is the merged ``export_hf_state_dict``). The state dict's names (tied names included; MoE experts split as the checkpoint names
         them), global shapes and dtypes, as meta tensors."""
+        if self.lora_enabled:
+            return None
         return {
             n: torch.empty(t.shape, dtype=t.dtype, device="meta")
             for k, v in self.model.state_dict().items()
@@ -310,8 +340,43 @@ class FSDPBackend(TrainBackend):
                     yield hf_name, t.contiguous()
             del full
 
-    def save_hf(self, out_dir: str) -> None:
-        """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective."""
+    def lora_adapter_specs(self) -> Dict[str, torch.Tensor]:
+        return lora.adapter_specs(self.model)
+
+    def stream_lora_adapters(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every adapter, gathered one at a time to rank 0 (``gather_to_rank0``), canonical names, fp32."""
+        return lora.stream_adapters(self.model, gather_to_rank0)
+
+    def _lora_meta(self) -> Optional[Dict[str, Any]]:
+        cfg = self.config.lora
+        if not cfg.enabled:
+            return None
+        targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
+        return lora_meta(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets, hf_dir=self.hf_dir)
+
+    def save_hf(self, out_dir: Optional[str]) -> None:
+        """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective.
+        With LoRA: a PEFT adapter directory at ``out_dir`` (if given) and, with ``--save-hf-merged
+        DIR``, the merged model at DIR."""
+        if self.lora_enabled:
+            cfg = self.config.lora
+            if out_dir:
+                adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
+                if dist.get_rank() == 0:
+                    targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
+                    write_peft_dir(
+                        out_dir,
+                        adapters,
+                        rank=cfg.lora_rank,
+                        alpha=cfg.lora_alpha,
+                        dropout=cfg.lora_dropout,
+                        targets=targets,
+                        base_model=str(self.hf_dir),
+                    )
+                dist.barrier()
+            if not cfg.save_hf_merged:
+                return
+            out_dir = cfg.save_hf_merged
         state = self.export_hf_state_dict()
         ckpt.write_hf_dir(
             out_dir, state, self.model.config, source_dir=self.hf_dir, tied_keys=self.tied_names, dtype=self.hf_dtype
@@ -326,13 +391,14 @@ class FSDPBackend(TrainBackend):
             step=step,
             extra=extra,
             backend_state={"optimizer_steps": self.optimizer_steps},
+            lora_meta=self._lora_meta(),
         )
-        if self.config.model.save_hf:
+        if self.config.model.save_hf or (self.lora_enabled and self.config.lora.save_hf_merged):
             self.save_hf(self.config.model.save_hf)
         return written
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
-        meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir)
+        meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir, lora_meta=self._lora_meta())
         self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
         set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         return {"step": int(meta["step"]), "extra": meta.get("extra", {})}

@@ -6,6 +6,12 @@ Files of one step directory (the layout around it is ``rl_plugin.checkpoint``'s,
     iter_0000003/.metadata, __*.distcp         DCP: {"model": sharded model, "optim": sharded AdamW}
     iter_0000003/rng_rank{r}.pt                per-rank RNG (``rl_plugin.checkpoint.rng_state``)
     iter_0000003/meta.pt                       {"step", "extra" (the loop's state), "backend"}, rank 0
+    iter_0000003/lora.json                     LoRA only: rank, targets, the base's identity, rank 0
+
+With LoRA (``lora_meta`` given) the DCP state holds the adapters and their optimizer state only
+(``StateDictOptions(ignore_frozen_params=True)``: the frozen base is the ``--hf-checkpoint``,
+fingerprinted in ``lora.json`` by ``rl_plugin.checkpoint.lora_base``, which refuses a load onto
+another base).
 
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
 DP=1. ``write_hf_dir`` writes full (all-gathered) weights as ``model.safetensors`` with the
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.checkpoint.compat import check_same_model
+from rl_plugin.checkpoint.lora_base import check_lora_meta, write_lora_meta
 from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
 from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter
 
@@ -32,6 +39,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _options(lora: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if lora else None
+
+
+def _adapters_only(model_sd: Dict[str, Any], lora: bool) -> Dict[str, Any]:
+    """With LoRA, the adapters alone: ``ignore_frozen_params`` keeps a tied alias of a frozen
+    weight (``lm_head.weight`` of a tied model, 113 MB at SmolLM2's size), so filter by name too."""
+    return {k: v for k, v in model_sd.items() if ".lora_" in k} if lora else model_sd
 
 
 def _barrier() -> None:
@@ -47,6 +66,7 @@ def save(
     step: int,
     extra: Optional[Dict[str, Any]] = None,
     backend_state: Optional[Dict[str, Any]] = None,
+    lora_meta: Optional[Dict[str, Any]] = None,
 ) -> List[str]:
     """Collective: every rank writes its shards and RNG state of ``step`` into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``); rank 0 adds ``meta.pt``.
@@ -55,7 +75,8 @@ def save(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora_meta is not None))
+    model_sd = _adapters_only(model_sd, lora_meta is not None)
     writer = RecordingFileSystemWriter(str(directory))  # DCP's default writer for checkpoint_id=directory
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     written = set(writer.written) | {f"rng_rank{_rank()}.pt"}
@@ -63,10 +84,14 @@ def save(
     if _rank() == 0:
         torch.save({"step": int(step), "extra": extra or {}, "backend": backend_state or {}}, Path(directory) / META)
         written.add(META)
+        if lora_meta is not None:
+            written.add(write_lora_meta(directory, lora_meta))
     return sorted(written)
 
 
-def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> Dict[str, Any]:
+def load(
+    directory: str, model, optimizer, *, hf_dir: Optional[str] = None, lora_meta: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """Collective: restore model, optimizer and this rank's RNG from one complete step directory
     (``iter_*``); returns ``meta.pt`` (``{"step", "extra", "backend"}``)."""
     import torch.distributed.checkpoint as dcp
@@ -83,7 +108,10 @@ def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> D
             f"--load {src}: no complete FSDP checkpoint there (no {META}). Fix: pass the --save "
             "directory of a run (its latest_checkpointed_iteration.txt names the step)"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_lora_meta(str(src), lora_meta)  # a LoRA checkpoint only on its own base (and LoRA-ness)
+    options = _options(lora_meta is not None)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd = _adapters_only(model_sd, lora_meta is not None)
     saved = {
         k[len("model.") :]: tuple(m.size)
         for k, m in dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata.items()
@@ -92,7 +120,7 @@ def load(directory: str, model, optimizer, *, hf_dir: Optional[str] = None) -> D
     check_same_model(str(src), hf_dir, saved, {k: tuple(v.shape) for k, v in model_sd.items() if torch.is_tensor(v)})
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(src))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     rng_file = src / f"rng_rank{_rank()}.pt"
     if rng_file.exists():  # absent when the world grew since the save: keep this rank's seeding
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -8,6 +8,11 @@ the trainer later sees. The per-token log-prob is ``log_softmax(logits / T)`` of
 at the sampled token, the quantity the trainer recomputes at ``--rollout-temperature`` (top-p
 truncation is a sampling choice and is not folded into it, as in slime/SGLang's returned
 log-probs).
+
+LoRA (``--lora-rank``): syncs carry adapters only; this engine keeps the base of every targeted
+linear and rewrites it as W_base + (alpha / r) B A after each bucket (``lora_merge``), never from
+its previous merged weight. ``weights()`` then includes the adapters it holds (what
+``--check-weight-sync`` / ``--check-lora-weight-equal`` compare with the trainer's).
 """
 
 from __future__ import annotations
@@ -29,11 +34,19 @@ from rl_plugin.rollout.engines.hf_sampler import (
     sample_with_generate,
     values_blocker,
 )
+from rl_plugin.rollout.engines.lora_merge import KeptBaseMerge, split_bucket
 from rl_plugin.routing.hf import RoutingRecorder, routing_shape
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, checkpoint_dir: str, *, device: str = "cpu", record_routed_experts: bool = False):
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        device: str = "cpu",
+        record_routed_experts: bool = False,
+        lora_scaling: Optional[float] = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -48,13 +61,18 @@ class HFEngine(RolloutEngine):
         self.share_prompt_prefill = True
         # --use-rollout-routing-replay: each Generation carries the experts its tokens were routed to
         self.record_routed_experts = record_routed_experts
+        # --lora-rank: the adapters received and the base they are merged into (None: no LoRA)
+        self.lora = KeptBaseMerge(lora_scaling) if lora_scaling is not None else None
         if record_routed_experts:
             routing_shape(self.model)  # a dense model (or an unknown router) fails here, at start-up
 
     @classmethod
     def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
-        return cls(checkpoint_dir, device=device, record_routed_experts=config.record_routed_experts)
+        scaling = config.lora_alpha / config.lora_rank if config.lora_rank > 0 else None
+        return cls(
+            checkpoint_dir, device=device, record_routed_experts=config.record_routed_experts, lora_scaling=scaling
+        )
 
     @torch.no_grad()
     def generate(
@@ -106,7 +124,15 @@ class HFEngine(RolloutEngine):
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
         """A bucket (any subset of the tensors, checkpoint names): copied in place, an MoE expert
         into its slice of the model's fused expert parameter (``models.moe_names``); unknown
-        names are rejected."""
+        names are rejected. LoRA adapters: kept, and merged into their linear from its kept base."""
+        adapters, state_dict = split_bucket(state_dict)
+        if adapters:
+            if self.lora is None:
+                raise ValueError(
+                    f"weight sync: LoRA adapters ({next(iter(adapters))}) reached an engine built without --lora-rank"
+                )
+            touched = self.lora.receive(adapters)
+            self.lora.apply(touched, lambda module: self.model.get_parameter(f"{module}.weight"))
         own = self.model.state_dict()
         model_type = self.model.config.model_type
         slots = {name: checkpoint_slot(name, model_type, own) for name in state_dict}
@@ -137,7 +163,10 @@ class HFEngine(RolloutEngine):
     def weights(self) -> Dict[str, torch.Tensor]:
         """The weights under checkpoint names (MoE experts one tensor each)."""
         state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        return model_to_checkpoint(state, self.model.config.model_type)
+        state = model_to_checkpoint(state, self.model.config.model_type)
+        if self.lora is not None:  # the adapters it holds and merges from
+            state.update(self.lora.adapters)
+        return state
 
 
 def bucket_generations(

@@ -28,6 +28,10 @@ load time, and a reload re-packs only the module the checkpoint names (the embed
 would keep the old weights (measured: ~0.1 nats per token off after one sync). Every module that
 shares a reloaded parameter is re-packed after the reload (``_repack_shared``).
 
+LoRA (``--lora-rank``): vLLM's own adapters (``enable_lora``); a sync's adapter tensors become a
+new ``LoRARequest`` that every generate passes, the base weights stay the checkpoint's
+(``vllm_lora``).
+
 Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
 repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
 through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
@@ -57,6 +61,7 @@ import torch
 
 from rl_plugin.configs import EngineConfig
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
+from rl_plugin.rollout.engines.vllm_lora import VLLMAdapters, engine_kwargs
 from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 
@@ -93,6 +98,8 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=config.enforce_eager,
             gpu_memory_utilization=config.colocation.memory_share(),
             sleep_mode=config.colocation.colocate,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
         )
 
     def __init__(
@@ -106,6 +113,8 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: Optional[bool] = None,
         gpu_memory_utilization: float = 0.9,
         sleep_mode: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
     ):
         _engine_environment()
         from transformers import AutoConfig
@@ -139,7 +148,10 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=self.sleeps,
             **memory,
+            **(engine_kwargs(lora_rank) if lora_rank > 0 else {}),
         )
+        # --lora-rank: vLLM's own LoRA, the adapter replaced by a new LoRARequest each sync (vllm_lora)
+        self.lora = VLLMAdapters(lora_rank, lora_alpha) if lora_rank > 0 else None
         if any(self.llm.collective_rpc(_has_prepacked_experts)):
             # the experts again through the sync's path, so the read-back knows their checkpoint layout
             self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
@@ -166,7 +178,8 @@ class VLLMEngine(RolloutEngine):
             )
             for i in range(len(prompts))
         ]
-        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        lora_request = self.lora.current(self.llm) if self.lora is not None else None
+        outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
         for p, out in zip(prompts, outs):
             c = out.outputs[0]
@@ -176,6 +189,10 @@ class VLLMEngine(RolloutEngine):
         return gens
 
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            state_dict = self.lora.receive(state_dict)  # adapters: kept for the next LoRARequest
+            if not state_dict:
+                return
         # a bucket the distributed transport received on the GPU stays there (vLLM's loaders copy
         # into the parameters from any device); host copies only for a CPU engine or pickled RPCs
         host = self.device == "cpu" or not self.in_process
@@ -202,6 +219,9 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=list(tags) if tags else None)
 
     def weights(self) -> Dict[str, torch.Tensor]:
+        if self.lora is not None:  # what a LoRA sync carries: the adapters, read back from the LoRA layers
+            self.lora.current(self.llm)
+            return self.lora.read_back(self.llm)
         shards = self.llm.collective_rpc(_read_hf_weights, args=(self.vocab_size, self.tied))
         if len(shards) != 1:
             raise NotImplementedError(
