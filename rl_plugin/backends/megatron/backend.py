@@ -276,7 +276,20 @@ class MegatronBackend(TrainBackend):
             return stream()
         return lora_model.stream_in_view(self.model, stream, merged=True)  # the merged fallback
 
+    def _shared_lora_meta(self) -> Optional[Dict[str, Any]]:
+        """The shared checkpoint layer's ``lora.json`` (adapter shape + the base's identity), None without LoRA."""
+        from rl_plugin.checkpoint.lora_base import lora_meta as shared_meta
+        from rl_plugin.lora.targets import resolve_targets
+
+        cfg = self.config.lora
+        if not cfg.enabled:
+            return None
+        targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
+        return shared_meta(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets, hf_dir=self.hf_dir)
+
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
+        from rl_plugin.checkpoint.lora_base import write_lora_meta
+
         written = checkpoint.save(
             path,
             step=step,
@@ -287,6 +300,9 @@ class MegatronBackend(TrainBackend):
             extra=extra,
             lora=lora_meta(self.config.lora),
         )
+        meta = self._shared_lora_meta()
+        if meta is not None and dist.get_rank() == 0:
+            written = sorted(set(written) | {write_lora_meta(path, meta)})
         save_hf = self.config.model.save_hf
         if save_hf:
             self.save_hf(save_hf)
@@ -294,7 +310,29 @@ class MegatronBackend(TrainBackend):
 
     def save_hf(self, path: str) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
-        collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad)."""
+        collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad).
+        With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there)."""
+        if self.lora:
+            from rl_plugin.lora.peft_dir import write_peft_dir
+            from rl_plugin.lora.targets import resolve_targets
+
+            cfg = self.config.lora
+            adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
+            if dist.get_rank() == 0:
+                targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
+                write_peft_dir(
+                    path,
+                    adapters,
+                    rank=cfg.lora_rank,
+                    alpha=cfg.lora_alpha,
+                    dropout=cfg.lora_dropout,
+                    targets=targets,
+                    base_model=str(self.hf_dir),
+                )
+            dist.barrier()
+            if not cfg.save_hf_merged:
+                return
+            path = cfg.save_hf_merged
         with torch.no_grad(), lora_model.base_view(self.model, merged=True):
             self.bridge.save_weights(chunks_of(self.model), path)
         if dist.get_rank() == 0 and self.hf_dir:  # tokenizer, chat template, ...: as FSDP's --save-hf
@@ -312,6 +350,9 @@ class MegatronBackend(TrainBackend):
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
+        from rl_plugin.checkpoint.lora_base import check_lora_meta
+
+        check_lora_meta(str(path), self._shared_lora_meta())  # a LoRA checkpoint only on its own base
         return checkpoint.load(
             path,
             model=self.model,
@@ -351,17 +392,7 @@ class MegatronBackend(TrainBackend):
 
 
 def read_peft_adapters(path: str) -> Dict[str, torch.Tensor]:
-    """``--lora-adapter-path``: a PEFT directory's ``adapter_model.safetensors`` by canonical name."""
-    from pathlib import Path
+    """``--lora-adapter-path``: a PEFT directory's adapters by canonical name (``rl_plugin.lora.peft_dir``)."""
+    from rl_plugin.lora.peft_dir import read_peft_dir
 
-    from safetensors.torch import load_file
-
-    from rl_plugin.lora.names import canonical_name
-
-    file = Path(path) / "adapter_model.safetensors"
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"--lora-adapter-path {path}: no adapter_model.safetensors there. Fix: pass a PEFT adapter directory "
-            "(PeftModel.save_pretrained's, or this run's --save-hf adapter directory)"
-        )
-    return {canonical_name(k): v for k, v in load_file(str(file)).items()}
+    return read_peft_dir(path)[1]

@@ -297,9 +297,9 @@ def load(
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )
-    lora_checkpoint.check_lora_meta(src, common.get("lora"), lora)
-    if lora is not None:
-        lora_checkpoint.base_identity_hook(src, hf_dir)
+    lora_checkpoint.check_lora_meta(
+        src, common.get("lora"), lora
+    )  # the base: the backend's check_lora_meta (lora.json)
     check_same_model(str(src), hf_dir, *_model_shapes(src, model, ps))
     _check_optimizer_split(src, optimizer)
     allocate_state(optimizer)

@@ -12,9 +12,9 @@ like the full model's (``checkpoint.py``).
 
 ``lora_meta(lora_cfg)`` goes into ``common.pt``; ``check_lora_meta`` refuses a checkpoint written
 with another rank / alpha / targets, or without LoRA (and a full-model checkpoint into a LoRA run).
-The base checkpoint's identity (refusing adapters trained on another base) belongs to the shared
-checkpoint layer (``rl_plugin.checkpoint``, i34-fsdp): ``base_identity_hook`` is where the
-Megatron side calls it, with the ``--hf-checkpoint`` directory.
+The base checkpoint's identity (refusing adapters trained on another base) is the shared
+checkpoint layer's ``lora.json`` (``rl_plugin.checkpoint.lora_base``), written and checked by
+``MegatronBackend.save_checkpoint`` / ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -81,9 +81,3 @@ def check_lora_meta(src, saved: Optional[Dict[str, Any]], current: Optional[Dict
         f"--load {src}: its adapters are {saved}, this run's {current}. Fix: resume with the checkpoint's "
         "--lora-rank / --lora-alpha / --target-modules."
     )
-
-
-def base_identity_hook(src, hf_dir: Optional[str]) -> None:
-    """Where the base checkpoint's identity is checked on load (the shared checkpoint layer's
-    check, issue 34's FSDP half); nothing here until it lands."""
-    return None

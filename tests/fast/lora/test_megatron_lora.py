@@ -116,11 +116,13 @@ def lora_worker(rank, world, tp, pp, hf_dir, extra=(), save_dir=None, load_dir=N
     split = plan_micro_batches(step, micro_batch_size=1, max_tokens_per_gpu=24, dp_group=ps.dp_group)
     report = backend.train_step(step, num_groups=num_groups, micro_batches=split)
     a1 = _adapters_now(backend)
+    logp_after = backend.compute_log_probs(local)
     base1 = backend.export_base_state_dict()
     assert set(base0) == set(base1) and all(torch.equal(base0[k], base1[k]) for k in base0), "a base weight moved"
     loaded = None
     if save_dir is not None:
         backend.save_checkpoint(save_dir, step=1)
+        backend.save_hf(save_dir + "_peft")  # --save-hf with LoRA: a PEFT adapter directory
     if load_dir is not None:
         backend.load_checkpoint(load_dir)
         loaded = _adapters_now(backend)
@@ -136,6 +138,7 @@ def lora_worker(rank, world, tp, pp, hf_dir, extra=(), save_dir=None, load_dir=N
         grads=grads,
         after=a1,
         logp=logp,
+        logp_after=logp_after,
         scale=scale,
         merged=merged,
         base=base0,
@@ -265,3 +268,25 @@ def test_adapter_checkpoint_resumes_on_another_layout(runs, ckpt_dir):
     keys = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if not k.startswith("optimizer.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
+
+
+def test_save_hf_writes_a_peft_dir_peft_loads(runs, tiny_qwen2, ckpt_dir):
+    """``save_hf`` with LoRA (TP1, after its step): a PEFT directory that
+    ``PeftModel.from_pretrained`` loads on the HF base, giving the trainer's log-probs; the
+    checkpoint beside it carries the shared ``lora.json`` (adapter shape + base identity)."""
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.fsdp_common import alone_log_probs
+    from tests.support.megatron_common import synthetic_batch
+
+    assert (Path(ckpt_dir) / "lora.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, ckpt_dir + "_peft").eval()
+    batch, _ = synthetic_batch(seed=3, num_prompts=3, n_per_prompt=4, old_noise=0.3)
+    with torch.no_grad():
+        want = alone_log_probs(model, batch).float()
+    got = runs["tp1"]["logp_after"]
+    assert torch.allclose(got, want, rtol=0, atol=FP32_MODEL * max(1.0, max_abs(want)) * 4)
