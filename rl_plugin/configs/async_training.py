@@ -171,6 +171,13 @@ class AsyncConfig(Declared):
                 f"must be >= 1 (got {args.update_weights_interval})",
                 "use 1 (publish after every rollout) or more",
             )
+        if args.update_weights_interval > n:
+            fail(
+                f"--update-weights-interval {args.update_weights_interval} with --max-weight-staleness {n}",
+                "the engines would hold weights older than the bound allows between two publishes, so every "
+                "group would be dropped",
+                f"use --update-weights-interval <= {n}, or raise --max-weight-staleness",
+            )
         if getattr(args, "rollout_function_path", None):
             fail(
                 "--fully-async with --rollout-function-path",

@@ -148,6 +148,8 @@ class RolloutManager:
         self._vocab_size: Optional[int] = None
         self._context_len: Optional[int] = None
         self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
+        self._producer = None  # --fully-async: the background worker (``take`` starts it)
+        self._requeued: List[Any] = []  # a resumed fully-async run's prompts to generate first
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
@@ -173,6 +175,12 @@ class RolloutManager:
                 ROUND_SEED_STRIDE,
                 progress=_progress_line,
             )
+        return self._shaped(data, handle, loading)
+
+    def _shaped(self, data: RolloutData, handle, loading) -> RolloutData:
+        """A rollout's data after generation: the test shift, DAPO's over-long penalty, the dataset
+        position and the weight load's answer."""
+        cfg = self.config
         if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
@@ -190,9 +198,26 @@ class RolloutManager:
         data.weight_load = self._finish_load(handle, loading)
         return data
 
+    def take(self, rollout_id: int, handle: Optional[SyncHandle], settings) -> RolloutData:
+        """Fully async: rollout ``rollout_id`` from the background worker's buffer, ``handle``
+        loaded first at its next token boundary (``async_producer.take_rollout``)."""
+        from rl_plugin.rollout.async_producer import take_rollout
+
+        return take_rollout(self, rollout_id, handle, settings)
+
     def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
         """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
-        ``generate``) and its load answered under ``weight_load``."""
+        ``generate``) and its load answered under ``weight_load``. Fully async: the worker waits at
+        a token boundary for the eval's duration (nothing aborted)."""
+        if self._producer is not None:
+            with self._producer.gate.exclusive():
+                out = self._evaluate(rollout_id, handle)
+                if handle is not None:
+                    self._producer.gate.version = rollout_id + 1
+                return out
+        return self._evaluate(rollout_id, handle)
+
+    def _evaluate(self, rollout_id: int, handle: Optional[SyncHandle]) -> Dict[str, Any]:
         loading = self._start_load(handle)
         if self.eval is None:
             raise ValueError(
@@ -221,9 +246,10 @@ class RolloutManager:
         who = hook.describe() if hook is not None else f"the {self.config.engine.engine} engine"
         return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=hook is not None, who=who)
 
-    def _hook_generate(self, recs, n: int, seed: int) -> List[Sample]:
+    def _hook_generate(self, recs, n: int, seed: int, engine=None) -> List[Sample]:
         """The generate function of ``--custom-generate-function-path``: every sample through the
-        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked."""
+        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked. ``engine``:
+        the in-process engine to use instead (fully async: the gated one)."""
         hook, samples = self.generate_hook, fresh_samples(self.tokenizer, recs, n)
         params = default_sampling_params(self.params)
         out = run_generate_hook(
@@ -231,7 +257,7 @@ class RolloutManager:
             self.hook_args,
             samples,
             params,
-            self._dispatch(),
+            engine_dispatch(engine or self.engine, self.engines),
             seed,
             self.params,
             timeout=self.config.custom_generate_timeout,
@@ -279,18 +305,26 @@ class RolloutManager:
         return samples
 
     def _assemble(
-        self, samples: List[Sample], num_groups: int, gen_time: float, custom: bool = False, who: str = "the engine"
+        self,
+        samples: List[Sample],
+        num_groups: int,
+        gen_time: float,
+        custom: bool = False,
+        who: str = "the engine",
+        rewards: Optional[torch.Tensor] = None,
     ) -> Tuple[RolloutData, List[Sample]]:
         """Samples (groups contiguous) scored and flattened into ``RolloutData``; ``custom``
         (a hook's samples) adds the ``multi_turn/*`` stats and the hook's counts. ``who`` made the
-        samples: the hook or the engine, named when their log-probs or loss mask are refused."""
+        samples: the hook or the engine, named when their log-probs or loss mask are refused.
+        ``rewards``: scored already (fully async scores at put time)."""
         group_size = len(samples) // max(num_groups, 1)
         flat = flatten_samples(samples)
         rl = flat.response_lengths
         check_log_probs(flat.log_probs, flat.loss_mask, rl, samples, who)  # before the reward spends anything on them
         check_trainable(flat.loss_mask, who, len(samples))
         t1 = time.perf_counter()
-        rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
+        if rewards is None:
+            rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
         if custom:
@@ -387,7 +421,16 @@ class RolloutManager:
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
-        return {"train_dataset": self.train.state_dict()}
+        """The dataset position; fully async also the prompts taken but not trained on (re-queued,
+        in flight, buffered: ``async_requeue``, record indices), which a resumed run generates
+        again first (the buffer itself is dropped)."""
+        if self._producer is None:
+            return {"train_dataset": self.train.state_dict()}
+        with self._producer.lock:
+            position = self.train.state_dict()
+        return {"train_dataset": position, "async_requeue": [r.index for r in self._producer.pending_records()]}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.train.load_state_dict(state["train_dataset"])
+        by_index = {r.index: r for r in self.train.records}
+        self._requeued = [by_index[i] for i in state.get("async_requeue", [])]

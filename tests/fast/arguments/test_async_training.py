@@ -36,6 +36,10 @@ RULES = [
         ["--update-weights-interval: must be >= 1 (got 0)"],
     ),
     (
+        "--fully-async --max-weight-staleness 1 --update-weights-interval 2",
+        ["--update-weights-interval 2 with --max-weight-staleness 1", "every group would be dropped"],
+    ),
+    (
         "--fully-async --max-weight-staleness 2 --colocate",
         ["--fully-async with --colocate", "cannot overlap training", "drop --colocate"],
     ),
