@@ -9,7 +9,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
