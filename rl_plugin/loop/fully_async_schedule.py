@@ -11,11 +11,11 @@
 
 The trainer's weight version is the rollout index: rollout k trains weights of version k, a token
 carries the version of the weights that drew it, and a group's staleness is k minus its oldest
-token's version (``async/staleness_*``). Nothing is generated ahead into the checkpoint: the
-buffer is dropped at a save and the prompts taken but not trained on (buffered, in flight,
-re-queued) are in the manager's dataset state (``async_requeue``), so a resumed run generates
-them again first (``pending()`` is always None). A checkpoint of an overlapped run resumed here
-has its pending rollout trained on first, as it was.
+token's version (``async/staleness_*``). A checkpoint drops the buffer: the prompts taken from the
+dataset but not yet in a rollout (buffered, in flight, re-queued) are in the manager's dataset
+state (``async_requeue``), so a resumed run generates them again first, with its weights. A
+rollout taken and not yet trained on (an exit signal stopped its train call) is ``pending()``, kept
+by the checkpoint and trained on first after a resume, as the overlapped schedule's is.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class FullyAsyncSchedule:
     def run_rollout(self, k: int) -> None:
         loop = self._loop
         t0 = time.perf_counter()
-        data = self._pending.data_for(k) if self._pending is not None else loop.take(k)
+        if self._pending is None:  # taken, not trained on yet: a checkpoint written meanwhile holds it
+            self._pending = PendingRollout(k, loop.take(k), 0)
+        data = self._pending.data_for(k)
         t_take = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = loop.train_rollout(data, sync=self.publish_due(k))

@@ -165,14 +165,18 @@ class AsyncProducer:
         """A submission that cannot pause per token: a hook's (paused between engine calls) or the
         engine actors' (the gate held for the whole submission: a load waits for it)."""
         m = self.m
-        if m.generate_hook is not None:
-            engine = GatedEngine(m.engine, self.gate) if m.engine is not None else None
-            return m._hook_generate(recs, self.n, seed, engine=engine)
-        self.gate.enter()
-        try:
-            return DefaultGenerate(m.tokenizer, m.params, None, m.engines)(recs, self.n, seed)
-        finally:
-            self.gate.leave()
+        if m.generate_hook is not None and m.engine is not None:
+            return m._hook_generate(recs, self.n, seed, engine=GatedEngine(m.engine, self.gate))
+        if m.generate_hook is not None:  # engine actors: a load waits for the submission
+            self.gate.enter()
+            try:
+                return m._hook_generate(recs, self.n, seed)
+            finally:
+                self.gate.leave()
+        # engine actors, each pausing its own generation for a load (``EngineActor.generate_pausable``)
+        gen = DefaultGenerate(m.tokenizer, m.params, None, m.engines)
+        gen.actor_call = lambda a, *x: a.generate_pausable.remote(*x, self.settings.pause_mode, self.gate.version)
+        return gen(recs, self.n, seed)
 
     def _rows_done(self, recs, idx: List[int], gens, parts: Dict[int, List[Any]], done: set, deferred: List[Group]):
         """Sample granularity: finished samples at a token boundary; a group whose samples all
@@ -235,7 +239,10 @@ def take_rollout(m, rollout_id: int, handle, settings: AsyncSettings):
     if m._producer is None:
         m._producer = AsyncProducer(m, settings, rollout_id, m._requeued)
     with m._producer.gate.exclusive():
-        load = m._finish_load(handle, m._start_load(handle))
+        if m.engine is None and handle is not None and m.generate_hook is None:
+            load = _load_paused(m, handle, rollout_id)  # each engine actor pauses its own generation
+        else:
+            load = m._finish_load(handle, m._start_load(handle))
         if handle is not None:
             m._producer.gate.version = rollout_id
     took = take_groups(m._producer, m.config.rollout_batch_size, rollout_id)
@@ -250,6 +257,39 @@ def take_rollout(m, rollout_id: int, handle, settings: AsyncSettings):
     data = m._shaped(data, None, None)
     data.weight_load = load
     return data
+
+
+def evaluate_paused(m, rollout_id: int, handle) -> Dict[str, Any]:
+    """The eval after rollout ``rollout_id`` while the worker waits at a token boundary (nothing is
+    aborted); engine actors load ``handle`` paused and run the eval after their submission in flight."""
+    with m._producer.gate.exclusive():
+        if m.engine is None and handle is not None:
+            load = _load_paused(m, handle, rollout_id + 1)
+            out = m._evaluate(rollout_id, None)
+            out["weight_load"] = load
+        else:
+            out = m._evaluate(rollout_id, handle)
+        if handle is not None:
+            m._producer.gate.version = rollout_id + 1
+    return out
+
+
+def _load_paused(m, handle, version: int) -> Dict[str, Any]:
+    """The engine actors load ``handle`` at their generations' next token boundary (their
+    ``weights`` thread), as ``RolloutManager._finish_load`` answers a load."""
+    import ray
+
+    from rl_plugin.rollout.manager import _for_receiver
+
+    refs = [
+        e.update_weights_paused.options(concurrency_group="weights").remote(_for_receiver(handle, i + 1), version)
+        for i, e in enumerate(m.engines)
+    ]
+    stats = ray.get(refs)
+    out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
+    if handle.fingerprint is not None:
+        out["fingerprints"] = [s["fingerprint"] for s in stats]
+    return out
 
 
 def take_groups(producer: AsyncProducer, count: int, version: int) -> Dict[str, Any]:

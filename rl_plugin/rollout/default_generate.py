@@ -78,6 +78,8 @@ class DefaultGenerate:
     ):
         self.tokenizer, self.params = tokenizer, params
         self.engine, self.engine_actors = engine, list(engine_actors)
+        # (actor, prompts, params, seed, first_sample) -> ObjectRef: the engine actors' call
+        self.actor_call = lambda actor, *call: actor.generate.remote(*call)
 
     def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
@@ -97,6 +99,6 @@ class DefaultGenerate:
         refs, start = [], 0
         for actor, groups in zip(self.engine_actors, group_shares(len(prompts) // n, len(self.engine_actors))):
             if groups:
-                refs.append(actor.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
+                refs.append(self.actor_call(actor, prompts[start : start + groups * n], self.params, seed, start))
             start += groups * n
         return [g for part in ray.get(refs) for g in part]

@@ -210,11 +210,9 @@ class RolloutManager:
         ``generate``) and its load answered under ``weight_load``. Fully async: the worker waits at
         a token boundary for the eval's duration (nothing aborted)."""
         if self._producer is not None:
-            with self._producer.gate.exclusive():
-                out = self._evaluate(rollout_id, handle)
-                if handle is not None:
-                    self._producer.gate.version = rollout_id + 1
-                return out
+            from rl_plugin.rollout.async_producer import evaluate_paused
+
+            return evaluate_paused(self, rollout_id, handle)
         return self._evaluate(rollout_id, handle)
 
     def _evaluate(self, rollout_id: int, handle: Optional[SyncHandle]) -> Dict[str, Any]:

@@ -122,8 +122,10 @@ class VLLMEngine(RolloutEngine):
             self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
 
     def generate(
-        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0, gate=None
     ) -> List[Generation]:
+        """``gate``: a pausable call (``engines.pause``, fully async; ``vllm_pause``), each token's
+        weight version recorded."""
         from vllm import SamplingParams as VSamplingParams
 
         for i, p in enumerate(prompts):
@@ -143,6 +145,11 @@ class VLLMEngine(RolloutEngine):
             )
             for i in range(len(prompts))
         ]
+        if gate is not None:
+            from rl_plugin.rollout.engines.vllm_pause import generate_pausable
+
+            res = generate_pausable(self.llm, prompts, sampling, gate, lambda i: sample_seed(seed, first_sample + i))
+            return [Generation(list(p), ids, lps, stop, None, v) for p, (ids, lps, v, stop) in zip(prompts, res)]
         outs = self.llm.generate(requests, sampling, use_tqdm=False)
         gens = []
         for p, out in zip(prompts, outs):
