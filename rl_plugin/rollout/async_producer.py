@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from rl_plugin.rollout.engines.pause import GenerationGate
 from rl_plugin.rollout.sample import Sample
 
 ASYNC_SEED_OFFSET = 5_000_011
+# Benchmark switch (``benchmarks/async_loop.py``): "1" makes a weight load wait for the submission in
+# flight (the gate held for the whole submission), i.e. fully async without partial rollouts.
+NO_PARTIAL_ENV = "RL_PLUGIN_ASYNC_NO_PARTIAL"
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,9 @@ class AsyncProducer:
         parts: Dict[int, List[Any]] = {}  # group -> its finished generations so far (sample granularity)
         done: set = set()  # groups already delivered (or filtered) at a token boundary
         deferred: List[Group] = []
-        if m.generate_hook is not None or m.engine is None:
+        if os.environ.get(NO_PARTIAL_ENV) == "1":
+            samples = self._unpaused(recs, seed)
+        elif m.generate_hook is not None or m.engine is None:
             samples = self._whole(recs, seed)
         else:
             engine = GatedEngine(m.engine, self.gate)
@@ -160,6 +166,17 @@ class AsyncProducer:
             self._deliver(group, block=True)
         with self.lock:
             self.in_flight = []
+
+    def _unpaused(self, recs, seed: int) -> List[Sample]:
+        """``NO_PARTIAL_ENV``: the submission generated with the gate held throughout (a load waits)."""
+        m = self.m
+        self.gate.enter()
+        try:
+            if m.generate_hook is not None:
+                return m._hook_generate(recs, self.n, seed)
+            return DefaultGenerate(m.tokenizer, m.params, m.engine, m.engines)(recs, self.n, seed)
+        finally:
+            self.gate.leave()
 
     def _whole(self, recs, seed: int) -> List[Sample]:
         """A submission that cannot pause per token: a hook's (paused between engine calls) or the
