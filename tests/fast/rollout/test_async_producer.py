@@ -57,7 +57,8 @@ async def versioned_two_turn(args, sample, sampling_params):
     every model token's weight version (``output_weight_versions``)."""
     first = await generate_tokens(args, sample.tokens, dict(sampling_params, max_new_tokens=3))
     tool = [3, 11]
-    second = await generate_tokens(args, sample.tokens + first["output_ids"] + tool, dict(sampling_params))
+    room = dict(sampling_params, max_new_tokens=sampling_params["max_new_tokens"] - 3)  # within the flag: no cut
+    second = await generate_tokens(args, sample.tokens + first["output_ids"] + tool, room)
     ids = first["output_ids"] + tool + second["output_ids"]
     # unversioned outside the fully-async worker (an eval's generations)
     v1 = first.get("output_weight_versions", [0] * len(first["output_ids"]))
