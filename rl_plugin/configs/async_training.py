@@ -178,6 +178,13 @@ class AsyncConfig(Declared):
                 "group would be dropped",
                 f"use --update-weights-interval <= {n}, or raise --max-weight-staleness",
             )
+        if getattr(args, "use_rollout_routing_replay", False):
+            fail(
+                "--use-rollout-routing-replay with --fully-async",
+                "not implemented: the experts a trajectory was routed to are not re-recorded when a weight update "
+                "pauses it mid-generation, so a partial trajectory's record would not match its tokens",
+                "drop one of the two (--max-weight-staleness 1 keeps one-step-off training with routing replay)",
+            )
         if getattr(args, "rollout_function_path", None):
             fail(
                 "--fully-async with --rollout-function-path",

@@ -91,7 +91,7 @@ class RolloutClient:
     def submit_take(self, k: int, handle, settings) -> ray.ObjectRef:
         """Fully async: rollout k from the manager's buffer, the weight sync ``handle`` (or None)
         loaded first at its worker's next token boundary."""
-        return self.manager.take.remote(k, handle, settings)
+        return generate_ref(self.manager, k, self.faults, handle, "take", settings)
 
     def submit_evaluate(self, k: int, handle) -> ray.ObjectRef:
         """The eval after rollout k, the weight sync ``handle`` (or None) loaded first."""

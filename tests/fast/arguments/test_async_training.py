@@ -84,3 +84,16 @@ def test_fully_async_settings_parse_with_miles_names_and_defaults():
     assert args.async_unused_samples_handler == "drop" and args.async_max_concurrent_samples is None
     line = staleness_warning(args)
     assert line.startswith("warning: --max-weight-staleness 4 without --use-tis") and "up to 4 rollouts" in line
+
+
+def test_routing_replay_with_fully_async_is_refused():
+    """(The embedded default is dense and refuses R3 first: the rule is checked on the config.)"""
+    from rl_plugin.arguments import RLArgumentError
+    from rl_plugin.configs.async_training import AsyncConfig
+
+    args = parse_args(["--fully-async", "--max-weight-staleness", "1"])
+    args.use_rollout_routing_replay = True
+    with pytest.raises(RLArgumentError) as err:
+        AsyncConfig.check(args)
+    msg = str(err.value)
+    assert "--use-rollout-routing-replay with --fully-async" in msg and "not implemented" in msg and "Fix:" in msg

@@ -62,3 +62,26 @@ def test_sigterm_mid_run_saves_and_the_resumed_run_trains_to_the_end(tmp_path):
     for r in rows:
         assert 0 <= r["async/staleness_max"] <= K and r["async/staleness_mean"] <= r["async/staleness_max"]
         assert {"async/partial_frac", "async/buffer_groups", "async/trainer_wait_s", "async/dropped_stale"} <= set(r)
+
+
+def test_a_rollout_manager_killed_mid_take_is_restarted_and_the_run_finishes(tmp_path):
+    """The rollout actor SIGKILLed right after rollout 1's take is sent (``RL_PLUGIN_FAULT_KILL_ROLLOUT_AT``):
+    a fresh manager gets the trainer's weights, starts its worker at version 1 and the take is retried."""
+    from rl_plugin.ray.rollout_actor import FAULT_ENV
+
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RL_PLUGIN_CACHE"] = str(tmp_path / "cache")
+    d = tmp_path / "k"
+    p = Proc([*_argv(d), "--num-rollout", "3"], tmp_path, {**env, FAULT_ENV: "1"})
+    try:
+        rc = p.finish(timeout=400)
+    finally:
+        if p.p.poll() is None:
+            os.killpg(p.p.pid, signal.SIGKILL)
+    out = "".join(p.out)
+    assert rc == 0, "".join(p.err)[-3000:]
+    assert "died during take (rollout 1)" in out and "restarting it and retrying (1/3" in out, out[-3000:]
+    rows = [r for r in _rows(d / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert rows[1]["async/staleness_max"] == 0.0  # the fresh engines hold the trainer's weights: version 1
