@@ -12,7 +12,7 @@ the ``hf`` engine in the manager's process gets the whole batch in one call.
 The engines answer with ``Generation``s (the engine boundary: engines know no ``Sample``); they
 become ``Sample``s here (``build_samples``), once per rollout, with what the flattener
 (``rollout_data.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
-response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts`` and the status
+response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts``, ``weight_versions`` and the status
 (``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is the record's
 prompt as the dataset holds it (what a reward function receives); a generate hook's samples
 carry the chat-templated text instead (``custom_rollout.fresh_samples``).
@@ -51,6 +51,7 @@ def build_samples(recs, gens: Sequence[Generation], responses: Sequence[str], n:
             label=recs[i // n].label,
             rollout_log_probs=g.log_probs,
             rollout_routed_experts=g.routed_experts,
+            weight_versions=g.weight_versions,  # a pausable generation's (fully async), else None
             metadata=dict(recs[i // n].metadata or {}),  # a copy per sample
             status=done if g.finished else cut,
         )

@@ -152,3 +152,17 @@ def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_p
     m.eval = m.train  # held-out prompts: any
     out = m.evaluate(0)
     assert m._producer.gate.pauses == pauses + 1 and "eval/reward_mean" in out
+
+
+def test_samples_keep_the_engines_per_token_versions():
+    """``build_samples`` carries a pausable generation's versions (else the worker would stamp the
+    submission's start version on every token, and no trajectory would count as partial)."""
+    from types import SimpleNamespace
+
+    from rl_plugin.rollout.default_generate import build_samples
+    from rl_plugin.rollout.engines.base import Generation
+
+    gens = [Generation([1], [4, 5, 6], [-1.0, -1.0, -1.0], True, None, [3, 3, 4]), Generation([1], [7], [-1.0], True)]
+    rec = SimpleNamespace(prompt="p", label="l", metadata=None)
+    samples = build_samples([rec], gens, ["a", "b"], 2)
+    assert samples[0].weight_versions == [3, 3, 4] and samples[1].weight_versions is None
