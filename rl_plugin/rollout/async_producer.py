@@ -99,6 +99,7 @@ class AsyncProducer:
         self.generated_groups = 0
         self.filtered_groups = 0
         self.error: Optional[BaseException] = None
+        self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rl_plugin-async-rollout", daemon=True)
         self.thread.start()
 
@@ -117,12 +118,19 @@ class AsyncProducer:
             return len(self.in_flight) * self.n
 
     # -- the thread ------------------------------------------------------------------------------
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the thread after its submission in flight (the buffer closed: a waiting put returns)."""
+        self._stopping.set()
+        self.buffer.close()
+        self.thread.join(timeout)
+
     def _run(self) -> None:
         try:
-            while True:
+            while not self._stopping.is_set():
                 self._submission()
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's next take
-            self.error = exc
+            if not self._stopping.is_set():
+                self.error = exc
             self.buffer.close()
 
     def _records(self, groups: int) -> List[Any]:

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
@@ -71,6 +72,17 @@ async def versioned_two_turn(args, sample, sampling_params):
     return sample
 
 
+@pytest.fixture
+def managers():
+    """The managers a test made; their workers stopped after it (a worker left running would draw
+    from the global RNG under the next test's feet)."""
+    made = []
+    yield made
+    for m in made:
+        if m._producer is not None:
+            m._producer.stop()
+
+
 def _manager(tmp_path, *extra):
     args = parse_train_flags(
         ["--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--output-dir", str(tmp_path / "out")]
@@ -92,8 +104,9 @@ def _update(m, version: int) -> None:
         m._producer.gate.version = version
 
 
-def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_prompts(tmp_path):
+def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_prompts(tmp_path, managers):
     m, settings = _manager(tmp_path, "--async-unused-samples-handler", "retry")
+    managers.append(m)
     m.take(0, None, settings)  # starts the worker at version 0
     p = m._producer
     dropped, trained = [], []
@@ -119,10 +132,11 @@ def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_p
     assert [r.index for r in fresh._requeued] == state["async_requeue"]
 
 
-def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_path):
+def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_path, managers):
     m, settings = _manager(
         tmp_path, "--custom-generate-function-path", f"{HERE}:versioned_two_turn", "--eval-prompt-data", ""
     )
+    managers.append(m)
     data = m.take(0, None, settings)
     stop = threading.Event()
 
