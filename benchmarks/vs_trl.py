@@ -152,7 +152,8 @@ def trl_worker(a) -> None:
     """One TRL GRPOTrainer run (in its own process); writes rewards and step times to ``a.trl_worker``."""
     import torch
 
-    torch.set_num_threads(a.trl_threads)
+    if a.trl_threads > 0:  # 0 (the default): TRL as a user runs it, torch's own thread count
+        torch.set_num_threads(a.trl_threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOTrainer
@@ -387,8 +388,9 @@ def main() -> int:
     p.add_argument(
         "--trl-threads",
         type=int,
-        default=1,
-        help="torch threads of the TRL process (rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS)",
+        default=0,
+        help="torch threads of the TRL process (0, the default: TRL as a user runs it, torch's own thread count; "
+        "rl_plugin's train actor and engine use 1 each, RL_PLUGIN_TRAIN_THREADS / RL_PLUGIN_ROLLOUT_THREADS)",
     )
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
     p.add_argument("--window", type=int, default=10, help="steps in the trailing reward mean compared with a threshold")

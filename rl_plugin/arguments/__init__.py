@@ -60,7 +60,10 @@ GROUPS = (
     ),
     ("fsdp backend", "Settings read only by --train-backend fsdp (PyTorch FSDP2 on the Hugging Face model)."),
     ("weight sync", "How the trainer's weights reach the rollout engines after every rollout."),
-    ("overlapped training", "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy)."),
+    (
+        "overlapped training",
+        "Generate rollout k+1 while the trainer trains on rollout k (one-step off-policy), or fully asynchronously (--fully-async).",
+    ),
     ("cluster", "Ray placement of the training ranks and the rollout engine."),
     (
         "checkpointing",

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from rl_plugin.configs import BatchingConfig, EngineConfig, RolloutConfig, TrainConfig
+from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
 from rl_plugin.configs.colocation import ColocationConfig
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
 from rl_plugin.flags import Declared, derived, nested, runtime, same_as
 from rl_plugin.loss_config import LossConfig
+from rl_plugin.rollout.async_producer import AsyncSettings
 from rl_plugin.weight_sync import SyncSettings
 
 DEFAULT_OUTPUT_DIR = "outputs/run"
@@ -47,6 +49,10 @@ class LoopConfig(Declared):
     sft: bool = derived(lambda args: args.loss_type == "sft_loss", False)  # --loss-type sft_loss: the SFT schedule
     offload_train: bool = same_as(ColocationConfig, "offload_train")  # the driver offloads before each generation
     overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
+    fully_async: bool = same_as(AsyncConfig, "fully_async")
+    # --fully-async: what the rollout manager's worker reads (buffer, concurrency, staleness, pause)
+    async_settings: Optional[AsyncSettings] = derived(lambda a: AsyncSettings.of(a) if a.fully_async else None, None)
+    update_weights_interval: int = same_as(AsyncConfig, "update_weights_interval")
     sync: SyncSettings = nested(SyncSettings)
     save: Optional[str] = same_as(Ckpt, "save")
     save_interval: Optional[int] = same_as(Ckpt, "save_interval")

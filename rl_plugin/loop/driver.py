@@ -2,9 +2,10 @@
 
 It holds the train group (one actor per rank), the rollout client (the manager actor, its
 engines, retries), the weight ledger (which weights the engines hold), the run's progress and the
-row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default) or
-``OverlappedSchedule`` (``--max-weight-staleness 1``), or ``SftSchedule`` (``--loss-type sft_loss``:
-its data source ``SftData`` stands in for the rollout client, no engine, no sync). The schedule calls the named pieces below
+row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default),
+``OverlappedSchedule`` (``--max-weight-staleness 1``), ``FullyAsyncSchedule`` (``--fully-async``) or
+``SftSchedule`` (``--loss-type sft_loss``: its data source ``SftData`` stands in for the rollout
+client, no engine, no sync). The schedule calls the named pieces below
 (the ``RolloutLoop`` protocol); per rollout k::
 
     data    = generate(k)                  # the manager loads the newest published weights first
@@ -27,6 +28,7 @@ from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
 from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.resume import Progress, save_checkpoint
 from rl_plugin.loop.rows import RowLogger
@@ -66,7 +68,8 @@ class Driver:
         if cfg.sft:  # ``client`` is the SFT data source (``loop/sft_data.py``)
             self.schedule: Schedule = SftSchedule(self, cfg, client)
         else:
-            self.schedule = (OverlappedSchedule if cfg.overlapped else SyncSchedule)(self, cfg)
+            schedule = FullyAsyncSchedule if cfg.fully_async else OverlappedSchedule if cfg.overlapped else SyncSchedule
+            self.schedule = schedule(self, cfg)
 
     # -- what the run calls ---------------------------------------------------------------------
     def log_to(self, rows: RowLogger) -> None:
@@ -140,6 +143,16 @@ class Driver:
         """The answer of ``in_flight`` (or of a generate submitted now, when None), resubmitted to
         a fresh manager when the actor died; its dataset position kept, its weight load checked."""
         data = self.client.retrying("generate", k, lambda: self.submit_generate(k), first=in_flight)
+        self.client.answered(data)
+        load, data.weight_load = data.weight_load, None
+        self.ledger.loaded(load)
+        return data
+
+    def take(self, k: int) -> RolloutData:
+        """Fully async: rollout k from the rollout manager's buffer (the newest published weights
+        loaded first); a manager that died is replaced and its worker restarted by the retry."""
+        settings = self.cfg.async_settings
+        data = self.client.retrying("take", k, lambda: self.client.submit_take(k, self.ledger.give(), settings))
         self.client.answered(data)
         load, data.weight_load = data.weight_load, None
         self.ledger.loaded(load)

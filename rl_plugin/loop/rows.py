@@ -21,7 +21,16 @@ from rl_plugin.rollout.rollout_data import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 # ``rollout/``: a hook's samples held to the limits and repeated groups (``rollout.sample_check``)
-ROLLOUT_STAT_PREFIXES = ("dynamic_sampling/", "overlong/", "reward_shaped_mean", "multi_turn/", "rollout/", "agent/")
+# ``async/``: the fully-async take's staleness, buffer and wait (``rollout.async_producer``)
+ROLLOUT_STAT_PREFIXES = (
+    "dynamic_sampling/",
+    "overlong/",
+    "reward_shaped_mean",
+    "multi_turn/",
+    "rollout/",
+    "agent/",
+    "async/",
+)
 
 
 def row_stats(stats: Dict[str, Any]) -> Dict[str, Any]:

@@ -8,8 +8,9 @@ driver (``loop/driver.py``) runs ``Schedule.run_rollout(k)`` once per rollout, r
 
 A schedule calls the driver only through ``RolloutLoop``, the named pieces of a rollout; it never
 imports the driver nor reads its fields. The implementations: ``SyncSchedule``
-(``sync_schedule.py``, the default) and ``OverlappedSchedule`` (``overlapped_schedule.py``,
-``--max-weight-staleness 1``); another schedule is one more file implementing ``Schedule``.
+(``sync_schedule.py``, the default), ``OverlappedSchedule`` (``overlapped_schedule.py``,
+``--max-weight-staleness 1``) and ``FullyAsyncSchedule`` (``fully_async_schedule.py``,
+``--fully-async``); another schedule is one more file implementing ``Schedule``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ class RolloutLoop(Protocol):
 
     def wait_generate(self, k: int, in_flight: Any) -> RolloutData:
         """The answer of ``submit_generate(k)``; retried on a fresh manager when it died."""
+
+    def take(self, k: int) -> RolloutData:
+        """Fully async: rollout k from the rollout manager's buffer (the newest published weights
+        loaded first, at its worker's next token boundary)."""
 
     def manager_restarts(self) -> int:
         """Rollout managers replaced so far (a fresh one holds the trainer's current weights)."""

@@ -19,12 +19,15 @@ from rl_plugin.configs import EngineConfig
 from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
+from rl_plugin.rollout.engines.pause import GenerationGate
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.weight_sync.distributed import abort_waits
 
 # One thread beside the actor's own, for ``abort`` while a call runs (a threaded actor whose
 # default group stays one thread: the calls run in order, on one thread, as before).
 CONTROL_GROUP = {"control": 1}
+# fully async: a weight load that pauses the generation in flight at a token boundary
+WEIGHTS_GROUP = {"weights": 1}
 
 
 class EngineActor:
@@ -35,6 +38,7 @@ class EngineActor:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = make_engine(config, checkpoint_dir, device=device)
         self.receiver = WeightReceiver()
+        self.gate = GenerationGate()  # fully async: the token-boundary pause of generate_pausable
 
     def pid(self) -> int:
         return os.getpid()
@@ -43,6 +47,25 @@ class EngineActor:
         self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int
     ) -> List[Generation]:
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample)
+
+    def generate_pausable(
+        self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int, mode: str, floor: int
+    ) -> List[Generation]:
+        """Fully async: ``generate`` paused at token boundaries by ``update_weights_paused``
+        (partial rollouts, ``rl_plugin.rollout.engines.pause``); ``floor``: the version the
+        engine holds at least (a fresh or resumed manager's first version)."""
+        gate = self.gate
+        gate.mode, gate.version = mode, max(gate.version, int(floor))
+        return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample, gate=gate)
+
+    def update_weights_paused(self, handle: SyncHandle, version: int) -> Dict[str, Any]:
+        """Fully async, on the ``weights`` thread: the load at the next token boundary of the
+        generation in flight (or at once when idle); the tokens after it carry ``version``."""
+        gate = self.gate
+        with gate.exclusive():
+            stats = load_sync(self.engine, self.receiver, handle)
+            gate.version = int(version)
+        return stats
 
     def abort(self) -> None:
         """Abort the generation in progress (the ``hf`` engine between two decode steps); runs on
@@ -71,7 +94,7 @@ class EngineActor:
 
 def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List["ray.actor.ActorHandle"]:
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
-    remote = ray.remote(concurrency_groups=CONTROL_GROUP)(EngineActor)
+    remote = ray.remote(concurrency_groups={**CONTROL_GROUP, **WEIGHTS_GROUP})(EngineActor)
     actors = [
         remote.options(**placement.engine_options(i), max_restarts=0).remote(config, checkpoint_dir)
         for i in range(placement.num_engines)

@@ -60,15 +60,15 @@ def fault_points() -> list:
     return [int(x) for x in spec.split(",") if x.strip()]
 
 
-def generate_ref(actor, rollout_id: int, faults: list, handle=None):
-    """``actor.generate.remote(rollout_id, handle)`` (``handle``: a weight sync to load first, or
-    None); under the test hook, the actor's process is then SIGKILLed (what an OOM kill or a
-    crashed engine looks like to the driver)."""
+def generate_ref(actor, rollout_id: int, faults: list, handle=None, method: str = "generate", *more):
+    """``actor.<method>.remote(rollout_id, handle, *more)`` (``handle``: a weight sync to load first,
+    or None; ``method``: ``generate``, or ``take`` under --fully-async); under the test hook, the
+    actor's process is then SIGKILLed (what an OOM kill or a crashed engine looks like to the driver)."""
     pid = None
     if rollout_id in faults:
         faults.remove(rollout_id)
         pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # asked before the call queues
-    ref = actor.generate.remote(rollout_id, handle)
+    ref = getattr(actor, method).remote(rollout_id, handle, *more)
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
     return ref

@@ -88,6 +88,11 @@ class RolloutClient:
         """Rollout k's generate, the weight sync ``handle`` (or None) loaded first."""
         return generate_ref(self.manager, k, self.faults, handle)
 
+    def submit_take(self, k: int, handle, settings) -> ray.ObjectRef:
+        """Fully async: rollout k from the manager's buffer, the weight sync ``handle`` (or None)
+        loaded first at its worker's next token boundary."""
+        return generate_ref(self.manager, k, self.faults, handle, "take", settings)
+
     def submit_evaluate(self, k: int, handle) -> ray.ObjectRef:
         """The eval after rollout k, the weight sync ``handle`` (or None) loaded first."""
         return self.manager.evaluate.remote(k, handle)

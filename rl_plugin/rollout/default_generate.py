@@ -12,7 +12,7 @@ the ``hf`` engine in the manager's process gets the whole batch in one call.
 The engines answer with ``Generation``s (the engine boundary: engines know no ``Sample``); they
 become ``Sample``s here (``build_samples``), once per rollout, with what the flattener
 (``rollout_data.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
-response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts`` and the status
+response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts``, ``weight_versions`` and the status
 (``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is slime's: the
 record's prompt after the chat template with ``--apply-chat-template`` (the text whose ids the
 engine got, ``--system-prompt`` and ``--apply-chat-template-kwargs`` included), the string itself
@@ -57,6 +57,7 @@ def build_samples(
             label=recs[i // n].label,
             rollout_log_probs=g.log_probs,
             rollout_routed_experts=g.routed_experts,
+            weight_versions=g.weight_versions,  # a pausable generation's (fully async), else None
             metadata=dict(recs[i // n].metadata or {}),  # a copy per sample
             status=done if g.finished else cut,
         )
@@ -84,6 +85,8 @@ class DefaultGenerate:
     ):
         self.tokenizer, self.params = tokenizer, params
         self.engine, self.engine_actors = engine, list(engine_actors)
+        # (actor, prompts, params, seed, first_sample) -> ObjectRef: the engine actors' call
+        self.actor_call = lambda actor, *call: actor.generate.remote(*call)
 
     def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
@@ -104,6 +107,6 @@ class DefaultGenerate:
         refs, start = [], 0
         for actor, groups in zip(self.engine_actors, group_shares(len(prompts) // n, len(self.engine_actors))):
             if groups:
-                refs.append(actor.generate.remote(prompts[start : start + groups * n], self.params, seed, start))
+                refs.append(self.actor_call(actor, prompts[start : start + groups * n], self.params, seed, start))
             start += groups * n
         return [g for part in ray.get(refs) for g in part]

@@ -7,7 +7,9 @@ turns, tool output), the answer is
 
     {"output_ids": [int], "output_log_probs": [float], "finish_reason": "stop" | "length"}
 
-one log-prob per output id, what the engine returns for a plain rollout (the log-prob under the
+one log-prob per output id (and, under ``--fully-async``, ``output_weight_versions``: the weight
+version of each, which a hook may keep in ``sample.weight_versions``; tokens it leaves unversioned
+count as the oldest version of their submission), what the engine returns for a plain rollout (the log-prob under the
 distribution the token was drawn from, at the request's temperature); "stop" when the response
 ends on an EOS id or one of ``stop_token_ids`` (that id is the last output id), "length" when it
 hit ``max_new_tokens``.
@@ -136,18 +138,24 @@ async def generate_tokens(
     ids = _check_ids(input_ids)
     params = router.clamp(ids, sampling_params_of(sampling_params, router.defaults))
     gen = await router.submit(ids, params)
-    return {
+    out = {
         "output_ids": list(gen.response_ids),
         "output_log_probs": list(gen.log_probs),
         "finish_reason": "stop" if gen.finished else "length",
     }
+    if gen.weight_versions is not None:  # --fully-async: a hook may keep them as sample.weight_versions
+        out["output_weight_versions"] = list(gen.weight_versions)
+    return out
 
 
 def cut(gen: Generation, max_new_tokens: int) -> Generation:
     """``gen`` limited to ``max_new_tokens`` output ids (a cut answer did not stop: "length")."""
     if len(gen.response_ids) <= max_new_tokens:
         return gen
-    return Generation(gen.prompt_ids, gen.response_ids[:max_new_tokens], gen.log_probs[:max_new_tokens], False)
+    versions = gen.weight_versions[:max_new_tokens] if gen.weight_versions is not None else None
+    return Generation(
+        gen.prompt_ids, gen.response_ids[:max_new_tokens], gen.log_probs[:max_new_tokens], False, None, versions
+    )
 
 
 class EngineRouter:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -58,6 +57,7 @@ from rl_plugin.rollout.data.dataset import PromptDataset
 from rl_plugin.rollout.data.tokenizer import load_tokenizer
 from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
+from rl_plugin.rollout.engine_weights import EngineWeights
 from rl_plugin.rollout.engines.base import SamplingParams, make_engine
 from rl_plugin.rollout.engines.phases import record
 from rl_plugin.rollout.engines.teacher import make_teacher
@@ -75,7 +75,7 @@ from rl_plugin.rollout.sample_check import (
     say_once,
 )
 from rl_plugin.routing.hf import install_routing_flip
-from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
+from rl_plugin.weight_sync import SyncHandle, WeightReceiver
 from rl_plugin.weight_sync.distributed import abort_waits
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -96,13 +96,7 @@ def _progress_line(line: str) -> None:
     print(line, flush=True)
 
 
-def _for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
-    """The handle as engine ``rank - 1`` reads it: its rank in the distributed group (ranks 1..E;
-    train rank 0 broadcasts), unchanged for the other transports."""
-    return replace(handle, group_rank=rank) if handle.group is not None else handle
-
-
-class RolloutManager:
+class RolloutManager(EngineWeights):
     def __init__(
         self,
         config: RolloutConfig,
@@ -162,6 +156,8 @@ class RolloutManager:
         self._vocab_size: Optional[int] = None
         self._context_len: Optional[int] = None
         self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
+        self._producer = None  # --fully-async: the background worker (``take`` starts it)
+        self._requeued: List[Any] = []  # a resumed fully-async run's prompts to generate first
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
@@ -194,6 +190,12 @@ class RolloutManager:
                 ROUND_SEED_STRIDE,
                 progress=_progress_line,
             )
+        return self._shaped(data, handle, loading)
+
+    def _shaped(self, data: RolloutData, handle, loading) -> RolloutData:
+        """A rollout's data after generation: the test shift, DAPO's over-long penalty, the dataset
+        position and the weight load's answer."""
+        cfg = self.config
         if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
             data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
         if cfg.overlong_buffer_len is not None:
@@ -214,9 +216,24 @@ class RolloutManager:
         self._sleep()
         return data
 
+    def take(self, rollout_id: int, handle: Optional[SyncHandle], settings) -> RolloutData:
+        """Fully async: rollout ``rollout_id`` from the background worker's buffer, ``handle``
+        loaded first at its next token boundary (``async_producer.take_rollout``)."""
+        from rl_plugin.rollout.async_producer import take_rollout
+
+        return take_rollout(self, rollout_id, handle, settings)
+
     def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
         """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
-        ``generate``) and its load answered under ``weight_load``."""
+        ``generate``) and its load answered under ``weight_load``. Fully async: the worker waits at
+        a token boundary for the eval's duration (nothing aborted)."""
+        if self._producer is not None:
+            from rl_plugin.rollout.async_producer import evaluate_paused
+
+            return evaluate_paused(self, rollout_id, handle)
+        return self._evaluate(rollout_id, handle)
+
+    def _evaluate(self, rollout_id: int, handle: Optional[SyncHandle]) -> Dict[str, Any]:
         loading = self._start_load(handle, generating=True)
         if self.eval is None:
             raise ValueError(
@@ -246,9 +263,10 @@ class RolloutManager:
         who = hook.describe() if hook is not None else f"the {self.config.engine.engine} engine"
         return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=hook is not None, who=who)
 
-    def _hook_generate(self, recs, n: int, seed: int) -> List[Sample]:
+    def _hook_generate(self, recs, n: int, seed: int, engine=None) -> List[Sample]:
         """The generate function of ``--custom-generate-function-path``: every sample through the
-        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked."""
+        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked. ``engine``:
+        the in-process engine to use instead (fully async: the gated one)."""
         hook, samples = self.generate_hook, fresh_samples(self.tokenizer, recs, n)
         params = default_sampling_params(self.params)
         out = run_generate_hook(
@@ -256,7 +274,7 @@ class RolloutManager:
             self.hook_args,
             samples,
             params,
-            self._dispatch(),
+            engine_dispatch(engine or self.engine, self.engines),
             seed,
             self.params,
             timeout=self.config.custom_generate_timeout,
@@ -304,18 +322,26 @@ class RolloutManager:
         return samples
 
     def _assemble(
-        self, samples: List[Sample], num_groups: int, gen_time: float, custom: bool = False, who: str = "the engine"
+        self,
+        samples: List[Sample],
+        num_groups: int,
+        gen_time: float,
+        custom: bool = False,
+        who: str = "the engine",
+        rewards: Optional[torch.Tensor] = None,
     ) -> Tuple[RolloutData, List[Sample]]:
         """Samples (groups contiguous) scored and flattened into ``RolloutData``; ``custom``
         (a hook's samples) adds the ``multi_turn/*`` stats and the hook's counts. ``who`` made the
-        samples: the hook or the engine, named when their log-probs or loss mask are refused."""
+        samples: the hook or the engine, named when their log-probs or loss mask are refused.
+        ``rewards``: scored already (fully async scores at put time)."""
         group_size = len(samples) // max(num_groups, 1)
         flat = flatten_samples(samples)
         rl = flat.response_lengths
         check_log_probs(flat.log_probs, flat.loss_mask, rl, samples, who)  # before the reward spends anything on them
         check_trainable(flat.loss_mask, who, len(samples))
         t1 = time.perf_counter()
-        rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
+        if rewards is None:
+            rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
         reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
         stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
         if custom:
@@ -361,74 +387,6 @@ class RolloutManager:
         call: a Ray actor class with an ``async def`` method would become an async actor."""
         return engine_dispatch(self.engine, self.engines)
 
-    # -- weights ------------------------------------------------------------------------------
-    def engine_node_ids(self) -> List[str]:
-        """The Ray node id of every engine process (this actor's when the engine lives here):
-        train rank 0 publishes through shared memory to the engines on its node."""
-        if self.engine is not None:
-            return [node_id()]
-        import ray
-
-        return ray.get([e.node_id.remote() for e in self.engines])
-
-    def update_weights(self, handle: SyncHandle) -> Dict[str, Any]:
-        """Load the sync behind ``handle`` (``rl_plugin.weight_sync``) into every engine,
-        in place; returns the bytes per engine, the slowest engine's seconds and, under
-        --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
-        out = self._finish_load(handle, self._start_load(handle))
-        self._sleep()
-        return out
-
-    def _start_load(self, handle: Optional[SyncHandle], *, generating: bool = False) -> Optional[List[Any]]:
-        """The in-process engine loads ``handle`` now (its stats); engine actors are sent the load
-        (their ObjectRefs: later calls to them run after it). Colocated, the engines wake first:
-        their weights for the load, the rest (KV cache) only when ``generating``."""
-        loading = None
-        if handle is not None:
-            self._engines("wake_up", ("weights",))
-            record(f"engine.load {handle.version}")
-            if self.engine is not None:
-                loading = [load_sync(self.engine, self.receiver, _for_receiver(handle, 1))]
-            else:
-                loading = [e.update_weights.remote(_for_receiver(handle, i + 1)) for i, e in enumerate(self.engines)]
-        if generating:
-            self._engines("wake_up", None)
-        return loading
-
-    def _engines(self, method: str, *args) -> None:
-        """Colocated only (``--colocate``): ``sleep`` / ``wake_up`` on every engine, in order with
-        their other calls (an engine actor runs its calls in order; a sleep is waited for, so the
-        training ranks start on freed memory)."""
-        if not self.colocated:
-            return
-        record(f"engine.{method}" + (f" {','.join(args[0])}" if args and args[0] else ""))
-        if self.engine is not None:
-            getattr(self.engine, method)(*args)
-            return
-        refs = [getattr(e, method).remote(*args) for e in self.engines]
-        if method == "sleep":
-            import ray
-
-            ray.get(refs)
-
-    def _sleep(self) -> None:
-        self._engines("sleep")
-
-    def _finish_load(self, handle: Optional[SyncHandle], loading: Optional[List[Any]]) -> Optional[Dict[str, Any]]:
-        """``update_weights``'s answer for a load ``_start_load`` began (None: none was)."""
-        if loading is None:
-            return None
-        if self.engine is None:
-            import ray
-
-            stats = ray.get(loading)  # every engine's stats
-        else:
-            stats = loading  # the in-process engine's, loaded in _start_load
-        out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
-        if handle.fingerprint is not None:
-            out["fingerprints"] = [s["fingerprint"] for s in stats]
-        return out
-
     # -- stopping -----------------------------------------------------------------------------
     def abort(self) -> Optional[str]:
         """Abort the rollout in progress (``rl_plugin.rollout.abort``; called on the actor's
@@ -441,7 +399,16 @@ class RolloutManager:
 
     # -- resume -------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
-        return {"train_dataset": self.train.state_dict()}
+        """The dataset position; fully async also the prompts taken but not trained on (re-queued,
+        in flight, buffered: ``async_requeue``, record indices), which a resumed run generates
+        again first (the buffer itself is dropped)."""
+        if self._producer is None:
+            return {"train_dataset": self.train.state_dict()}
+        with self._producer.lock:
+            position = self.train.state_dict()
+        return {"train_dataset": position, "async_requeue": [r.index for r in self._producer.pending_records()]}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.train.load_state_dict(state["train_dataset"])
+        by_index = {r.index: r for r in self.train.records}
+        self._requeued = [by_index[i] for i in state.get("async_requeue", [])]

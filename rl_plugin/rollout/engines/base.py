@@ -28,13 +28,16 @@ class Generation:
     and the sampler's log-prob of each of them (``log_probs``, same length). ``routed_experts``
     (engines asked to record them, ``--use-rollout-routing-replay``): ``[T - 1, num_moe_layers,
     top_k]`` int, the experts each token the engine ran through the model was routed to, T =
-    prompt + response length (the last response token is never run; as SGLang / vLLM return them)."""
+    prompt + response length (the last response token is never run; as SGLang / vLLM return them).
+    ``weight_versions`` (a pausable generation, ``engines.pause``): the weight version of each
+    response token, None when the call was not given a gate."""
 
     prompt_ids: List[int]
     response_ids: List[int]
     log_probs: List[float]
     finished: bool
     routed_experts: Optional[torch.Tensor] = None
+    weight_versions: Optional[List[int]] = None
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,11 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0, gate=None
     ) -> List[Generation]:
         # Seeded per call, not per sample: a rollout split over several hf engines samples
-        # differently from one engine (``first_sample`` is unused).
+        # differently from one engine (``first_sample`` is unused). ``gate``: a pausable call
+        # (``engines.pause``; fully asynchronous training), each token's version recorded.
         buckets = defaultdict(list)  # prompt length -> indices, so no bucket needs padding
         for i, p in enumerate(prompts):
             if not p:
@@ -101,17 +102,26 @@ class HFEngine(RolloutEngine):
             # the sampler draws from the global RNG
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
             input_ids = torch.tensor(bucket, dtype=torch.long, device=self.device)
-            with RoutingRecorder(self.model) if self.record_routed_experts else contextlib.nullcontext() as recorder:
-                tokens, log_probs = sampler(
-                    self.model,
-                    input_ids,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    max_new_tokens=params.max_new_tokens,
-                    eos_token_ids=stop_ids,
-                    pad_token_id=self.pad_token_id,
-                )
-            generations = bucket_generations(bucket, tokens, log_probs, eos)
+            versions: List[int] = []
+            pausable = {} if gate is None else self._pausable(gate, blocker, bucket, idx, eos, versions)
+            try:
+                with (
+                    RoutingRecorder(self.model) if self.record_routed_experts else contextlib.nullcontext() as recorder
+                ):
+                    tokens, log_probs = sampler(
+                        self.model,
+                        input_ids,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        max_new_tokens=params.max_new_tokens,
+                        eos_token_ids=stop_ids,
+                        pad_token_id=self.pad_token_id,
+                        **pausable,
+                    )
+            finally:
+                if gate is not None and blocker:
+                    gate.leave()
+            generations = bucket_generations(bucket, tokens, log_probs, eos, versions if gate is not None else None)
             if recorder is not None:
                 # the lean sampler's shared prefill ran the distinct prompts only (hf_sampler._prefill)
                 shared = distinct_prompts(input_ids) if not blocker and self.share_prompt_prefill else None
@@ -119,6 +129,24 @@ class HFEngine(RolloutEngine):
             for i, generation in zip(idx, generations):
                 out[i] = generation
         return out
+
+    @staticmethod
+    def _pausable(gate, blocker, bucket, idx, eos, versions) -> Dict:
+        """The sampler's extra arguments for a pausable bucket (``engines.pause``); the fallback
+        (``model.generate``) cannot pause: the gate is held for the whole call and every token gets
+        the version of its start."""
+        if blocker:
+            versions.append(gate.enter())  # left after the call (``generate``)
+            return {}
+        done = gate.on_generations_done
+
+        def rows_done(rows: List[int], so_far) -> None:
+            tokens, log_probs, step_versions = so_far
+            gens = bucket_generations([bucket[r] for r in rows], tokens[rows], log_probs[rows], eos, step_versions)
+            done([idx[r] for r in rows], gens)
+
+        gate.on_rows_done = rows_done if done is not None else None
+        return {"gate": gate, "versions": versions}
 
     @torch.no_grad()
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -170,17 +198,25 @@ class HFEngine(RolloutEngine):
 
 
 def bucket_generations(
-    prompts: Sequence[List[int]], tokens: torch.Tensor, log_probs: torch.Tensor, eos: torch.Tensor
+    prompts: Sequence[List[int]],
+    tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+    eos: torch.Tensor,
+    versions: Optional[List[int]] = None,
 ) -> List[Generation]:
     """One ``Generation`` per row of a bucket's sampled ``tokens`` / ``log_probs`` [B, S]: the
     response runs through its first eos id (``finished``), else all S steps. One tensor -> list
     conversion per bucket, then plain list slicing per sample; the prompt is copied (a rollout
-    repeats one prompt list for its n samples)."""
+    repeats one prompt list for its n samples). ``versions``: each step's weight version (a
+    pausable call; one entry stands for every step), cut to each response."""
     is_eos = torch.isin(tokens, eos)
     finished = is_eos.any(1)
     lengths = torch.where(finished, is_eos.int().argmax(1) + 1, tokens.shape[1])
     rows = zip(prompts, tokens.tolist(), log_probs.tolist(), lengths.tolist(), finished.tolist())
-    return [Generation(list(p), ids[:n], lps[:n], done) for p, ids, lps, n, done in rows]
+    if versions is None:
+        return [Generation(list(p), ids[:n], lps[:n], done) for p, ids, lps, n, done in rows]
+    steps = versions if len(versions) >= tokens.shape[1] else versions[:1] * tokens.shape[1]
+    return [Generation(list(p), ids[:n], lps[:n], done, None, steps[:n]) for p, ids, lps, n, done in rows]
 
 
 def attach_routed_experts(generations: List[Generation], per_row: torch.Tensor) -> None:

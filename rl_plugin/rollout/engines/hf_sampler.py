@@ -216,11 +216,18 @@ def sample(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     share_prompt_prefill: bool = True,
+    gate=None,
+    versions: Optional[list] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, S], log_probs [B, S]) for prompts ``input_ids`` [B, L], drawing from the global
     RNG exactly as ``model.generate`` would (see the module docstring; check ``model_blocker``
     and ``values_blocker`` first). ``share_prompt_prefill``: prefill each distinct prompt once
-    (the default); False: every row, as generate does (the reference)."""
+    (the default); False: every row, as generate does (the reference).
+
+    ``gate`` (a ``pause.GenerationGate``, fully asynchronous training): offered at every token
+    boundary; when the weight version changed there, the next tokens are drawn under the new
+    weights (``gate.mode`` retract: prompt + tokens so far prefilled again, a fresh cache;
+    in_place: the old cache kept). ``versions`` then receives the version of each step's token."""
     from transformers import DynamicCache
 
     batch, length = input_ids.shape
@@ -230,9 +237,40 @@ def sample(
     pad = torch.tensor(int(pad_token_id), dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    raw = _prefill(model, input_ids, cache, share_prompt_prefill)
+    version = gate.enter() if gate is not None else 0
+    try:
+        raw = _prefill(model, input_ids, cache, share_prompt_prefill)
+        return _decode(
+            model,
+            raw,
+            cache,
+            input_ids,
+            unfinished,
+            eos,
+            pad,
+            temperature,
+            top_p,
+            max_new_tokens,
+            gate,
+            version,
+            versions,
+        )
+    finally:
+        if gate is not None:
+            gate.leave()
+
+
+def _decode(
+    model, raw, cache, input_ids, unfinished, eos, pad, temperature, top_p, max_new_tokens, gate, version, versions
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``sample``'s decode loop from the prompt's last logits ``raw`` (see ``sample``)."""
+    batch, length = input_ids.shape
+    device = input_ids.device
     tokens, log_probs = [], []
+    done_before = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
+        if versions is not None:
+            versions.append(version)
         scaled = raw / temperature if temperature != 1.0 else raw  # x / 1.0 == x exactly
         warped = _top_p_mask(scaled, top_p) if top_p < 1.0 else scaled
         drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
@@ -243,6 +281,21 @@ def sample(
         if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
         abort.check()  # an exit signal's abort: end within one decode step
+        if gate is not None:
+            if gate.on_rows_done is not None and bool((~unfinished & ~done_before).any()):
+                newly = (~unfinished & ~done_before).nonzero().squeeze(1).tolist()
+                done_before |= ~unfinished
+                gate.on_rows_done(newly, (torch.stack(tokens, 1), torch.stack(log_probs, 1), list(versions or [])))
+            now = gate.boundary()
+            if now != version and gate.mode == "retract":
+                version = now  # the tokens so far prefilled again under the new weights, a fresh cache
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+                so_far = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+                raw = _prefill(model, so_far, cache, False)
+                continue
+            version = now  # in_place: the next forward runs the new weights on the old cache
         positions = torch.full((batch, 1), length + step, dtype=torch.long, device=device)
         raw = _forward(model, token[:, None], positions, cache)
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)

@@ -157,8 +157,10 @@ class VLLMEngine(RolloutEngine):
             self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
 
     def generate(
-        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0
+        self, prompts: Sequence[List[int]], params: SamplingParams, *, seed: int, first_sample: int = 0, gate=None
     ) -> List[Generation]:
+        """``gate``: a pausable call (``engines.pause``, fully async; ``vllm_pause``), each token's
+        weight version recorded."""
         from vllm import SamplingParams as VSamplingParams
 
         for i, p in enumerate(prompts):
@@ -179,6 +181,18 @@ class VLLMEngine(RolloutEngine):
             for i in range(len(prompts))
         ]
         lora_request = self.lora.current(self.llm) if self.lora is not None else None
+        if gate is not None:
+            from rl_plugin.rollout.engines.vllm_pause import generate_pausable
+
+            res = generate_pausable(
+                self.llm,
+                prompts,
+                sampling,
+                gate,
+                lambda i: sample_seed(seed, first_sample + i),
+                lora_of=(lambda: self.lora.current(self.llm)) if self.lora is not None else None,
+            )
+            return [Generation(list(p), ids, lps, stop, None, v) for p, (ids, lps, v, stop) in zip(prompts, res)]
         outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
         for p, out in zip(prompts, outs):

@@ -12,7 +12,40 @@ RULES = [
     ("--max-weight-staleness -1", ["--max-weight-staleness: must be >= 0 (got -1)", "use 0 (synchronous) or 1"]),
     (
         "--max-weight-staleness 2",
-        ["--max-weight-staleness 2: only a lag of at most 1 rollout is implemented", "use --max-weight-staleness 1"],
+        ["--max-weight-staleness 2: without --fully-async only a lag of at most 1", "add --fully-async"],
+    ),
+    (
+        "--update-weights-interval 2",
+        ["--update-weights-interval 2: applies to --fully-async only", "add --fully-async"],
+    ),
+    ("--fully-async", ["--fully-async: needs --max-weight-staleness K >= 1", "add --max-weight-staleness 1"]),
+    (
+        "--fully-async --max-weight-staleness 2 --pause-generation-mode abort",
+        ["--pause-generation-mode abort with --fully-async", "miles refuses it", "use --pause-generation-mode retract"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 1 --async-max-concurrent-samples 0",
+        ["--async-max-concurrent-samples: must be >= 1 (got 0)"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 1 --async-data-buffer-capacity-factor 0",
+        ["--async-data-buffer-capacity-factor: must be > 0 (got 0.0)"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 1 --update-weights-interval 0",
+        ["--update-weights-interval: must be >= 1 (got 0)"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 1 --update-weights-interval 2",
+        ["--update-weights-interval 2 with --max-weight-staleness 1", "every group would be dropped"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 2 --colocate",
+        ["--fully-async with --colocate", "cannot overlap training", "drop --colocate"],
+    ),
+    (
+        "--fully-async --max-weight-staleness 1 --rollout-function-path tests.x:y",
+        ["--fully-async with --rollout-function-path", "use --custom-generate-function-path"],
     ),
     (
         "--max-weight-staleness 1 --colocate",
@@ -41,3 +74,26 @@ def test_uncorrected_stale_run_is_warned_naming_both_corrections():
     line = staleness_warning(parse_args(["--max-weight-staleness", "1"]))
     assert line.startswith("warning: --max-weight-staleness 1 without --use-tis")
     assert "mismatch/*" in line and "add --use-tis" in line and "--use-rollout-logprobs" in line
+
+
+def test_fully_async_settings_parse_with_miles_names_and_defaults():
+    args = parse_args(["--fully-async", "--max-weight-staleness", "4"])
+    assert args.fully_async and args.max_weight_staleness == 4
+    assert args.rollout_submission_granularity == "sample" and args.pause_generation_mode == "retract"
+    assert args.async_data_buffer_capacity_factor == 2.0 and args.update_weights_interval == 1
+    assert args.async_unused_samples_handler == "drop" and args.async_max_concurrent_samples is None
+    line = staleness_warning(args)
+    assert line.startswith("warning: --max-weight-staleness 4 without --use-tis") and "up to 4 rollouts" in line
+
+
+def test_routing_replay_with_fully_async_is_refused():
+    """(The embedded default is dense and refuses R3 first: the rule is checked on the config.)"""
+    from rl_plugin.arguments import RLArgumentError
+    from rl_plugin.configs.async_training import AsyncConfig
+
+    args = parse_args(["--fully-async", "--max-weight-staleness", "1"])
+    args.use_rollout_routing_replay = True
+    with pytest.raises(RLArgumentError) as err:
+        AsyncConfig.check(args)
+    msg = str(err.value)
+    assert "--use-rollout-routing-replay with --fully-async" in msg and "not implemented" in msg and "Fix:" in msg

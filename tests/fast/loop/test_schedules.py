@@ -13,6 +13,7 @@ import pytest
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.loop.driver import Driver
+from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
 from rl_plugin.loop.schedule import RolloutLoop, Schedule
 from rl_plugin.loop.sync_schedule import SyncSchedule
@@ -22,8 +23,11 @@ class _Cfg:
     """What a schedule reads of ``LoopConfig``: the rollout count and when a train call publishes
     (here: when a later generate loads it; no eval)."""
 
-    def __init__(self, num_rollout: int):
-        self.num_rollout = num_rollout
+    def __init__(self, num_rollout: int, interval: int = 1, eval_at=()):
+        self.num_rollout, self.update_weights_interval, self.eval_at = num_rollout, interval, set(eval_at)
+
+    def eval_due(self, k: int) -> bool:
+        return k in self.eval_at
 
     def sync_due(self, k: int, ahead: int) -> bool:
         return k + 1 + ahead < self.num_rollout
@@ -60,6 +64,10 @@ class FakeLoop:
             raise LoopError("the manager died too often")
         if k == self.restart_while_generating:
             self.restarts += 1  # a fresh manager, synced with the trainer's current weights
+        return _Data(k)
+
+    def take(self, k):
+        self.calls.append(("take", k))
         return _Data(k)
 
     def manager_restarts(self):
@@ -101,7 +109,7 @@ def test_rollout_loop_is_what_the_driver_offers(impl):
         assert list(inspect.signature(getattr(impl, name)).parameters) == params, name
 
 
-@pytest.mark.parametrize("impl", [SyncSchedule, OverlappedSchedule])
+@pytest.mark.parametrize("impl", [SyncSchedule, OverlappedSchedule, FullyAsyncSchedule])
 def test_schedules_implement_the_protocol(impl):
     for name, params in _methods(Schedule).items():
         assert list(inspect.signature(getattr(impl, name)).parameters) == params, name
@@ -213,3 +221,26 @@ def test_a_rollout_cut_before_its_train_call_stays_pending(schedule):
     pending = s.pending()
     assert pending is not None and pending.rollout_id == 2 and pending.data.k == 2
     assert pending.staleness == (1 if schedule is OverlappedSchedule else 0)
+
+
+def test_fully_async_takes_trains_and_publishes_every_interval_and_before_an_eval():
+    loop = FakeLoop()
+    schedule = FullyAsyncSchedule(loop, _Cfg(5, interval=2, eval_at={2}))
+    _run(schedule, 5)
+    assert loop.calls == [
+        ("take", 0), ("train", 0, False), ("finish", 0, None),
+        ("take", 1), ("train", 1, True), ("finish", 1, None),
+        ("take", 2), ("train", 2, True), ("finish", 2, None),  # the eval after rollout 2 loads them
+        ("take", 3), ("train", 3, True), ("finish", 3, None),
+        ("take", 4), ("train", 4, False), ("finish", 4, None),  # the last: nothing loads them
+    ]  # fmt: skip
+    assert schedule.pending() is None
+    assert {"time/trainer_wait_generate", "time/train"} <= set(loop.finished[0])
+
+
+def test_fully_async_trains_a_resumed_pending_rollout_first():
+    loop = FakeLoop()
+    schedule = FullyAsyncSchedule(loop, _Cfg(4))
+    schedule.resume(PendingRollout(2, _Data(2), 0))
+    _run(schedule, 4, start=2)
+    assert [c[:2] for c in loop.calls if c[0] in ("take", "train")] == [("train", 2), ("take", 3), ("train", 3)]

@@ -1,0 +1,182 @@
+"""Fully async (``--fully-async``): the buffer (``rollout.async_buffer``) and the rollout manager's
+background worker (``rollout.async_producer``) on the real embedded model and ``hf`` engine. A
+weight update is what ``take`` does with a handle: the new weights loaded while the worker waits at
+a token boundary, the engine's version set (``_update`` below, with perturbed weights)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.configs import RolloutConfig
+from rl_plugin.loop.embedded import prepare_embedded
+from rl_plugin.rollout import generate_tokens
+from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
+from rl_plugin.rollout.async_producer import AsyncSettings, take_groups
+from rl_plugin.rollout.manager import RolloutManager
+
+HERE = Path(__file__).resolve()
+
+
+def _group(oldest: int, record="r") -> Group:
+    return Group(samples=[], rewards=[], record=record, oldest_version=oldest, partial=0)
+
+
+def test_buffer_drops_groups_staler_than_the_bound_and_retry_requeues_their_prompts():
+    requeued = []
+    buf = AsyncBuffer(capacity=4, max_staleness=1, handler="retry", requeue=requeued.append)
+    for v, rec in [(0, "a"), (1, "b"), (2, "c")]:
+        assert buf.put(_group(v, rec))
+    got = buf.get(version=2)  # a is 2 behind: dropped and re-queued; b is 1 behind: taken
+    assert got.record == "b" and requeued == ["a"]
+    assert buf.metrics() == {"async/buffer_groups": 1.0, "async/dropped_stale": 1.0}
+    assert buf.metrics()["async/dropped_stale"] == 0.0  # counted since the last call
+    drop = AsyncBuffer(capacity=2, max_staleness=0, handler="drop", requeue=requeued.append)
+    drop.put(_group(0))
+    assert drop.get(version=1, timeout=0.05) is None and requeued == ["a"]
+
+
+def test_buffer_put_waits_while_full_and_offer_never_does():
+    buf = AsyncBuffer(capacity=1, max_staleness=5)
+    assert buf.put(_group(0, "x")) and not buf.offer(_group(0, "y"))
+    t = threading.Thread(target=lambda: buf.put(_group(0, "z")))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # blocked: full
+    assert buf.get(0).record == "x"
+    t.join(2)
+    assert not t.is_alive() and buf.records() == ["z"]
+
+
+async def versioned_two_turn(args, sample, sampling_params):
+    """Two turns with a masked tool turn between (as ``tests/support/turn_hooks.two_turn``), keeping
+    every model token's weight version (``output_weight_versions``)."""
+    first = await generate_tokens(args, sample.tokens, dict(sampling_params, max_new_tokens=3))
+    tool = [3, 11]
+    room = dict(sampling_params, max_new_tokens=sampling_params["max_new_tokens"] - 3)  # within the flag: no cut
+    second = await generate_tokens(args, sample.tokens + first["output_ids"] + tool, room)
+    ids = first["output_ids"] + tool + second["output_ids"]
+    # unversioned outside the fully-async worker (an eval's generations)
+    v1 = first.get("output_weight_versions", [0] * len(first["output_ids"]))
+    v2 = second.get("output_weight_versions", [0] * len(second["output_ids"]))
+    sample.tokens = sample.tokens + ids
+    sample.response_length = len(ids)
+    sample.loss_mask = [1] * len(first["output_ids"]) + [0, 0] + [1] * len(second["output_ids"])
+    sample.rollout_log_probs = first["output_log_probs"] + [0.0, 0.0] + second["output_log_probs"]
+    sample.weight_versions = v1 + [v1[-1] if v1 else (v2[:1] or [0])[0]] * 2 + v2  # the tool's: not trained
+    return sample
+
+
+@pytest.fixture
+def managers():
+    """The managers a test made; their workers stopped after it (a worker left running would draw
+    from the global RNG under the next test's feet)."""
+    made = []
+    yield made
+    for m in made:
+        if m._producer is not None:
+            m._producer.stop()
+
+
+def _manager(tmp_path, *extra):
+    args = parse_train_flags(
+        ["--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--output-dir", str(tmp_path / "out")]
+        + ["--fully-async", "--max-weight-staleness", "1", "--rollout-max-response-len", "24"]
+        + list(extra)
+    )
+    prepare_embedded(args)
+    m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
+    return m, AsyncSettings.of(args)
+
+
+def _update(m, version: int) -> None:
+    """A weight update as ``take`` loads it: at a token boundary, the version set with it."""
+    g = torch.Generator().manual_seed(version)
+    with m._producer.gate.exclusive():
+        with torch.no_grad():
+            for p in m.engine.model.parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=g))
+        m._producer.gate.version = version
+
+
+def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_prompts(tmp_path, managers):
+    m, settings = _manager(tmp_path, "--async-unused-samples-handler", "retry")
+    managers.append(m)
+    m.take(0, None, settings)  # starts the worker at version 0
+    p = m._producer
+    dropped, trained = [], []
+    requeue = p.buffer.requeue
+    p.buffer.requeue = lambda rec: (dropped.append(rec.index), requeue(rec))
+    for k in range(1, 5):
+        time.sleep(0.3)  # the worker fills the buffer meanwhile (a train step's time)
+        _update(m, k)
+        took = take_groups(p, 4, k)
+        for g in took["groups"]:
+            assert g.staleness(k) <= 1, (k, g.oldest_version)
+            assert all(len(s.weight_versions) == s.response_length for s in g.samples)
+            trained.append((k, g.record.index))
+        assert took["metrics"]["async/staleness_max"] <= 1
+    assert dropped, "the buffer held groups older than the bound: some must have been dropped"
+    later = {idx for k, idx in trained}
+    regenerated = [idx for idx in dropped if idx in later]
+    assert regenerated, (dropped, trained)
+    state = m.state_dict()  # the prompts taken but not trained on come back on resume
+    assert state["async_requeue"] and set(state["async_requeue"]) <= {r.index for r in m.train.records}
+    fresh, _ = _manager(tmp_path / "b", "--async-unused-samples-handler", "retry")
+    fresh.load_state_dict(state)
+    assert [r.index for r in fresh._requeued] == state["async_requeue"]
+
+
+def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_path, managers):
+    m, settings = _manager(
+        tmp_path, "--custom-generate-function-path", f"{HERE}:versioned_two_turn", "--eval-prompt-data", ""
+    )
+    managers.append(m)
+    data = m.take(0, None, settings)
+    stop = threading.Event()
+
+    def updates():
+        v = 1
+        while not stop.is_set():
+            _update(m, v)
+            v += 1
+            time.sleep(0.01)
+
+    t = threading.Thread(target=updates)
+    t.start()
+    try:
+        took = take_groups(m._producer, 8, m._producer.gate.version)
+    finally:
+        stop.set()
+        t.join()
+    for g in took["groups"]:
+        for s in g.samples:
+            mask, v = s.loss_mask, s.weight_versions
+            assert len(mask) == len(v) == s.response_length
+            first = mask.index(0)
+            assert mask[first : first + 2] == [0, 0] and s.tokens[s.prompt_length + first :][:2] == [3, 11]
+            assert v == sorted(v)  # versions never go back within a trajectory
+    assert data.loss_mask.min() == 0  # the tool turn stays masked in the trained rollout
+    pauses = m._producer.gate.pauses
+    m.eval = m.train  # held-out prompts: any
+    out = m.evaluate(0)
+    assert m._producer.gate.pauses == pauses + 1 and "eval/reward_mean" in out
+
+
+def test_samples_keep_the_engines_per_token_versions():
+    """``build_samples`` carries a pausable generation's versions (else the worker would stamp the
+    submission's start version on every token, and no trajectory would count as partial)."""
+    from types import SimpleNamespace
+
+    from rl_plugin.rollout.default_generate import build_samples
+    from rl_plugin.rollout.engines.base import Generation
+
+    gens = [Generation([1], [4, 5, 6], [-1.0, -1.0, -1.0], True, None, [3, 3, 4]), Generation([1], [7], [-1.0], True)]
+    rec = SimpleNamespace(prompt="p", label="l", metadata=None)
+    samples = build_samples([rec], gens, ["a", "b"], 2)
+    assert samples[0].weight_versions == [3, 3, 4] and samples[1].weight_versions is None
