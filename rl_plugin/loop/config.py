@@ -51,7 +51,7 @@ class LoopConfig(Declared):
     overlapped: bool = derived(lambda args: args.max_weight_staleness > 0, False)  # --max-weight-staleness > 0
     fully_async: bool = same_as(AsyncConfig, "fully_async")
     # --fully-async: what the rollout manager's worker reads (buffer, concurrency, staleness, pause)
-    async_settings: Optional[AsyncSettings] = derived(lambda a: AsyncSettings.of(a) if a.fully_async else None, None)
+    async_settings: Optional[AsyncSettings] = derived(lambda a: _async_settings(a) if a.fully_async else None, None)
     update_weights_interval: int = same_as(AsyncConfig, "update_weights_interval")
     sync: SyncSettings = nested(SyncSettings)
     save: Optional[str] = same_as(Ckpt, "save")
@@ -84,3 +84,15 @@ class LoopConfig(Declared):
         """Whether the train call of rollout k publishes its weights: some later call loads them
         (the eval after rollout k, or the generate of rollout k + 1 + ``ahead``)."""
         return self.eval_due(k) or k + 1 + ahead < self.num_rollout
+
+
+def _async_settings(args) -> AsyncSettings:
+    """The fully-async worker's settings (``--fully-async`` and its flags), read once here."""
+    return AsyncSettings(
+        max_concurrent=args.async_max_concurrent_samples,
+        granularity=args.rollout_submission_granularity,
+        capacity_factor=float(args.async_data_buffer_capacity_factor),
+        max_staleness=int(args.max_weight_staleness),
+        handler=args.async_unused_samples_handler,
+        pause_mode=args.pause_generation_mode,
+    )

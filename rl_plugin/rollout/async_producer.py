@@ -43,7 +43,8 @@ NO_PARTIAL_ENV = "RL_PLUGIN_ASYNC_NO_PARTIAL"
 
 @dataclass(frozen=True)
 class AsyncSettings:
-    """What the worker reads of the fully-async flags (``configs.async_training``)."""
+    """What the worker reads of the fully-async flags (``configs.async_training``; built once by
+    ``loop.config.LoopConfig``)."""
 
     max_concurrent: Optional[int]  # trajectories in flight (None: the rollout batch)
     granularity: str  # "sample" | "group"
@@ -51,17 +52,6 @@ class AsyncSettings:
     max_staleness: int
     handler: str  # "drop" | "retry"
     pause_mode: str  # "retract" | "in_place"
-
-    @classmethod
-    def of(cls, args) -> "AsyncSettings":
-        return cls(
-            max_concurrent=args.async_max_concurrent_samples,
-            granularity=args.rollout_submission_granularity,
-            capacity_factor=float(args.async_data_buffer_capacity_factor),
-            max_staleness=int(args.max_weight_staleness),
-            handler=args.async_unused_samples_handler,
-            pause_mode=args.pause_generation_mode,
-        )
 
     def concurrent(self, rollout_batch_size: int, n: int) -> int:
         return int(self.max_concurrent or rollout_batch_size * n)

@@ -14,10 +14,11 @@ import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
+from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout import generate_tokens
 from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
-from rl_plugin.rollout.async_producer import AsyncSettings, take_groups
+from rl_plugin.rollout.async_producer import take_groups
 from rl_plugin.rollout.manager import RolloutManager
 
 HERE = Path(__file__).resolve()
@@ -91,7 +92,7 @@ def _manager(tmp_path, *extra):
     )
     prepare_embedded(args)
     m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
-    return m, AsyncSettings.of(args)
+    return m, LoopConfig.from_args(args).async_settings
 
 
 def _update(m, version: int) -> None:
