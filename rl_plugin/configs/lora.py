@@ -147,6 +147,13 @@ class LoraConfig(Declared):
                 "the SGLang engine here loads full weights only (no adapter loading, no merge from a kept base)",
                 "use --rollout-engine vllm (LoRARequest) or hf",
             )
+        if args.rollout_engine == "vllm" and args.fully_async and args.pause_generation_mode == "in_place":
+            fail(
+                "--lora-rank with --rollout-engine vllm --fully-async --pause-generation-mode in_place",
+                "vLLM serves the adapters as a LoRARequest fixed when a request is submitted; a request kept in place "
+                "across a weight update would go on under the old adapters while its tokens are labelled with the new version",
+                "use --pause-generation-mode retract (a retracted request is resubmitted with the new adapters), or --rollout-engine hf",
+            )
         scaling = args.lora_alpha / rank
         if args.check_lora_weight_equal and getattr(args, "rollout_engine", "hf") == "vllm":
             if scaling <= 0 or math.frexp(scaling)[0] != 0.5:  # not a power of two

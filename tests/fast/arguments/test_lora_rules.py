@@ -91,3 +91,12 @@ def test_moe_expert_targets_refused(tmp_path):
     parse_args(
         FSDP + ["--hf-checkpoint", str(tmp_path), *DATA, "--lora-rank", "8"] + ["--target-modules", "q_proj", "v_proj"]
     )
+
+
+def test_vllm_in_place_pause_refused_with_lora():
+    refused(
+        ["--lora-rank", "8", "--rollout-engine", "vllm", "--fully-async", "--max-weight-staleness", "1"]
+        + ["--pause-generation-mode", "in_place"],
+        "--pause-generation-mode in_place",
+        "use --pause-generation-mode retract",
+    )
