@@ -70,6 +70,22 @@ def write_peft_dir(
     return out
 
 
+def write_run_adapters(out_dir: str, adapters: Dict[str, "torch.Tensor"], lora, base_model: Optional[str]) -> Path:
+    """``--save-hf`` of a LoRA run: ``adapters`` as the run's ``LoraConfig`` (``lora``) trained
+    them (targets resolved from ``--target-modules`` / ``--exclude-modules``)."""
+    from rl_plugin.lora.targets import resolve_targets
+
+    return write_peft_dir(
+        out_dir,
+        adapters,
+        rank=lora.lora_rank,
+        alpha=lora.lora_alpha,
+        dropout=lora.lora_dropout,
+        targets=resolve_targets(lora.target_modules, lora.exclude_modules),
+        base_model=base_model,
+    )
+
+
 def missing_files(path: str) -> Tuple[str, ...]:
     """The files of a PEFT adapter directory that ``path`` lacks."""
     return tuple(f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (Path(path) / f).is_file())

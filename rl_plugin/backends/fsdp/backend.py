@@ -54,7 +54,7 @@ from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_ro
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
 from rl_plugin.checkpoint.lora_base import lora_meta
 from rl_plugin.configs import TrainConfig
-from rl_plugin.lora.peft_dir import write_peft_dir
+from rl_plugin.lora.peft_dir import write_run_adapters
 from rl_plugin.lora.targets import resolve_targets
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
@@ -363,16 +363,7 @@ class FSDPBackend(TrainBackend):
             if out_dir:
                 adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
                 if dist.get_rank() == 0:
-                    targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
-                    write_peft_dir(
-                        out_dir,
-                        adapters,
-                        rank=cfg.lora_rank,
-                        alpha=cfg.lora_alpha,
-                        dropout=cfg.lora_dropout,
-                        targets=targets,
-                        base_model=str(self.hf_dir),
-                    )
+                    write_run_adapters(out_dir, adapters, cfg, str(self.hf_dir))
                 dist.barrier()
             if not cfg.save_hf_merged:
                 return

@@ -313,22 +313,12 @@ class MegatronBackend(TrainBackend):
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad).
         With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there)."""
         if self.lora:
-            from rl_plugin.lora.peft_dir import write_peft_dir
-            from rl_plugin.lora.targets import resolve_targets
+            from rl_plugin.lora.peft_dir import write_run_adapters
 
             cfg = self.config.lora
             adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
             if dist.get_rank() == 0:
-                targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
-                write_peft_dir(
-                    path,
-                    adapters,
-                    rank=cfg.lora_rank,
-                    alpha=cfg.lora_alpha,
-                    dropout=cfg.lora_dropout,
-                    targets=targets,
-                    base_model=str(self.hf_dir),
-                )
+                write_run_adapters(path, adapters, cfg, str(self.hf_dir))
             dist.barrier()
             if not cfg.save_hf_merged:
                 return

@@ -236,17 +236,7 @@ def chat_answer(
                 for t, lp in zip(token_texts, log_probs)
             ]
         }
-    out = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(prompt_ids, output_ids),
-    }
-    if want_prompt_ids:
-        out["prompt_token_ids"] = list(prompt_ids)
-    return out
+    return _envelope("chatcmpl", "chat.completion", model, choice, prompt_ids, output_ids, want_prompt_ids)
 
 
 def completion_answer(
@@ -280,9 +270,14 @@ def completion_answer(
             "top_logprobs": None,
             "text_offset": offsets,
         }
+    return _envelope("cmpl", "text_completion", model, choice, prompt_ids, output_ids, want_prompt_ids)
+
+
+def _envelope(id_prefix, kind, model, choice, prompt_ids, output_ids, want_prompt_ids) -> Dict[str, Any]:
+    """The object around one choice: id, kind, time, model, ``usage`` (and the prompt ids on request)."""
     out = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
