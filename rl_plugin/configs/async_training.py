@@ -185,6 +185,14 @@ class AsyncConfig(Declared):
                 "pauses it mid-generation, so a partial trajectory's record would not match its tokens",
                 "drop one of the two (--max-weight-staleness 1 keeps one-step-off training with routing replay)",
             )
+        if getattr(args, "custom_agent_function_path", None):
+            fail(
+                "--fully-async with --custom-agent-function-path",
+                "not implemented: the fully-async worker generates through the sample path (the default generate "
+                "function or a generate hook), not through agent sessions, so the agent would never run",
+                "drop --fully-async (--max-weight-staleness 1 overlaps generation with training), or use a "
+                "--custom-generate-function-path hook",
+            )
         if getattr(args, "rollout_function_path", None):
             fail(
                 "--fully-async with --rollout-function-path",

@@ -48,6 +48,10 @@ RULES = [
         ["--fully-async with --rollout-function-path", "use --custom-generate-function-path"],
     ),
     (
+        "--fully-async --max-weight-staleness 1 --custom-agent-function-path tests.x:y",
+        ["--fully-async with --custom-agent-function-path", "the agent would never run", "drop --fully-async"],
+    ),
+    (
         "--max-weight-staleness 1 --colocate",
         ["--max-weight-staleness 1 with --colocate", "cannot overlap training", "drop --colocate"],
     ),
