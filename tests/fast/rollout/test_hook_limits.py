@@ -219,7 +219,10 @@ def test_a_rollout_function_returning_one_group_twice_is_refused(tmp_path, hooks
         m.generate(0)
 
 
-def test_copied_groups_are_counted_not_refused(tmp_path, hooks, capsys):
+def test_copied_groups_are_counted_not_refused(tmp_path, hooks, capsys, monkeypatch):
+    from rl_plugin.rollout import sample_check
+
+    monkeypatch.setattr(sample_check, "_SAID", set())  # said once per process: an earlier test may have said it
     m = _manager(tmp_path, hooks, "copied_groups", flag="--rollout-function-path")
     data = m.generate(0)
     assert data.stats["rollout/duplicate_groups"] == 1.0

@@ -50,6 +50,7 @@ class _StreamingBackend:
     """A backend's export as the train actor sees it; records the ``host`` it is asked for."""
 
     tied_names = ()
+    lora_enabled = False  # full weights travel (with LoRA: the adapters, ``stream_lora_adapters``)
 
     def __init__(self):
         self.hosts = []
