@@ -59,6 +59,7 @@ from rl_plugin.ray.bundle_order import (
 )
 from rl_plugin.ray.capacity import check_bundles_fit, placement_timeout_error
 from rl_plugin.ray.reaper import Reaper, children, start_reaper
+from rl_plugin.threads import ThreadPlan, is_small_model
 
 PLACEMENT_TIMEOUT_S = 300.0  # resources the cluster has but other jobs hold: how long to wait for them
 COLOCATED_TRAIN_SHARE = 0.75  # of a bundle's GPU/CPU for the training actor when colocated
@@ -221,6 +222,7 @@ class Placement:
     train_bundles: List[int] = field(default_factory=list)  # rank r's bundle; empty: bundle r
     engine_devices: List[str] = field(default_factory=list)  # colocated TP engines: CUDA_VISIBLE_DEVICES each
     train_sites: List[BundleSite] = field(default_factory=list)  # in rank order
+    threads: ThreadPlan = field(default_factory=ThreadPlan.default)  # each role's torch threads
 
     @property
     def num_engines(self) -> int:
@@ -340,4 +342,21 @@ def create_placement(args) -> Placement:
         train_bundles=train_bundles,
         train_sites=train_sites,
         engine_devices=engine_devices,
+        threads=thread_plan(args, pg, train_bundles, rollout_bundle, engine_bundles, gpus),
+    )
+
+
+def thread_plan(args, pg, train_bundles, rollout_bundle: int, engine_bundles, gpus: bool) -> ThreadPlan:
+    """Each role's torch threads (``rl_plugin.threads``) from the bundles' nodes and the schedule:
+    training and generation at once when overlapped or fully async (never colocated); the manager
+    generates only with the ``hf`` engine in it; SFT generates nothing."""
+    node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    sft = args.loss_type == "sft_loss"
+    concurrent = not args.colocate and (bool(args.fully_async) or args.max_weight_staleness >= 1)
+    return ThreadPlan.for_placement(
+        train_nodes=[node_of[b] for b in train_bundles],
+        rollout_node=None if sft or engine_bundles else node_of[rollout_bundle],
+        engine_nodes=[] if sft else [node_of[b] for b in engine_bundles],
+        concurrent=concurrent and not sft,
+        single=gpus or is_small_model(args.hf_checkpoint),
     )

@@ -11,7 +11,7 @@ over the engines and gathers them in group order.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import ray
 
@@ -20,6 +20,7 @@ from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.engines.base import Generation, SamplingParams, make_engine
 from rl_plugin.rollout.engines.pause import GenerationGate
+from rl_plugin.threads import ENGINE_THREADS_ENV, ThreadShare
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver, load_sync, node_id
 from rl_plugin.weight_sync.distributed import abort_waits
 
@@ -31,9 +32,11 @@ WEIGHTS_GROUP = {"weights": 1}
 
 
 class EngineActor:
-    def __init__(self, config: EngineConfig, checkpoint_dir: str):
+    def __init__(self, config: EngineConfig, checkpoint_dir: str, threads: Optional[ThreadShare] = None):
         import torch
 
+        # before the engine: vLLM's CPU worker makes torch.set_num_threads a no-op in its process
+        (threads or ThreadShare(ENGINE_THREADS_ENV)).apply()
         require_cuda(f"rollout engine {config.engine}")  # a GPU bundle without CUDA: fail here, not generate on the CPU
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.engine = make_engine(config, checkpoint_dir, device=device)
@@ -96,7 +99,9 @@ def create_engines(config: EngineConfig, placement, checkpoint_dir: str) -> List
     """Start the engine actors and wait until every one is up (so start-up errors surface here)."""
     remote = ray.remote(concurrency_groups={**CONTROL_GROUP, **WEIGHTS_GROUP})(EngineActor)
     actors = [
-        remote.options(**placement.engine_options(i), max_restarts=0).remote(config, checkpoint_dir)
+        remote.options(**placement.engine_options(i), max_restarts=0).remote(
+            config, checkpoint_dir, placement.threads.engine
+        )
         for i in range(placement.num_engines)
     ]
     ray.get([a.pid.remote() for a in actors])

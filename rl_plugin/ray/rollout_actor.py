@@ -25,7 +25,15 @@ def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str
         actor = (
             ray.remote(concurrency_groups=CONTROL_GROUP)(RolloutManager)  # abort() while generate runs
             .options(**opts, max_restarts=0)
-            .remote(config, checkpoint_dir, train_data, eval_data, engines or None, args=args)
+            .remote(
+                config,
+                checkpoint_dir,
+                train_data,
+                eval_data,
+                engines or None,
+                args=args,
+                threads=placement.threads.rollout,
+            )
         )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:

@@ -35,6 +35,7 @@ from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.ray.gpu_check import require_cuda
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
+from rl_plugin.threads import TRAIN_THREADS_ENV, ThreadShare
 from rl_plugin.weight_sync import node_id
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
@@ -53,7 +54,7 @@ def backend_class(name: str):
 
 
 class TrainActor:
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, threads: Optional[ThreadShare] = None):
         require_cuda(f"train rank {rank}")  # a GPU bundle without CUDA: fail here, not train on gloo
         self.rank, self.world_size = rank, world_size
         self.backend = None
@@ -65,9 +66,8 @@ class TrainActor:
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
         self._stop = threading.Event()  # set by request_stop (an exit signal); read before each step
-        # 1 by default: 2 keep the embedded run's numbers but cost ~10x per rollout on 2 shared
-        # cores (benchmarks/thread_settings.py); a machine with idle cores may set more
-        torch.set_num_threads(int(os.environ.get("RL_PLUGIN_TRAIN_THREADS", "1")))
+        # the node's cores shared with the run's other processes (``rl_plugin.threads``; 1 without a plan)
+        (threads or ThreadShare(TRAIN_THREADS_ENV)).apply()
 
     def address(self) -> Tuple[str, int, int]:
         """(node ip, port, pid): rank 0's ip and port become the rendezvous point. Rank 0 hosts the

@@ -24,10 +24,11 @@ from rl_plugin.ray.cluster import Placement
 from rl_plugin.ray.engine_actor import CONTROL_GROUP
 from rl_plugin.ray.rollout_actor import error_line
 from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, TrainActor
+from rl_plugin.threads import TRAIN_THREADS_ENV
 
 # Driver environment variables handed to the train actors even when the Ray cluster (and its
 # workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, "RL_PLUGIN_TRAIN_THREADS", "RL_PLUGIN_COLOCATION_TRACE")
+FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, TRAIN_THREADS_ENV, "RL_PLUGIN_COLOCATION_TRACE")
 DEATH_GRACE_S = 30.0
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
@@ -60,7 +61,9 @@ class TrainGroup:
             env[DRIVER_PID_ENV] = str(os.getpid())
         opts = {"runtime_env": {"env_vars": env}} if env else {}
         self.actors = [
-            remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(r, self.world_size)
+            remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(
+                r, self.world_size, placement.threads.train
+            )
             for r in range(self.world_size)
         ]
         addrs = self._wait([a.address.remote() for a in self.actors], "address")

@@ -31,7 +31,6 @@ mask's sum); ``reward_mean`` stays the raw reward.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -75,20 +74,12 @@ from rl_plugin.rollout.sample_check import (
     say_once,
 )
 from rl_plugin.routing.hf import install_routing_flip
+from rl_plugin.threads import ROLLOUT_THREADS_ENV, ThreadShare
 from rl_plugin.weight_sync import SyncHandle, WeightReceiver
 from rl_plugin.weight_sync.distributed import abort_waits
 
 EVAL_SEED_OFFSET = 1_000_003
 ROUND_SEED_STRIDE = 3_000_017
-
-
-def rollout_threads() -> int:
-    """Torch threads of the rollout manager's process (the ``hf`` engine runs here):
-    ``RL_PLUGIN_ROLLOUT_THREADS``, default 1 (Ray workers of a cluster started by the run inherit
-    the driver's environment). ``benchmarks/thread_settings.py`` on the embedded run (2 shared
-    cores): 2 threads make the engine's log-probs differ in the last bits (the ``mismatch/*``
-    metrics change) and a rollout ~12x slower (OpenMP hand-offs to descheduled threads)."""
-    return int(os.environ.get("RL_PLUGIN_ROLLOUT_THREADS", "1"))
 
 
 def _progress_line(line: str) -> None:
@@ -105,8 +96,10 @@ class RolloutManager(EngineWeights):
         eval_data: Optional[str],
         engines: Optional[Sequence[Any]] = None,
         args: Any = None,
+        threads: Optional[ThreadShare] = None,
     ):
-        torch.set_num_threads(rollout_threads())
+        # the hf engine's threads when it lives here (``rl_plugin.threads``; 1 without a plan)
+        (threads or ThreadShare(ROLLOUT_THREADS_ENV)).apply()
         self.config = cfg = config
         self.checkpoint_dir = checkpoint_dir
         # handed to the user's rollout hooks as slime's ``args`` (the run's parsed flags), never read here

@@ -58,6 +58,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.routing",
             "rl_plugin.lora",
             "rl_plugin.models",
+            "rl_plugin.threads",
         ),
     ),
     ("loss core", ("rl_plugin.loss",)),
