@@ -7,7 +7,8 @@ completion), the same batch shape (``--prompts`` prompts x ``--samples`` samples
 optimizer step per rollout, ``--response-len`` new tokens at most, temperature 1, top-p 1), the
 same optimizer settings (Adam, lr, betas (0.9, 0.98), no weight decay, clip 1.0, constant LR, no
 KL, clip 0.2 / 0.28, GRPO advantages, ``sample_mean`` = TRL's ``grpo`` loss type). Runs one after
-the other on the same machine, each in its own process; rl_plugin once per ``--engines`` entry.
+the other on the same machine, each in its own process; rl_plugin once per ``--variant`` (or
+``--engines`` entry), TRL last.
 
 Phases, median over the rollouts after the first (warm-up):
 
@@ -24,8 +25,14 @@ Generated tokens/s is response tokens / generate time; train tokens/s counts the
 only (the prompts, ~45 ChatML tokens each, are forwarded too). Not a test: numbers depend on the
 machine and its load; compare within one run of this script.
 
+Time to a reward: per run, the rollout and the loop time (the sum of the step times, start-up
+excluded) at which the mean reward of the last ``--window`` rollouts first reaches each of
+``--thresholds``, and each rl_plugin run's ratio to TRL's.
+
     python -m benchmarks.real_model [--rollouts 6] [--prompts 4] [--samples 8] [--response-len 16]
         [--backend megatron] [--engines hf vllm] [--trl-threads 0] [--rl-flags '...']
+        [--variant sync='--rollout-engine hf' --variant async='--rollout-engine vllm --fully-async ...']
+        [--thresholds 0.5 0.8] [--window 3] [--skip-trl]
 
 Needs the ``real-model`` and ``bench`` extras (``pip install -e .[real-model,bench]``).
 """
@@ -43,6 +50,7 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List
 
+from benchmarks._compare import first_reaching, fmt, parse_variants, ratio
 from benchmarks._runner import ROOT, train_run
 from benchmarks._trl import matched_grpo_config
 
@@ -59,8 +67,8 @@ def prepare(out: Path):
     return ckpt, data / "train.jsonl"
 
 
-def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
-    cmd = ["--train-backend", a.backend, "--rollout-engine", engine]
+def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, name: str, flags: List[str]) -> Dict:
+    cmd = ["--train-backend", a.backend]
     cmd += ["--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--input-key", "messages"]
     cmd += ["--apply-chat-template", "--rm-type", "math_exact", "--num-rollout", str(a.rollouts)]
     cmd += ["--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples)]
@@ -69,8 +77,8 @@ def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
     cmd += ["--lr", str(a.lr), "--loss-aggregation", "sample_mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
     cmd += ["--adam-beta1", "0.9", "--adam-beta2", "0.98", "--adam-eps", "1e-8", "--weight-decay", "0"]
     cmd += ["--clip-grad", "1.0", "--lr-decay-style", "constant", "--seed", str(a.seed)]
-    cmd += shlex.split(a.rl_flags)  # e.g. the loop a user would pick: --fully-async --max-weight-staleness 2 ...
-    done = train_run(cmd, out, what=f"rl_plugin ({a.backend}, {engine})")
+    cmd += flags  # e.g. the loop a user would pick: --rollout-engine vllm --fully-async ...
+    done = train_run(cmd, out, what=f"rl_plugin ({a.backend}, {name})")
     wall = done.wall_s
     rows = [r for r in done.rows if "reward_mean" in r]
     timings = [t for t in done.timings if "time/rollout_total" in t]
@@ -78,7 +86,7 @@ def run_rl_plugin(a, ckpt: Path, data: Path, out: Path, engine: str) -> Dict:
     phases = {p: [t.get(k, 0.0) for t in timings] for p, k in keys.items()}
     phases["step"] = [t["time/rollout_total"] for t in timings]
     return dict(
-        name=f"rl_plugin ({a.backend}, {engine})",
+        name=f"rl_plugin ({a.backend}, {name})",
         rewards=[r["reward_mean"] for r in rows],
         tokens=[r["tokens"] for r in rows],
         phases=phases,
@@ -196,8 +204,7 @@ def _med(xs: List[float]):
     return median(xs) if xs else None
 
 
-def print_table(runs: List[Dict]) -> None:
-    trl = runs[-1]
+def print_table(runs: List[Dict], baseline: bool = True) -> None:
     head = f"{'run':44} " + " ".join(f"{p + ' s':>13}" for p in PHASES) + f" {'gen tok/s':>10} {'train tok/s':>11}"
     print(head)
     rows = []
@@ -210,7 +217,7 @@ def print_table(runs: List[Dict]) -> None:
         cells = " ".join(f"{med[p]:13.2f}" if med[p] is not None else f"{'-':>13}" for p in PHASES)
         print(f"{r['name']:44} {cells} {gen_tps or 0:10.1f} {train_tps or 0:11.1f}")
     _, tmed, _, _ = rows[-1]
-    for r, med, _, _ in rows[:-1]:
+    for r, med, _, _ in rows[:-1] if baseline else []:
         ratios = " ".join(
             f"{med[p] / tmed[p]:13.2f}" if med[p] is not None and tmed.get(p) else f"{'-':>13}" for p in PHASES
         )
@@ -221,7 +228,29 @@ def print_table(runs: List[Dict]) -> None:
         print(
             f"{r['name']:44} reward {rw[0]:.3f} -> {rw[-1]:.3f} over {len(rw)} rollouts; process wall {r['wall_s']:.0f} s"
         )
-    del trl
+
+
+def print_thresholds(a, runs: List[Dict], baseline: bool = True) -> None:
+    """Per run: the rollout and the loop time (the sum of its step times: start-up excluded) at
+    which the trailing ``--window``-step mean reward first reaches each threshold, the mean step
+    time, and each rl_plugin run's ratios to TRL (the last run) when there is one."""
+    head = f"{'run':44} " + " ".join(f"{'step@' + str(t):>9} {'s@' + str(t):>8}" for t in a.thresholds)
+    print(head + f" {'s/step':>7} {'loop s':>7}")
+    cells = []
+    for r in runs:
+        steps = r["phases"]["step"]
+        c = [first_reaching(r["rewards"], steps, t, a.window) for t in a.thresholds]
+        cells.append(c)
+        row = " ".join(f"{fmt(s, '9d')} {fmt(w, '8.1f')}" for s, w in c)
+        print(f"{r['name']:44} {row} {sum(steps) / len(steps):7.2f} {sum(steps):7.1f}")
+    if not baseline:
+        return
+    trl, tc = runs[-1], cells[-1]
+    t_mean = sum(trl["phases"]["step"]) / len(trl["phases"]["step"])
+    for r, c in zip(runs[:-1], cells[:-1]):
+        row = " ".join(f"{ratio(s0, s1):>9} {ratio(w0, w1):>8}" for (s0, w0), (s1, w1) in zip(c, tc))
+        mean = sum(r["phases"]["step"]) / len(r["phases"]["step"])
+        print(f"{'  ratio ' + r['name'][10:] + ' / TRL':44} {row} {ratio(mean, t_mean):>7}")
 
 
 def main(argv=None) -> None:
@@ -238,7 +267,16 @@ def main(argv=None) -> None:
     p.add_argument(
         "--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: TRL's default, torch's own)"
     )
-    p.add_argument("--rl-flags", default="", help="extra rl-plugin-train flags of the rl_plugin runs (one string)")
+    p.add_argument("--rl-flags", default="", help="extra rl-plugin-train flags of every rl_plugin run (one string)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        help="NAME=FLAGS: an rl_plugin run with these flags (repeatable; replaces --engines), "
+        "e.g. async='--rollout-engine vllm --fully-async --max-weight-staleness 2 --use-rollout-logprobs'",
+    )
+    p.add_argument("--thresholds", nargs="+", type=float, default=[0.5, 0.8], help="reward levels to time")
+    p.add_argument("--window", type=int, default=3, help="steps in the trailing mean reward the thresholds read")
+    p.add_argument("--skip-trl", action="store_true", help="rl_plugin runs only (no ratio column)")
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench_real_model"))
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -250,13 +288,20 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     ckpt, data = prepare(out)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs = [run_rl_plugin(a, ckpt, data, out / f"{stamp}_rl_plugin_{e}", e) for e in a.engines]
-    runs.append(run_trl(a, ckpt, data, out / f"{stamp}_trl"))
+    common = shlex.split(a.rl_flags)
+    variants = (
+        parse_variants(a.variant, common) if a.variant else [(e, ["--rollout-engine", e, *common]) for e in a.engines]
+    )
+    runs = [run_rl_plugin(a, ckpt, data, out / f"{stamp}_rl_plugin_{n}", n, f) for n, f in variants]
+    if not a.skip_trl:
+        runs.append(run_trl(a, ckpt, data, out / f"{stamp}_trl"))
     print(
         f"SmolLM2-135M-Instruct, {a.prompts} prompts x {a.samples} samples, <= {a.response_len} new tokens, "
         f"{a.rollouts} rollouts (medians over rollouts 2..{a.rollouts})"
     )
-    print_table(runs)
+    print_table(runs, baseline=not a.skip_trl)
+    print()
+    print_thresholds(a, runs, baseline=not a.skip_trl)
     (out / f"{stamp}_summary.json").write_text(json.dumps(runs, indent=1))
 
 

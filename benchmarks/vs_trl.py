@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 from statistics import median
 from typing import Dict, List, Optional, Tuple
 
+from benchmarks._compare import first_reaching, fmt, parse_variants, ratio
 from benchmarks._runner import ROOT, rewards, train_run
 from benchmarks._trl import matched_grpo_config
 
@@ -257,37 +257,6 @@ def version(pkg: str) -> str:
     from importlib.metadata import version as v
 
     return v(pkg)
-
-
-def first_reaching(rewards: List[float], step_s: List[float], threshold: float, window: int):
-    """(step, loop seconds) at which the trailing ``window``-step mean reward first reaches ``threshold``."""
-    for i in range(window - 1, len(rewards)):
-        if sum(rewards[i - window + 1 : i + 1]) / window >= threshold:
-            return i + 1, sum(step_s[: i + 1])
-    return None, None
-
-
-def fmt(x: Optional[float], spec: str) -> str:
-    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
-    return format(x, spec) if x is not None else "-".rjust(width)
-
-
-def ratio(a: Optional[float], b: Optional[float]) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "-"
-
-
-def parse_variants(specs: Optional[List[str]], extra: List[str]) -> List[Tuple[str, List[str]]]:
-    """``NAME=FLAGS`` (``--variant overlap='--max-weight-staleness 1 --use-tis'``) -> (name, argv);
-    the flags after ``--`` apply to every variant. None: one variant, ``sync``, of those flags."""
-    if not specs:
-        return [("", list(extra))]
-    out = []
-    for spec in specs:
-        name, sep, flags = spec.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--variant {spec!r}: expected NAME=FLAGS, e.g. overlap='--max-weight-staleness 1'")
-        out.append((name, [*extra, *shlex.split(flags)]))
-    return out
 
 
 def print_seed_table(a, runs: List[Dict]) -> List[List[Tuple[Optional[int], Optional[float]]]]:
