@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined in a gloo process group (spawned, free port).
+"""Run a function on N real processes joined in a gloo process group (fresh processes, free port).
 
     results = run_world(fn, world_size, *args)   # fn(rank, world_size, *args) -> picklable
 
@@ -10,7 +10,8 @@ ranks are forked from one server process that imported ``preload`` (torch, trans
 megatron-core, ...) once, instead of each spawned rank importing them again (~4.5 s a call with
 Megatron on 2 cores, ~0.1 s forked). Each rank still starts as a fresh process would: the caller's
 current environment, working directory and ``sys.path``, torch's default seed, a fresh NumPy seed;
-nothing of an earlier call's ranks (the server itself never runs a rank).
+nothing of an earlier call's ranks (the server itself never runs a rank). Only what the preloaded
+modules read from the environment at import time is the server's (the suite sets none of it).
 """
 
 from __future__ import annotations
