@@ -1,8 +1,10 @@
 """Fixtures shared by the whole suite.
 
 - ``run_world``: ``run_world(fn, world_size, *args)`` of ``tests.support.harness``: ``world_size``
-  spawned processes in one gloo group on a free port; ``fn`` must be module-level (spawn imports
-  it by its module name, e.g. ``tests.fast.loss.test_metrics``).
+  fresh processes in one gloo group on a free port; ``fn`` must be module-level (the rank imports
+  it by its module name, e.g. ``tests.fast.loss.test_metrics``). In the suite the ranks are forked
+  from a forkserver that imported ``FORKSERVER_PRELOAD`` once (``harness.use_forkserver``): a
+  spawned rank spent ~4.5 s importing torch, transformers and megatron-core, every call.
 - ``free_port``: a function returning a free TCP port on 127.0.0.1.
 - ``tiny_checkpoint``: ``tiny_checkpoint(family="qwen2", **config)`` -> the path of a seeded tiny
   Hugging Face checkpoint, written once per session (``rl_plugin.models.tiny``); read only.
@@ -19,6 +21,20 @@ from __future__ import annotations
 import pytest
 
 from tests.support import harness
+
+# what the ranks of run_world import (the backends pull in transformers, megatron-core, mbridge)
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "transformers",
+    "rl_plugin.backends.fsdp.backend",
+    "rl_plugin.backends.megatron.backend",
+    "tests.support.harness",
+    "tests.support.fsdp_common",
+    "tests.support.megatron_common",
+]
+harness.use_forkserver(FORKSERVER_PRELOAD)
 
 
 @pytest.fixture(scope="session")
