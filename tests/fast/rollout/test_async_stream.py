@@ -8,7 +8,8 @@ weight load does, ``update_weights_paused``; running it beside the stream is par
 tested): engine 0's groups are then in the buffer while engine 1's are still being generated, and
 the weights engine 1 loads while held (version 1) draw the rest of its tokens (partial
 trajectories). The delivered samples equal, bitwise, those of the whole-submission path
-(``group`` granularity: ``generate_pausable``) for the same seeds and prompts."""
+(``group`` granularity: ``generate_pausable``) for the same seeds and prompts. The vLLM engine
+actor streams too, and a load mid-stream leaves it partial trajectories."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout.async_producer import AsyncProducer
+from rl_plugin.rollout.engines.base import SamplingParams
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.weight_sync import SyncHandle
 from tests.support.local_ray import local_ray_cluster
@@ -32,25 +34,38 @@ N, GROUPS = 4, 4  # a submission: 4 groups of 4, two groups per engine actor
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    import ray
+def cluster(tmp_path_factory):
+    with local_ray_cluster(tmp_path_factory.mktemp("cache"), num_cpus=3):
+        yield
 
+
+def _engines(cfg, count: int, checkpoint: str):
     from rl_plugin.ray.engine_actor import create_engines
 
-    with local_ray_cluster(tmp_path_factory.mktemp("cache"), num_cpus=3):
-        d = tmp_path_factory.mktemp("run")
-        args = parse_train_flags(
-            ["--n-samples-per-prompt", str(N), "--rollout-batch-size", str(GROUPS), "--output-dir", str(d / "out")]
-            + ["--fully-async", "--max-weight-staleness", "1", "--rollout-max-response-len", "24"]
-            + ["--rollout-num-gpus", "2"]
-        )
-        prepare_embedded(args)
-        cfg = RolloutConfig.from_args(args)
-        placement = SimpleNamespace(num_engines=2, engine_options=lambda i: {"num_cpus": 1})
-        engines = create_engines(cfg.engine, placement, args.hf_checkpoint)
-        yield SimpleNamespace(args=args, cfg=cfg, engines=engines, settings=LoopConfig.from_args(args).async_settings)
-        for e in engines:
-            ray.kill(e)
+    placement = SimpleNamespace(num_engines=count, engine_options=lambda i: {"num_cpus": 1})
+    return create_engines(cfg, placement, checkpoint)
+
+
+def _flags(d, *extra):
+    args = parse_train_flags(
+        ["--n-samples-per-prompt", str(N), "--rollout-batch-size", str(GROUPS), "--output-dir", str(d / "out")]
+        + ["--fully-async", "--max-weight-staleness", "1", "--rollout-max-response-len", "24"]
+        + list(extra)
+    )
+    prepare_embedded(args)
+    return args
+
+
+@pytest.fixture(scope="module")
+def setup(cluster, tmp_path_factory):
+    import ray
+
+    args = _flags(tmp_path_factory.mktemp("run"), "--rollout-num-gpus", "2")
+    cfg = RolloutConfig.from_args(args)
+    engines = _engines(cfg.engine, 2, args.hf_checkpoint)
+    yield SimpleNamespace(args=args, cfg=cfg, engines=engines, settings=LoopConfig.from_args(args).async_settings)
+    for e in engines:
+        ray.kill(e)
 
 
 def _manager(setup) -> RolloutManager:
@@ -85,6 +100,30 @@ def _control(actor, fn, *args):
     import ray
 
     return ray.get(actor.__ray_call__.options(concurrency_group="control").remote(fn, *args))
+
+
+def _held_stream(actor, call, version: int):
+    """``actor.generate_stream(*call)`` held mid-generation by ``_hold_mid_generation`` on its
+    ``weights`` thread; once held (at most the first chunks are out), version ``version`` is loaded
+    there. The chunks received before the load, and all of them."""
+    import ray
+
+    _control(actor, _arm)
+    hold = actor.__ray_call__.options(concurrency_group="weights").remote(_hold_mid_generation)
+    stream = actor.generate_stream.remote(*call)
+    deadline = time.monotonic() + 60
+    while not _control(actor, lambda a: a._held.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    handle = _perturbed_handle(actor, version)
+    before = []
+    while True:  # the chunks out so far (a held generation yields nothing more)
+        ready, _ = ray.wait([stream], timeout=0.2)
+        if not ready:
+            break
+        before.append(ray.get(next(stream)))
+    _control(actor, _release, (handle, version))
+    ray.get(hold)
+    return before, before + [ray.get(ref) for ref in stream]
 
 
 def _perturbed_handle(engine_actor, version: int) -> SyncHandle:
@@ -186,3 +225,29 @@ def test_an_engine_actor_streams_samples_as_they_finish_then_the_rest(setup):
     assert [got[i] for i in range(len(prompts))] == whole
     early = {i for part in idx[:-1] for i in part}
     assert max(len(got[i].response_ids) for i in early) < max(len(g.response_ids) for g in whole)
+
+
+def test_the_vllm_engine_actor_streams_and_loads_mid_stream(cluster, tmp_path):
+    """The vLLM engine actor: its stepped generation (``vllm_pause``) runs on the stream's thread,
+    reports finished requests at boundaries, and a load on the ``weights`` thread mid-stream
+    continues the unfinished ones under version 1 (partial trajectories)."""
+    import ray
+
+    args = _flags(tmp_path, "--rollout-engine", "vllm", "--rollout-max-context-len", "64")
+    cfg = RolloutConfig.from_args(args)
+    (actor,) = _engines(cfg.engine, 1, args.hf_checkpoint)
+    try:
+        prompts = [[1, 5, 9, 4]] * 4 + [[1, 7, 3]] * 4
+        params = SamplingParams(0.8, 1.0, 16, stop_token_ids=(2, 7, 12))  # varied lengths
+        before, chunks = _held_stream(actor, (prompts, params, 9, 0, "retract", 0), 1)
+    finally:
+        ray.kill(actor)
+    idx = [i for part, _ in chunks for i in part]
+    assert sorted(idx) == list(range(len(prompts)))
+    assert all(v == 0 for _, gens in before for g in gens for v in g.weight_versions)
+    gens = [g for _, part in chunks for g in part]
+    assert len([part for part, _ in chunks[:-1] if part]) >= 1  # some reported before the call ended
+    for g in gens:
+        assert len(g.weight_versions) == len(g.response_ids) == len(g.log_probs)
+        assert g.weight_versions == sorted(g.weight_versions) and set(g.weight_versions) <= {0, 1}
+    assert any(len(set(g.weight_versions)) == 2 for g in gens), [g.weight_versions for g in gens]
