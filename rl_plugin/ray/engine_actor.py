@@ -11,7 +11,9 @@ over the engines and gathers them in group order.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import queue
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ray
 
@@ -60,6 +62,43 @@ class EngineActor:
         gate = self.gate
         gate.mode, gate.version = mode, max(gate.version, int(floor))
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample, gate=gate)
+
+    def generate_stream(
+        self, prompts: Sequence[List[int]], params: SamplingParams, seed: int, first_sample: int, mode: str, floor: int
+    ) -> Iterator[Tuple[List[int], List[Generation]]]:
+        """Fully async with ``--rollout-submission-granularity sample``: ``generate_pausable`` as a
+        Ray streaming generator. Yields (indices in this call, their finished ``Generation``s) as
+        the engine reports them at token boundaries (``GenerationGate.on_generations_done``), then
+        the rest when the call ends: every index exactly once, each ``Generation`` the object the
+        call returns (same tokens, log-probs and versions as ``generate_pausable``'s). The engine
+        runs on a thread of its own so that this method can yield meanwhile; a load on the
+        ``weights`` thread still pauses it at a token boundary, an ``abort`` still ends it."""
+        chunks: "queue.Queue[Any]" = queue.Queue()
+        result: Dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["gens"] = self.generate_pausable(prompts, params, seed, first_sample, mode, floor)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the stream
+                result["error"] = exc
+            finally:
+                chunks.put(None)
+
+        self.gate.on_generations_done = lambda idx, gens: chunks.put((list(idx), list(gens)))
+        thread = threading.Thread(target=run, name="rl_plugin-engine-stream", daemon=True)
+        thread.start()
+        sent = set()
+        try:
+            while (chunk := chunks.get()) is not None:
+                sent.update(chunk[0])
+                yield chunk
+            thread.join()
+        finally:
+            self.gate.on_generations_done = None
+        if "error" in result:
+            raise result["error"]
+        rest = [i for i in range(len(result["gens"])) if i not in sent]
+        yield rest, [result["gens"][i] for i in rest]
 
     def update_weights_paused(self, handle: SyncHandle, version: int) -> Dict[str, Any]:
         """Fully async, on the ``weights`` thread: the load at the next token boundary of the

@@ -23,7 +23,7 @@ without (``tokenizer.prompt_text``), the same form a generate hook's samples car
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams
 from rl_plugin.rollout.sample import Sample
@@ -38,9 +38,14 @@ def group_shares(num_groups: int, num_engines: int) -> List[int]:
 
 
 def build_samples(
-    recs, gens: Sequence[Generation], responses: Sequence[str], n: int, prompts: Optional[Sequence[Any]] = None
+    recs,
+    gens: Sequence[Generation],
+    responses: Sequence[str],
+    n: int,
+    prompts: Optional[Sequence[Any]] = None,
+    first_group: int = 0,
 ) -> List[Sample]:
-    """The rollout's ``Sample`` objects: group ``g`` is record ``g``'s ``n`` contiguous samples;
+    """The rollout's ``Sample`` objects: group ``first_group + g`` is record ``g``'s ``n`` contiguous samples;
     ``tokens`` are the engine's prompt + response ids, the log-probs and routed experts the
     engine's lists (not copied); ``prompts[g]`` is group ``g``'s ``sample.prompt`` (default: the
     record's prompt as it is)."""
@@ -48,8 +53,8 @@ def build_samples(
     done, cut = Sample.Status.COMPLETED, Sample.Status.TRUNCATED
     return [
         Sample(
-            group_index=i // n,
-            index=i,
+            group_index=first_group + i // n,
+            index=first_group * n + i,
             prompt=prompts[i // n],
             tokens=g.prompt_ids + g.response_ids,
             response=responses[i],
@@ -78,22 +83,35 @@ def check_responses(samples: Sequence[Sample]) -> None:
 
 class DefaultGenerate:
     """``generate(recs, n, seed)`` -> the ``n * len(recs)`` samples of those records (module
-    docstring), on the in-process ``engine`` or the ``engine_actors``."""
+    docstring), on the in-process ``engine`` or the ``engine_actors``.
+
+    Fully async (``rollout.async_producer``) sets ``actor_call`` to the actors' pausable call and,
+    with ``--rollout-submission-granularity sample``, ``on_generations_done``: ``actor_call`` then
+    returns each actor's stream (``EngineActor.generate_stream``), consumed as the actors yield, and
+    ``on_generations_done(indices, generations)`` gets every chunk at once, indices in the whole
+    call (a group never spans two actors: the shares are whole groups)."""
 
     def __init__(
         self, tokenizer, params: SamplingParams, engine: Optional[RolloutEngine], engine_actors: Sequence[Any]
     ):
         self.tokenizer, self.params = tokenizer, params
         self.engine, self.engine_actors = engine, list(engine_actors)
-        # (actor, prompts, params, seed, first_sample) -> ObjectRef: the engine actors' call
+        # (actor, prompts, params, seed, first_sample) -> ObjectRef (a stream with on_generations_done)
         self.actor_call = lambda actor, *call: actor.generate.remote(*call)
+        self.on_generations_done: Optional[Callable[[List[int], List[Generation]], None]] = None
 
     def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
         prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
-        texts = [self.tokenizer.prompt_text(r.prompt) for r in recs]  # sample.prompt (module docstring)
         gens = self.generations([p for p in prompt_ids for _ in range(n)], n, seed=seed)
+        return self.samples(recs, gens, n)
+
+    def samples(self, recs: Sequence, gens: Sequence[Generation], n: int, first_group: int = 0) -> List[Sample]:
+        """Groups ``first_group ..`` of a call: records ``recs``' ``Sample``s from their
+        ``Generation``s (``n`` per record, in order), checked; the one way both a whole call and a
+        group delivered early (fully async) become samples."""
+        texts = [self.tokenizer.prompt_text(r.prompt) for r in recs]  # sample.prompt (module docstring)
         responses = [self.tokenizer.decode(g.response_ids) for g in gens]
-        samples = build_samples(recs, gens, responses, n, prompts=texts)
+        samples = build_samples(recs, gens, responses, n, prompts=texts, first_group=first_group)
         check_responses(samples)
         return samples
 
@@ -104,9 +122,38 @@ class DefaultGenerate:
             return self.engine.generate(prompts, self.params, seed=seed)
         import ray
 
-        refs, start = [], 0
+        refs, starts, start = [], [], 0
         for actor, groups in zip(self.engine_actors, group_shares(len(prompts) // n, len(self.engine_actors))):
             if groups:
                 refs.append(self.actor_call(actor, prompts[start : start + groups * n], self.params, seed, start))
+                starts.append(start)
             start += groups * n
-        return [g for part in ray.get(refs) for g in part]
+        if self.on_generations_done is None:
+            return [g for part in ray.get(refs) for g in part]
+        return self._streamed(refs, starts, len(prompts))
+
+    def _streamed(self, streams: List[Any], starts: List[int], total: int) -> List[Generation]:
+        """The actors' streams consumed as their chunks arrive (whichever actor is first); each
+        chunk goes to ``on_generations_done`` at once, then into its place of the whole call."""
+        import ray
+
+        out: List[Optional[Generation]] = [None] * total
+        live = list(zip(streams, starts))
+        while live:
+            ready, _ = ray.wait([s for s, _ in live], num_returns=1)
+            at = next(k for k, (s, _) in enumerate(live) if s is ready[0])
+            stream, start = live[at]
+            try:
+                idx, gens = ray.get(next(stream))
+            except StopIteration:
+                del live[at]
+                continue
+            idx = [start + i for i in idx]
+            for i, g in zip(idx, gens):
+                out[i] = g
+            if idx:
+                self.on_generations_done(idx, gens)
+        missing = [i for i, g in enumerate(out) if g is None]
+        if missing:
+            raise RuntimeError(f"engine streams ended without samples {missing[:5]} of {total}")
+        return out  # type: ignore[return-value]

@@ -13,10 +13,11 @@ calls (a weight load, an eval) arrive on another thread. ``GenerationGate`` is t
   (every later log-prob is the new weights' exact one), ``in_place`` keeps the KV cache the old
   weights computed.
 
-``on_generations_done`` (optional, set by the producer for ``--rollout-submission-granularity
-sample``) is called at a boundary with the samples of the engine call that finished since the last
-boundary, so their groups can reach the buffer before the longest trajectory ends (the engine
-maps the sampler's ``on_rows_done`` rows to them).
+``on_generations_done`` (optional, set for ``--rollout-submission-granularity sample`` by the
+producer, or by an engine actor's stream, ``EngineActor.generate_stream``) is called at a boundary
+with the samples of the engine call that finished since the last boundary, so their groups can
+reach the buffer before the longest trajectory ends (the hf engine maps the sampler's
+``on_rows_done`` rows to them; vLLM's stepped generation reports its finished requests).
 
 An engine that cannot pause (``model.generate``'s fallback) calls ``enter`` / ``leave`` only: a
 load then waits for the whole call, and its tokens all carry the version of the start.

@@ -184,6 +184,11 @@ class VLLMEngine(RolloutEngine):
         if gate is not None:
             from rl_plugin.rollout.engines.vllm_pause import generate_pausable
 
+            def generation(i: int, result) -> Generation:
+                ids, lps, v, stop = result
+                return Generation(list(prompts[i]), ids, lps, stop, None, v)
+
+            done = gate.on_generations_done  # sample granularity: finished requests at a boundary
             res = generate_pausable(
                 self.llm,
                 prompts,
@@ -191,8 +196,9 @@ class VLLMEngine(RolloutEngine):
                 gate,
                 lambda i: sample_seed(seed, first_sample + i),
                 lora_of=(lambda: self.lora.current(self.llm)) if self.lora is not None else None,
+                on_done=(lambda idx, rs: done(idx, [generation(i, r) for i, r in zip(idx, rs)])) if done else None,
             )
-            return [Generation(list(p), ids, lps, stop, None, v) for p, (ids, lps, v, stop) in zip(prompts, res)]
+            return [generation(i, r) for i, r in enumerate(res)]
         outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
         for p, out in zip(prompts, outs):

@@ -10,7 +10,9 @@ it generated so far as the prompt and the tokens left as ``max_tokens`` (vLLM pr
 under the new weights: every later log-prob is the new weights' own); ``in_place`` lets them run on
 (their KV blocks were computed by the old weights). Each token keeps the version of the step that
 drew it. A resubmitted request is seeded ``sample_seed(seed, i) + attempt``: its continuation is a
-fresh stream, as any sample drawn by other weights is.
+fresh stream, as any sample drawn by other weights is. ``on_done`` (``--rollout-submission-granularity
+sample``, the gate's ``on_generations_done``) gets the requests that finished at each boundary, before
+the gate is offered, so their groups can leave before the call's longest request ends.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ def generate_pausable(
     gate,
     seed_of: Callable[[int], int],
     lora_of: Optional[Callable[[], Any]] = None,
+    on_done: Optional[Callable[[List[int], List[Result]], None]] = None,
 ):
     """One ``Result`` per prompt (``sampling[i]`` its vLLM ``SamplingParams``), paused by ``gate``.
     ``lora_of()`` (LoRA runs) is the ``LoRARequest`` of the newest adapters, asked at every
-    (re)submission: a retracted request continues under the adapters of the new version."""
+    (re)submission: a retracted request continues under the adapters of the new version.
+    ``on_done(indices, results)``: the requests finished since the last boundary, at each boundary
+    while others still run (each reported once; the ones finished at the last step are not: the
+    call returns them). A finished request's lists are never touched again."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -60,6 +66,7 @@ def generate_pausable(
         for i in range(n):
             add(i)
         while engine.has_unfinished_requests():
+            finished: List[int] = []  # this step's
             for out in engine.step():
                 i, a = (int(x) for x in out.request_id.split("-")[0][1:].split("a"))
                 if a != attempt[i] or done[i]:
@@ -72,6 +79,9 @@ def generate_pausable(
                 vers[i] += [version] * len(new)
                 if out.finished:
                     done[i], stopped[i] = True, c.finish_reason == "stop"
+                    finished.append(i)
+            if on_done is not None and finished and engine.has_unfinished_requests():
+                on_done(finished, [(ids[i], lps[i], vers[i], stopped[i]) for i in finished])
             now = gate.boundary()
             if now != version and gate.mode == "retract":
                 live = [i for i in range(n) if not done[i]]

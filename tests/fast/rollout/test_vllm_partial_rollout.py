@@ -50,7 +50,21 @@ def _worker(ckpt: str, mode: str):
     _, new = _new_weights(ckpt)
     prompts = [[1, 5, 9, 4]] * 3 + [[1, 7, 3]] * 2
     gens = eng.generate(prompts, SamplingParams(T, 1.0, 10), seed=5, gate=_Switch(eng, new, mode))
-    return [(g.prompt_ids, g.response_ids, g.log_probs, g.weight_versions) for g in gens]
+    return [(g.prompt_ids, g.response_ids, g.log_probs, g.weight_versions) for g in gens], _reported(eng, new, mode)
+
+
+def _reported(eng, new, mode):
+    """Sample granularity: the requests that finished at each boundary (``on_generations_done``)
+    while others ran on, and the call's own generations; responses of varied lengths (3 of the 16
+    ids stop), a weight switch mid-call."""
+    from rl_plugin.rollout.engines.base import SamplingParams
+
+    chunks = []
+    gate = _Switch(eng, new, mode)
+    gate.on_generations_done = lambda idx, gens: chunks.append((list(idx), list(gens)))
+    params = SamplingParams(T, 1.0, 16, stop_token_ids=(2, 7, 12))
+    gens = eng.generate([[1, 5, 9, 4]] * 4 + [[1, 7, 3]] * 4, params, seed=9, gate=gate)
+    return chunks, gens
 
 
 def _own(ckpt, weights, prompt, response):
@@ -73,8 +87,12 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_vllm_partial_trajectory_log_probs_are_each_versions_own(ckpt, mode):
-    gens = _spawned(_worker, ckpt, mode)
+    gens, (chunks, whole) = _spawned(_worker, ckpt, mode)
     old, new = _new_weights(ckpt)
+    reported = [i for idx, _ in chunks for i in idx]
+    assert reported and len(set(reported)) == len(reported), chunks  # each finished request once
+    assert all(g == whole[i] for idx, part in chunks for i, g in zip(idx, part))  # bitwise the call's own
+    assert max(len(whole[i].response_ids) for i in reported) < max(len(g.response_ids) for g in whole)
     spanning = [g for g in gens if len(set(g[3])) == 2]
     assert spanning, [g[3] for g in gens]
     for _prompt, response, lps, versions in gens:
