@@ -328,6 +328,7 @@ def create_placement(args) -> Placement:
         elif engine_bundles:
             sites = bundle_sites(pg, engine_bundles, [per_engine if gpus else 0] * len(engine_bundles))
             engine_bundles = [s.bundle for s in sorted_sites(sites)]
+        threads = thread_plan(args, pg, train_bundles, rollout_bundle, engine_bundles, gpus)
     except BaseException:
         remove_placement_group(pg)
         raise
@@ -342,7 +343,7 @@ def create_placement(args) -> Placement:
         train_bundles=train_bundles,
         train_sites=train_sites,
         engine_devices=engine_devices,
-        threads=thread_plan(args, pg, train_bundles, rollout_bundle, engine_bundles, gpus),
+        threads=threads,
     )
 
 

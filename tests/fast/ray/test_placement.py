@@ -83,6 +83,10 @@ def _args(**kw):
         context_parallel_size=1,
         placement_device="auto",
         update_weight_transport="auto",
+        loss_type="policy_loss",
+        fully_async=False,
+        max_weight_staleness=0,
+        hf_checkpoint=None,
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -129,6 +133,7 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert [s.gpu_ids for s in sites[:2]] == [(0,), (1,)] and [s.gpu_ids for s in sites[2:]] == [(0,), (1,)]
         # the colocated manager and engine share rank 0's bundle
         assert p.rollout_bundle == p.train_bundles[0]
+        assert p.threads.train.single and p.threads.rollout.single  # GPUs: one torch thread each
 
         with pytest.raises(TrainActorError) as err:  # the loop's own path: the group's first call fails
             TrainGroup(_args(), p)
@@ -155,8 +160,22 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
     cpu = create_placement(_args(placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=2))
     try:  # CPU bundles on a GPU cluster when asked: no GPU ids, rank order = bundle order on one node
         assert not cpu.gpus and [s.gpu_ids for s in cpu.train_sites] == [(), ()]
+        # colocated: phases in sequence; the two ranks share their node, the hf engine has its own turn
+        t = cpu.threads
+        assert (t.train.busy, t.train.single, t.rollout.busy, t.rollout.single) == (2, False, 1, False)
     finally:
         cpu.remove()
+    # overlapped, one rank beside the manager's hf engine (PACK: one node): both phases share it
+    ahead = create_placement(
+        _args(
+            placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=1, colocate=False, max_weight_staleness=1
+        )
+    )
+    try:
+        t = ahead.threads
+        assert (t.train.busy, t.rollout.busy, t.engine.single) == (2, 2, True)
+    finally:
+        ahead.remove()
 
 
 def test_bundles_that_never_fit_are_refused_naming_ask_cluster_and_fix():

@@ -41,8 +41,11 @@ def cluster(tmp_path_factory):
 
 def _engines(cfg, count: int, checkpoint: str):
     from rl_plugin.ray.engine_actor import create_engines
+    from rl_plugin.threads import ThreadPlan
 
-    placement = SimpleNamespace(num_engines=count, engine_options=lambda i: {"num_cpus": 1})
+    placement = SimpleNamespace(
+        num_engines=count, engine_options=lambda i: {"num_cpus": 1}, threads=ThreadPlan.default()
+    )
     return create_engines(cfg, placement, checkpoint)
 
 
