@@ -23,6 +23,6 @@ run() {
 run megatron --train-backend megatron --num-rollout 12 --eval-interval 6
 run fsdp --train-backend fsdp --num-rollout 12 --eval-interval 6
 run overlapped_tis --train-backend megatron --num-rollout 8 --max-weight-staleness 1 --use-tis --eval-interval 4
-RL_PLUGIN_TRAIN="$T" OUT="$OUT/custom_generate" PY=$PY bash examples/calculator_tool_cpu.sh --num-rollout 6 \
+RL_PLUGIN_TRAIN="$T" OUT="$OUT/custom_generate" PYTHON=$PY bash examples/calculator_tool_cpu.sh --num-rollout 6 \
     --no-progress-bar >"$OUT/custom_generate.log" 2>&1
 echo "custom_generate rc=$?"
