@@ -13,9 +13,10 @@ run that compute on it at the same time.
   (``--fully-async``) both phases run at once: every train rank and generating process on the node
   shares it.
 
-One thread in every role when the model is small (under ``SMALL_MODEL_PARAMS``): an op on it is
-too short for a second thread's hand-off to pay. Measured on this project's 2-core CPU machine:
-the embedded 0.03 M-parameter model's synchronous loop ran 1.12-1.33x slower per rollout with
+One thread in every role when the model is small (under ``SMALL_MODEL_PARAMS`` parameters, counted
+from the checkpoint's safetensors headers): an op on it is too short for a second thread's
+hand-off to pay. Measured on this project's 2-core CPU machine:
+the embedded 0.08 M-parameter model's synchronous loop ran 1.12-1.33x slower per rollout with
 2 threads than with 1 (``benchmarks/thread_settings.py``), while SmolLM2-135M trained a 32 x 61
 token step 1.8x faster (19.9 -> 11.0 s) and generated 32 x 16 tokens 1.6x faster (6.9 -> 4.3 s).
 One thread too on GPU placements (the devices compute; a node's ranks would oversubscribe its
@@ -25,11 +26,9 @@ set a count outright when given.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 TRAIN_THREADS_ENV = "RL_PLUGIN_TRAIN_THREADS"  # each train rank
@@ -105,27 +104,7 @@ class ThreadPlan:
         )
 
 
-def model_params(checkpoint_dir: str) -> Optional[int]:
-    """Parameters of the Hugging Face model in ``checkpoint_dir`` from its ``config.json``
-    (decoder layers of attention with grouped KV heads and a gated MLP, embeddings, an untied
-    head): V*h*(1 + untied) + L*(2*h*h + 2*h*kv + 3*h*ffn); experts counted once per expert.
-    None when the config cannot be read."""
-    try:
-        cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-        h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    heads = int(cfg.get("num_attention_heads", 1))
-    kv = int(cfg.get("num_key_value_heads", heads)) * int(cfg.get("head_dim", h // max(1, heads)))
-    ffn = int(cfg.get("intermediate_size", 4 * h))
-    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 1)) or 1)
-    moe_ffn = int(cfg.get("moe_intermediate_size", ffn))
-    mlp = 3 * h * (moe_ffn * experts if experts > 1 else ffn)
-    head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return vocab * h + head + layers * (2 * h * h + 2 * h * kv + mlp)
-
-
-def is_small_model(checkpoint_dir: Optional[str]) -> bool:
-    """True when the model has under ``SMALL_MODEL_PARAMS`` parameters (unknown: not small)."""
-    n = model_params(checkpoint_dir) if checkpoint_dir else None
-    return n is not None and n < SMALL_MODEL_PARAMS
+def is_small_model(parameters: Optional[int]) -> bool:
+    """True when a model of ``parameters`` (``checkpoint.disk_space.parameter_count``: the
+    safetensors headers) is under ``SMALL_MODEL_PARAMS``; unknown (None) is not small."""
+    return parameters is not None and parameters < SMALL_MODEL_PARAMS

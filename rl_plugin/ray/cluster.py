@@ -46,6 +46,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rl_plugin.checkpoint.disk_space import parameter_count
 from rl_plugin.configs.colocation import DISTRIBUTED_TRANSPORTS, refuse_colocated_nccl
 from rl_plugin.configs.engine import check_engine_device
 from rl_plugin.errors import EXIT_SIGNALS, LoopError  # the exit signals are blocked in the local cluster
@@ -358,6 +359,6 @@ def thread_plan(args, pg, train_bundles, rollout_bundle: int, engine_bundles, gp
         train_nodes=[node_of[b] for b in train_bundles],
         rollout_node=None if sft or engine_bundles else node_of[rollout_bundle],
         engine_nodes=[] if sft else [node_of[b] for b in engine_bundles],
-        concurrent=concurrent and not sft,
-        single=gpus or is_small_model(args.hf_checkpoint),
+        concurrent=concurrent,  # SFT: no generating process, so nothing to share with
+        single=gpus or is_small_model(parameter_count(args.hf_checkpoint) if args.hf_checkpoint else None),
     )

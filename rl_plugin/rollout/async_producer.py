@@ -245,6 +245,7 @@ class _EarlyGroups:
 
     def __init__(self, producer: "AsyncProducer", recs: List[Any]):
         self.p, self.recs = producer, recs
+        self.build = DefaultGenerate(producer.m.tokenizer, producer.m.params, None, []).samples
         self.parts: Dict[int, List[Any]] = {}  # group -> its finished generations so far
         self.done: set = set()  # groups delivered, filtered or deferred here
         self.deferred: List[Group] = []
@@ -256,7 +257,7 @@ class _EarlyGroups:
         for g in [g for g, part in self.parts.items() if all(x is not None for x in part)]:
             part, rec = self.parts.pop(g), self.recs[g]
             self.done.add(g)
-            samples = DefaultGenerate(p.m.tokenizer, p.m.params, None, []).samples([rec], part, n, first_group=g)
+            samples = self.build([rec], part, n, first_group=g)
             group = p._group(rec, samples)
             if group is not None and not p._deliver(group, block=False):
                 self.deferred.append(group)

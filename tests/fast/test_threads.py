@@ -4,19 +4,17 @@ environment's counts win."""
 
 from __future__ import annotations
 
-import json
 import os
 
-import pytest
-
+from rl_plugin.checkpoint.disk_space import parameter_count
 from rl_plugin.threads import (
     ENGINE_THREADS_ENV,
     ROLLOUT_THREADS_ENV,
+    SMALL_MODEL_PARAMS,
     TRAIN_THREADS_ENV,
     ThreadPlan,
     ThreadShare,
     is_small_model,
-    model_params,
 )
 
 
@@ -64,36 +62,10 @@ def test_threads_are_the_cores_over_busy_and_the_environment_wins(monkeypatch):
     assert ThreadShare(ROLLOUT_THREADS_ENV, busy=1, single=True).threads() == 3
 
 
-SMOLLM2 = dict(  # SmolLM2-135M-Instruct's config.json (the fields the count reads)
-    hidden_size=576,
-    num_hidden_layers=30,
-    vocab_size=49152,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    tie_word_embeddings=True,
-)
-
-
-@pytest.mark.parametrize(
-    "config, expected, small",
-    [
-        (SMOLLM2, 134_515_008, False),  # sum(p.numel()) of the HF model: norms are the 0.03% not counted
-        (dict(SMOLLM2, tie_word_embeddings=False), 134_515_008 + 49152 * 576, False),
-        (
-            dict(hidden_size=16, num_hidden_layers=2, vocab_size=16, num_attention_heads=2, intermediate_size=32),
-            0,
-            True,
-        ),
-    ],
-)
-def test_model_params_from_config(tmp_path, config, expected, small):
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    n = model_params(str(tmp_path))
-    if expected:
-        assert abs(n - expected) / expected < 1e-3
-    assert is_small_model(str(tmp_path)) is small
-
-
-def test_an_unreadable_config_is_not_small(tmp_path):
-    assert model_params(str(tmp_path)) is None and not is_small_model(str(tmp_path)) and not is_small_model(None)
+def test_small_models_are_counted_from_the_checkpoint(tiny_qwen2, tmp_path):
+    """The tiny test checkpoint (safetensors headers, as ``parameter_count`` reads them) is small;
+    SmolLM2-135M's 134,515,008 is not; a directory without safetensors is unknown, not small."""
+    n = parameter_count(tiny_qwen2)
+    assert n is not None and 0 < n < SMALL_MODEL_PARAMS and is_small_model(n)
+    assert not is_small_model(134_515_008) and not is_small_model(SMALL_MODEL_PARAMS)
+    assert parameter_count(str(tmp_path)) is None and not is_small_model(None)
