@@ -150,12 +150,12 @@ def export_hf(bridge, model) -> Iterator[Tuple[str, torch.Tensor]]:
     from mbridge.core.util import unwrap_model
 
     from rl_plugin.backends.megatron.chunks import chunks_of
-    from rl_plugin.backends.megatron.pipeline_export import _no_grad
+    from rl_plugin.backends.megatron.pipeline_export import without_grad
 
     core = unwrap_model(chunks_of(model)[0])
     if not _one_stage(bridge, core):
         # no_grad: mbridge broadcasts each parameter itself across the pipeline (in place)
-        return _no_grad(bridge.export_weights(chunks_of(model)))
+        return without_grad(bridge.export_weights(chunks_of(model)))
     return _export_one_stage(bridge, core)
 
 

@@ -6,8 +6,8 @@ TP-split adapter tensor's shards to its TP rank 0 (``dist.gather``; column-paral
 rows, row-parallel A by columns, ``lora.LoraAdapters.partition_dim``) and concatenates them; a
 replicated tensor is TP rank 0's own. Stage 0's TP rank 0 (global rank 0) yields its own stage's
 tensors, then every later stage's, sent to it in bounded messages with the same layout exchange
-as the full model's pipelined export (``pipeline_export.message_groups`` / ``_send_stage`` /
-``_stream_rank0``; the per-stage layout is asked once, ``adapter_stage_specs``). Every rank must
+as the full model's pipelined export (``pipeline_export.message_groups`` / ``send_stage`` /
+``stream_to_rank0``; the per-stage layout is asked once, ``adapter_stage_specs``). Every rank must
 exhaust the stream; the others get nothing. The tensors are copies (adapters are small), so they
 stay valid after the next optimizer step.
 
@@ -79,18 +79,18 @@ def stream_adapters(model, stages, *, dp_rank: int, cp_rank: int, tp_rank: int, 
     tensors = _stage_tensors(model, exporter=exporter)
     with torch.no_grad():
         if dist.get_rank() != 0:  # a later stage's TP rank 0 sends to rank 0; its TP peers only gather
-            pipeline_export._send_stage(tensors, stages[pp_rank] if exporter else [])
+            pipeline_export.send_stage(tensors, stages[pp_rank] if exporter else [])
             return
     if len(stages) == 1:
         for name, t in tensors:
             yield name, t.to("cpu")
         return
     core = next(iter(p for _, p, _, _ in local_adapters(model)), None)
-    yield from pipeline_export._stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), _DeviceOf(core))
+    yield from pipeline_export.stream_to_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), _DeviceOf(core))
 
 
 class _DeviceOf:
-    """What ``_stream_rank0`` reads off a core: ``parameters()`` for the receive buffers' device."""
+    """What ``stream_to_rank0`` reads off a core: ``parameters()`` for the receive buffers' device."""
 
     def __init__(self, param):
         self.param = param if param is not None else torch.empty(0)

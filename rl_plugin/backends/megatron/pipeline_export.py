@@ -112,9 +112,9 @@ def stream_gathered_to_rank0(
     tensors = _stage_tensors(bridge, cores, exporter=exporter)
     if dist.get_rank() != 0:  # a later stage's TP rank 0 sends to rank 0; its TP peers only gather
         with torch.no_grad():
-            _send_stage(tensors, stages[bridge.mpu.pp_rank] if exporter else [])
+            send_stage(tensors, stages[bridge.mpu.pp_rank] if exporter else [])
         return
-    yield from _stream_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), cores[0], host)
+    yield from stream_to_rank0(tensors, stages, dist.get_process_group_ranks(pp_group), cores[0], host)
 
 
 def message_groups(stage: List[Spec], budget: int = MESSAGE_BYTES) -> List[List[int]]:
@@ -133,7 +133,7 @@ def message_groups(stage: List[Spec], budget: int = MESSAGE_BYTES) -> List[List[
     return groups
 
 
-def _send_stage(tensors, stage: List[Spec]) -> None:
+def send_stage(tensors, stage: List[Spec]) -> None:
     """A later stage's exporter: its HF tensors to rank 0, one message per ``message_groups``."""
     it = iter(tensors)
     for group in message_groups(stage):
@@ -148,9 +148,9 @@ def _send_stage(tensors, stage: List[Spec]) -> None:
         pass
 
 
-def _stream_rank0(own, stages, exporters, core, host: bool = True):
+def stream_to_rank0(own, stages, exporters, core, host: bool = True):
     """Rank 0: its own stage's tensors, then each later stage's, received message by message."""
-    for name, t in _no_grad(own):
+    for name, t in without_grad(own):
         yield name, t.detach().to("cpu") if host else t.detach()
     device = next(core.parameters()).device
     for stage, src in zip(stages[1:], exporters[1:]):
@@ -163,7 +163,7 @@ def _stream_rank0(own, stages, exporters, core, host: bool = True):
                 yield name, piece.view(shape).to("cpu") if host else piece.view(shape)
 
 
-def _no_grad(gen):
+def without_grad(gen):
     """Each step of ``gen`` under ``torch.no_grad`` (a ``with`` around a ``yield`` would leak the
     mode into the caller between steps)."""
     while True:
