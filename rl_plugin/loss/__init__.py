@@ -21,6 +21,7 @@ from rl_plugin.loss.offpolicy import TIS_LEVELS, TIS_MODES, load_custom_tis_func
 from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, register_policy_loss
 from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
+from rl_plugin.loss.value import value_loss
 from rl_plugin.loss_config import LossConfig
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "register_policy_loss",
     "split_samples_for_dp",
     "to_tokens",
+    "value_loss",
     "token_weights",
     "TIS_LEVELS",
     "TIS_MODES",

@@ -13,7 +13,8 @@ Rewards r_i of N samples with group ids g(i), group size n_g, group mean mu_g, s
 
 sigma_g is the unbiased std (torch's default, as in the GRPO reference code). Every estimator is
 vectorised with ``index_add``; a group of one sample gets A = 0 (grpo/dr_grpo/rloo).
-Advantages are then broadcast to every response token (``to_tokens``).
+Advantages are then broadcast to every response token (``to_tokens``). PPO with a critic
+estimates per token instead: ``gae`` (``gae.py``), re-exported here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Optional
 import torch
 
 from rl_plugin.cp import segment_ids
+from rl_plugin.loss.gae import gae  # noqa: F401 - PPO's estimator over tokens, ``rl_plugin.loss.advantages.gae``
 from rl_plugin.registries import ADVANTAGE_ESTIMATORS  # the names; entries point at the functions below
 
 EPS = 1e-6
