@@ -39,6 +39,7 @@ def test_disk_full_message_from_the_error_or_the_free_space(tmp_path):
     assert disk_full_message(str(tmp_path), "PermissionError: denied", 1024) is None
     said = disk_full_message(str(tmp_path), "OSError: [Errno 28] No space left on device", None)
     assert said.startswith(f"no space left on the device of --save {tmp_path} (") and "MiB free)" in said
-    assert abs(float(said.split("(")[1].split(" MiB")[0]) - free_mib) <= 0.05 * free_mib  # the free space, in MiB (others write meanwhile)
+    reported_mib = float(said.split("(")[1].split(" MiB")[0])
+    assert abs(reported_mib - free_mib) <= 0.05 * free_mib  # the free space (others write meanwhile)
     short = disk_full_message(str(tmp_path), "unrelated", 2**62)  # less free than the last checkpoint took
     assert short is not None and short.endswith(f"; the last checkpoint took {2**62 / 2**20:.1f} MiB)")
