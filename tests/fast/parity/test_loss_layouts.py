@@ -283,9 +283,6 @@ def tis_combos():
     return combos
 
 
-MAX_ERR: dict = {}
-
-
 @pytest.mark.parametrize("dp,cp", LAYOUTS, ids=[f"dp{d}-cp{c}" for d, c in LAYOUTS])
 def test_objective_and_gradient_match_reference(run_world, dp, cp, step, references):
     combos = list(itertools.product(("thd", "bshd"), (1, 3), (torch.float64, torch.float32), MODES, KINDS))
@@ -298,6 +295,7 @@ def test_objective_and_gradient_match_reference(run_world, dp, cp, step, referen
     results = run_world(_worker, dp * cp, dp, cp, step, combos)[0]
     log_scale = max(1.0, max_abs(step["logp"], step["old"], step["ref"]))  # L in the module docstring
     n = step["total"].numel()
+    worst = (0.0, "")
     for (fmt, mbs, dtype, mode, kind), (j, grad, reported, report) in results.items():
         j_ref, g_ref = references[(mode, kind)]
         if kind == "ds-scale":  # DeepSpeed: backward objective J / N, reported loss J
@@ -335,13 +333,6 @@ def test_objective_and_gradient_match_reference(run_world, dp, cp, step, referen
         assert abs(reported - j_ref) <= tol * scale, f"{where}: reported loss {reported!r} != J {j_ref!r}"
         err = float((grad - g_ref).abs().max()) / gscale
         assert err <= tol, f"{where}: max relative grad error {err:.3e}"
-        key = (mode, kind, dtype)
-        MAX_ERR[key] = max(MAX_ERR.get(key, 0.0), abs(j - j_ref) / scale, err)
-
-
-def test_report_max_errors():
-    """Prints the largest parity error per mode (collected by the test above; -s to see it)."""
-    if not MAX_ERR:
-        pytest.skip("parity test did not run")
-    for key in sorted(MAX_ERR):
-        print("max parity error", key, f"{MAX_ERR[key]:.2e}")
+        worst = max(worst, (max(abs(j - j_ref) / scale, err) / tol, where))
+    # every combination is within its bound (asserted above); the closest one, for the log (-s)
+    print(f"\ndp={dp} cp={cp}: largest error {worst[0]:.2f} of its tolerance ({worst[1]})")

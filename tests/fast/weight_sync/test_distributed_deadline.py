@@ -5,7 +5,7 @@ sync itself (group, plan, broadcasts) runs under ``RL_PLUGIN_WEIGHT_GROUP_TIMEOU
 processes on gloo, a real HF engine: a train call three times longer than the deadline still
 syncs bitwise; a receiver that dies mid-sync ends the sync on train rank 0 and on the other
 receiver as ``WeightSyncError`` within the deadline (no hang); an abort ends a receiver's wait.
-The loop replacing an engine that died mid-sync: ``test_distributed_transport.py``'s loop test.
+The loop replacing an engine that died mid-sync: ``test_distributed.py``'s loop test.
 """
 
 from __future__ import annotations

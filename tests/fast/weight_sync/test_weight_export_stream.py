@@ -160,16 +160,3 @@ def test_a_stream_that_disagrees_with_its_specs_fails_loud():
         )
     finally:
         pub.close()
-
-
-def test_pipeline_messages_pack_runs_of_one_dtype_within_the_budget():
-    """The pipelined export's messages (``pipeline_export.message_groups``): consecutive tensors of
-    one dtype share a message up to the byte budget; a dtype change or a tensor past the budget
-    starts a new one; a tensor larger than the budget goes alone."""
-    from rl_plugin.backends.megatron.pipeline_export import message_groups
-
-    f32, bf16 = torch.float32, torch.bfloat16
-    specs = [("a", (4,), f32), ("b", (2, 2), f32), ("c", (3,), bf16), ("d", (100,), f32), ("e", (1,), f32)]
-    assert message_groups(specs, budget=40) == [[0, 1], [2], [3], [4]]
-    assert message_groups(specs, budget=1 << 20) == [[0, 1], [2], [3, 4]]
-    assert message_groups([], budget=40) == []

@@ -71,7 +71,7 @@ def test_packed_seq_params_on_the_model_device(cp_size):
 def test_idle_pass_shape_is_valid_under_sequence_parallel_and_cp(tp, cp_size, qkv_format):
     """Item 4: an EP idle pass sent one token; under --sequence-parallel its sequence must split
     over TP, and under CP > 1 each rank's share is two zigzag chunks (the rules of
-    ``cp.sequence_parallel_padding`` / ``tests/fast/test_sequence_parallel_padding.py``)."""
+    ``cp.sequence_parallel_padding`` / ``tests/fast/backends/megatron/test_forward.py``)."""
     for cp_rank in range(cp_size):
         model = _RecordingModel("cpu", tp=tp, sp=tp > 1)
         out = step.idle_forward(model, torch.device("cpu"), cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format)

@@ -32,7 +32,14 @@ def test_sequence_parallel_without_transformer_engine_fails_loud():
 
 
 def test_context_parallel_one_is_fine():
-    setup.check_supported(model_config())
+    """The boundary is CP > 1: the default layout (CP 1) passes, and the same flags with CP 2 are
+    refused on this installation (no transformer-engine), naming the flag."""
+    cfg = model_config()
+    assert cfg.context_parallel_size == 1 and not cfg.sequence_parallel
+    assert setup.check_supported(cfg) is None
+    if not transformer_engine_available():
+        with pytest.raises(MegatronSetupError, match=r"--context-parallel-size 2"):
+            setup.check_supported(model_config("--context-parallel-size", "2", world_size=2))
 
 
 def test_pipeline_parallel_is_supported():

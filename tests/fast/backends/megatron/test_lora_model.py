@@ -34,12 +34,19 @@ def test_refused_layouts_name_the_flag(flags, experts, words):
 
 
 def test_no_lora_checks_nothing():
-    from rl_plugin.backends.megatron.lora_model import check_lora_supported
+    """The rules are LoRA's: without ``--lora-rank`` a CP 2 MoE layout passes, and the same layout
+    with ``--lora-rank`` is refused (so the pass is the disabled LoRA's, not a missed rule)."""
+    from rl_plugin.backends.megatron.lora_model import LoraSetupError, check_lora_supported
     from rl_plugin.configs import TrainConfig
     from tests.support.megatron_common import make_args
 
     cfg = TrainConfig.from_args(make_args("--context-parallel-size", "2", world_size=2))
-    check_lora_supported(cfg.model, cfg.lora, num_experts=4)
+    assert not cfg.lora.enabled and cfg.model.context_parallel_size == 2
+    assert check_lora_supported(cfg.model, cfg.lora, num_experts=4) is None
+    model, lora = _cfgs("--context-parallel-size", "2")
+    assert lora.enabled
+    with pytest.raises(LoraSetupError, match="--lora-rank with --context-parallel-size 2"):
+        check_lora_supported(model, lora, num_experts=4)
 
 
 def test_fused_layout_interleaves_per_group():
