@@ -3,8 +3,8 @@ flags, read everywhere below. A config declares its own flags (``rl_plugin.flags
 
 The loop parses and validates the flags (``rl_plugin.arguments``), then builds these once;
 backends, train actors and the rollout side receive them and never see the ``Namespace``. Every
-value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
-default)`` below the CLI); a value derived from several flags is computed here, once.
+value comes from the parser, whose defaults are the only defaults (no second default read off
+the namespace below the CLI); a value derived from several flags is computed here, once.
 
 - ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed,
   ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
