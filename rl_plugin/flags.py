@@ -95,8 +95,12 @@ class Flag:
             kwargs["choices"] = list(self.choices() if callable(self.choices) else self.choices)
         return kwargs
 
-    def read(self, args) -> Any:
-        return getattr(args, self.dest)
+    def read(self, args, load_user_code: bool = True) -> Any:
+        """The flag's value in the parsed namespace ``args`` (the one reader of it: a config is
+        built from it). Megatron-LM's own flag absent from Megatron-LM's namespace (a version
+        without it: our parser then defines it neither) reads as its declared default."""
+        given = vars(args)
+        return given.get(self.dest, self.default) if self.megatron else given[self.dest]
 
 
 @dataclass(frozen=True)
@@ -109,19 +113,21 @@ class SameAs:
     def flag(self) -> Flag:
         return flag_of(self.owner, self.name)
 
-    def read(self, args) -> Any:
+    def read(self, args, load_user_code: bool = True) -> Any:
         return self.flag().read(args)
 
 
 @dataclass(frozen=True)
 class Derived:
     """A field computed from the parsed flags, once, when the config is built; ``inputs`` are the
-    flags it declares (read only through ``fn``)."""
+    flags it declares (read only through ``fn``). ``user_code``: ``fn`` loads a user function
+    (skipped, the field left at its default, when the tree is built only to check the rules)."""
 
     fn: Callable[[Any], Any]
     inputs: Tuple[Flag, ...] = ()
+    user_code: bool = False
 
-    def read(self, args) -> Any:
+    def read(self, args, load_user_code: bool = True) -> Any:
         return self.fn(args)
 
 
@@ -132,8 +138,8 @@ RUNTIME = "runtime"  # the spec of a field that is no flag (``runtime``)
 class Nested:
     cls: type
 
-    def read(self, args) -> Any:
-        return from_args(self.cls, args)
+    def read(self, args, load_user_code: bool = True) -> Any:
+        return from_args(self.cls, args, load_user_code=load_user_code)
 
 
 def option(
@@ -174,10 +180,11 @@ def same_as(owner: type, name: str):
     return field(default=spec.default, metadata={SPEC: SameAs(owner, name)})
 
 
-def derived(fn: Callable[[Any], Any], default: Any, *, inputs: Sequence[Flag] = ()):
+def derived(fn: Callable[[Any], Any], default: Any, *, inputs: Sequence[Flag] = (), user_code: bool = False):
     """A field computed from the parsed flags: ``fn(args)``; ``default`` when built by hand (it
-    equals ``fn`` of the parser's defaults). ``inputs``: the flags it declares (``option(...)``)."""
-    return field(default=default, metadata={SPEC: Derived(fn, tuple(inputs))})
+    equals ``fn`` of the parser's defaults). ``inputs``: the flags it declares (``option(...)``);
+    ``user_code``: ``fn`` loads a user function named by a flag (see ``from_args``)."""
+    return field(default=default, metadata={SPEC: Derived(fn, tuple(inputs), user_code)})
 
 
 def runtime(default: Any = None):
@@ -218,32 +225,43 @@ def declared_flags(cls: type) -> Iterator[Tuple[str, Flag]]:
                 yield f.name, one
 
 
-def from_args(cls: type, args, **given):
+def from_args(cls: type, args, *, load_user_code: bool = True, **given):
     """Build ``cls`` from parsed flags; ``given`` fields are taken as they are. A field without a
-    spec keeps its default (runtime state, e.g. a loaded function, is passed in ``given``)."""
+    spec keeps its default (runtime state is passed in ``given``). ``load_user_code=False``: the
+    ``derived(..., user_code=True)`` fields keep their defaults (the tree the rules check is built
+    before the functions the flags name are known to load; the rules name a bad one)."""
     if not is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass config")
     values = dict(given)
     for f in fields(cls):
         spec = f.metadata.get(SPEC)
-        if f.name not in values and spec is not None and spec is not RUNTIME and f.init:
-            values[f.name] = spec.read(args)
+        if f.name in values or spec is None or spec is RUNTIME or not f.init:
+            continue
+        if isinstance(spec, Derived) and spec.user_code and not load_user_code:
+            continue
+        values[f.name] = spec.read(args, load_user_code)
     return cls(**values)
 
 
-def check_bounds(cls: type, args) -> None:
-    """Every declared flag of ``cls`` with ``bounds`` holds them (a flag a foreign parser lacks, or
-    left unset (None), is skipped). Raises ``RLArgumentError`` naming the flag, the range and a fix."""
+def check_bounds(config) -> None:
+    """Every flag field of the config instance ``config`` with ``bounds`` holds them (a value left
+    unset, None, is skipped). Raises ``RLArgumentError`` naming the flag, the range and a fix."""
     from rl_plugin.errors import fail
 
-    for _, spec in declared_flags(cls):
-        value = getattr(args, spec.dest, None)
-        if spec.bounds is not None and value is not None and not spec.bounds.holds(value):
+    for f in fields(config):
+        spec = f.metadata.get(SPEC)
+        if not isinstance(spec, Flag) or spec.bounds is None:
+            continue
+        value = getattr(config, f.name)
+        if value is not None and not spec.bounds.holds(value):
             fail(spec.names[0], f"must be {spec.bounds.describe()} (got {value})", f"use e.g. {spec.bounds.example}")
 
 
 class Declared:
-    """Base of a declared config: ``Config.from_args(args, **given)`` is ``from_args(Config, ...)``."""
+    """Base of a declared config: ``Config.from_args(args, **given)`` is ``from_args(Config, ...)``.
+    Its rules are the instance methods ``check(run)`` (and ``check_world(run, dp_size=...)``),
+    ``run`` the whole tree (``rl_plugin.configs.run.RunConfig``): a rule reads its own fields and
+    the other configs' through the tree, never the namespace."""
 
     @classmethod
     def from_args(cls, args, **given):

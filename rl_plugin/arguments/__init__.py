@@ -2,17 +2,19 @@
 
 - ``add_rl_arguments(parser) -> parser``: adds the RL flags. Works on our own parser and as
   Megatron-LM's ``extra_args_provider`` (flags Megatron-LM already defines are not redefined).
-- ``validate_rl_args(args)``: phase 1, static checks; raises ``RLArgumentError`` naming the flags,
-  the rule and the fix; then writes the derived settings once (``--calculate-per-token-loss`` <=>
-  ``--loss-aggregation token_mean``). The rules never write ``args``, so their order is free.
+- ``validate_rl_args(args)``: phase 1, static checks: builds the typed tree of ``args``
+  (``rl_plugin.configs.run.RunConfig``) and runs every config's rules on it; raises
+  ``RLArgumentError`` naming the flags, the rule and the fix; then writes the derived settings once
+  (``--calculate-per-token-loss`` <=> ``--loss-aggregation token_mean``). The rules read config
+  instances, never ``args``, so their order is free.
 - ``validate_world(args, dp_size=...)``: phase 2, checks that need the world (DP size).
 - ``build_parser()``: our standalone parser = Megatron-LM compat flags + RL flags.
 
 Flags are declared on the typed configs (``rl_plugin.flags``: a dataclass field carries its flag,
-default, help, choices and range); ``_configs()`` lists the classes that declare flags, and ``GROUPS``
-the ``--help`` sections in the order a user reads them (the run, then the objective, then the
-machinery). A config's rules are its classmethods ``check(args)`` (and ``check_world(args,
-dp_size=...)``); ranges are declared on the field (``bounds``). Each flag is defined once
+default, help, choices and range); ``_configs()`` lists the classes that declare flags (the run
+config's tree), and ``GROUPS`` the ``--help`` sections in the order a user reads them (the run, then
+the objective, then the machinery). A config's rules are its methods ``check(run)`` (and
+``check_world(run, dp_size=...)``) on the built tree; ranges are declared on the field (``bounds``). Each flag is defined once
 (``_util.add_flag`` raises on a second rl_plugin definition).
 """
 
@@ -22,7 +24,7 @@ import argparse
 from typing import List, Optional
 
 from rl_plugin.arguments._util import RLArgumentError, add_flag
-from rl_plugin.flags import check_bounds, declared_flags
+from rl_plugin.flags import declared_flags
 
 # The --help sections, in order: (title, description). A declared flag names its section.
 GROUPS = (
@@ -76,51 +78,12 @@ MEGATRON_GROUP = "megatron"
 
 
 def _configs():
-    """The config classes that declare flags, in --help order within each section (a nested
-    config is listed itself: ``declared_flags`` reads one class's own fields)."""
-    from rl_plugin.configs import (
-        BatchingConfig,
-        EngineConfig,
-        ModelConfig,
-        MoEConfig,
-        OptimizerConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-    from rl_plugin.configs.async_training import AsyncConfig
-    from rl_plugin.configs.checkpointing import CheckpointConfig
-    from rl_plugin.configs.cluster import ClusterConfig
-    from rl_plugin.configs.colocation import ColocationConfig
-    from rl_plugin.configs.custom_generation import CustomGenerationConfig
-    from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
-    from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
-    from rl_plugin.configs.logging import LoggingConfig
-    from rl_plugin.configs.lora import LoraConfig
-    from rl_plugin.configs.rewards import RewardConfig
-    from rl_plugin.loss_config import LossConfig
-    from rl_plugin.weight_sync import SyncSettings
+    """The config classes that declare flags: the run config's tree (``configs.run.config_classes``),
+    depth first in field order, which is also the order of the flags inside each ``--help`` section
+    (``declared_flags`` reads one class's own fields, so a nested config is listed itself)."""
+    from rl_plugin.configs.run import RunConfig, config_classes
 
-    return (
-        TrainConfig,
-        ModelConfig,
-        MoEConfig,
-        BatchingConfig,
-        LossConfig,
-        OptimizerConfig,
-        LoraConfig,
-        RolloutConfig,
-        EngineConfig,
-        RewardConfig,
-        CustomGenerationConfig,
-        DynamicSamplingConfig,
-        SyncSettings,
-        ClusterConfig,
-        ColocationConfig,
-        CheckpointConfig,
-        FaultToleranceConfig,
-        LoggingConfig,
-        AsyncConfig,
-    )
+    return tuple(c for c in config_classes(RunConfig) if c is not RunConfig)
 
 
 def _add_declared(parser: argparse.ArgumentParser, *, megatron: bool) -> None:
@@ -144,18 +107,24 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Phase 1: every module's rules, then the derived settings, written once.
+def run_config_of(args: argparse.Namespace, *, load_user_code: bool = False):
+    """The typed tree of ``args`` (``rl_plugin.configs.run.RunConfig``): without the user functions
+    by default (the tree the rules check; the loop builds its own once, with them)."""
+    from rl_plugin.configs.run import RunConfig
 
-    A rule only reads the flags as given (a derived value it needs comes from a pure function such
-    as ``LossConfig.resolved_mode``), so the rules can run in any order and never see another
-    rule's writes; ``_resolve`` then writes the one derived setting. Idempotent."""
-    for cls in _configs():
-        check_bounds(cls, args)
-    for cls in _configs():
-        check = getattr(cls, "check", None)
-        if check is not None:
-            check(args)
+    return RunConfig.from_args(args, load_user_code=load_user_code)
+
+
+def validate_rl_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Phase 1: the tree of ``args`` is built and every config's rules check it
+    (``rl_plugin.configs.run.check``), then the derived settings are written once.
+
+    A rule reads the config instances (its own fields, the others' through the tree), never
+    another rule's result, so the rules can run in any order; ``_resolve`` then writes the one
+    derived setting Megatron-LM's own code reads off the namespace. Idempotent."""
+    from rl_plugin.configs.run import check
+
+    check(run_config_of(args))
     _resolve(args)
     return args
 
@@ -172,10 +141,10 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def validate_world(args: argparse.Namespace, *, dp_size: int) -> None:
-    for cls in _configs():
-        check = getattr(cls, "check_world", None)
-        if check is not None:
-            check(args, dp_size=dp_size)
+    """Phase 2: the rules that need the data-parallel size, on the tree of ``args``."""
+    from rl_plugin.configs.run import check_world
+
+    check_world(run_config_of(args), dp_size=dp_size)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,9 +162,12 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def with_loss_type_defaults(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
-    """``--loss-type sft_loss``: a conversation is one sample, so --n-samples-per-prompt defaults to
-    1 (an explicit value > 1 is refused by ``LossTypeSettings.check``); other runs unchanged."""
-    if args.loss_type != "sft_loss":
+    """The SFT mode (``--loss-type sft_loss``): a conversation is one sample, so
+    --n-samples-per-prompt defaults to 1 (an explicit value > 1 is refused by
+    ``LossTypeSettings.check``); other runs unchanged."""
+    from rl_plugin.configs.mode import Mode
+
+    if Mode.of_flags(args) is not Mode.SFT:
         return args
     parser.set_defaults(n_samples_per_prompt=1)
     return parser.parse_args(argv)

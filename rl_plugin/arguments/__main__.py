@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import sys
 
-from rl_plugin.arguments import RLArgumentError, validate_world
-from rl_plugin.arguments.embedded import check_model_and_data, parse_train_flags
-from rl_plugin.arguments.paths import validate_paths
-from rl_plugin.arguments.unread_flags import check_layout_flags
-from rl_plugin.configs.cluster import planned_dp_size
+from rl_plugin.arguments import RLArgumentError
+from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.arguments.setup import check_command_line
 
 NO_FILE_CHECKS = "--no-file-checks"
 
@@ -31,11 +29,7 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a != NO_FILE_CHECKS]
     try:
         args = parse_train_flags(argv, prog="python -m rl_plugin.arguments")  # argparse itself exits 2 on unknown flags
-        validate_world(args, dp_size=planned_dp_size(args))
-        check_model_and_data(args)
-        check_layout_flags(args)  # warnings on stderr
-        if check_files:
-            validate_paths(args)
+        check_command_line(args, files=check_files)  # layout warnings on stderr
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -41,8 +41,11 @@ class TrainBackend(abc.ABC):
 
     @classmethod
     def from_args(cls, args) -> "TrainBackend":
-        """``from_config(TrainConfig.from_args(args))``, for callers holding validated flags."""
-        return cls.from_config(TrainConfig.from_args(args))
+        """``from_config`` of the run config's ``TrainConfig`` (its mode given to the loss), for
+        callers holding validated flags."""
+        from rl_plugin.configs.run import RunConfig
+
+        return cls.from_config(RunConfig.from_args(args).train)
 
     # -- what the runner calls (rl_plugin.loss.StepBackend) -------------------------------------
     @abc.abstractmethod

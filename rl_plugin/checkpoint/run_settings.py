@@ -5,38 +5,51 @@ A resumed run may change them on purpose (a larger batch, a new data file), so a
 refused; but it changes what the next steps train on, so the resume names what changed:
 ``--prompt-data`` (the dataset position is kept, in the new file), ``--rollout-batch-size``,
 ``--n-samples-per-prompt``, ``--global-batch-size``, ``--loss-aggregation`` (resolved),
-``--advantage-estimator``. Read by argparse dest from the parsed flags; a checkpoint written
-before the settings were recorded gives no note.
+``--advantage-estimator``. Read off the run config's declared fields (each flag's name is its
+field's: ``rl_plugin.flags.flag_of``); a checkpoint written before the settings were recorded
+gives no note.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-RESUME_SETTINGS: Tuple[Tuple[str, str], ...] = (
-    ("--prompt-data", "prompt_data"),
-    ("--rollout-batch-size", "rollout_batch_size"),
-    ("--n-samples-per-prompt", "n_samples_per_prompt"),
-    ("--global-batch-size", "global_batch_size"),
-    ("--loss-aggregation", "loss_aggregation"),
-    ("--advantage-estimator", "advantage_estimator"),
+from rl_plugin.flags import flag_of
+
+# (where the value is in the run config, the field that declares its flag when not the value's own)
+RESUME_SETTINGS: Tuple[Tuple[str, Optional[str]], ...] = (
+    ("rollout.prompt_data", None),
+    ("train.batching.rollout_batch_size", None),
+    ("train.batching.n_samples_per_prompt", None),
+    ("train.batching.global_batch_size", None),
+    ("train.loss.loss_aggregation", "loss_aggregation_flag"),  # the resolved mode, under --loss-aggregation
+    ("train.loss.advantage_estimator", None),
 )
 
 
-def settings_of(args) -> Tuple[Tuple[str, Any], ...]:
-    """(flag, value) of ``RESUME_SETTINGS`` (a tuple: a frozen config holds it; JSON as a dict)."""
-    return tuple((flag, getattr(args, dest, None)) for flag, dest in RESUME_SETTINGS)
+def _setting(run, path: str, declared: Optional[str]) -> Tuple[str, Any]:
+    *parents, name = path.split(".")
+    config = run
+    for part in parents:
+        config = getattr(config, part)
+    return flag_of(type(config), declared or name).names[0], getattr(config, name)
 
 
-def changed_settings(saved: Optional[Dict[str, Any]], args) -> List[str]:
+def settings_of(run) -> Tuple[Tuple[str, Any], ...]:
+    """(flag, value) of ``RESUME_SETTINGS`` in the ``RunConfig`` ``run`` (a tuple: a frozen config
+    holds it; JSON as a dict)."""
+    return tuple(_setting(run, path, declared) for path, declared in RESUME_SETTINGS)
+
+
+def changed_settings(saved: Optional[Dict[str, Any]], run) -> List[str]:
     """``"--flag OLD -> NEW"`` for each recorded setting that differs now (none without a record)."""
     if not saved:
         return []
-    return [f"{flag} {saved[flag]} -> {now}" for flag, now in settings_of(args) if flag in saved and saved[flag] != now]
+    return [f"{flag} {saved[flag]} -> {now}" for flag, now in settings_of(run) if flag in saved and saved[flag] != now]
 
 
-def resume_note(load: str, step: int, saved: Optional[Dict[str, Any]], args) -> Optional[str]:
-    changes = changed_settings(saved, args)
+def resume_note(load: str, step: int, saved: Optional[Dict[str, Any]], run) -> Optional[str]:
+    changes = changed_settings(saved, run)
     if not changes:
         return None
     return (

@@ -3,8 +3,8 @@ flags, read everywhere below. A config declares its own flags (``rl_plugin.flags
 
 The loop parses and validates the flags (``rl_plugin.arguments``), then builds these once;
 backends, train actors and the rollout side receive them and never see the ``Namespace``. Every
-value comes from the parser, whose defaults are the only defaults (no ``getattr(args, name,
-default)`` below the CLI); a value derived from several flags is computed here, once.
+value comes from the parser, whose defaults are the only defaults (no second default read off
+the namespace below the CLI); a value derived from several flags is computed here, once.
 
 - ``ModelConfig``: what to build: ``--hf-checkpoint``, precision, LM head, attention, TP/CP/PP/SP, seed,
   ``MoEConfig`` (EP, expert-TP, router / aux-loss flags)
@@ -20,15 +20,18 @@ default)`` below the CLI); a value derived from several flags is computed here, 
 - ``RolloutConfig``: the rollout manager: data, group sizes, evaluation; it carries the fields of
   ``RewardConfig`` (``rewards.py``), ``CustomGenerationConfig`` (``custom_generation.py``) and
   ``DynamicSamplingConfig`` (``dynamic_sampling.py``, with the over-long shaping), which declare them
-- the loop's flags, read by ``rl_plugin.loop.LoopConfig``: ``ClusterConfig`` (``cluster.py``),
+- the loop's flags, read by ``rl_plugin.loop.config.LoopConfig``: ``ClusterConfig`` (``cluster.py``),
   ``CheckpointConfig`` (``checkpointing.py``), ``FaultToleranceConfig`` (``fault_tolerance.py``),
   ``LoggingConfig`` (``logging.py``), ``AsyncConfig`` (``async_training.py``); the weight sync's are
   ``rl_plugin.weight_sync.SyncSettings``
 
-Each config declares its flags, their rules (``check(args)``, ``check_world``) and derives
-what several flags decide (``rl_plugin.flags``); ``Config.from_args(args)`` is generic.
-``TrainConfig.from_args`` loads user functions named by flags (custom reducer, custom TIS) once,
-in the process that builds it.
+Each config declares its flags, their rules (``check(run)``, ``check_world(run, dp_size=...)``
+on the built instances) and derives what several flags decide (``rl_plugin.flags``);
+``Config.from_args(args)`` is generic. They nest into one tree, ``RunConfig`` (``run.py``), built
+once with the run's ``Mode`` (``mode.py``, the one place the mode's flags are compared).
+Building a ``LossConfig`` loads the user functions named by flags (custom reducer, custom TIS) once,
+in the process that builds it (``RunConfig.from_args(args, load_user_code=False)`` defers them:
+``RunConfig.with_user_functions``).
 """
 
 from rl_plugin.configs.batching import BatchingConfig

@@ -8,9 +8,8 @@ import math
 from rl_plugin.errors import fail
 
 
-def positive(args, flag: str, example: int = 8) -> None:
-    """``flag`` (its value read from ``args``), when given, is a count >= 1."""
-    value = getattr(args, flag[2:].replace("-", "_"))
+def positive(flag: str, value, example: int = 8) -> None:
+    """``flag``'s ``value``, when given, is a count >= 1."""
     if value is not None and value < 1:
         fail(flag, f"must be >= 1 (got {value})", f"use a positive count, e.g. {flag} {example}")
 

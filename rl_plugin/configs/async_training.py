@@ -13,9 +13,11 @@ K versions behind at take time (``rl_plugin.rollout.async_buffer``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from rl_plugin.configs.mode import generates_ahead
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag
 
@@ -111,16 +113,29 @@ class AsyncConfig(Declared):
         ),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        n = args.max_weight_staleness
+    @property
+    def generates_ahead(self) -> bool:
+        """The flags ask for generation ahead of training (overlapped or fully async;
+        ``rl_plugin.configs.mode``, where the staleness is compared)."""
+        return generates_ahead(self.max_weight_staleness)
+
+    def concurrent(self, rollout_batch_size: int, n: int) -> int:
+        """--fully-async: trajectories in flight (``--async-max-concurrent-samples``, default the rollout batch)."""
+        return int(self.async_max_concurrent_samples or rollout_batch_size * n)
+
+    def capacity(self, rollout_batch_size: int) -> int:
+        """--fully-async: the buffer's capacity, ``ceil(factor x --rollout-batch-size)`` groups."""
+        return max(1, math.ceil(self.async_data_buffer_capacity_factor * rollout_batch_size))
+
+    def check(self, run) -> None:
+        n = self.max_weight_staleness
         if n is None or n < 0:
             fail(
                 "--max-weight-staleness",
                 f"must be >= 0 (got {n})",
                 "use 0 (synchronous) or 1 (generate the next rollout while training)",
             )
-        if not args.fully_async:
+        if not self.fully_async:
             if n > MAX_OVERLAPPED_STALENESS:
                 fail(
                     f"--max-weight-staleness {n}",
@@ -128,16 +143,16 @@ class AsyncConfig(Declared):
                     "(the overlapped loop never updates the engine mid-generation, so it keeps one rollout ahead)",
                     "use --max-weight-staleness 1, or add --fully-async (partial rollouts; any K >= 1)",
                 )
-            if args.update_weights_interval != 1:
+            if self.update_weights_interval != 1:
                 fail(
-                    f"--update-weights-interval {args.update_weights_interval}",
+                    f"--update-weights-interval {self.update_weights_interval}",
                     "applies to --fully-async only (the other loops publish after every rollout)",
                     "add --fully-async, or drop the flag",
                 )
         else:
-            cls._check_fully_async(args, n)
-        if n > 0 and args.colocate:
-            what = "--fully-async" if args.fully_async else f"--max-weight-staleness {n}"
+            self._check_fully_async(run, n)
+        if self.generates_ahead and run.cluster.colocate:
+            what = "--fully-async" if self.fully_async else f"--max-weight-staleness {n}"
             fail(
                 f"{what} with --colocate",
                 "a colocated engine time-shares the training devices, so "
@@ -145,47 +160,46 @@ class AsyncConfig(Declared):
                 "drop --colocate (give the engine its own devices), or use --max-weight-staleness 0",
             )
 
-    @staticmethod
-    def _check_fully_async(args, n: int) -> None:
+    def _check_fully_async(self, run, n: int) -> None:
         if n < 1:
             fail(
                 "--fully-async",
                 "needs --max-weight-staleness K >= 1 (the bound on how old a trained group's tokens may be)",
                 "add --max-weight-staleness 1 (or 2, 4: more overlap, staler samples)",
             )
-        if args.pause_generation_mode == "abort":
+        if self.pause_generation_mode == "abort":
             fail(
                 "--pause-generation-mode abort with --fully-async",
                 "aborting the requests in flight at every weight update throws away their tokens (miles refuses it)",
                 "use --pause-generation-mode retract (or in_place)",
             )
-        m = args.async_max_concurrent_samples
+        m = self.async_max_concurrent_samples
         if m is not None and m < 1:
             fail("--async-max-concurrent-samples", f"must be >= 1 (got {m})", "give the trajectories in flight, >= 1")
-        f = args.async_data_buffer_capacity_factor
+        f = self.async_data_buffer_capacity_factor
         if not f > 0:
             fail("--async-data-buffer-capacity-factor", f"must be > 0 (got {f})", "use e.g. 2.0 (the default)")
-        if args.update_weights_interval < 1:
+        if self.update_weights_interval < 1:
             fail(
                 "--update-weights-interval",
-                f"must be >= 1 (got {args.update_weights_interval})",
+                f"must be >= 1 (got {self.update_weights_interval})",
                 "use 1 (publish after every rollout) or more",
             )
-        if args.update_weights_interval > n:
+        if self.update_weights_interval > n:
             fail(
-                f"--update-weights-interval {args.update_weights_interval} with --max-weight-staleness {n}",
+                f"--update-weights-interval {self.update_weights_interval} with --max-weight-staleness {n}",
                 "the engines would hold weights older than the bound allows between two publishes, so every "
                 "group would be dropped",
                 f"use --update-weights-interval <= {n}, or raise --max-weight-staleness",
             )
-        if getattr(args, "use_rollout_routing_replay", False):
+        if run.train.routing_replay == "rollout":
             fail(
                 "--use-rollout-routing-replay with --fully-async",
                 "not implemented: the experts a trajectory was routed to are not re-recorded when a weight update "
                 "pauses it mid-generation, so a partial trajectory's record would not match its tokens",
                 "drop one of the two (--max-weight-staleness 1 keeps one-step-off training with routing replay)",
             )
-        if getattr(args, "custom_agent_function_path", None):
+        if run.custom_generation.custom_agent_function_path:
             fail(
                 "--fully-async with --custom-agent-function-path",
                 "not implemented: the fully-async worker generates through the sample path (the default generate "
@@ -193,7 +207,7 @@ class AsyncConfig(Declared):
                 "drop --fully-async (--max-weight-staleness 1 overlaps generation with training), or use a "
                 "--custom-generate-function-path hook",
             )
-        if getattr(args, "rollout_function_path", None):
+        if run.custom_generation.rollout_function_path:
             fail(
                 "--fully-async with --rollout-function-path",
                 "a whole-rollout function makes a rollout at once; the fully-async worker submits prompt groups",
@@ -201,12 +215,12 @@ class AsyncConfig(Declared):
             )
 
 
-def staleness_warning(args) -> Optional[str]:
+def staleness_warning(run) -> Optional[str]:
     """The line the trainer prints when stale rollouts are trained on without a correction, else None.
     Not refused (slime's train_async.py trains on them as they are): PPO's clipping bounds the step,
     and the mismatch/* metrics show how far the sampler is from the trainer's old policy."""
-    n = args.max_weight_staleness
-    if n > 0 and not (args.use_tis or args.use_rollout_logprobs):
+    n = run.async_training.max_weight_staleness
+    if run.mode.generates_ahead and not (run.train.loss.use_tis or run.train.use_rollout_logprobs):
         lag = "one rollout" if n == 1 else f"up to {n} rollouts"
         return (
             f"warning: --max-weight-staleness {n} without --use-tis: rollouts are sampled by "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import MEGATRON, Bounds, Declared, derived, flag, option
+from rl_plugin.flags import MEGATRON, Bounds, Declared, derived, flag
 from rl_plugin.loss_config import LossConfig
 
 GROUP = "batching"
@@ -26,24 +26,21 @@ class BatchingConfig(Declared):
         bounds=Bounds(1, "--micro-batch-size 1"),
         **MEGATRON,
     )
+    use_dynamic_batch_size: bool = flag(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="Form micro-batches by a token budget (--max-tokens-per-gpu) instead of --micro-batch-size, as in slime.",
+        group=GROUP,
+    )
+    token_budget: Optional[int] = flag(  # --max-tokens-per-gpu as given (read as max_tokens_per_gpu)
+        "--max-tokens-per-gpu",
+        type=int,
+        default=None,
+        help="Token budget of one micro-batch with --use-dynamic-batch-size.",
+        group=GROUP,
+    )
     max_tokens_per_gpu: Optional[int] = derived(  # the token budget, set only with --use-dynamic-batch-size
-        lambda args: args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-        None,
-        inputs=[
-            option(
-                "--use-dynamic-batch-size",
-                action="store_true",
-                help="Form micro-batches by a token budget (--max-tokens-per-gpu) instead of --micro-batch-size, as in slime.",
-                group=GROUP,
-            ),
-            option(
-                "--max-tokens-per-gpu",
-                type=int,
-                default=None,
-                help="Token budget of one micro-batch with --use-dynamic-batch-size.",
-                group=GROUP,
-            ),
-        ],
+        lambda args: args.max_tokens_per_gpu if args.use_dynamic_batch_size else None, None
     )
     global_batch_size: Optional[int] = flag(
         "--global-batch-size",
@@ -75,29 +72,29 @@ class BatchingConfig(Declared):
         help="Prompts per rollout; each yields --n-samples-per-prompt responses. Default: 16 for the embedded task, else required.",
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        n = args.n_samples_per_prompt
-        sft = args.loss_type == "sft_loss"  # no advantage: one sample per conversation
-        if args.advantage_estimator in LossConfig.GROUP_RELATIVE and n < 2 and not sft:
-            baseline = "leave-one-out mean" if args.advantage_estimator == "rloo" else "group mean"
+    def check(self, run) -> None:
+        n = self.n_samples_per_prompt
+        loss = run.train.loss
+        sft = run.mode.trains_nll  # no advantage: one sample per conversation
+        if loss.advantage_estimator in LossConfig.GROUP_RELATIVE and n < 2 and not sft:
+            baseline = "leave-one-out mean" if loss.advantage_estimator == "rloo" else "group mean"
             fail(
-                f"--n-samples-per-prompt {n} with --advantage-estimator {args.advantage_estimator}",
+                f"--n-samples-per-prompt {n} with --advantage-estimator {loss.advantage_estimator}",
                 f"the advantage subtracts the {baseline} of the prompt's samples, so a group of one sample has advantage 0 "
                 "and every optimizer step is a no-op (>= 2 samples per prompt needed)",
                 "use --n-samples-per-prompt >= 2 (GRPO recipes use 8-16)",
             )
-        mode = LossConfig.resolved_mode(args)
-        if args.docs_per_step is not None:
-            cls._check_docs_per_step(args, mode)
-        gbs = args.global_batch_size
+        mode = loss.loss_aggregation
+        if self.docs_per_step is not None:
+            self._check_docs_per_step(mode)
+        gbs = self.global_batch_size
         if gbs is not None and gbs < 1:
             fail("--global-batch-size", f"must be >= 1 (got {gbs})", "use a positive sample count")
-        rollout = args.rollout_batch_size * n if args.rollout_batch_size is not None else None
-        if gbs is not None and rollout is not None and args.docs_per_step is None and rollout % gbs != 0:
+        rollout = self.rollout_batch_size * n if self.rollout_batch_size is not None else None
+        if gbs is not None and rollout is not None and self.docs_per_step is None and rollout % gbs != 0:
             fail(
                 f"--global-batch-size {gbs}",
-                f"a rollout of --rollout-batch-size x --n-samples-per-prompt = {args.rollout_batch_size} x {n} = {rollout} samples must split into whole optimizer steps",
+                f"a rollout of --rollout-batch-size x --n-samples-per-prompt = {self.rollout_batch_size} x {n} = {rollout} samples must split into whole optimizer steps",
                 f"use a --global-batch-size that divides {rollout}, e.g. {_largest_divisor_at_most(rollout, gbs)}",
             )
         if mode == "prompt_mean" and gbs is not None and gbs % n != 0:
@@ -106,22 +103,22 @@ class BatchingConfig(Declared):
                 "a step must never split a prompt group, so the global batch must be a multiple of the group size",
                 f"use --global-batch-size {max(n, gbs // n * n)} or {(gbs // n + 1) * n}",
             )
-        if args.context_parallel_size > 1 and args.qkv_format == "bshd" and args.seq_length is None:
+        cp = run.train.model.context_parallel_size
+        if cp > 1 and loss.qkv_format == "bshd" and loss.seq_length is None:
             fail(
-                f"--context-parallel-size {args.context_parallel_size} with --qkv-format bshd",
+                f"--context-parallel-size {cp} with --qkv-format bshd",
                 "bshd chunks every sample by the padded length, which is --seq-length, and it is missing",
                 "pass --seq-length (the padded length), or use --qkv-format thd",
             )
-        if args.use_dynamic_batch_size and not args.max_tokens_per_gpu:
+        if self.use_dynamic_batch_size and not self.token_budget:
             fail("--use-dynamic-batch-size", "needs a token budget per micro-batch", "pass --max-tokens-per-gpu N")
-        if args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu < 1:
-            fail("--max-tokens-per-gpu", f"must be >= 1 (got {args.max_tokens_per_gpu})", "use a positive token budget")
+        if self.token_budget is not None and self.token_budget < 1:
+            fail("--max-tokens-per-gpu", f"must be >= 1 (got {self.token_budget})", "use a positive token budget")
 
-    @classmethod
-    def _check_docs_per_step(cls, args, mode: str) -> None:
-        if args.docs_per_step < 1:
-            fail("--docs-per-step", f"must be >= 1 (got {args.docs_per_step})", "use a positive document count")
-        if args.global_batch_size is not None:
+    def _check_docs_per_step(self, mode: str) -> None:
+        if self.docs_per_step < 1:
+            fail("--docs-per-step", f"must be >= 1 (got {self.docs_per_step})", "use a positive document count")
+        if self.global_batch_size is not None:
             fail(
                 "--docs-per-step with --global-batch-size",
                 "a step is sized by one or the other: docs-per-step ends a step once the global document count reaches its target",
@@ -131,15 +128,14 @@ class BatchingConfig(Declared):
             fail(
                 "--loss-aggregation prompt_mean with --docs-per-step",
                 "a docs-per-step boundary falls wherever the document count crosses the target and can split a prompt group across two optimizer steps",
-                f"size steps with --global-batch-size, a multiple of --n-samples-per-prompt ({args.n_samples_per_prompt})",
+                f"size steps with --global-batch-size, a multiple of --n-samples-per-prompt ({self.n_samples_per_prompt})",
             )
 
-    @classmethod
-    def check_world(cls, args, *, dp_size: int) -> None:
+    def check_world(self, run, *, dp_size: int) -> None:
         """Checks that need the data-parallel size (known once the world is up)."""
-        gbs = args.global_batch_size
-        if gbs is not None and not args.use_dynamic_batch_size:
-            mbs = args.micro_batch_size
+        gbs = self.global_batch_size
+        if gbs is not None and not self.use_dynamic_batch_size:
+            mbs = self.micro_batch_size
             if gbs % (mbs * dp_size) != 0:
                 fail(
                     f"--global-batch-size {gbs} with --micro-batch-size {mbs} on {dp_size} data-parallel ranks",

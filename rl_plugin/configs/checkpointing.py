@@ -76,37 +76,34 @@ class CheckpointConfig(Declared):
         ),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        if getattr(args, "save_interval", None) is not None and getattr(args, "save", "unset") is None:
+    def check(self, run) -> None:
+        if self.save_interval is not None and self.save is None:
             fail(
                 "--save-interval without --save",
                 "there is no checkpoint directory, so the interval would be silently ignored",
                 "add --save DIR, or drop --save-interval",
             )
-        cls._check_overwrite(args)
-        cls._check_retention(args)
+        self._check_overwrite(run)
+        self._check_retention(run)
 
-    @staticmethod
-    def _check_overwrite(args) -> None:
-        if not args.overwrite_save:
+    def _check_overwrite(self, run) -> None:
+        if not self.overwrite_save:
             return
-        if getattr(args, "save", None) is None:
+        if self.save is None:
             fail(
                 "--overwrite-save without --save",
                 "there is no checkpoint directory to overwrite",
                 "add --save DIR, or drop --overwrite-save",
             )
-        if same_dir(args.save, getattr(args, "load", None)):
+        if same_dir(self.save, self.load):
             fail(
                 "--overwrite-save with --load and --save the same directory",
                 "--load resumes the run in that directory, --overwrite-save would start over in it",
                 "drop --overwrite-save to resume, or drop --load to start over",
             )
 
-    @staticmethod
-    def _check_retention(args) -> None:
-        n, k = args.save_retain, args.save_retain_interval
+    def _check_retention(self, run) -> None:
+        n, k = self.save_retain, self.save_retain_interval
         if n is not None and n < 1:
             fail(
                 "--save-retain", f"must be >= 1 (got {n}): the newest checkpoint is the resume point", "keep at least 1"
@@ -117,10 +114,10 @@ class CheckpointConfig(Declared):
                 f"needs --save-retain and a value >= 1 (got {k})",
                 "pass --save-retain N with it, or drop it (without --save-retain every checkpoint is kept)",
             )
-        load = getattr(args, "load", None)
-        if args.ckpt_step is not None and (args.ckpt_step < 0 or load is None):
+        load = self.load
+        if self.ckpt_step is not None and (self.ckpt_step < 0 or load is None):
             fail(
                 "--ckpt-step",
-                f"names a step of the --load directory and must be >= 0 (got {args.ckpt_step}, --load {load})",
+                f"names a step of the --load directory and must be >= 0 (got {self.ckpt_step}, --load {load})",
                 "pass --load DIR with it, or drop it to resume from the newest checkpoint",
             )

@@ -53,39 +53,37 @@ class ClusterConfig(Declared):
         help="CPUs of the local Ray cluster started when RAY_ADDRESS is unset (default: what the placement needs). Ignored when connecting to an existing cluster.",
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        for name in ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--ray-num-cpus"):
-            positive(args, name, example=1)
-        if args.colocate and args.rollout_num_gpus is not None:
+    @property
+    def world_size(self) -> int:
+        """Training ranks: ``--actor-num-nodes x --actor-num-gpus-per-node`` (computed here only)."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def check(self, run) -> None:
+        for name, value in (
+            ("--actor-num-nodes", self.actor_num_nodes),
+            ("--actor-num-gpus-per-node", self.actor_num_gpus_per_node),
+            ("--rollout-num-gpus", self.rollout_num_gpus),
+            ("--ray-num-cpus", self.ray_num_cpus),
+        ):
+            positive(name, value, example=1)
+        if self.colocate and self.rollout_num_gpus is not None:
             fail(
                 "--colocate with --rollout-num-gpus",
                 "a colocated rollout runs on the training GPUs, so a separate rollout GPU count would be ignored",
                 "drop --rollout-num-gpus, or drop --colocate",
             )
-        per_engine = args.rollout_num_gpus_per_engine
-        if args.rollout_num_gpus is not None and per_engine is not None and args.rollout_num_gpus % per_engine != 0:
+        per_engine = run.rollout.engine.tensor_parallel_size
+        if self.rollout_num_gpus is not None and per_engine is not None and self.rollout_num_gpus % per_engine != 0:
             fail(
-                f"--rollout-num-gpus {args.rollout_num_gpus} with --rollout-num-gpus-per-engine {per_engine}",
+                f"--rollout-num-gpus {self.rollout_num_gpus} with --rollout-num-gpus-per-engine {per_engine}",
                 "the rollout GPUs must split into whole engines",
                 f"use a multiple of {per_engine} for --rollout-num-gpus",
             )
-        world = args.actor_num_nodes * args.actor_num_gpus_per_node
-        model_parallel = (
-            args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
-        )
+        world = self.world_size
+        model_parallel = run.train.model.model_parallel_size
         if world % model_parallel != 0:
             fail(
-                f"--actor-num-nodes {args.actor_num_nodes} x --actor-num-gpus-per-node {args.actor_num_gpus_per_node} = {world} training ranks",
+                f"--actor-num-nodes {self.actor_num_nodes} x --actor-num-gpus-per-node {self.actor_num_gpus_per_node} = {world} training ranks",
                 f"the world must be a multiple of TP x CP x PP = {model_parallel}",
                 f"use a world size that is a multiple of {model_parallel}",
             )
-
-
-def planned_dp_size(args) -> int:
-    """The data-parallel size the cluster flags imply: training ranks / (TP x CP x PP). The
-    trainer checks the world's actual size again once its actors are up."""
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return max(
-        1, world // (args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size)
-    )

@@ -69,43 +69,44 @@ class ColocationConfig(Declared):
             return self.gpu_memory_utilization
         return COLOCATED_MEMORY_SHARE if self.colocate else DEFAULT_MEMORY_SHARE
 
-    @classmethod
-    def check(cls, args) -> None:
-        for name in ("--rollout-gpu-memory-utilization", "--sglang-mem-fraction-static"):
-            value = getattr(args, name[2:].replace("-", "_"))
+    def check(self, run) -> None:
+        for name, value in (
+            ("--rollout-gpu-memory-utilization", self.gpu_memory_utilization),
+            ("--sglang-mem-fraction-static", self.sglang_mem_fraction_static),
+        ):
             if value is not None and not (math.isfinite(value) and 0 < value <= 1):
                 fail(name, f"is a fraction of a GPU's memory, in (0, 1] (got {value})", f"e.g. {name} 0.5")
-        if args.offload_train and not args.colocate:
+        if self.offload_train and not self.colocate:
             fail(
                 "--offload-train without --colocate",
                 "the training state is offloaded so that colocated engines can use the device; disaggregated, the "
                 "engines have devices of their own and the copies would only cost time",
                 "add --colocate, or drop --offload-train",
             )
-        if args.sglang_mem_fraction_static is not None and args.rollout_engine != "sglang":
+        if self.sglang_mem_fraction_static is not None and run.rollout.engine.engine != "sglang":
             fail(
-                f"--sglang-mem-fraction-static with --rollout-engine {args.rollout_engine}",
+                f"--sglang-mem-fraction-static with --rollout-engine {run.rollout.engine.engine}",
                 "only SGLang's servers read it",
                 "use --rollout-gpu-memory-utilization for vLLM, or drop the flag",
             )
-        if not args.colocate:
+        if not self.colocate:
             return
-        per_engine, world = args.rollout_num_gpus_per_engine, args.actor_num_nodes * args.actor_num_gpus_per_node
+        per_engine, world = run.rollout.engine.tensor_parallel_size, run.cluster.world_size
         if (
             per_engine is not None
             and per_engine > 1
-            and (world % per_engine or args.actor_num_gpus_per_node % per_engine)
+            and (world % per_engine or run.cluster.actor_num_gpus_per_node % per_engine)
         ):
             fail(
-                f"--colocate with --rollout-num-gpus-per-engine {per_engine} on {args.actor_num_nodes} node(s) x "
-                f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node}",
+                f"--colocate with --rollout-num-gpus-per-engine {per_engine} on {run.cluster.actor_num_nodes} node(s) x "
+                f"--actor-num-gpus-per-node {run.cluster.actor_num_gpus_per_node}",
                 "a colocated engine runs tensor-parallel over the GPUs of whole training ranks of one node, so its "
                 "size must divide the training GPUs of every node",
                 f"use --actor-num-gpus-per-node a multiple of {per_engine}, or a --rollout-num-gpus-per-engine that "
-                f"divides {args.actor_num_gpus_per_node}",
+                f"divides {run.cluster.actor_num_gpus_per_node}",
             )
-        if args.update_weight_transport in DISTRIBUTED_TRANSPORTS and args.placement_device == "gpu":
-            refuse_colocated_nccl(args.update_weight_transport)
+        if run.sync.transport in DISTRIBUTED_TRANSPORTS and run.cluster.placement_device == "gpu":
+            refuse_colocated_nccl(run.sync.transport)
 
 
 def refuse_colocated_nccl(transport: str) -> None:

@@ -105,15 +105,14 @@ class CustomGenerationConfig(Declared):
         ),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
+    def check(self, run) -> None:
         """The combinations and the deadlines; the files themselves are loaded in preflight
         (``loop.preflight.check_user_functions``)."""
-        gen, fn = args.custom_generate_function_path, args.rollout_function_path
+        gen, fn = self.custom_generate_function_path, self.rollout_function_path
         for flag_name, value in (
-            ("--custom-generate-timeout", args.custom_generate_timeout),
-            ("--rollout-function-timeout", args.rollout_function_timeout),
-            ("--agent-timeout", args.agent_timeout),
+            ("--custom-generate-timeout", self.custom_generate_timeout),
+            ("--rollout-function-timeout", self.rollout_function_timeout),
+            ("--agent-timeout", self.agent_timeout),
         ):
             if not is_positive_finite(value):
                 fail(flag_name, f"must be a positive number of seconds (got {value})", f"use e.g. {flag_name} 600")
@@ -123,24 +122,23 @@ class CustomGenerationConfig(Declared):
                 "the rollout function replaces the rollout that would call the generate function",
                 "drop one of the two (call your generate function from the rollout function)",
             )
-        cls._check_agent(args)
-        if fn and args.dynamic_sampling_filter_path:
+        self._check_agent(run)
+        if fn and run.dynamic_sampling.dynamic_sampling_filter_path:
             fail(
                 "--rollout-function-path with --dynamic-sampling-filter-path",
                 "the rollout function replaces the rollout, dynamic sampling's rounds included",
                 "filter inside the rollout function, or drop --rollout-function-path",
             )
 
-    @staticmethod
-    def _check_agent(args) -> None:
+    def _check_agent(self, run) -> None:
         """The agent replaces per-sample generation; its rollout's sample count varies (a turn
         that rewrote the history is a sample of its own), so its steps are sized by the rollout."""
-        if not args.custom_agent_function_path:
+        if not self.custom_agent_function_path:
             return
         for other, value in (
-            ("--custom-generate-function-path", args.custom_generate_function_path),
-            ("--rollout-function-path", args.rollout_function_path),
-            ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
+            ("--custom-generate-function-path", self.custom_generate_function_path),
+            ("--rollout-function-path", self.rollout_function_path),
+            ("--dynamic-sampling-filter-path", run.dynamic_sampling.dynamic_sampling_filter_path),
         ):
             if value:
                 fail(
@@ -148,7 +146,7 @@ class CustomGenerationConfig(Declared):
                     "the agent generates every sample through its session; the other hook would replace or filter that",
                     f"drop one of the two (call your tools from the agent instead of {other})",
                 )
-        if args.global_batch_size is not None:
+        if run.train.batching.global_batch_size is not None:
             fail(
                 "--custom-agent-function-path with --global-batch-size",
                 "an agent rollout's sample count varies (a turn whose prompt does not extend the previous one becomes a "

@@ -55,16 +55,15 @@ class DynamicSamplingConfig(Declared):
         help="Maximum over-long penalty (default 1.0 with --overlong-buffer-len, as in DAPO).",
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        osb, path = args.over_sampling_batch_size, args.dynamic_sampling_filter_path
+    def check(self, run) -> None:
+        osb, path = self.over_sampling_batch_size, self.dynamic_sampling_filter_path
         if osb is not None and path is None:
             fail(
                 "--over-sampling-batch-size without --dynamic-sampling-filter-path",
                 "over-sampling without a filter samples prompts that are then thrown away unfiltered",
                 f"add --dynamic-sampling-filter-path {BUILTIN_FILTER}, or drop --over-sampling-batch-size",
             )
-        rounds = args.dynamic_sampling_max_rounds
+        rounds = self.dynamic_sampling_max_rounds
         if rounds != DYNAMIC_SAMPLING_MAX_ROUNDS and path is None:
             fail(
                 "--dynamic-sampling-max-rounds without --dynamic-sampling-filter-path",
@@ -81,7 +80,7 @@ class DynamicSamplingConfig(Declared):
             fail(
                 "--over-sampling-batch-size", f"must be >= 1 (got {osb})", "use a prompt count >= --rollout-batch-size"
             )
-        rbs = args.rollout_batch_size
+        rbs = run.train.batching.rollout_batch_size
         if osb is not None and rbs is not None and osb < rbs:
             fail(
                 f"--over-sampling-batch-size {osb} with --rollout-batch-size {rbs}",
@@ -90,11 +89,10 @@ class DynamicSamplingConfig(Declared):
             )
         if path is not None:
             check_importable(path, "--dynamic-sampling-filter-path")
-        cls._check_overlong(args)
+        self._check_overlong(run)
 
-    @staticmethod
-    def _check_overlong(args) -> None:
-        buf, factor = args.overlong_buffer_len, args.overlong_penalty_factor
+    def _check_overlong(self, run) -> None:
+        buf, factor = self.overlong_buffer_len, self.overlong_penalty_factor
         if factor is not None and buf is None:
             fail(
                 "--overlong-penalty-factor without --overlong-buffer-len",
@@ -111,7 +109,7 @@ class DynamicSamplingConfig(Declared):
                 f"must be >= 1 (got {buf})",
                 "use a positive token count, e.g. a quarter of --rollout-max-response-len",
             )
-        max_len = args.rollout_max_response_len
+        max_len = run.rollout.engine.max_response_len
         if max_len is not None and buf >= max_len:
             fail(
                 f"--overlong-buffer-len {buf} with --rollout-max-response-len {max_len}",

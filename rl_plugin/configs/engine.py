@@ -101,34 +101,33 @@ class EngineConfig(Declared):
         ),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        positive(args, "--rollout-max-response-len")
-        p = args.rollout_top_p
+    def check(self, run) -> None:
+        positive("--rollout-max-response-len", self.max_response_len)
+        p = self.top_p
         if not (p is not None and math.isfinite(p) and 0 < p <= 1):
             fail("--rollout-top-p", f"must be in (0, 1] (got {p})", "use 1.0 (no truncation) for on-policy sampling")
-        positive(args, "--rollout-num-gpus-per-engine", example=1)
-        per_engine = args.rollout_num_gpus_per_engine
-        if args.rollout_engine == "hf" and per_engine is not None and per_engine > 1:
+        positive("--rollout-num-gpus-per-engine", self.tensor_parallel_size, example=1)
+        per_engine = self.tensor_parallel_size
+        if self.engine == "hf" and per_engine is not None and per_engine > 1:
             fail(
                 f"--rollout-engine hf with --rollout-num-gpus-per-engine {per_engine}",
                 "Hugging Face generate runs on one device (no tensor parallelism)",
                 "use --rollout-engine vllm or sglang for multi-GPU engines, or --rollout-num-gpus-per-engine 1",
             )
-        if args.rollout_enforce_eager is not None and args.rollout_engine != "vllm":
+        if self.enforce_eager is not None and self.engine != "vllm":
             fail(
-                f"--{'' if args.rollout_enforce_eager else 'no-'}rollout-enforce-eager with --rollout-engine {args.rollout_engine}",
+                f"--{'' if self.enforce_eager else 'no-'}rollout-enforce-eager with --rollout-engine {self.engine}",
                 "it sets vLLM's enforce_eager (CUDA graphs), which this engine does not have",
                 "drop it, or use --rollout-engine vllm",
             )
-        if args.placement_device == "cpu":  # auto: the cluster decides, at placement (rl_plugin.ray.cluster)
-            check_engine_device(args.rollout_engine, per_engine, gpu_bundles=False, why="--placement-device cpu")
-        flip = args.debug_engine_routing_flip
+        if run.cluster.placement_device == "cpu":  # auto: the cluster decides, at placement (rl_plugin.ray.cluster)
+            check_engine_device(self.engine, per_engine, gpu_bundles=False, why="--placement-device cpu")
+        flip = self.debug_routing_flip
         if not 0.0 <= flip <= 1.0:
             fail(f"--debug-engine-routing-flip {flip}", "it is a fraction of tokens, in [0, 1]", "e.g. 0.3, or 0 (off)")
-        if flip and args.rollout_engine != "hf":
+        if flip and self.engine != "hf":
             fail(
-                f"--debug-engine-routing-flip with --rollout-engine {args.rollout_engine}",
+                f"--debug-engine-routing-flip with --rollout-engine {self.engine}",
                 "the hook flips the hf engine's routers",
                 "--rollout-engine hf",
             )
@@ -151,15 +150,15 @@ def check_engine_device(engine: str, per_engine: Optional[int], gpu_bundles: boo
         )
 
 
-def validate_engine_installed(args) -> None:
+def validate_engine_installed(engine: str) -> None:
     """Run start-up check (not part of ``check``: the flag checker also runs on machines without
-    the cluster's packages): ``--rollout-engine vllm/sglang`` needs its package here."""
-    if args.rollout_engine in INSTALL_HINTS:
+    the cluster's packages): ``--rollout-engine vllm/sglang`` (``engine``) needs its package here."""
+    if engine in INSTALL_HINTS:
         import importlib.util
 
-        if importlib.util.find_spec(args.rollout_engine) is None:
+        if importlib.util.find_spec(engine) is None:
             fail(
-                f"--rollout-engine {args.rollout_engine}",
-                f"the Python package '{args.rollout_engine}' is not installed",
-                f"{INSTALL_HINTS[args.rollout_engine]}, or use --rollout-engine hf",
+                f"--rollout-engine {engine}",
+                f"the Python package '{engine}' is not installed",
+                f"{INSTALL_HINTS[engine]}, or use --rollout-engine hf",
             )

@@ -68,23 +68,22 @@ class FaultToleranceConfig(Declared):
         ),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        n = args.max_rollout_retries
+    def check(self, run) -> None:
+        n = self.max_rollout_retries
         if n is None or n < 0:
             fail(
                 "--max-rollout-retries",
                 f"must be >= 0 (got {n})",
                 "use 0 to stop at the first engine death, or a small count such as 3",
             )
-        g = args.exit_signal_grace_s
+        g = self.exit_signal_grace_s
         if g is None or not (math.isfinite(g) and g > 0):
             fail(
                 "--exit-signal-grace-s",
                 f"must be a positive number of seconds (got {g})",
                 "pass the scheduler's notice minus a few seconds, e.g. --exit-signal-grace-s 20 for Kubernetes' 30 s",
             )
-        m = args.exit_duration_in_mins
+        m = self.exit_duration_in_mins
         if m is not None and not (math.isfinite(m) and m > 0):
             fail(
                 "--exit-duration-in-mins",

@@ -64,9 +64,8 @@ class LoggingConfig(Declared):
         **MEGATRON,
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        if args.use_wandb and importlib.util.find_spec("wandb") is None:
+    def check(self, run) -> None:
+        if self.use_wandb and importlib.util.find_spec("wandb") is None:
             fail(
                 "--use-wandb",
                 "the wandb package is not installed",

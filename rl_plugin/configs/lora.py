@@ -104,15 +104,14 @@ class LoraConfig(Declared):
     def enabled(self) -> bool:
         return self.lora_rank > 0
 
-    @classmethod
-    def check(cls, args) -> None:
+    def check(self, run) -> None:
         """Fail-loud rules (``rl_plugin.errors.fail``), static: what the flags alone decide."""
-        rank = args.lora_rank
+        rank = self.lora_rank
         if not rank:
             for name, value in (
-                ("--check-lora-weight-equal", args.check_lora_weight_equal),
-                ("--lora-adapter-path", args.lora_adapter_path),
-                ("--save-hf-merged", args.save_hf_merged),
+                ("--check-lora-weight-equal", self.check_lora_weight_equal),
+                ("--lora-adapter-path", self.lora_adapter_path),
+                ("--save-hf-merged", self.save_hf_merged),
             ):
                 if value:
                     fail(
@@ -122,48 +121,52 @@ class LoraConfig(Declared):
                     )
             return
         try:
-            targets = resolve_targets(args.target_modules, args.exclude_modules)
+            targets = resolve_targets(self.target_modules, self.exclude_modules)
         except UnknownTargetError as exc:
             fail("--target-modules / --exclude-modules", str(exc), "use all-linear, HF leaf names or Megatron names")
-        if args.lora_adapter_path:
-            missing = missing_files(args.lora_adapter_path)
+        if self.lora_adapter_path:
+            missing = missing_files(self.lora_adapter_path)
             if missing:
                 fail(
-                    f"--lora-adapter-path {args.lora_adapter_path}",
+                    f"--lora-adapter-path {self.lora_adapter_path}",
                     f"not a PEFT adapter directory: {', '.join(missing)} missing",
                     "pass a directory written by --save-hf with --lora-rank (or PeftModel.save_pretrained)",
                 )
-        if args.lora_dropout > 0 and getattr(args, "use_rollout_logprobs", False):
+        if self.lora_dropout > 0 and run.train.use_rollout_logprobs:
             fail(
-                f"--lora-dropout {args.lora_dropout} with --use-rollout-logprobs",
+                f"--lora-dropout {self.lora_dropout} with --use-rollout-logprobs",
                 "adapter dropout makes the training forward random, while the engine's log-probs (taken as the old "
                 "policy's) have none: the PPO ratio would carry dropout noise from the first step, clipping it",
                 "use --lora-dropout 0 (the default), or drop --use-rollout-logprobs (the trainer then recomputes "
                 "the old log-probs in eval mode)",
             )
-        if getattr(args, "rollout_engine", "hf") == "sglang":
+        if run.rollout.engine.engine == "sglang":
             fail(
                 "--lora-rank with --rollout-engine sglang",
                 "the SGLang engine here loads full weights only (no adapter loading, no merge from a kept base)",
                 "use --rollout-engine vllm (LoRARequest) or hf",
             )
-        if args.rollout_engine == "vllm" and args.fully_async and args.pause_generation_mode == "in_place":
+        if (
+            run.rollout.engine.engine == "vllm"
+            and run.async_training.fully_async
+            and run.async_training.pause_generation_mode == "in_place"
+        ):
             fail(
                 "--lora-rank with --rollout-engine vllm --fully-async --pause-generation-mode in_place",
                 "vLLM serves the adapters as a LoRARequest fixed when a request is submitted; a request kept in place "
                 "across a weight update would go on under the old adapters while its tokens are labelled with the new version",
                 "use --pause-generation-mode retract (a retracted request is resubmitted with the new adapters), or --rollout-engine hf",
             )
-        scaling = args.lora_alpha / rank
-        if args.check_lora_weight_equal and getattr(args, "rollout_engine", "hf") == "vllm":
+        scaling = self.lora_alpha / rank
+        if self.check_lora_weight_equal and run.rollout.engine.engine == "vllm":
             if scaling <= 0 or math.frexp(scaling)[0] != 0.5:  # not a power of two
                 fail(
-                    f"--check-lora-weight-equal with --rollout-engine vllm and --lora-alpha {args.lora_alpha:g} / "
+                    f"--check-lora-weight-equal with --rollout-engine vllm and --lora-alpha {self.lora_alpha:g} / "
                     f"--lora-rank {rank} = {scaling:g}",
                     "vLLM stores B times alpha/r, so its read-back divides by alpha/r, bitwise only for a power of two",
                     f"use --lora-alpha {2 * rank} (alpha/r = 2), or drop the check",
                 )
-        experts = _checkpoint_experts(getattr(args, "hf_checkpoint", None))
+        experts = _checkpoint_experts(run.train.model.hf_checkpoint)
         mlp = [t for t in targets if t in MLP]
         if experts and mlp:
             fail(

@@ -78,31 +78,30 @@ class MoEConfig(Declared):
         **MOE,
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        ep = args.expert_model_parallel_size
-        etp = args.expert_tensor_parallel_size
+    def check(self, run) -> None:
+        ep = self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size
         if ep < 1:
             fail(f"--expert-model-parallel-size {ep}", "must be >= 1", "use --expert-model-parallel-size 1")
         if etp is not None and etp < 1:
             fail(f"--expert-tensor-parallel-size {etp}", "must be >= 1", "drop the flag (it defaults to the TP size)")
         for name, value in (
-            ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff),
-            ("--moe-z-loss-coeff", args.moe_z_loss_coeff),
+            ("--moe-aux-loss-coeff", self.aux_loss_coeff),
+            ("--moe-z-loss-coeff", self.z_loss_coeff),
         ):
             if value is not None and not value >= 0:
                 fail(f"{name} {value}", "a loss coefficient must be >= 0", f"use e.g. {name} 0.001")
-        if args.train_backend == "fsdp":
-            cls._check_fsdp(args)
+        if run.train.train_backend == "fsdp":
+            self._check_fsdp()
             return
-        tp = args.tensor_model_parallel_size
+        tp = run.train.model.tensor_model_parallel_size
         if etp not in (None, 1, tp):
             fail(
                 f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}",
                 "rl_plugin's Megatron backend loads and exports experts that are whole (1) or split like the dense layers",
                 f"use --expert-tensor-parallel-size 1 or {tp}",
             )
-        if ep > 1 and args.moe_token_dispatcher_type == "allgather":
+        if ep > 1 and self.token_dispatcher_type == "allgather":
             fail(
                 f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {ep}",
                 "the allgather dispatcher gathers the same number of tokens from every rank of an expert-parallel "
@@ -110,8 +109,8 @@ class MoEConfig(Declared):
                 "refuses it with variable sequence lengths)",
                 "use --moe-token-dispatcher-type alltoall (the default), or --expert-model-parallel-size 1",
             )
-        world = args.actor_num_nodes * args.actor_num_gpus_per_node
-        pp = args.pipeline_model_parallel_size
+        world = run.cluster.world_size
+        pp = run.train.model.pipeline_model_parallel_size
         if ep > 1 and (world // pp) % ((etp or tp) * ep):
             fail(
                 f"--expert-model-parallel-size {ep} with {world} training processes",
@@ -119,12 +118,11 @@ class MoEConfig(Declared):
                 "launch more training processes or lower --expert-model-parallel-size",
             )
 
-    @classmethod
-    def _check_fsdp(cls, args) -> None:
+    def _check_fsdp(self) -> None:
         for name, value, default in (
-            ("--expert-model-parallel-size", args.expert_model_parallel_size, 1),
-            ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, None),
-            ("--moe-router-dtype", args.moe_router_dtype, None),
+            ("--expert-model-parallel-size", self.expert_model_parallel_size, 1),
+            ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size, None),
+            ("--moe-router-dtype", self.router_dtype, None),
         ):
             if value != default:
                 fail(
@@ -133,11 +131,11 @@ class MoEConfig(Declared):
                     "parallelism, the model's router dtype)",
                     f"drop {name} or use --train-backend megatron",
                 )
-        kind = args.moe_router_load_balancing_type
-        if args.moe_aux_loss_coeff > 0 and kind != "aux_loss":
+        kind = self.router_load_balancing_type
+        if self.aux_loss_coeff > 0 and kind != "aux_loss":
             fail(
                 f"--train-backend fsdp with --moe-router-load-balancing-type {kind} --moe-aux-loss-coeff "
-                f"{args.moe_aux_loss_coeff}",
+                f"{self.aux_loss_coeff}",
                 "the FSDP backend computes Megatron-LM's per-micro-batch aux_loss only",
                 "use --moe-router-load-balancing-type aux_loss, or --train-backend megatron",
             )
@@ -260,19 +258,23 @@ class ModelConfig(Declared):
     )
     moe: MoEConfig = nested(MoEConfig)
 
-    @classmethod
-    def check(cls, args) -> None:
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x CP x PP: the ranks one model replica spans (the world is a multiple of it)."""
+        return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+
+    def check(self, run) -> None:
         """The interleaved schedule's flags: one of the two, and only with pipeline stages to
         interleave (the layer count is checked against the model in ``arguments.model_layout``)."""
-        per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        per_rank = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        per_rank = self.num_virtual_stages_per_pipeline_rank
         if per_stage is not None and per_rank is not None:
             fail(
                 f"--num-layers-per-virtual-pipeline-stage {per_stage} with --num-virtual-stages-per-pipeline-rank {per_rank}",
                 "both size the model chunks of the interleaved schedule",
                 "pass only one of them",
             )
-        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        pp = self.pipeline_model_parallel_size or 1
         name = (
             "--num-layers-per-virtual-pipeline-stage"
             if per_stage is not None

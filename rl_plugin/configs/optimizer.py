@@ -115,17 +115,16 @@ class OptimizerConfig(Declared):
         **MEGATRON,
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        decay_style = getattr(args, "lr_decay_style", "constant")
-        if decay_style != "constant" and getattr(args, "lr_decay_iters", None) is None:
+    def check(self, run) -> None:
+        decay_style = self.lr_decay_style
+        if decay_style != "constant" and self.lr_decay_iters is None:
             fail(
                 f"--lr-decay-style {decay_style}",
                 "the decay schedule needs its length, and an RL run has no --train-iters to default it to "
                 "(it would otherwise silently never decay)",
                 "pass --lr-decay-iters N (optimizer steps), or use --lr-decay-style constant",
             )
-        lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
+        lr, min_lr = self.lr, self.min_lr
         if lr is not None and min_lr is not None and min_lr > lr:
             fail(
                 f"--min-lr {min_lr} with --lr {lr}",

@@ -124,16 +124,15 @@ class RewardConfig(Declared):
         help=f"Retries of a request to --rm-url after a connection error, a timeout or HTTP 408/429/5xx, with exponential backoff (0.5 s, 1 s, 2 s, ...); then the run stops naming the URL, the error and the sample. Default: {DEFAULT_MAX_RETRIES}.",
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        if args.custom_rm_path and args.rm_type:
+    def check(self, run) -> None:
+        if self.custom_rm_path and self.rm_type:
             fail(
                 "--custom-rm-path with --rm-type",
                 "the custom reward function replaces the built-in one, so one of them would be silently ignored",
                 "drop one of the two flags",
             )
-        cls._check_remote(args)
-        if args.group_rm and not args.custom_rm_path:
+        self._check_remote(run)
+        if self.group_rm and not self.custom_rm_path:
             fail(
                 "--group-rm without --custom-rm-path",
                 "--group-rm calls your `async def rm(args, samples) -> list[float]` once per group; the built-in rewards (and "
@@ -141,37 +140,36 @@ class RewardConfig(Declared):
                 "pass --custom-rm-path file.py:rm with that signature, or drop --group-rm",
             )
 
-    @staticmethod
-    def _check_remote(args) -> None:
-        remote = args.rm_type == "remote_rm"  # --custom-rm-path with --rm-type is refused above
+    def _check_remote(self, run) -> None:
+        remote = self.rm_type == "remote_rm"  # --custom-rm-path with --rm-type is refused above
         # the client is on for remote_rm, and for a --custom-rm-path rm that calls slime's
         # remote_rm(args, sample) itself (it reads args.rm_url, as in slime)
-        client = remote or (args.custom_rm_path is not None and args.rm_url is not None)
-        if remote and args.rm_url is None:
+        client = remote or (self.custom_rm_path is not None and self.rm_url is not None)
+        if remote and self.rm_url is None:
             fail(
                 "--rm-type remote_rm without --rm-url",
                 "the remote reward model needs the address of its server",
                 'pass --rm-url http://HOST:PORT/PATH (the server answers POST {prompt, response, label, metadata} with a number or {"reward": x})',
             )
-        if args.rm_url is not None and not client:
+        if self.rm_url is not None and not client:
             fail(
                 "--rm-url without --rm-type remote_rm or --custom-rm-path",
                 "only the remote reward model (or your reward function, through remote_rm(args, sample)) reads --rm-url, "
                 "so it would be silently ignored",
                 "add --rm-type remote_rm (or --custom-rm-path with an rm that calls remote_rm), or drop --rm-url",
             )
-        if args.rm_url is not None:
-            why = url_problem(args.rm_url)
+        if self.rm_url is not None:
+            why = url_problem(self.rm_url)
             if why is not None:
-                fail(f"--rm-url {args.rm_url}", why, "pass e.g. --rm-url http://127.0.0.1:8000/reward")
-        if args.rm_timeout is not None and not remote and not args.custom_rm_path:
+                fail(f"--rm-url {self.rm_url}", why, "pass e.g. --rm-url http://127.0.0.1:8000/reward")
+        if self.rm_timeout is not None and not remote and not self.custom_rm_path:
             fail(
                 "--rm-timeout without --rm-type remote_rm or --custom-rm-path",
                 "it bounds a request to the reward server or a call of your reward function; the built-in verifiers "
                 "have none, so it would be silently ignored",
                 "add --rm-type remote_rm --rm-url URL or --custom-rm-path, or drop it",
             )
-        given = [flag for flag, attr in REMOTE_FLAGS if getattr(args, attr) is not None]
+        given = [flag for flag, attr in REMOTE_FLAGS if getattr(self, attr) is not None]
         if given and not client:
             fail(
                 f"{', '.join(given)} without --rm-url",
@@ -179,21 +177,21 @@ class RewardConfig(Declared):
                 "--custom-rm-path's function), which is off, so they would be silently ignored",
                 "add --rm-type remote_rm --rm-url URL (or --rm-url with --custom-rm-path), or drop them",
             )
-        if args.rm_max_concurrency is not None and args.rm_max_concurrency < 1:
+        if self.rm_max_concurrency is not None and self.rm_max_concurrency < 1:
             fail(
                 "--rm-max-concurrency",
-                f"must be >= 1 (got {args.rm_max_concurrency})",
+                f"must be >= 1 (got {self.rm_max_concurrency})",
                 "use e.g. --rm-max-concurrency 32",
             )
-        if args.rm_timeout is not None and not is_positive_finite(args.rm_timeout):
+        if self.rm_timeout is not None and not is_positive_finite(self.rm_timeout):
             fail(
                 "--rm-timeout",
-                f"must be a positive number of seconds (got {args.rm_timeout})",
+                f"must be a positive number of seconds (got {self.rm_timeout})",
                 "use e.g. --rm-timeout 60",
             )
-        if args.rm_max_retries is not None and args.rm_max_retries < 0:
+        if self.rm_max_retries is not None and self.rm_max_retries < 0:
             fail(
                 "--rm-max-retries",
-                f"must be >= 0 (got {args.rm_max_retries})",
+                f"must be >= 0 (got {self.rm_max_retries})",
                 "use 0 (no retry) or e.g. --rm-max-retries 3",
             )

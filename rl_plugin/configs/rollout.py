@@ -180,38 +180,41 @@ class RolloutConfig(Declared):
     def rollout_max_response_len(self) -> Optional[int]:  # slime's name, for filters written against slime's args
         return self.engine.max_response_len
 
-    @classmethod
-    def check(cls, args) -> None:
-        for name in ("--rollout-batch-size", "--num-rollout", "--eval-interval", "--n-samples-per-eval"):
-            positive(args, name)
-        if args.prompt_data is not None:
-            cls._check_custom_data(args)
-        for name, attr in (
-            ("--apply-chat-template-kwargs", "apply_chat_template_kwargs"),
-            ("--system-prompt", "system_prompt"),
+    def check(self, run) -> None:
+        for name, value in (
+            ("--rollout-batch-size", self.rollout_batch_size),
+            ("--num-rollout", self.num_rollout),
+            ("--eval-interval", self.eval_interval),
+            ("--n-samples-per-eval", self.n_samples_per_eval),
         ):
-            if getattr(args, attr) is not None and not args.apply_chat_template:
+            positive(name, value)
+        if self.prompt_data is not None:
+            self._check_custom_data(run)
+        for name, value in (
+            ("--apply-chat-template-kwargs", self.apply_chat_template_kwargs),
+            ("--system-prompt", self.system_prompt),
+        ):
+            if value is not None and not self.apply_chat_template:
                 fail(
                     f"{name} without --apply-chat-template",
                     "it is an input of the chat template, which is off, so it would be silently ignored",
                     "add --apply-chat-template (for an instruction-tuned checkpoint), or drop the flag",
                 )
-        if args.eval_interval is not None and args.prompt_data is not None and args.eval_prompt_data is None:
+        if self.eval_interval is not None and self.prompt_data is not None and self.eval_prompt_data is None:
             fail(
                 "--eval-interval without --eval-prompt-data",
                 "evaluation needs held-out prompts",
                 "pass --eval-prompt-data FILE.jsonl, or drop --eval-interval",
             )
-        cls._check_debug_shift(args)
+        self._check_debug_shift(run)
 
-    @staticmethod
-    def _check_custom_data(args) -> None:
+    def _check_custom_data(self, run) -> None:
         """A ``--prompt-data`` run names its sizes and its reward (the embedded task has defaults)."""
-        sft = args.loss_type == "sft_loss"  # trains on the data's own answers: nothing sampled, no reward
+        sft = not run.mode.generates  # trains on the data's own answers: nothing sampled, no reward
         sizes = (
-            ("--rollout-batch-size", args.rollout_batch_size),
-            ("--rollout-max-response-len", 0 if sft else args.rollout_max_response_len),
-            ("--num-rollout", args.num_rollout),
+            ("--rollout-batch-size", self.rollout_batch_size),
+            ("--rollout-max-response-len", 0 if sft else self.engine.max_response_len),
+            ("--num-rollout", self.num_rollout),
         )
         missing = [f for f, v in sizes if v is None]
         if missing:
@@ -220,23 +223,22 @@ class RolloutConfig(Declared):
                 "a custom dataset has no embedded defaults for the rollout size",
                 f"pass {' '.join(m + ' N' for m in missing)}",
             )
-        if not (args.rm_type or args.custom_rm_path or sft):
+        if not (run.rewards.rm_type or run.rewards.custom_rm_path or sft):
             fail(
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",
                 "pass --rm-type math_exact or --custom-rm-path module:function",
             )
 
-    @staticmethod
-    def _check_debug_shift(args) -> None:
-        d = args.debug_rollout_logprob_shift
+    def _check_debug_shift(self, run) -> None:
+        d = self.debug_rollout_logprob_shift
         if not math.isfinite(d):
             fail(
                 "--debug-rollout-logprob-shift",
                 f"must be a finite number (got {d})",
                 "use e.g. 0.5, or drop the flag (it is for tests only)",
             )
-        if d != 0 and args.use_rollout_logprobs:
+        if d != 0 and run.train.use_rollout_logprobs:
             fail(
                 "--debug-rollout-logprob-shift with --use-rollout-logprobs",
                 "the shifted engine log-probs would become the old log-probs and the shift would be trained on, not measured",

@@ -57,37 +57,36 @@ class RoutingReplaySettings:
         ],
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        mode = routing_replay_mode(args)
+    def check(self, run) -> None:
+        mode = self.routing_replay
         if mode is None:
             return
         flag = "--use-rollout-routing-replay" if mode == "rollout" else "--use-routing-replay"
-        if mode == "rollout" and args.rollout_engine in ENGINE_REFUSALS:
-            fail(flags_of(args.rollout_engine), *ENGINE_REFUSALS[args.rollout_engine])
-        hook = "--custom-generate-function-path" if args.custom_generate_function_path else None
-        hook = hook or ("--rollout-function-path" if args.rollout_function_path else None)
+        if mode == "rollout" and run.rollout.engine.engine in ENGINE_REFUSALS:
+            fail(flags_of(run.rollout.engine.engine), *ENGINE_REFUSALS[run.rollout.engine.engine])
+        hook = "--custom-generate-function-path" if run.custom_generation.custom_generate_function_path else None
+        hook = hook or ("--rollout-function-path" if run.custom_generation.rollout_function_path else None)
         if mode == "rollout" and hook:
             fail(
                 f"--use-rollout-routing-replay with {hook}",
                 "generate_tokens does not return the engine's routed experts yet, so a hook's samples carry none to replay",
                 f"drop one, or use --use-routing-replay (R2: the trainer's own old-pass routing) with {hook}",
             )
-        if not args.hf_checkpoint:
+        if not self.model.hf_checkpoint:
             fail(
                 flag,
                 "routing replay needs a mixture-of-experts model; the embedded default model is dense",
                 "pass an MoE --hf-checkpoint",
             )
-        if os.path.exists(os.path.join(str(args.hf_checkpoint), "config.json")) and not checkpoint_num_experts(
-            args.hf_checkpoint
+        if os.path.exists(os.path.join(str(self.model.hf_checkpoint), "config.json")) and not checkpoint_num_experts(
+            self.model.hf_checkpoint
         ):
             fail(
-                f"{flag} with --hf-checkpoint {args.hf_checkpoint}",
+                f"{flag} with --hf-checkpoint {self.model.hf_checkpoint}",
                 "it is a dense model (its config.json names no num_experts / num_local_experts / n_routed_experts)",
                 "pass a mixture-of-experts --hf-checkpoint, or drop the flag",
             )
-        if mode == "old" and args.use_rollout_logprobs:
+        if mode == "old" and self.use_rollout_logprobs:
             fail(
                 "--use-routing-replay with --use-rollout-logprobs",
                 "R2 records the routing of the trainer's old-log-prob pass, which --use-rollout-logprobs skips "

@@ -27,9 +27,9 @@ class TrainConfig(RoutingReplaySettings, Declared):
         group="training backend",
     )
     model: ModelConfig = nested(ModelConfig)
-    optimizer: OptimizerConfig = nested(OptimizerConfig)
     batching: BatchingConfig = nested(BatchingConfig)
     loss: LossConfig = nested(LossConfig)
+    optimizer: OptimizerConfig = nested(OptimizerConfig)
     lora: LoraConfig = nested(LoraConfig)
     use_rollout_logprobs: bool = flag(  # old log-probs = the engine's (no recompute pass)
         "--use-rollout-logprobs",
@@ -38,27 +38,26 @@ class TrainConfig(RoutingReplaySettings, Declared):
         group="off-policy correction",
     )
 
-    @classmethod
-    def check(cls, args) -> None:
+    def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
-        RoutingReplaySettings.check(args)
-        if args.train_backend == "megatron" and getattr(args, "fp16", False):
+        RoutingReplaySettings.check(self, run)
+        if self.train_backend == "megatron" and self.model.fp16:
             fail(
                 "--train-backend megatron with --fp16",
                 "rl_plugin's Megatron backend trains in bf16 or fp32 (no fp16 loss scaling path)",
                 "use --bf16 (bf16 compute, fp32 main weights and gradients)",
             )
-        if args.train_backend != "fsdp":
-            if args.fsdp_attn_implementation != "sdpa":
+        if self.train_backend != "fsdp":
+            if self.model.attn_implementation != "sdpa":
                 fail(
-                    f"--fsdp-attn-implementation {args.fsdp_attn_implementation} with --train-backend {args.train_backend}",
+                    f"--fsdp-attn-implementation {self.model.attn_implementation} with --train-backend {self.train_backend}",
                     "only the FSDP backend reads it (megatron-core chooses its own attention)",
                     "drop the flag or use --train-backend fsdp",
                 )
             return
         for name, value in (
-            ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-            ("--context-parallel-size", args.context_parallel_size),
+            ("--tensor-model-parallel-size", self.model.tensor_model_parallel_size),
+            ("--context-parallel-size", self.model.context_parallel_size),
         ):
             if value > 1:
                 fail(
@@ -66,13 +65,13 @@ class TrainConfig(RoutingReplaySettings, Declared):
                     "the FSDP backend shards over data parallelism only",
                     f"use --train-backend megatron for {name} > 1, or set it to 1",
                 )
-        if args.pipeline_model_parallel_size > 1:
+        if self.model.pipeline_model_parallel_size > 1:
             fail(
-                f"--train-backend fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+                f"--train-backend fsdp with --pipeline-model-parallel-size {self.model.pipeline_model_parallel_size}",
                 "the FSDP backend shards over data parallelism only",
                 "set --pipeline-model-parallel-size 1",
             )
-        if args.fp16:
+        if self.model.fp16:
             fail(
                 "--train-backend fsdp with --fp16",
                 "the FSDP backend has no loss scaler, so fp16 gradients can underflow silently",

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from rl_plugin.checkpoint.disk_space import BYTES_PER_PARAMETER, checkpoint_bytes_estimate
 from rl_plugin.errors import fail
-from rl_plugin.loop.config import output_dir_of
 
 
 def _writable(flag: str, path: str) -> None:
@@ -32,19 +31,20 @@ def _writable(flag: str, path: str) -> None:
         )
 
 
-def check_output_dirs(args) -> None:
-    """Raise ``RLArgumentError`` naming the flag when a directory is unwritable or ``--save``
-    cannot hold one checkpoint."""
-    _writable("--output-dir", str(output_dir_of(args)))
-    if args.save is None:
+def check_output_dirs(run) -> None:
+    """Raise ``RLArgumentError`` naming the flag when a directory of the ``RunConfig`` ``run`` is
+    unwritable or ``--save`` cannot hold one checkpoint."""
+    _writable("--output-dir", str(run.output_dir))
+    save, hf_checkpoint = run.checkpoint.save, run.train.model.hf_checkpoint
+    if save is None:
         return
-    _writable("--save", args.save)
-    need = checkpoint_bytes_estimate(args.hf_checkpoint) if args.hf_checkpoint else None
-    free = shutil.disk_usage(args.save).free
+    _writable("--save", save)
+    need = checkpoint_bytes_estimate(hf_checkpoint) if hf_checkpoint else None
+    free = shutil.disk_usage(save).free
     if need is not None and free < need:
         fail(
-            f"--save {args.save}",
-            f"its file system has {free / 2**20:.1f} MiB free, and one checkpoint of {args.hf_checkpoint} needs about "
+            f"--save {save}",
+            f"its file system has {free / 2**20:.1f} MiB free, and one checkpoint of {hf_checkpoint} needs about "
             f"{need / 2**20:.1f} MiB (fp32 weights and AdamW's two moments, {BYTES_PER_PARAMETER} bytes per parameter)",
             "free space there or point --save at a larger disk",
         )

@@ -26,6 +26,7 @@ from rl_plugin.checkpoint.commit import remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
+from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
@@ -41,6 +42,9 @@ from rl_plugin.ray.train_group import TrainGroup
 from rl_plugin.rollout.rollout_data import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.weight_sync import WeightLedger
+
+# the schedule of each generating mode (``rl_plugin.configs.mode``); SFT's takes its data source
+SCHEDULES = {Mode.SYNC: SyncSchedule, Mode.OVERLAPPED: OverlappedSchedule, Mode.FULLY_ASYNC: FullyAsyncSchedule}
 
 
 class Driver:
@@ -68,8 +72,7 @@ class Driver:
         if cfg.sft:  # ``client`` is the SFT data source (``loop/sft_data.py``)
             self.schedule: Schedule = SftSchedule(self, cfg, client)
         else:
-            schedule = FullyAsyncSchedule if cfg.fully_async else OverlappedSchedule if cfg.overlapped else SyncSchedule
-            self.schedule = schedule(self, cfg)
+            self.schedule = SCHEDULES[cfg.mode](self, cfg)
 
     # -- what the run calls ---------------------------------------------------------------------
     def log_to(self, rows: RowLogger) -> None:

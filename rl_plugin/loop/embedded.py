@@ -81,12 +81,13 @@ def ensure_task_data(root: Path):
     return train, evals
 
 
-def prepare_embedded(args) -> None:
-    """Fill in the model, the data and the output directory of the embedded run (in place)."""
+def prepare_embedded(args, run=None):
+    """Build (once) and fill in the model and the data of the embedded run: into ``args`` (the
+    flags the user's hooks receive) and, given the ``RunConfig`` ``run``, into a copy of it, which
+    is returned. Its output directory's default is the run config's (``RunConfig.output_dir``)."""
     root = cache_root()
     if args.hf_checkpoint is None:
         args.hf_checkpoint = str(ensure_tiny_model(root))
     train, evals = ensure_task_data(root)
     args.prompt_data, args.eval_prompt_data = str(train), str(evals)
-    if args.output_dir is None:
-        args.output_dir = str(Path("outputs") / f"embedded_{args.train_backend}")
+    return None if run is None else run.with_model_and_data(args.hf_checkpoint, args.prompt_data, args.eval_prompt_data)

@@ -31,22 +31,25 @@ def _clean(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class MetricsLogger:
-    def __init__(self, args, metrics_file: str):
+    """``logging``: the run's ``LoggingConfig`` (TensorBoard, W&B); ``settings``: the run's settings
+    W&B records as its config (``configs.run.flat_settings``)."""
+
+    def __init__(self, logging, metrics_file: str, settings: Optional[Dict[str, Any]] = None):
         self.metrics_path = Path(metrics_file)
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.timings_path = timings_path(self.metrics_path)
         self._metrics = self.metrics_path.open("a")
         self._timings = self.timings_path.open("a")
         self._tb = None
-        if args.tensorboard_dir:
+        if logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(args.tensorboard_dir)
+            self._tb = SummaryWriter(logging.tensorboard_dir)
         self._wandb = None
-        if args.use_wandb:
+        if logging.use_wandb:
             import wandb
 
-            self._wandb = wandb.init(project=args.wandb_project, config=vars(args), resume="allow")
+            self._wandb = wandb.init(project=logging.wandb_project, config=dict(settings or {}), resume="allow")
 
     def log(self, step: int, metrics: Dict[str, Any], timings: Optional[Dict[str, float]] = None) -> None:
         self._metrics.write(json.dumps(_clean({"step": step, **metrics}), sort_keys=True) + "\n")

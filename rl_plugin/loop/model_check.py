@@ -11,21 +11,21 @@ from rl_plugin.backends.model_families import fsdp_unsupported_reason, not_causa
 from rl_plugin.errors import fail
 
 
-def check_model_family(args) -> None:
+def check_model_family(hf_checkpoint, train_backend: str) -> None:
     """Preflight: refuse (``RLArgumentError``) a ``--hf-checkpoint`` the backend cannot train.
     Runs after ``validate_paths`` (config.json exists); without ``--hf-checkpoint`` the run
     uses the embedded tiny Qwen2."""
-    if not args.hf_checkpoint:
+    if not hf_checkpoint:
         return
-    path = Path(args.hf_checkpoint) / "config.json"
+    path = Path(hf_checkpoint) / "config.json"
     try:
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        fail(f"--hf-checkpoint {args.hf_checkpoint}", f"{path} is not readable JSON ({exc})", "re-download the model")
-    reason = unsupported_reason(hf_config, args.train_backend)
+        fail(f"--hf-checkpoint {hf_checkpoint}", f"{path} is not readable JSON ({exc})", "re-download the model")
+    reason = unsupported_reason(hf_config, train_backend)
     if reason is not None:
-        other = "fsdp" if args.train_backend == "megatron" else None
+        other = "fsdp" if train_backend == "megatron" else None
         fix = "pass a causal LM checkpoint (e.g. ...ForCausalLM)"
         if other and not_causal_reason(hf_config) is None and fsdp_unsupported_reason(hf_config) is None:
             fix = f"train it with --train-backend {other} (any AutoModelForCausalLM), or pass a supported model"
-        fail(f"--hf-checkpoint {args.hf_checkpoint} with --train-backend {args.train_backend}", reason, fix)
+        fail(f"--hf-checkpoint {hf_checkpoint} with --train-backend {train_backend}", reason, fix)

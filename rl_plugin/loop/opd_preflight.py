@@ -35,10 +35,13 @@ def _vocabulary(path: str):
     return ("hf", tuple(sorted(t.get_vocab().items())), t.eos_token_id, t.bos_token_id)
 
 
-def check_opd(args) -> None:
-    if not args.use_opd:
+def check_opd(run) -> None:
+    """``--use-opd`` of the ``RunConfig`` ``run``: a teacher there, of the student's tokenizer (and
+    architecture, for the in-trainer teacher)."""
+    loss = run.train.loss
+    if not loss.use_opd:
         return
-    student, teacher = args.hf_checkpoint, args.opd_teacher_load
+    student, teacher = run.train.model.hf_checkpoint, loss.opd_teacher_load
     if not Path(teacher, "config.json").is_file():
         fail(
             f"--opd-teacher-load {teacher}",
@@ -60,7 +63,7 @@ def check_opd(args) -> None:
             "token to both",
             "distill from a teacher of the student's tokenizer family",
         )
-    if args.opd_type == "megatron" and args.train_backend == "megatron":
+    if loss.opd_type == "megatron" and run.train.train_backend == "megatron":
         s = json.loads(Path(student, "config.json").read_text())
         t = json.loads(Path(teacher, "config.json").read_text())
         diff = [k for k in SAME_ARCHITECTURE if s.get(k) != t.get(k)]

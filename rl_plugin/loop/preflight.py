@@ -3,14 +3,12 @@
 Everything that needs no world, so a bad command line or a bad file costs a second, not the
 ~15 s of cluster and model start-up (and never half a run):
 
-0. a model and data that go together (``check_setup``): no ``--hf-checkpoint`` without
-   ``--prompt-data`` (unless of the embedded family), no data without a model
-   (``rl_plugin.arguments.embedded.check_model_and_data``; the parse checks it too, this is for
-   runs built from a ``Namespace``);
-1. the data-parallel rules for the DP size the cluster flags imply (``validate_world``);
-2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
-   exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
-   backend trains (``rl_plugin.backends.model_families``);
+0. first, on the flags as given (``rl_plugin.arguments.setup.check_command_line``, called by the
+   run before it builds its config): a model and data that go together, the data-parallel rules
+   for the DP size the cluster flags imply, the files the flags name (data, model, reward module,
+   ``--load`` exists, ``--save`` holds no other run's checkpoints);
+1. then ``preflight(run)`` on the typed ``RunConfig``: (2) the model's family is one the backend
+   trains (``rl_plugin.backends.model_families``), the output directories are writable;
 3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
    ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
    changed since it was written (``note_changed_settings``);
@@ -36,14 +34,11 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.arguments import validate_world
-from rl_plugin.arguments.embedded import check_model_and_data
-from rl_plugin.arguments.paths import validate_paths
-from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
 from rl_plugin.checkpoint.run_settings import resume_note
-from rl_plugin.configs.cluster import planned_dp_size
+from rl_plugin.configs.run import RunConfig
 from rl_plugin.errors import RLArgumentError, fail
+from rl_plugin.flags import flag_of
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family
 from rl_plugin.loop.opd_preflight import check_opd
@@ -55,95 +50,97 @@ class ResumePoint:
     next_rollout: Optional[int]  # None when the checkpoint predates loop_state.json
 
 
-def check_resume_point(args) -> Optional[ResumePoint]:
-    if not args.load:
+def check_resume_point(run: RunConfig) -> Optional[ResumePoint]:
+    load, backend_now = run.checkpoint.load, run.train.train_backend
+    if not load:
         return None
-    step = resume_step(args.load, args.ckpt_step)
+    step = resume_step(load, run.checkpoint.ckpt_step)
     if step is None:
         return None
-    d = step_dir(args.load, step)
-    backend = written_by(args.load, step)
-    if backend is not None and backend != args.train_backend:
+    d = step_dir(load, step)
+    backend = written_by(load, step)
+    if backend is not None and backend != backend_now:
         fail(
-            f"--load {args.load} with --train-backend {args.train_backend}",
+            f"--load {load} with --train-backend {backend_now}",
             f"its checkpoint at step {step} ({d}) was written by the {backend} backend, whose checkpoint format the "
-            f"{args.train_backend} backend cannot read",
-            f"resume with --train-backend {backend}; to move the model to the {args.train_backend} backend, export it from a "
+            f"{backend_now} backend cannot read",
+            f"resume with --train-backend {backend}; to move the model to the {backend_now} backend, export it from a "
             f"{backend} run with --save-hf DIR and start a new run from it with --hf-checkpoint DIR",
         )
-    state = read_loop_state(args.load, step) or {}
+    state = read_loop_state(load, step) or {}
     point = ResumePoint(step, state.get("next_rollout"))
-    check_progress(args, point.next_rollout, step)
+    check_progress(run, point.next_rollout, step)
     return point
 
 
-def check_progress(args, next_rollout: Optional[int], step: int) -> None:
+def check_progress(run: RunConfig, next_rollout: Optional[int], step: int) -> None:
     """A checkpoint past ``--num-rollout`` would train nothing: refuse, naming both numbers."""
-    if next_rollout is not None and next_rollout > args.num_rollout:
+    n = run.rollout.num_rollout
+    if next_rollout is not None and next_rollout > n:
         fail(
-            f"--load {args.load} with --num-rollout {args.num_rollout}",
+            f"--load {run.checkpoint.load} with --num-rollout {n}",
             f"its checkpoint (step {step}) has already done {next_rollout} rollouts, more than --num-rollout, so this run would "
             "train nothing. --num-rollout counts all rollouts of the run, those before the checkpoint included",
-            f"pass --num-rollout {next_rollout + args.num_rollout} to train {args.num_rollout} more rollouts",
+            f"pass --num-rollout {next_rollout + n} to train {n} more rollouts",
         )
 
 
-def is_finished(args, next_rollout: Optional[int]) -> bool:
-    return next_rollout is not None and next_rollout == args.num_rollout
+def is_finished(run: RunConfig, next_rollout: Optional[int]) -> bool:
+    return next_rollout is not None and next_rollout == run.rollout.num_rollout
 
 
-def finished_message(args, step: int) -> str:
+def finished_message(run: RunConfig, step: int) -> str:
+    n = run.rollout.num_rollout
     return (
-        f"--load {args.load}: the run is complete: its checkpoint (step {step}) has done all {args.num_rollout} rollouts of "
-        f"--num-rollout {args.num_rollout}, so there is nothing to train. To train further, raise --num-rollout "
-        f"(it counts all rollouts of the run, e.g. --num-rollout {2 * args.num_rollout})"
+        f"--load {run.checkpoint.load}: the run is complete: its checkpoint (step {step}) has done all {n} rollouts of "
+        f"--num-rollout {n}, so there is nothing to train. To train further, raise --num-rollout "
+        f"(it counts all rollouts of the run, e.g. --num-rollout {2 * n})"
     )
 
 
-def check_reward_and_data(args) -> None:
+def check_reward_and_data(run: RunConfig) -> None:
     from rl_plugin.rollout.data.prompt_check import check_prompt_file, model_context_length, model_vocab_size
     from rl_plugin.rollout.data.tokenizer import load_tokenizer
     from rl_plugin.rollout.rewards.functions import RewardFunctionError
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
+    cfg, hf_checkpoint = run.rollout, run.train.model.hf_checkpoint
     try:
-        SampleScorer(args)  # loads the function and checks its form against --group-rm
+        SampleScorer(cfg)  # loads the function and checks its form against --group-rm
     except RewardFunctionError as exc:  # already names the flag, the file:line and the fix
         raise RLArgumentError(str(exc)) from None
     except ValueError as exc:
         fail(
-            f"--custom-rm-path {args.custom_rm_path}",
+            f"--custom-rm-path {cfg.custom_rm_path}",
             str(exc),
             "pass package.module:function or path/to/file.py:function",
         )
-    if args.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
-        check_reward_server(args.rm_url)
+    if cfg.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
+        check_reward_server(cfg.rm_url)
     try:
         tokenizer = load_tokenizer(
-            args.hf_checkpoint,
-            apply_chat_template=args.apply_chat_template,
-            chat_template_kwargs=args.apply_chat_template_kwargs,
-            system_prompt=args.system_prompt,
+            hf_checkpoint,
+            apply_chat_template=cfg.apply_chat_template,
+            chat_template_kwargs=cfg.apply_chat_template_kwargs,
+            system_prompt=cfg.system_prompt,
         )
     except ValueError as exc:
-        fail(
-            f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
-        )
-    context = model_context_length(args.hf_checkpoint)
-    vocab = model_vocab_size(args.hf_checkpoint)
-    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+    context = model_context_length(hf_checkpoint)
+    vocab = model_vocab_size(hf_checkpoint)
+    for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
         if path is not None:
             check_prompt_file(
                 flag,
                 path,
                 tokenizer,
-                input_key=args.input_key,
-                label_key=args.label_key,
-                metadata_key=args.metadata_key,
-                max_response_len=args.rollout_max_response_len,
+                input_key=cfg.input_key,
+                label_key=cfg.label_key,
+                metadata_key=cfg.metadata_key,
+                max_response_len=cfg.rollout_max_response_len,
                 context_len=context,
-                hf_checkpoint=args.hf_checkpoint,
-                rm_type=args.rm_type,
+                hf_checkpoint=hf_checkpoint,
+                rm_type=cfg.rm_type,
                 vocab_size=vocab,
             )
 
@@ -162,63 +159,60 @@ def check_reward_server(url: str) -> None:
         )
 
 
-def check_setup(args) -> None:
-    """The setup checks that need no world: model and data go together; flags the sequence layout
-    does not read are warned (``arguments.unread_flags``; the model's flags: ``validate_paths``)."""
-    check_model_and_data(args)
-    check_layout_flags(args)
-
-
-def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
+def note_changed_settings(run: RunConfig, point: Optional[ResumePoint]) -> None:
     """A resume with another batch size, aggregation or data file than the checkpoint's: one note
     on stderr naming each change (``rl_plugin.checkpoint.run_settings``)."""
     if point is None:
         return
-    state = read_loop_state(args.load, point.step) or {}
-    note = resume_note(args.load, point.step, state.get("settings"), args)
+    load = run.checkpoint.load
+    state = read_loop_state(load, point.step) or {}
+    note = resume_note(load, point.step, state.get("settings"), run)
     if note is not None:
         print(note, file=sys.stderr, flush=True)
 
 
-# the user-function flags loaded here: (flag, attribute). The other ``*-path`` flags load where
-# they are checked: --dynamic-sampling-filter-path and --custom-tis-function-path in their configs'
-# rules (at parse time), --custom-rm-path with the reward's form (``check_reward_and_data``).
-USER_FUNCTION_FLAGS = (
-    ("--custom-generate-function-path", "custom_generate_function_path"),
-    ("--rollout-function-path", "rollout_function_path"),
-    ("--custom-agent-function-path", "custom_agent_function_path"),
-    ("--custom-pg-loss-reducer-function-path", "custom_pg_loss_reducer_function_path"),
+# The user functions loaded here: (the config in the run config, its field naming the function).
+# The other ``*-path`` flags load where they are checked: --dynamic-sampling-filter-path and
+# --custom-tis-function-path in their configs' rules (at parse time), --custom-rm-path with the
+# reward's form (``check_reward_and_data``).
+USER_FUNCTIONS = (
+    ("custom_generation", "custom_generate_function_path"),
+    ("custom_generation", "rollout_function_path"),
+    ("custom_generation", "custom_agent_function_path"),
+    ("train.loss", "custom_pg_loss_reducer_function_path"),
 )
 
 
-def check_user_functions(args) -> None:
-    """Import every function of ``USER_FUNCTION_FLAGS`` now (``user_code.check_importable``), so a
+def check_user_functions(run: RunConfig) -> None:
+    """Import every function of ``USER_FUNCTIONS`` now (``user_code.check_importable``), so a
     missing file or name costs a second here, not a Ray start-up and a remote traceback."""
     from rl_plugin.user_code import check_importable
 
-    for flag, attr in USER_FUNCTION_FLAGS:
-        spec = getattr(args, attr, None)
+    for path, name in USER_FUNCTIONS:
+        config = run
+        for part in path.split("."):
+            config = getattr(config, part)
+        spec = getattr(config, name)
         if spec:
-            check_importable(spec, flag)
+            check_importable(spec, flag_of(type(config), name).names[0])
 
 
-def preflight(args) -> Optional[ResumePoint]:
-    """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point."""
-    check_setup(args)
-    validate_world(args, dp_size=planned_dp_size(args))
-    validate_paths(args)
-    check_user_functions(args)
-    check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
-    check_output_dirs(args)
-    point = check_resume_point(args)
-    note_changed_settings(args, point)
-    if args.loss_type == "sft_loss":  # no reward; the data are conversations to template
+def preflight(run: RunConfig) -> Optional[ResumePoint]:
+    """Raise ``RLArgumentError`` (exit 2) on the first problem; returns the resume point. ``run``
+    is built from flags that passed ``check_command_line`` (``rl_plugin.arguments.setup``)."""
+    check_user_functions(run)
+    check_model_family(run.train.model.hf_checkpoint, run.train.train_backend)  # the backend builds its type
+    check_output_dirs(run)
+    point = check_resume_point(run)
+    note_changed_settings(run, point)
+    if run.mode.trains_nll:  # no reward; the data are conversations to template
         from rl_plugin.loop.sft_data import check_sft_file
 
-        for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        cfg = run.rollout
+        for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
             if path is not None:
-                check_sft_file(flag, path, args)
+                check_sft_file(flag, path, cfg, run.train.model.hf_checkpoint)
     else:
-        check_reward_and_data(args)
-    check_opd(args)
+        check_reward_and_data(run)
+    check_opd(run)
     return point

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from rl_plugin.configs.run import RunConfig, flat_settings
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import MetricsLogger, summary_line
 from rl_plugin.loop.resume import Progress
@@ -54,11 +55,11 @@ def keep_previous(metrics_file: Path) -> None:
 
 
 class RowLogger:
-    def __init__(self, args, cfg: LoopConfig, start_rollout: int):
+    def __init__(self, run: RunConfig, cfg: LoopConfig, start_rollout: int):
         from tqdm import tqdm
 
         self.cfg = cfg
-        self.metrics = MetricsLogger(args, str(cfg.metrics_file))  # args: tensorboard / wandb settings
+        self.metrics = MetricsLogger(run.logging, str(cfg.metrics_file), flat_settings(run))
         self.bar = tqdm(
             total=cfg.num_rollout,
             initial=start_rollout,

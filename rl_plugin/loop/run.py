@@ -26,16 +26,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from rl_plugin.arguments import validate_world
+from rl_plugin.arguments.embedded import is_embedded
+from rl_plugin.arguments.setup import check_command_line
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
 from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
+from rl_plugin.configs.mode import Mode
+from rl_plugin.configs.run import RunConfig, check_world
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.driver import Driver
-from rl_plugin.loop.embedded import is_embedded, prepare_embedded
+from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
@@ -51,10 +54,16 @@ from rl_plugin.weight_sync import WeightLedger
 
 
 class TrainingRun:
+    """``args``: the validated flags. The run checks them as given (``check_command_line``), builds
+    the ``RunConfig`` tree once and hands each part its config; ``args`` itself goes on only to the
+    rollout manager, for the user's hooks (``rl_plugin.configs.run``)."""
+
     def __init__(self, args, argv: Optional[Sequence[str]] = None):
-        self.args = args  # for preflight and the constructors of what the run starts
+        self.args = args  # the user hooks' namespace (and the checks on the flags as given)
         self.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command in messages
-        self.cfg: Optional[LoopConfig] = None  # built once the embedded default filled in its paths
+        # the run's settings, once; the user functions they name load after preflight checked them
+        self.config = RunConfig.from_args(args, load_user_code=False, embedded=is_embedded(args))
+        self.cfg: Optional[LoopConfig] = None  # the loop's view, once the embedded default filled in its paths
         self.progress = Progress()
         self.exit: Optional[ExitRequest] = None  # exit signals and --exit-duration-in-mins
         # what _start starts, in order; _teardown stops whatever of it exists
@@ -66,39 +75,40 @@ class TrainingRun:
         self.rows: Optional[RowLogger] = None
 
     def run(self) -> None:
-        a = self.args
+        run, ft = self.config, self.config.fault_tolerance
         # first: the exit signals are blocked in every thread started from now on (exit_request)
         self.exit = ExitRequest(
-            handle_signals=a.exit_signal_handler,
-            duration_mins=a.exit_duration_in_mins,
-            will_save=bool(a.save),
-            grace_s=a.exit_signal_grace_s,
+            handle_signals=ft.exit_signal_handler,
+            duration_mins=ft.exit_duration_in_mins,
+            will_save=bool(run.checkpoint.save),
+            grace_s=ft.exit_signal_grace_s,
         )
         self.exit.install()
         try:
-            if a.loss_type != "sft_loss":  # SFT starts no engine
-                validate_engine_installed(a)
-            if is_embedded(a):
-                prepare_embedded(a)
-            if a.hf_checkpoint is None:
+            if run.mode.generates:  # SFT starts no engine
+                validate_engine_installed(run.rollout.engine.engine)
+            if run.embedded:
+                run = self.config = prepare_embedded(self.args, run)
+            if run.train.model.hf_checkpoint is None:
                 fail(
                     "--prompt-data without --hf-checkpoint",
                     "the loop needs a model to train",
                     "pass --hf-checkpoint DIR (a Hugging Face model directory)",
                 )
-            self.cfg = LoopConfig.from_args(a, run_settings=settings_of(a))  # settings: for a resume's note
+            self.cfg = LoopConfig.of(run, run_settings=settings_of(run))  # settings: for a resume's note
             self.exit.resume_hint = self.resume_hint
             self._checked_run()
         finally:
             self.exit.restore()
 
     def _checked_run(self) -> None:
-        a, cfg = self.args, self.cfg
-        point = preflight(a)  # everything that needs no world: RLArgumentError before Ray starts
-        if point is not None and is_finished(a, point.next_rollout):
-            print(finished_message(a, point.step), flush=True)
+        run, cfg = self.config, self.cfg
+        check_command_line(self.args)  # the flags as given: model and data, DP size, files
+        point = preflight(run)  # everything else that needs no world: RLArgumentError before Ray starts
+        if point is not None and is_finished(run, point.next_rollout):
+            print(finished_message(run, point.step), flush=True)
             return
-        warning = staleness_warning(a)
+        warning = staleness_warning(run)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         self._stop_if_asked(None)  # a signal during the checks: nothing started yet
@@ -126,8 +136,8 @@ class TrainingRun:
         try:
             self._start()
             self._resume()
-            if is_finished(self.args, progress.start_rollout):
-                print(finished_message(self.args, progress.step), flush=True)
+            if is_finished(self.config, progress.start_rollout):
+                print(finished_message(self.config, progress.step), flush=True)
                 return
             if progress.step == 0:
                 keep_previous(cfg.metrics_file)
@@ -135,7 +145,7 @@ class TrainingRun:
             if not cfg.sft:  # SFT: no engine to hold the weights
                 self.driver.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
-            self.rows = RowLogger(self.args, cfg, progress.start_rollout)
+            self.rows = RowLogger(self.config, cfg, progress.start_rollout)
             self.driver.log_to(self.rows)
             for k in range(progress.start_rollout, cfg.num_rollout):
                 try:
@@ -201,23 +211,17 @@ class TrainingRun:
 
     # -- set-up, resume, teardown -------------------------------------------------------------------
     def _start(self) -> None:
-        a, cfg = self.args, self.cfg
-        self.owns_ray = init_ray(a.ray_num_cpus or required_cpus(a))
+        run, cfg = self.config, self.cfg
+        self.owns_ray = init_ray(run.cluster.ray_num_cpus or required_cpus(run))
         self.exit.install()  # ray.init sets its own SIGTERM handler (exit at once): take it back
-        self.placement = create_placement(a)
+        self.placement = create_placement(run)
         ledger = WeightLedger(cfg.sync)
-        if cfg.sft:  # the data source stands in for the rollout client (``loop/sft_data.py``)
-            self.client = SftData(a)
+        if run.mode is Mode.SFT:  # the data source stands in for the rollout client (``loop/sft_data.py``)
+            self.client = SftData(run.rollout, run.train.model.hf_checkpoint)
         else:
-            self.client = RolloutClient(
-                a,
-                self.placement,
-                self.resume_hint,
-                rollout_engine=cfg.rollout_engine,
-                max_retries=cfg.max_rollout_retries,
-            )
-        self.group = TrainGroup(a, self.placement)
-        validate_world(a, dp_size=self.group.dp_size)
+            self.client = RolloutClient(run, self.placement, self.resume_hint, hook_args=self.args)
+        self.group = TrainGroup(run.with_user_functions().train, self.placement)
+        check_world(run, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
         self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
@@ -239,8 +243,8 @@ class TrainingRun:
         p = self.progress
         p.step, p.start_rollout = int(meta["step"]), int(extra["rollout_id"])
         p.samples_seen = int(extra.get("samples_seen", 0))
-        check_progress(self.args, p.start_rollout, p.step)  # checkpoints without loop_state.json
-        if is_finished(self.args, p.start_rollout):
+        check_progress(self.config, p.start_rollout, p.step)  # checkpoints without loop_state.json
+        if is_finished(self.config, p.start_rollout):
             return
         self.client.call("load_state_dict", extra["rollout_state"])
         self.driver.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))

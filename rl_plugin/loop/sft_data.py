@@ -30,14 +30,13 @@ def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:
     return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True)
 
 
-def check_sft_file(flag: str, path, args) -> None:
+def check_sft_file(flag: str, path, cfg: RolloutConfig, hf_checkpoint: str) -> None:
     """Template every record of an SFT file now (preflight, before Ray starts): the first bad one
     raises ``RLArgumentError`` naming its file:line."""
     from rl_plugin.errors import fail
 
-    cfg = RolloutConfig.from_args(args)
     tokenizer = load_tokenizer(
-        args.hf_checkpoint,
+        hf_checkpoint,
         apply_chat_template=cfg.apply_chat_template,
         chat_template_kwargs=cfg.apply_chat_template_kwargs,
         system_prompt=cfg.system_prompt,
@@ -50,11 +49,10 @@ def check_sft_file(flag: str, path, args) -> None:
 
 
 class SftData:
-    def __init__(self, args):
-        cfg = RolloutConfig.from_args(args)
+    def __init__(self, cfg: RolloutConfig, hf_checkpoint: str):
         self.batch_size = cfg.rollout_batch_size
         self.tokenizer = load_tokenizer(
-            args.hf_checkpoint,
+            hf_checkpoint,
             apply_chat_template=cfg.apply_chat_template,
             chat_template_kwargs=cfg.apply_chat_template_kwargs,
             system_prompt=cfg.system_prompt,

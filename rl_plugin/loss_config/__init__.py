@@ -12,13 +12,13 @@ TIS) are loaded when the config is built, in the process that builds it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rl_plugin.flags import Declared
-from rl_plugin.loss_config.aggregation import AggregationSettings, resolved_mode
+from rl_plugin.loss_config.aggregation import AggregationSettings, load_reducer, resolved_mode
 from rl_plugin.loss_config.logprobs import LogProbSettings
 from rl_plugin.loss_config.loss_type import LossTypeSettings
-from rl_plugin.loss_config.offpolicy import OffPolicySettings
+from rl_plugin.loss_config.offpolicy import OffPolicySettings, load_tis_function
 from rl_plugin.loss_config.opd import OpdSettings
 from rl_plugin.loss_config.policy import GROUP_RELATIVE, PolicySettings
 
@@ -33,12 +33,19 @@ class LossConfig(
 
     GROUP_RELATIVE = GROUP_RELATIVE  # estimators whose baseline is the prompt group (the batching rules read it)
 
+    def with_user_functions(self) -> "LossConfig":
+        """This config with the user functions its flags name loaded (in the calling process)."""
+        return replace(
+            self,
+            custom_pg_reducer=load_reducer(self.custom_pg_loss_reducer_function_path),
+            custom_tis_function=load_tis_function(self.custom_tis_function_path),
+        )
+
     @staticmethod
     def resolved_mode(args) -> str:
         """The aggregation mode the flags ask for (a pure function of the flags as given)."""
         return resolved_mode(args)
 
-    @classmethod
-    def check(cls, args) -> None:
+    def check(self, run) -> None:
         for part in PARTS:
-            part.check(args)
+            part.check(self, run)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import MEGATRON, derived, flag, option
+from rl_plugin.flags import MEGATRON, derived, flag
 from rl_plugin.registries import LOSS_AGGREGATIONS
 from rl_plugin.user_code import load_function
 
@@ -21,46 +21,42 @@ GROUP = "loss aggregation"
 def resolved_mode(args) -> str:
     """The aggregation mode the flags ask for: ``--loss-aggregation``, else token_mean under
     Megatron-LM's ``--calculate-per-token-loss`` (ours, or Megatron-LM's own), else sample_mean. A
-    pure function of the flags as given: every rule that needs the mode calls it, so no rule
-    depends on another having run first."""
+    pure function of the flags as given, held once (``loss_aggregation``); the rules read that field."""
     if args.loss_aggregation is not None:
         return args.loss_aggregation
     return "token_mean" if args.calculate_per_token_loss else DEFAULT_MODE
 
 
-def _reducer(args) -> Optional[Callable]:
-    path = args.custom_pg_loss_reducer_function_path  # the factory (rl_plugin.loss.aggregation.CustomReducerFactory)
+def load_reducer(path: Optional[str]) -> Optional[Callable]:
+    """The factory ``--custom-pg-loss-reducer-function-path`` names (rl_plugin.loss.aggregation.CustomReducerFactory)."""
     return load_function(path, "--custom-pg-loss-reducer-function-path") if path else None
 
 
 @dataclass(frozen=True)
 class AggregationSettings:
-    loss_aggregation: str = derived(
-        resolved_mode,
-        DEFAULT_MODE,
-        inputs=[
-            option(
-                "--loss-aggregation",
-                choices=LOSS_AGGREGATIONS.names,
-                default=None,
-                help=(
-                    "How the policy loss is averaged over a step; every denominator is global over the step. "
-                    "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "
-                    "token_mean: mean over all response tokens of the step, DAPO (Yu et al. 2025); long answers weigh more. "
-                    "prompt_mean: mean over prompt groups of each group's token mean, ScaleRL (Khatri et al. 2025). "
-                    "constant: each sample's token sum divided by a fixed --loss-aggregation-divisor, then averaged over "
-                    "samples, Dr.GRPO (Liu et al. 2025); removes the length bias of per-sample means."
-                ),
-                group=GROUP,
-            ),
-            option(
-                "--calculate-per-token-loss",
-                action="store_true",
-                help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
-                **MEGATRON,
-            ),
-        ],
+    # --loss-aggregation and --calculate-per-token-loss as given (validated flags carry the resolved
+    # mode in both: rl_plugin.arguments writes it once); the mode the loss reads is loss_aggregation
+    loss_aggregation_flag: Optional[str] = flag(
+        "--loss-aggregation",
+        choices=LOSS_AGGREGATIONS.names,
+        default=None,
+        help=(
+            "How the policy loss is averaged over a step; every denominator is global over the step. "
+            "sample_mean (default): mean over samples of each sample's token mean, GRPO (Shao et al. 2024). "
+            "token_mean: mean over all response tokens of the step, DAPO (Yu et al. 2025); long answers weigh more. "
+            "prompt_mean: mean over prompt groups of each group's token mean, ScaleRL (Khatri et al. 2025). "
+            "constant: each sample's token sum divided by a fixed --loss-aggregation-divisor, then averaged over "
+            "samples, Dr.GRPO (Liu et al. 2025); removes the length bias of per-sample means."
+        ),
+        group=GROUP,
     )
+    per_token_loss_flag: bool = flag(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Megatron-LM's per-token loss normalisation. In rl_plugin the legacy spelling of --loss-aggregation token_mean.",
+        **MEGATRON,
+    )
+    loss_aggregation: str = derived(resolved_mode, DEFAULT_MODE)  # the mode, resolved once
     loss_aggregation_divisor: Optional[float] = flag(
         "--loss-aggregation-divisor",
         type=float,
@@ -68,26 +64,23 @@ class AggregationSettings:
         help="The constant L of --loss-aggregation constant (Dr.GRPO uses the maximum response length, e.g. 4096). Only valid with constant.",
         group=GROUP,
     )
-    custom_pg_reducer: Optional[Callable] = derived(
-        _reducer,
-        None,
-        inputs=[
-            option(
-                "--custom-pg-loss-reducer-function-path",
-                type=str,
-                default=None,
-                help=(
-                    "A miles-compatible reducer factory, 'package.module:function' or 'file.py:function' (the forms of "
-                    "--custom-rm-path), "
-                    "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> scalar, "
-                    "called per micro-batch on FULL responses (rl_plugin gathers CP chunks first). Its value is a sum over "
-                    "the micro-batch; rl_plugin divides it by the global sample count (token count with "
-                    "--calculate-per-token-loss). Replaces --loss-aggregation for the policy loss, so it cannot be combined "
-                    "with a non-default --loss-aggregation."
-                ),
-                group=GROUP,
-            )
-        ],
+    custom_pg_loss_reducer_function_path: Optional[str] = flag(
+        "--custom-pg-loss-reducer-function-path",
+        type=str,
+        default=None,
+        help=(
+            "A miles-compatible reducer factory, 'package.module:function' or 'file.py:function' (the forms of "
+            "--custom-rm-path), "
+            "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(x) -> scalar, "
+            "called per micro-batch on FULL responses (rl_plugin gathers CP chunks first). Its value is a sum over "
+            "the micro-batch; rl_plugin divides it by the global sample count (token count with "
+            "--calculate-per-token-loss). Replaces --loss-aggregation for the policy loss, so it cannot be combined "
+            "with a non-default --loss-aggregation."
+        ),
+        group=GROUP,
+    )
+    custom_pg_reducer: Optional[Callable] = derived(  # the factory, loaded once
+        lambda args: load_reducer(args.custom_pg_loss_reducer_function_path), None, user_code=True
     )
 
     @property
@@ -95,12 +88,11 @@ class AggregationSettings:
         """Megatron-LM's name of the token_mean mode (a custom reducer's fourth argument)."""
         return self.loss_aggregation == "token_mean"
 
-    @classmethod
-    def check(cls, args) -> None:
-        explicit = args.loss_aggregation
-        per_token = bool(args.calculate_per_token_loss)
-        mode = resolved_mode(args)
-        if args.custom_pg_loss_reducer_function_path and explicit not in (None, DEFAULT_MODE):
+    def check(self, run) -> None:
+        explicit = self.loss_aggregation_flag
+        per_token = bool(self.per_token_loss_flag)
+        mode = self.loss_aggregation
+        if self.custom_pg_loss_reducer_function_path and explicit not in (None, DEFAULT_MODE):
             fail(
                 "--custom-pg-loss-reducer-function-path with --loss-aggregation " + explicit,
                 "the custom reducer replaces the aggregation mode for the policy loss, so the mode would be silently ignored",
@@ -118,7 +110,7 @@ class AggregationSettings:
                 "--calculate-per-token-loss is the legacy spelling of token_mean and contradicts an explicit sample_mean",
                 "keep one: --loss-aggregation sample_mean, or --loss-aggregation token_mean",
             )
-        divisor = args.loss_aggregation_divisor
+        divisor = self.loss_aggregation_divisor
         if mode == "constant" and not (divisor is not None and math.isfinite(divisor) and divisor > 0):
             fail(
                 "--loss-aggregation constant",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import MEGATRON, Bounds, derived, flag, option
+from rl_plugin.flags import MEGATRON, Bounds, derived, flag
 
 
 @dataclass(frozen=True)
@@ -26,19 +26,16 @@ class LogProbSettings:
         help="Sequence layout: thd packs samples back to back (no padding waste; needs varlen attention), bshd pads every sample to --seq-length.",
         group="batching",
     )
+    seq_length: Optional[int] = flag(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="Padded sequence length. With --qkv-format bshd it is the length every sample is padded to and the length CP chunks by.",
+        bounds=Bounds(1, "--seq-length 4096"),
+        **MEGATRON,
+    )
     max_seq_len: Optional[int] = derived(  # the padded length of bshd; None under thd
-        lambda args: args.seq_length if args.qkv_format == "bshd" else None,
-        None,
-        inputs=[
-            option(
-                "--seq-length",
-                type=int,
-                default=None,
-                help="Padded sequence length. With --qkv-format bshd it is the length every sample is padded to and the length CP chunks by.",
-                bounds=Bounds(1, "--seq-length 4096"),
-                **MEGATRON,
-            )
-        ],
+        lambda args: args.seq_length if args.qkv_format == "bshd" else None, None
     )
     logprob_chunk_size: int = flag(
         "--log-probs-chunk-size",
@@ -49,9 +46,8 @@ class LogProbSettings:
         bounds=Bounds(1, "1024"),
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        t = args.rollout_temperature
+    def check(self, run) -> None:
+        t = self.temperature
         if not (t is not None and math.isfinite(t) and t > 0):
             fail(
                 "--rollout-temperature",

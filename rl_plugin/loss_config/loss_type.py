@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import flag
+from rl_plugin.flags import flag, runtime
 
 GROUP = "sft and distillation"
 LOSS_TYPES = ("policy_loss", "sft_loss")
@@ -40,45 +40,48 @@ class LossTypeSettings:
         group=GROUP,
     )
 
-    @property
-    def is_sft(self) -> bool:
-        return self.loss_type == "sft_loss"
+    # the run's mode trains the NLL (``Mode.SFT``): given once by the run config from its mode
+    # (``rl_plugin.configs.run``), so the loss core reads a field and derives nothing
+    is_sft: bool = runtime(False)
 
-    @classmethod
-    def check(cls, args) -> None:
-        if args.loss_type != "sft_loss":
+    def check(self, run) -> None:
+        if not self.is_sft:
             return
         refused = [
-            ("--use-tis", args.use_tis, "there is no sampling engine whose log-probs could differ from the trainer's"),
-            ("--use-kl-loss", args.use_kl_loss, "SFT runs no reference model; the NLL is the whole objective"),
+            ("--use-tis", self.use_tis, "there is no sampling engine whose log-probs could differ from the trainer's"),
+            ("--use-kl-loss", self.use_kl_loss, "SFT runs no reference model; the NLL is the whole objective"),
             (
                 "--use-rollout-logprobs",
-                args.use_rollout_logprobs,
+                run.train.use_rollout_logprobs,
                 "SFT samples nothing, so there are no engine log-probs",
             ),
             (
                 "--custom-generate-function-path",
-                args.custom_generate_function_path,
+                run.custom_generation.custom_generate_function_path,
                 "SFT trains on the data's own conversations; nothing is generated",
             ),
-            ("--rollout-function-path", args.rollout_function_path, "SFT trains on the data's conversations"),
+            (
+                "--rollout-function-path",
+                run.custom_generation.rollout_function_path,
+                "SFT trains on the data's conversations",
+            ),
             (
                 "--dynamic-sampling-filter-path",
-                args.dynamic_sampling_filter_path,
+                run.dynamic_sampling.dynamic_sampling_filter_path,
                 "SFT samples no groups to filter",
             ),
             (
-                f"--max-weight-staleness {args.max_weight_staleness}",
-                args.max_weight_staleness > 0,
+                f"--max-weight-staleness {run.async_training.max_weight_staleness}",
+                run.async_training.generates_ahead,
                 "SFT generates nothing that could overlap training (the overlapped and async loops are RL's)",
             ),
             (
-                f"--n-samples-per-prompt {args.n_samples_per_prompt}",
-                args.n_samples_per_prompt > 1,
+                f"--n-samples-per-prompt {run.train.batching.n_samples_per_prompt}",
+                run.train.batching.n_samples_per_prompt > 1,
                 "every conversation would be trained on that many times per step (a conversation is one sample)",
             ),
-            ("--use-opd", args.use_opd, "distillation needs the student's own samples"),
-            ("--custom-rm-path", args.custom_rm_path, "SFT trains on the data's answers; nothing is scored"),
+            ("--use-opd", self.use_opd, "distillation needs the student's own samples"),
+            ("--custom-rm-path", run.rewards.custom_rm_path, "SFT trains on the data's answers; nothing is scored"),
         ]
         for name, on, why in refused:
             if on:
@@ -87,13 +90,13 @@ class LossTypeSettings:
                     why,
                     f"drop {name.split()[0]}, or use --loss-type policy_loss",
                 )
-        if args.rollout_temperature != 1.0:
+        if self.temperature != 1.0:
             fail(
-                f"--loss-type sft_loss with --rollout-temperature {args.rollout_temperature}",
+                f"--loss-type sft_loss with --rollout-temperature {self.temperature}",
                 "the NLL is of the model's own distribution (temperature 1); another temperature trains a rescaled one",
                 "drop --rollout-temperature",
             )
-        if args.entropy_coef != 0.0:
+        if self.entropy_coef != 0.0:
             fail(
                 "--loss-type sft_loss with --entropy-coef",
                 "an entropy bonus fights the NLL it is added to (it pushes the model away from the targets)",

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import derived, flag, option
-from rl_plugin.loss_config.aggregation import resolved_mode
+from rl_plugin.flags import derived, flag
 from rl_plugin.registries import TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import check_importable, load_function
 
@@ -22,8 +21,8 @@ GROUP = "off-policy correction"
 DEFAULT_TIS_CLIP, DEFAULT_TIS_CLIP_LOW = 2.0, 0.0
 
 
-def _tis_function(args) -> Optional[Callable]:
-    path = args.custom_tis_function_path  # slime's signature (rl_plugin.loss.offpolicy.load_custom_tis_function)
+def load_tis_function(path: Optional[str]) -> Optional[Callable]:
+    """The function ``--custom-tis-function-path`` names (slime's signature, rl_plugin.loss.offpolicy.load_custom_tis_function)."""
     return load_function(path, "--custom-tis-function-path") if path else None
 
 
@@ -73,18 +72,15 @@ class OffPolicySettings:
         help="truncate: clip the weight into [--tis-clip-low, --tis-clip] (TIS). mask: keep rho inside the band and zero the token (or sequence) outside it: masked importance sampling / IcePop, which drops tokens the engine and the trainer disagree on.",
         group=GROUP,
     )
-    custom_tis_function: Optional[Callable] = derived(
-        _tis_function,
-        None,
-        inputs=[
-            option(
-                "--custom-tis-function-path",
-                type=str,
-                default=None,
-                help="Replace the built-in weight with your function ('package.module:function' or 'file.py:function'), slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
-                group=GROUP,
-            )
-        ],
+    custom_tis_function_path: Optional[str] = flag(
+        "--custom-tis-function-path",
+        type=str,
+        default=None,
+        help="Replace the built-in weight with your function ('package.module:function' or 'file.py:function'), slime's signature: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, **kw) -> (pg_loss, loss_masks, metrics), over a micro-batch's full responses (gathered over CP). Needs --use-tis.",
+        group=GROUP,
+    )
+    custom_tis_function: Optional[Callable] = derived(  # loaded once
+        lambda args: load_tis_function(args.custom_tis_function_path), None, user_code=True
     )
     # DeepSpeed parity: backward objective x 1/N, reported J unchanged
     deepspeed_grad_scale: bool = flag(
@@ -105,47 +101,46 @@ class OffPolicySettings:
         group=GROUP,
     )
 
-    @classmethod
-    def check(cls, args) -> None:
-        _check_tis(args)
-        _check_deepspeed(args)
+    def check(self, run) -> None:
+        _check_tis(self, run)
+        _check_deepspeed(self)
 
 
-def _check_tis(args) -> None:
+def _check_tis(loss, run) -> None:
     tis_flags = [
         f
         for f, changed in (
-            ("--tis-clip", args.tis_clip != DEFAULT_TIS_CLIP),
-            ("--tis-clip-low", args.tis_clip_low != DEFAULT_TIS_CLIP_LOW),
-            ("--tis-level", args.tis_level != "token"),
-            ("--tis-mode", args.tis_mode != "truncate"),
-            ("--custom-tis-function-path", args.custom_tis_function_path is not None),
+            ("--tis-clip", loss.tis_clip != DEFAULT_TIS_CLIP),
+            ("--tis-clip-low", loss.tis_clip_low != DEFAULT_TIS_CLIP_LOW),
+            ("--tis-level", loss.tis_level != "token"),
+            ("--tis-mode", loss.tis_mode != "truncate"),
+            ("--custom-tis-function-path", loss.custom_tis_function_path is not None),
         )
         if changed
     ]
-    if tis_flags and not args.use_tis:
+    if tis_flags and not loss.use_tis:
         fail(
             f"{', '.join(tis_flags)} without --use-tis",
             "importance sampling is off, so these settings would be silently ignored",
             "add --use-tis, or drop them",
         )
-    if not args.use_tis:
+    if not loss.use_tis:
         return
-    if args.use_rollout_logprobs:
+    if run.train.use_rollout_logprobs:
         fail(
             "--use-tis with --use-rollout-logprobs",
             "the old log-probs ARE the engine's, so every importance weight is exactly 1 and nothing is corrected",
             "drop --use-rollout-logprobs (the trainer recomputes old log-probs), or drop --use-tis",
         )
-    _check_band(args.tis_clip, args.tis_clip_low, args.tis_mode)
-    if args.rollout_top_p is not None and args.rollout_top_p < 1:
+    _check_band(loss.tis_clip, loss.tis_clip_low, loss.tis_mode)
+    if run.rollout.engine.top_p is not None and run.rollout.engine.top_p < 1:
         fail(
-            f"--use-tis with --rollout-top-p {args.rollout_top_p}",
+            f"--use-tis with --rollout-top-p {run.rollout.engine.top_p}",
             "the engine samples from the top-p nucleus and returns log-probs of that renormalised distribution, which gives the tokens outside it probability 0 while the trainer's pi_old does not: pi_old / pi_rollout is then no importance weight for the trainer's distribution",
             "use --rollout-top-p 1.0 with --use-tis",
         )
-    if args.custom_tis_function_path:
-        check_importable(args.custom_tis_function_path, "--custom-tis-function-path")
+    if loss.custom_tis_function_path:
+        check_importable(loss.custom_tis_function_path, "--custom-tis-function-path")
 
 
 def _check_band(hi: float, lo: float, mode: str) -> None:
@@ -182,16 +177,16 @@ def _check_band(hi: float, lo: float, mode: str) -> None:
         )
 
 
-def _check_deepspeed(args) -> None:
-    if args.deepspeed_grad_scale:
-        agg = resolved_mode(args)
-        if agg != "sample_mean" or args.calculate_per_token_loss or args.custom_pg_loss_reducer_function_path:
+def _check_deepspeed(loss) -> None:
+    if loss.deepspeed_grad_scale:
+        agg = loss.loss_aggregation
+        if agg != "sample_mean" or loss.per_token_loss_flag or loss.custom_pg_loss_reducer_function_path:
             fail(
                 "--deepspeed-grad-scale",
                 f"DeepSpeed's loss / N, gradient / N^2 applies when normalising by documents, not with --loss-aggregation {agg} or a custom reducer",
                 "use --loss-aggregation sample_mean without a custom reducer, or drop --deepspeed-grad-scale",
             )
-    if args.deepspeed_metric_names and args.pg_metrics == "none":
+    if loss.deepspeed_metric_names and loss.pg_metrics == "none":
         fail(
             "--deepspeed-metric-names with --pg-metrics none",
             "there are no policy-gradient metrics to log under DeepSpeed's names",

@@ -70,19 +70,18 @@ class OpdSettings:
         group=GROUP,
     )
 
-    @classmethod
-    def check(cls, args) -> None:
+    def check(self, run) -> None:
         given = [
             f
             for f, on in (
-                ("--opd-type", args.opd_type != "megatron"),
-                ("--opd-kl-coef", args.opd_kl_coef != 1.0),
-                ("--opd-teacher-load", args.opd_teacher_load is not None),
-                ("--opd-teacher-ckpt-step", args.opd_teacher_ckpt_step is not None),
+                ("--opd-type", self.opd_type != "megatron"),
+                ("--opd-kl-coef", self.opd_kl_coef != 1.0),
+                ("--opd-teacher-load", self.opd_teacher_load is not None),
+                ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step is not None),
             )
             if on
         ]
-        if not args.use_opd:
+        if not self.use_opd:
             if given:
                 fail(
                     f"{', '.join(given)} without --use-opd",
@@ -90,23 +89,23 @@ class OpdSettings:
                     "add --use-opd, or drop them",
                 )
             return
-        if args.opd_teacher_load is None:
+        if self.opd_teacher_load is None:
             fail("--use-opd without --opd-teacher-load", "distillation needs a teacher", "pass --opd-teacher-load DIR")
-        if args.opd_type == "sglang":
+        if self.opd_type == "sglang":
             fail(
                 "--opd-type sglang",
                 "the SGLang engine cannot run on this build (no CUDA kernels), so it cannot serve the teacher",
                 "use --opd-type megatron (in the trainer), hf or vllm",
             )
-        if args.opd_teacher_ckpt_step is not None:
+        if self.opd_teacher_ckpt_step is not None:
             fail(
                 "--opd-teacher-ckpt-step",
                 "a teacher is read from a Hugging Face directory only in this release",
                 "pass the teacher run's --save-hf directory as --opd-teacher-load and drop --opd-teacher-ckpt-step",
             )
-        if not args.opd_kl_coef > 0:
+        if not self.opd_kl_coef > 0:
             fail(
-                f"--opd-kl-coef {args.opd_kl_coef}",
+                f"--opd-kl-coef {self.opd_kl_coef}",
                 "the coefficient must be > 0 (0 turns distillation off; < 0 pushes the student away from the teacher)",
                 "use e.g. --opd-kl-coef 1.0, or drop --use-opd",
             )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import derived, flag, option
+from rl_plugin.flags import derived, flag
 from rl_plugin.registries import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
 GROUP = "policy loss"
@@ -18,25 +18,22 @@ GROUP_RELATIVE = ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseli
 
 @dataclass(frozen=True)
 class PolicySettings:
+    advantage_estimator: str = flag(
+        "--advantage-estimator",
+        choices=ADVANTAGE_ESTIMATORS.names,
+        default="grpo",
+        help=(
+            "grpo: group-normalised rewards (Shao et al. 2024, DeepSeekMath). "
+            "gspo: grpo advantages with the sequence-level, length-normalised importance ratio of GSPO (Zheng et al. 2025); "
+            "use for MoE or long responses where token ratios are noisy. "
+            "dr_grpo: group mean subtracted, no std division (Liu et al. 2025, Dr.GRPO); pair with --loss-aggregation constant. "
+            "rloo: leave-one-out baseline (Ahmadian et al. 2024); needs --n-samples-per-prompt >= 2. "
+            "reinforce_plus_plus_baseline: group mean subtracted, then whitened over the batch (Hu 2025, REINFORCE++)."
+        ),
+        group=GROUP,
+    )
     policy_loss: str = derived(  # the loss the estimator asks for (rl_plugin.registries.POLICY_LOSSES)
-        lambda args: "gspo" if args.advantage_estimator == "gspo" else "ppo_clip",
-        "ppo_clip",
-        inputs=[
-            option(
-                "--advantage-estimator",
-                choices=ADVANTAGE_ESTIMATORS.names,
-                default="grpo",
-                help=(
-                    "grpo: group-normalised rewards (Shao et al. 2024, DeepSeekMath). "
-                    "gspo: grpo advantages with the sequence-level, length-normalised importance ratio of GSPO (Zheng et al. 2025); "
-                    "use for MoE or long responses where token ratios are noisy. "
-                    "dr_grpo: group mean subtracted, no std division (Liu et al. 2025, Dr.GRPO); pair with --loss-aggregation constant. "
-                    "rloo: leave-one-out baseline (Ahmadian et al. 2024); needs --n-samples-per-prompt >= 2. "
-                    "reinforce_plus_plus_baseline: group mean subtracted, then whitened over the batch (Hu 2025, REINFORCE++)."
-                ),
-                group=GROUP,
-            )
-        ],
+        lambda args: "gspo" if args.advantage_estimator == "gspo" else "ppo_clip", "ppo_clip"
     )
     eps_clip: float = flag(
         "--eps-clip",
@@ -94,30 +91,29 @@ class PolicySettings:
     def needs_entropy(self) -> bool:
         return self.entropy_coef != 0.0 or self.pg_metrics == "with_entropy"
 
-    @classmethod
-    def check(cls, args) -> None:
-        for name, value in (("--eps-clip", args.eps_clip), ("--eps-clip-high", args.eps_clip_high)):
+    def check(self, run) -> None:
+        for name, value in (("--eps-clip", self.eps_clip), ("--eps-clip-high", self.eps_clip_high)):
             if value is not None and not value > 0:
                 fail(
                     name,
                     f"the clip range must be > 0 (got {value}); <= 0 clips every ratio to a constant and the policy gradient vanishes",
                     f"use e.g. {name} 0.2",
                 )
-        high = args.eps_clip_high
-        if high is not None and args.eps_clip is not None and 0 < high < args.eps_clip:
+        high = self.eps_clip_high
+        if high is not None and self.eps_clip is not None and 0 < high < self.eps_clip:
             fail(
-                f"--eps-clip-high {high} with --eps-clip {args.eps_clip}",
+                f"--eps-clip-high {high} with --eps-clip {self.eps_clip}",
                 "the upper clip bound is tighter than the lower one; clip-higher (DAPO) widens the upper bound to keep "
                 "exploration alive, and a narrower one is almost always the two values swapped",
-                f"use --eps-clip {high} --eps-clip-high {args.eps_clip}, or drop --eps-clip-high for a symmetric clip",
+                f"use --eps-clip {high} --eps-clip-high {self.eps_clip}, or drop --eps-clip-high for a symmetric clip",
             )
-        if args.eps_clip_c is not None and not args.eps_clip_c > 1:
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1:
             fail(
                 "--eps-clip-c",
-                f"the dual-clip constant must be > 1 (got {args.eps_clip_c}); c <= 1 caps the loss below the clipped PPO loss",
+                f"the dual-clip constant must be > 1 (got {self.eps_clip_c}); c <= 1 caps the loss below the clipped PPO loss",
                 "use e.g. --eps-clip-c 3, or drop it",
             )
-        if args.kl_loss_coef != 0 and not args.use_kl_loss:
+        if self.kl_loss_coef != 0 and not self.use_kl_loss:
             fail(
                 "--kl-loss-coef without --use-kl-loss",
                 "the KL coefficient would be silently ignored",

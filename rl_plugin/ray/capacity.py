@@ -48,27 +48,26 @@ def shortfall(bundles: Sequence[Bundle], nodes: Sequence[Bundle]) -> Optional[st
     return None
 
 
-def describe_ask(args, world: int, engines: int, gpus: bool) -> str:
-    """Who asks for the bundles, in the flags' terms."""
+def describe_ask(run, world: int, engines: int, gpus: bool) -> str:
+    """Who asks for the bundles (``run``: the ``RunConfig``), in the flags' terms."""
     dev = "GPU" if gpus else "CPU"
+    cluster, engine = run.cluster, run.rollout.engine
     parts = [
-        f"{world} training rank(s) of 1 {dev} (--actor-num-nodes {args.actor_num_nodes} x "
-        f"--actor-num-gpus-per-node {args.actor_num_gpus_per_node})"
+        f"{world} training rank(s) of 1 {dev} (--actor-num-nodes {cluster.actor_num_nodes} x "
+        f"--actor-num-gpus-per-node {cluster.actor_num_gpus_per_node})"
     ]
-    if args.colocate:
+    if cluster.colocate:
         parts.append("the rollout engines on the training bundles (--colocate)")
     elif engines:
-        per = args.rollout_num_gpus_per_engine
+        per = engine.tensor_parallel_size
         parts.append("the rollout manager (1 CPU)")
         parts.append(
-            f"{engines} {args.rollout_engine} engine(s) of {per if gpus else 1} {dev} (--rollout-num-gpus "
-            f"{args.rollout_num_gpus or per} / --rollout-num-gpus-per-engine {per})"
+            f"{engines} {engine.engine} engine(s) of {per if gpus else 1} {dev} (--rollout-num-gpus "
+            f"{cluster.rollout_num_gpus or per} / --rollout-num-gpus-per-engine {per})"
         )
     else:
-        n = (args.rollout_num_gpus or args.rollout_num_gpus_per_engine) if gpus else 1
-        parts.append(
-            f"the rollout manager holding the {args.rollout_engine} engine ({_n(n)} {dev}, --rollout-num-gpus)"
-        )
+        n = (cluster.rollout_num_gpus or engine.tensor_parallel_size) if gpus else 1
+        parts.append(f"the rollout manager holding the {engine.engine} engine ({_n(n)} {dev}, --rollout-num-gpus)")
     return ", ".join(parts)
 
 
@@ -84,14 +83,14 @@ def describe_nodes(nodes: Sequence[Mapping], key: str = "Resources") -> str:
     return "; ".join(rows) or "no alive nodes"
 
 
-def fixes(args, gpus: bool) -> str:
+def fixes(run, gpus: bool) -> str:
     if not gpus:
         return (
             "give the cluster more CPUs (--ray-num-cpus for the local cluster, `ray start --num-cpus N` on a node), "
             "or fewer processes (--actor-num-gpus-per-node, --rollout-num-gpus)"
         )
     out = []
-    if not args.colocate:
+    if not run.cluster.colocate:
         out.append("--colocate (the rollout engines share the training GPUs)")
         out.append("fewer rollout GPUs (--rollout-num-gpus, --rollout-num-gpus-per-engine)")
     out.append("fewer training ranks (--actor-num-nodes, --actor-num-gpus-per-node)")
@@ -100,20 +99,20 @@ def fixes(args, gpus: bool) -> str:
     return ", ".join(out)
 
 
-def check_bundles_fit(args, bundles: Sequence[Bundle], nodes: Sequence[Mapping], world: int, engines: int, gpus: bool):
+def check_bundles_fit(run, bundles: Sequence[Bundle], nodes: Sequence[Mapping], world: int, engines: int, gpus: bool):
     """Raise ``LoopError`` naming the ask, the cluster and the fix when ``bundles`` can never be
-    placed on the alive ``nodes`` (``ray.nodes()`` entries)."""
+    placed on the alive ``nodes`` (``ray.nodes()`` entries); ``run``: the ``RunConfig``."""
     alive: List[Mapping] = [n for n in nodes if n.get("Alive", True)]
     why = shortfall(bundles, [n.get("Resources", {}) for n in alive])
     if why is not None:
         raise LoopError(
             f"Ray cannot place the run's {len(bundles)} bundles {list(map(dict, bundles))}: {why}. Asked by "
-            f"{describe_ask(args, world, engines, gpus)}. The cluster: {describe_nodes(alive)}. Fix: {fixes(args, gpus)}"
+            f"{describe_ask(run, world, engines, gpus)}. The cluster: {describe_nodes(alive)}. Fix: {fixes(run, gpus)}"
         )
 
 
 def placement_timeout_error(
-    args, bundles: Sequence[Bundle], available: Dict[str, float], timeout: float, world: int, engines: int, gpus: bool
+    run, bundles: Sequence[Bundle], available: Dict[str, float], timeout: float, world: int, engines: int, gpus: bool
 ) -> LoopError:
     """The bundles fit the cluster's totals but did not become free within ``timeout``: other
     jobs (or placement groups) hold what they need."""
@@ -121,6 +120,6 @@ def placement_timeout_error(
     return LoopError(
         f"Ray could not place the run's {len(bundles)} bundles {list(map(dict, bundles))} within {timeout:g} s although "
         f"the cluster has them in total: other jobs hold them (free now: {free}). Asked by "
-        f"{describe_ask(args, world, engines, gpus)}. Fix: wait for those jobs or stop them (`ray status` lists the "
-        f"usage), or ask for less: {fixes(args, gpus)}"
+        f"{describe_ask(run, world, engines, gpus)}. Fix: wait for those jobs or stop them (`ray status` lists the "
+        f"usage), or ask for less: {fixes(run, gpus)}"
     )

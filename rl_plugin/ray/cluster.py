@@ -49,6 +49,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rl_plugin.checkpoint.disk_space import parameter_count
 from rl_plugin.configs.colocation import DISTRIBUTED_TRANSPORTS, refuse_colocated_nccl
 from rl_plugin.configs.engine import check_engine_device
+from rl_plugin.configs.run import RunConfig
 from rl_plugin.errors import EXIT_SIGNALS, LoopError  # the exit signals are blocked in the local cluster
 from rl_plugin.ray.bundle_order import (
     BundleSite,
@@ -197,18 +198,19 @@ def shutdown_ray() -> None:
         _REAPER = None
 
 
-def num_engines(args) -> int:
+def num_engines(run: RunConfig) -> int:
     """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` (slime's rule); one by default.
     Colocated server engines (vllm, sglang) take every training GPU: world / per-engine."""
-    if args.colocate and args.rollout_engine != "hf":
-        return max(1, args.actor_num_nodes * args.actor_num_gpus_per_node // args.rollout_num_gpus_per_engine)
-    return max(1, (args.rollout_num_gpus or args.rollout_num_gpus_per_engine) // args.rollout_num_gpus_per_engine)
+    per_engine = run.rollout.engine.tensor_parallel_size
+    if run.cluster.colocate and run.rollout.engine.engine != "hf":
+        return max(1, run.cluster.world_size // per_engine)
+    return max(1, (run.cluster.rollout_num_gpus or per_engine) // per_engine)
 
 
-def engine_processes(args) -> int:
+def engine_processes(run: RunConfig) -> int:
     """Engine actors to start: 0 when the single ``hf`` engine lives in the manager."""
-    n = num_engines(args)
-    return 0 if (args.rollout_engine == "hf" and n == 1) else n
+    n = num_engines(run)
+    return 0 if (run.rollout.engine.engine == "hf" and n == 1) else n
 
 
 @dataclass
@@ -274,50 +276,50 @@ class Placement:
         remove_placement_group(self.pg)
 
 
-def required_cpus(args) -> int:
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    return world + (0 if args.colocate else 1 + engine_processes(args))
+def required_cpus(run: RunConfig) -> int:
+    return run.cluster.world_size + (0 if run.cluster.colocate else 1 + engine_processes(run))
 
 
-def create_placement(args) -> Placement:
-    gpus = placement_uses_gpus(args.placement_device, ray.cluster_resources().get("GPU", 0))
+def create_placement(run: RunConfig) -> Placement:
+    cluster, per_engine = run.cluster, run.rollout.engine.tensor_parallel_size
+    gpus = placement_uses_gpus(cluster.placement_device, ray.cluster_resources().get("GPU", 0))
     check_engine_device(
-        args.rollout_engine,
-        args.rollout_num_gpus_per_engine,
+        run.rollout.engine.engine,
+        per_engine,
         gpus,
-        f"--placement-device {args.placement_device} on a Ray cluster with {'' if gpus else 'no '}GPUs",
+        f"--placement-device {cluster.placement_device} on a Ray cluster with {'' if gpus else 'no '}GPUs",
     )
-    if args.colocate and gpus and args.update_weight_transport in DISTRIBUTED_TRANSPORTS:
-        refuse_colocated_nccl(args.update_weight_transport)
+    if cluster.colocate and gpus and run.sync.transport in DISTRIBUTED_TRANSPORTS:
+        refuse_colocated_nccl(run.sync.transport)
     device = "GPU" if gpus else "CPU"
-    check_node_count(args.actor_num_nodes, alive_nodes_with(device), device)
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    check_node_count(cluster.actor_num_nodes, alive_nodes_with(device), device)
+    world = cluster.world_size
     bundles: List[Dict[str, float]] = [{"CPU": 1, "GPU": 1} if gpus else {"CPU": 1} for _ in range(world)]
-    rollout_bundle, engines = 0, engine_processes(args)
-    per_engine = args.rollout_num_gpus_per_engine
+    rollout_bundle, engines = 0, engine_processes(run)
     engine_bundles = [i % world for i in range(engines)]
-    if not args.colocate:
-        n = args.rollout_num_gpus or per_engine
+    if not cluster.colocate:
+        n = cluster.rollout_num_gpus or per_engine
         bundles.append({"CPU": 1, "GPU": n} if gpus and not engines else {"CPU": 1})
         rollout_bundle = world
         engine_bundles = list(range(world + 1, world + 1 + engines))
         bundles += [{"CPU": 1, "GPU": per_engine} if gpus else {"CPU": 1} for _ in range(engines)]
-    check_bundles_fit(args, bundles, ray.nodes(), world, engines, gpus)  # never fits: fail now, not after the wait
+    check_bundles_fit(run, bundles, ray.nodes(), world, engines, gpus)  # never fits: fail now, not after the wait
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise placement_timeout_error(
-            args, bundles, ray.available_resources(), PLACEMENT_TIMEOUT_S, world, engines, gpus
+            run, bundles, ray.available_resources(), PLACEMENT_TIMEOUT_S, world, engines, gpus
         ) from None
     try:
         train_sites = sorted_sites(bundle_sites(pg, range(world), [1 if gpus else 0] * world))
-        group = args.tensor_model_parallel_size * args.context_parallel_size
+        model = run.train.model
+        group = model.tensor_model_parallel_size * model.context_parallel_size
         check_groups_within_nodes(train_sites, group, "a TP x CP")
         train_bundles = [s.bundle for s in train_sites]
         engine_devices: List[str] = []
-        if args.colocate:  # engine i: the bundle of rank i x per_engine, and with N GPUs the next N ranks' GPUs
+        if cluster.colocate:  # engine i: the bundle of rank i x per_engine, and with N GPUs the next N ranks' GPUs
             rollout_bundle = train_bundles[0]
             engine_bundles = [train_bundles[(i * per_engine) % world] for i in range(engines)]
             if gpus and per_engine > 1:
@@ -329,7 +331,7 @@ def create_placement(args) -> Placement:
         elif engine_bundles:
             sites = bundle_sites(pg, engine_bundles, [per_engine if gpus else 0] * len(engine_bundles))
             engine_bundles = [s.bundle for s in sorted_sites(sites)]
-        threads = thread_plan(args, pg, train_bundles, rollout_bundle, engine_bundles, gpus)
+        threads = thread_plan(run, pg, train_bundles, rollout_bundle, engine_bundles, gpus)
     except BaseException:
         remove_placement_group(pg)
         raise
@@ -337,7 +339,7 @@ def create_placement(args) -> Placement:
         pg,
         world,
         gpus,
-        bool(args.colocate),
+        bool(cluster.colocate),
         rollout_bundle,
         engine_bundles,
         per_engine,
@@ -348,17 +350,17 @@ def create_placement(args) -> Placement:
     )
 
 
-def thread_plan(args, pg, train_bundles, rollout_bundle: int, engine_bundles, gpus: bool) -> ThreadPlan:
-    """Each role's torch threads (``rl_plugin.threads``) from the bundles' nodes and the schedule:
-    training and generation at once when overlapped or fully async (never colocated); the manager
-    generates only with the ``hf`` engine in it; SFT generates nothing."""
+def thread_plan(run: RunConfig, pg, train_bundles, rollout_bundle: int, engine_bundles, gpus: bool) -> ThreadPlan:
+    """Each role's torch threads (``rl_plugin.threads``) from the bundles' nodes and the mode:
+    training and generation at once when it generates ahead (overlapped, fully async; never
+    colocated); the manager generates only with the ``hf`` engine in it; SFT generates nothing."""
     node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-    sft = args.loss_type == "sft_loss"
-    concurrent = not args.colocate and (bool(args.fully_async) or args.max_weight_staleness >= 1)
+    generates = run.mode.generates
+    checkpoint = run.train.model.hf_checkpoint
     return ThreadPlan.for_placement(
         train_nodes=[node_of[b] for b in train_bundles],
-        rollout_node=None if sft or engine_bundles else node_of[rollout_bundle],
-        engine_nodes=[] if sft else [node_of[b] for b in engine_bundles],
-        concurrent=concurrent,  # SFT: no generating process, so nothing to share with
-        single=gpus or is_small_model(parameter_count(args.hf_checkpoint) if args.hf_checkpoint else None),
+        rollout_node=None if not generates or engine_bundles else node_of[rollout_bundle],
+        engine_nodes=[node_of[b] for b in engine_bundles] if generates else [],
+        concurrent=not run.cluster.colocate and run.mode.generates_ahead,  # SFT: nothing to share with
+        single=gpus or is_small_model(parameter_count(checkpoint) if checkpoint else None),
     )

@@ -7,31 +7,30 @@ import signal
 
 import ray
 
-from rl_plugin.configs import RolloutConfig
 from rl_plugin.ray.engine_actor import CONTROL_GROUP, create_engines
 from rl_plugin.rollout.manager import RolloutManager
 
 
-def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str, eval_data):
+def create_rollout_manager(run, placement, *, hook_args):
     """The engine actors (if any, see ``rl_plugin.ray.cluster.engine_processes``), then the
-    manager that drives them. Returns ``(manager, engines)``. The flags become the typed
-    ``RolloutConfig`` here, once; the manager and the engines receive it; ``args`` travels to the
-    manager only for the user's rollout hooks (slime's ``fn(args, ...)``)."""
-    config = RolloutConfig.from_args(args)
+    manager that drives them. Returns ``(manager, engines)``. The manager and the engines receive
+    the run config's ``RolloutConfig``; ``hook_args`` (the parsed flags) travels to the manager only
+    for the user's rollout hooks (slime's ``fn(args, ...)``)."""
+    config, checkpoint_dir = run.rollout, run.train.model.hf_checkpoint
     engines = []
     try:
         engines = create_engines(config.engine, placement, checkpoint_dir)
-        opts = placement.rollout_options(args.rollout_num_gpus or args.rollout_num_gpus_per_engine)
+        opts = placement.rollout_options(run.cluster.rollout_num_gpus or config.engine.tensor_parallel_size)
         actor = (
             ray.remote(concurrency_groups=CONTROL_GROUP)(RolloutManager)  # abort() while generate runs
             .options(**opts, max_restarts=0)
             .remote(
                 config,
                 checkpoint_dir,
-                train_data,
-                eval_data,
+                config.prompt_data,
+                config.eval_prompt_data,
                 engines or None,
-                args=args,
+                args=hook_args,
                 threads=placement.threads.rollout,
             )
         )

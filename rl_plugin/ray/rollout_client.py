@@ -39,10 +39,13 @@ def actor_died(exc: Exception) -> bool:
 
 
 class RolloutClient:
-    def __init__(self, args, placement, resume_hint: Callable[[], str], *, rollout_engine: str, max_retries: int):
-        self._args, self.placement = args, placement  # args: for the manager's constructor only
+    def __init__(self, run, placement, resume_hint: Callable[[], str], *, hook_args):
+        """``run``: the ``RunConfig``; ``hook_args``: the parsed flags, for the user's hooks only
+        (slime's ``fn(args, ...)``; ``rl_plugin.configs.run``)."""
+        self._run, self._hook_args, self.placement = run, hook_args, placement  # for the manager's constructor
         self.resume_hint = resume_hint
-        self.rollout_engine, self.max_retries = rollout_engine, max_retries  # for restart and its messages
+        # for restart and its messages
+        self.rollout_engine, self.max_retries = run.rollout.engine.engine, run.fault_tolerance.max_rollout_retries
         self.on_restart: Callable[[], None] = lambda: None  # the driver's full weight sync into fresh engines
         self.on_fresh_engines: Callable[[], None] = lambda: None  # the weight ledger forgets the old engines
         self.manager, self.engines = self._create()
@@ -63,8 +66,7 @@ class RolloutClient:
         return f"{what} in the rollout manager" if what else None
 
     def _create(self):
-        a = self._args
-        return create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        return create_rollout_manager(self._run, self.placement, hook_args=self._hook_args)
 
     # -- calls ------------------------------------------------------------------------------------
     def call(self, method: str, *args):

@@ -52,7 +52,8 @@ class TrainActorError(RuntimeError):
 
 
 class TrainGroup:
-    def __init__(self, args, placement: Placement):
+    def __init__(self, config: TrainConfig, placement: Placement):
+        """``config``: the run config's ``TrainConfig``, which every rank receives."""
         self.world_size = placement.world_size
         self.poll: Callable[[], None] = lambda: None  # the run's exit request, between two waits
         remote_cls = ray.remote(concurrency_groups=CONTROL_GROUP)(TrainActor)  # request_stop while training
@@ -69,7 +70,6 @@ class TrainGroup:
         addrs = self._wait([a.address.remote() for a in self.actors], "address")
         self.info: List[Dict[str, Any]] = [{"ip": ip, "pid": pid} for ip, _, pid in addrs]
         master_addr, master_port, _ = addrs[0]
-        config = TrainConfig.from_args(args)  # the flags become typed configs once; the ranks receive these
         layout = self.call("init", [(master_addr, master_port, config)] * self.world_size)
         for i, lay in zip(self.info, layout):
             i.update(lay)

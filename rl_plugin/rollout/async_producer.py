@@ -29,13 +29,13 @@ An error in the thread (an abort included) closes the buffer; the trainer's next
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Deque, Dict, List, Optional
 
+from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
 from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.engines.pause import GenerationGate
@@ -45,25 +45,6 @@ ASYNC_SEED_OFFSET = 5_000_011
 # Benchmark switch (``benchmarks/async_loop.py``): "1" makes a weight load wait for the submission in
 # flight (the gate held for the whole submission), i.e. fully async without partial rollouts.
 NO_PARTIAL_ENV = "RL_PLUGIN_ASYNC_NO_PARTIAL"
-
-
-@dataclass(frozen=True)
-class AsyncSettings:
-    """What the worker reads of the fully-async flags (``configs.async_training``; built once by
-    ``loop.config.LoopConfig``)."""
-
-    max_concurrent: Optional[int]  # trajectories in flight (None: the rollout batch)
-    granularity: str  # "sample" | "group"
-    capacity_factor: float  # buffer capacity: ceil(factor x --rollout-batch-size) groups
-    max_staleness: int
-    handler: str  # "drop" | "retry"
-    pause_mode: str  # "retract" | "in_place"
-
-    def concurrent(self, rollout_batch_size: int, n: int) -> int:
-        return int(self.max_concurrent or rollout_batch_size * n)
-
-    def capacity(self, rollout_batch_size: int) -> int:
-        return max(1, math.ceil(self.capacity_factor * rollout_batch_size))
 
 
 class GatedEngine:
@@ -81,15 +62,17 @@ def versions_of(samples: List[Sample]) -> List[List[int]]:
 
 
 class AsyncProducer:
-    def __init__(self, manager, settings: AsyncSettings, version: int, requeued: Optional[List[Any]] = None):
+    def __init__(self, manager, settings: AsyncConfig, version: int, requeued: Optional[List[Any]] = None):
         self.m, self.settings = manager, settings
         self.n = int(manager.config.n_samples_per_prompt)
-        self.gate = GenerationGate(settings.pause_mode, version)
+        self.gate = GenerationGate(settings.pause_generation_mode, version)
         self.retry: Deque[Any] = collections.deque(requeued or [])
         self.lock = threading.Lock()  # the dataset and the retry queue (the manager's thread reads them too)
         rbs = int(manager.config.rollout_batch_size)
         self.concurrent = settings.concurrent(rbs, self.n)
-        self.buffer = AsyncBuffer(settings.capacity(rbs), settings.max_staleness, settings.handler, self.requeue)
+        self.buffer = AsyncBuffer(
+            settings.capacity(rbs), settings.max_weight_staleness, settings.async_unused_samples_handler, self.requeue
+        )
         self.in_flight: List[Any] = []  # the records of the submission being generated
         self.submissions = 0
         self.generated_groups = 0
@@ -143,7 +126,7 @@ class AsyncProducer:
         seed = m.config.seed + ASYNC_SEED_OFFSET + self.submissions
         self.submissions += 1
         start = self.gate.version
-        early = _EarlyGroups(self, recs) if self.settings.granularity == "sample" else None
+        early = _EarlyGroups(self, recs) if self.settings.rollout_submission_granularity == "sample" else None
         if os.environ.get(NO_PARTIAL_ENV) == "1":
             samples = self._unpaused(recs, seed)
         elif m.generate_hook is not None or m.engine is None:
@@ -193,7 +176,7 @@ class AsyncProducer:
             finally:
                 self.gate.leave()
         gen = DefaultGenerate(m.tokenizer, m.params, None, m.engines)
-        call = (self.settings.pause_mode, self.gate.version)
+        call = (self.settings.pause_generation_mode, self.gate.version)
         if early is None:
             gen.actor_call = lambda a, *x: a.generate_pausable.remote(*x, *call)
         else:
@@ -263,7 +246,7 @@ class _EarlyGroups:
                 self.deferred.append(group)
 
 
-def take_rollout(m, rollout_id: int, handle, settings: AsyncSettings):
+def take_rollout(m, rollout_id: int, handle, settings: AsyncConfig):
     """The manager ``m``'s fully-async rollout ``rollout_id``: ``--rollout-batch-size`` groups from
     the buffer, the worker started on the first call (a fresh manager's engines hold the trainer's
     weights: version ``rollout_id``). A given ``handle`` (the weights after rollout

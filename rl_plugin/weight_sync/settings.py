@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, derived, flag
+from rl_plugin.flags import Declared, derived, flag, runtime
 from rl_plugin.registries import WEIGHT_TRANSPORTS  # the flag's choices (no torch import)
 
 GROUP = "weight sync"
@@ -50,24 +50,22 @@ class SyncSettings(Declared):
     )
     # fingerprint both sides of every sync: --check-weight-sync, or --check-lora-weight-equal (declared with
     # LoRA's flags): with LoRA what travels, and so what is compared, is the adapters
-    fingerprint: bool = derived(
-        lambda args: bool(args.check_weight_sync or getattr(args, "check_lora_weight_equal", False)), False
-    )
-    # 2 under --max-weight-staleness > 0 (a load of v - 1 may run while v is published)
-    slots: int = derived(lambda args: 2 if args.max_weight_staleness > 0 else 1, 1)
+    fingerprint: bool = derived(lambda args: bool(args.check_weight_sync or args.check_lora_weight_equal), False)
+    # 2 when the run's mode generates ahead of training (a load of v - 1 may run while v is published);
+    # given by the run config from its mode (rl_plugin.configs.run)
+    slots: int = runtime(1)
 
-    @classmethod
-    def check(cls, args) -> None:
-        size = args.update_weight_buffer_size
+    def check(self, run) -> None:
+        size = self.buffer_bytes
         if size is not None and size < 1:
             fail(
                 "--update-weight-buffer-size",
                 f"must be >= 1 byte (got {size})",
                 "use e.g. 536870912 (512 MiB, slime's default)",
             )
-        if args.update_weight_transport in ("distributed", "nccl") and getattr(args, "max_weight_staleness", 0) > 0:
+        if self.transport in ("distributed", "nccl") and run.async_training.generates_ahead:
             fail(
-                f"--update-weight-transport {args.update_weight_transport} with --max-weight-staleness {args.max_weight_staleness}",
+                f"--update-weight-transport {self.transport} with --max-weight-staleness {run.async_training.max_weight_staleness}",
                 "the broadcast needs the engines inside their load while the trainer publishes, and under overlapped "
                 "training they are generating then: the trainer would wait for every generation",
                 "use --update-weight-transport auto (shared memory / object store) with --max-weight-staleness 1",

@@ -9,41 +9,36 @@ import pytest
 
 from rl_plugin.arguments import RLArgumentError, build_parser, parse_args
 from rl_plugin.configs import EngineConfig, RolloutConfig
-from rl_plugin.configs.async_training import AsyncConfig
-from rl_plugin.configs.checkpointing import CheckpointConfig
-from rl_plugin.configs.cluster import ClusterConfig
-from rl_plugin.configs.custom_generation import CustomGenerationConfig
-from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
-from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
-from rl_plugin.configs.logging import LoggingConfig
+from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.rewards import RewardConfig
-from rl_plugin.flags import SPEC, Derived, Flag, Nested, SameAs, declared_flags
+from rl_plugin.configs.run import RunConfig, config_classes, configs_of
+from rl_plugin.flags import RUNTIME, SPEC, Derived, Flag, Nested, SameAs, declared_flags
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.weight_sync import SyncSettings
 
-CONFIGS = [
-    EngineConfig,
-    RolloutConfig,
-    RewardConfig,
-    CustomGenerationConfig,
-    DynamicSamplingConfig,
-    SyncSettings,
-    ClusterConfig,
-    CheckpointConfig,
-    FaultToleranceConfig,
-    LoggingConfig,
-    AsyncConfig,
-    LoopConfig,
-]
-RUNTIME_ONLY = {LoopConfig: {"run_settings"}}  # config -> fields set at run time, not from a flag
+CONFIGS = config_classes(RunConfig)  # every config of the run, from the tree (LoRA and colocation too)
+# config -> fields the run config gives once (from its mode, or the loop's decision), not a flag
+RUNTIME_ONLY = {
+    RunConfig: {"embedded"},
+    SyncSettings: {"slots"},
+    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft"},
+}
+
+
+def test_the_tree_holds_every_config_that_declares_a_flag():
+    names = {c.__name__ for c in CONFIGS}
+    assert {"LoraConfig", "ColocationConfig", "AsyncConfig", "SyncSettings", "MoEConfig"} <= names
+    flags = [spec.names[0] for c in CONFIGS for _, spec in declared_flags(c)]
+    assert len(flags) == len(set(flags)) and len(flags) > 150  # each flag declared once, by one config
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
 def test_every_field_is_declared_once(cls):
     for f in fields(cls):
-        if f.name in RUNTIME_ONLY.get(cls, ()):
-            continue
         spec = f.metadata.get(SPEC)
+        if f.name in RUNTIME_ONLY.get(cls, ()):
+            assert spec is RUNTIME, f"{cls.__name__}.{f.name}"
+            continue
         assert isinstance(spec, (Flag, SameAs, Derived, Nested)), f"{cls.__name__}.{f.name} has no flag"
         assert f.default is not MISSING or f.default_factory is not MISSING
 
@@ -52,9 +47,34 @@ def test_every_field_is_declared_once(cls):
 def test_the_parser_default_is_the_field_default(cls):
     defaults = {a.dest: a.default for a in build_parser()._actions}
     for name, spec in declared_flags(cls):
+        if isinstance(next(f for f in fields(cls) if f.name == name).metadata[SPEC], Derived):
+            assert defaults[spec.dest] == spec.default, spec.names[0]
+            continue
         field_default = next(f.default for f in fields(cls) if f.name == name)
         assert defaults[spec.dest] == field_default, spec.names[0]
-    assert cls.from_args(parse_args([])) == cls()
+    assert cls.from_args(build_parser().parse_args([])) == cls()
+
+
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ([], Mode.SYNC),
+        (["--max-weight-staleness", "1"], Mode.OVERLAPPED),
+        (["--fully-async", "--max-weight-staleness", "2"], Mode.FULLY_ASYNC),
+        (
+            ["--loss-type", "sft_loss", "--prompt-data", "c.jsonl", "--rollout-batch-size", "2", "--num-rollout", "1"],
+            Mode.SFT,
+        ),
+    ],
+    ids=lambda x: str(x) if isinstance(x, Mode) else " ".join(x) or "defaults",
+)
+def test_the_mode_is_derived_once_and_given_to_the_parts_that_need_it(argv, mode):
+    run = RunConfig.from_args(parse_args(argv))
+    assert run.mode is mode
+    assert run.train.loss.is_sft is (mode is Mode.SFT)  # the loss core reads a field, not the flag
+    assert run.sync.slots == (2 if mode in (Mode.OVERLAPPED, Mode.FULLY_ASYNC) else 1)
+    assert mode.generates is (mode is not Mode.SFT) and LoopConfig.of(run).mode is mode
+    assert (LoopConfig.of(run).async_settings is run.async_training) is (mode is Mode.FULLY_ASYNC)
 
 
 def test_loop_config_reads_the_loop_flags():
@@ -66,14 +86,30 @@ def test_loop_config_reads_the_loop_flags():
             *("--no-progress-bar", "--output-dir", "/o", "--max-rollout-retries", "0", "--log-interval", "3"),
         ]
     )
-    cfg = LoopConfig.from_args(args)
+    cfg = LoopConfig.of(RunConfig.from_args(args))
     assert (cfg.num_rollout, cfg.rollout_batch_size, cfg.save, cfg.save_interval) == (5, 4, "/ck", 2)
-    assert cfg.overlapped and cfg.sync == SyncSettings(
+    assert cfg.mode is Mode.OVERLAPPED and cfg.sync == SyncSettings(
         buffer_bytes=64, transport="auto", check_weights=True, fingerprint=True, slots=2
     )
     assert not cfg.progress_bar and cfg.max_rollout_retries == 0 and cfg.log_interval == 3
     assert (cfg.output_dir, cfg.metrics_file) == (Path("/o"), Path("/o/metrics.jsonl"))
     assert cfg.save_due(1) and not cfg.save_due(2) and cfg.save_due(4)
+
+
+def test_one_output_directory_default():
+    """--output-dir, else the embedded run's outputs/embedded_<backend>, else outputs/run: one
+    place (``RunConfig.output_dir``), and the metrics file follows it."""
+    args = parse_args(["--train-backend", "fsdp"])
+    assert RunConfig.from_args(args).output_dir == Path("outputs/run")
+    embedded = RunConfig.from_args(args, embedded=True)
+    assert embedded.output_dir == Path("outputs/embedded_fsdp")
+    assert embedded.metrics_file == Path("outputs/embedded_fsdp/metrics.jsonl")
+    assert RunConfig.from_args(parse_args(["--output-dir", "/x"]), embedded=True).output_dir == Path("/x")
+
+
+def test_the_world_size_is_computed_once():
+    run = RunConfig.from_args(parse_args(["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2"]))
+    assert run.cluster.world_size == 4 and run.planned_dp_size == 2
 
 
 def test_rollout_config_carries_the_declared_pieces_under_their_flag_names():
@@ -103,18 +139,17 @@ def test_rollout_config_carries_the_declared_pieces_under_their_flag_names():
     ids=lambda a: " ".join(a) or "defaults",
 )
 def test_a_rule_never_writes_args(argv):
-    from rl_plugin.errors import RLArgumentError
-
     args = build_parser().parse_args(argv)
     before = dict(vars(args))
-    for cls in CONFIGS:
-        check = getattr(cls, "check", None)
+    run = RunConfig.from_args(args, load_user_code=False)
+    for config in configs_of(run):
+        check = getattr(config, "check", None)
         try:
             if check is not None:
-                check(args)
+                check(run)
         except RLArgumentError:
             pass
-        assert vars(args) == before, f"{cls.__name__}.check wrote args"
+        assert vars(args) == before, f"{type(config).__name__}.check wrote args"
 
 
 def test_rollout_max_context_len_is_one_field():

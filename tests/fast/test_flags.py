@@ -55,9 +55,10 @@ def test_from_args_reads_flags_aliases_same_as_derived_and_nested():
 
 
 def test_bounds_name_the_flag_the_range_and_a_fix():
-    args = _parser().parse_args(["--width", "0"])
+    cfg = Inner.from_args(_parser().parse_args(["--width", "0"]))
     with pytest.raises(RLArgumentError, match=r"--width.*must be >= 1 \(got 0\).*--width 3"):
-        check_bounds(Inner, args)
+        check_bounds(cfg)
+    check_bounds(Inner())  # the default holds its range
 
 
 def test_a_flag_needs_dashes():

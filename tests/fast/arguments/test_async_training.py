@@ -5,7 +5,8 @@ two corrections. (The loop itself is tested end to end in e2e/test_loop.py.)"""
 import pytest
 
 from rl_plugin.arguments import parse_args
-from rl_plugin.configs.async_training import staleness_warning
+from rl_plugin.configs.async_training import staleness_warning as _warning
+from rl_plugin.configs.run import RunConfig
 from tests.support.flag_rules import assert_refused
 
 RULES = [
@@ -63,6 +64,10 @@ def test_rule_fails_loud_with_flags_rule_and_fix(flags, fragments):
     assert_refused(flags, fragments)
 
 
+def staleness_warning(args):
+    return _warning(RunConfig.from_args(args))
+
+
 def test_default_is_the_synchronous_loop_without_warning():
     args = parse_args([])
     assert args.max_weight_staleness == 0 and staleness_warning(args) is None
@@ -97,7 +102,9 @@ def test_routing_replay_with_fully_async_is_refused():
 
     args = parse_args(["--fully-async", "--max-weight-staleness", "1"])
     args.use_rollout_routing_replay = True
+    run = RunConfig.from_args(args)
+    assert isinstance(run.async_training, AsyncConfig) and run.train.routing_replay == "rollout"
     with pytest.raises(RLArgumentError) as err:
-        AsyncConfig.check(args)
+        run.async_training.check(run)
     msg = str(err.value)
     assert "--use-rollout-routing-replay with --fully-async" in msg and "not implemented" in msg and "Fix:" in msg

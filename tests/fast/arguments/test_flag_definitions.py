@@ -91,18 +91,17 @@ ORDER_CASES = [
 ]
 
 
-def _rules():
-    """Every rule set: the configs' ``check`` methods."""
-    from rl_plugin.arguments import _configs
+def _rules(run):
+    """Every rule set: the ``check`` of each config instance in the run config's tree."""
+    from rl_plugin.configs.run import configs_of
 
-    return [(cls.__name__, cls.check) for cls in _configs() if hasattr(cls, "check")]
+    return [(type(c).__name__, c.check) for c in configs_of(run) if hasattr(c, "check")]
 
 
-def _outcome(argv, rules):
-    args = build_parser().parse_args(argv)
+def _outcome(run, rules):
     try:
         for _, rule in rules:
-            rule(args)
+            rule(run)
     except RLArgumentError as exc:
         return "error", str(exc)
     return "ok", None
@@ -110,16 +109,21 @@ def _outcome(argv, rules):
 
 @pytest.mark.parametrize("argv", ORDER_CASES, ids=[" ".join(a) or "defaults" for a in ORDER_CASES])
 def test_rules_do_not_write_args_and_do_not_depend_on_order(argv):
+    from rl_plugin.configs.run import RunConfig
+
     args = build_parser().parse_args(argv)
-    rules = _rules()
-    for name, rule in rules:  # a rule never writes the namespace (derived values are pure functions)
-        before = copy.deepcopy(vars(args))
+    before_args = copy.deepcopy(vars(args))
+    run = RunConfig.from_args(args, load_user_code=False)
+    before = copy.deepcopy(run)
+    rules = _rules(run)
+    assert len(rules) >= 15, [name for name, _ in rules]  # every config with rules, LoRA and colocation too
+    for name, rule in rules:  # a rule writes neither the tree (frozen) nor the namespace
         try:
-            rule(args)
+            rule(run)
         except RLArgumentError:
             pass
-        assert vars(args) == before, f"the rules of {name} wrote args"
-    forward, backward = _outcome(argv, rules), _outcome(argv, rules[::-1])
+        assert run == before and vars(args) == before_args, f"the rules of {name} wrote their input"
+    forward, backward = _outcome(run, rules), _outcome(run, rules[::-1])
     assert forward[0] == backward[0]
 
 

@@ -53,13 +53,14 @@ def test_a_users_model_without_prompt_data_is_refused_naming_prompt_data(capsys,
 
 
 def test_a_users_model_without_prompt_data_is_refused_by_preflight(tiny_qwen2, tmp_path):
-    """A run built from a Namespace (not through the trainer's parse) meets the same rule."""
-    from rl_plugin.loop.preflight import preflight
+    """A run built from a Namespace (not through the trainer's parse) meets the same rule, in the
+    checks the run makes on the flags as given before its preflight (``check_command_line``)."""
+    from rl_plugin.arguments.setup import check_command_line
 
     args = parse_args(["--hf-checkpoint", tiny_qwen2, "--output-dir", str(tmp_path / "o")])
     assert not is_embedded(args)
     with pytest.raises(RLArgumentError, match="without --prompt-data"):
-        preflight(args)
+        check_command_line(args)
 
 
 def test_the_trainer_refuses_a_users_model_without_prompt_data(capsys, tiny_qwen2):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import settings_of
+from rl_plugin.configs.run import RunConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.preflight import check_resume_point, note_changed_settings
 from rl_plugin.loop.resume import Progress, save_checkpoint
@@ -22,14 +23,15 @@ class _NoFilesGroup:
 
 
 def _args(tmp_path, *flags):
+    """The run config of these flags, as the run builds it."""
     save = str(tmp_path / "ckpt")
-    return parse_train_flags(["--save", save, "--load", save, "--num-rollout", "10", *flags])
+    return RunConfig.from_args(parse_train_flags(["--save", save, "--load", save, "--num-rollout", "10", *flags]))
 
 
 def test_resume_with_other_settings_names_each_change(tmp_path, capsys):
     first = _args(tmp_path)
     (tmp_path / "ckpt").mkdir()
-    cfg = LoopConfig.from_args(first, run_settings=settings_of(first))  # as the run builds it
+    cfg = LoopConfig.of(first, run_settings=settings_of(first))  # as the run builds it
     save_checkpoint(cfg, _NoFilesGroup(), Progress(step=2), 1, {"epoch": 0, "offset": 32}, None)
     assert read_loop_state(str(tmp_path / "ckpt"), 2)["settings"]["--rollout-batch-size"] == 16
 

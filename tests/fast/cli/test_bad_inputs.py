@@ -113,8 +113,12 @@ def test_every_user_function_flag_is_loaded_in_preflight(tmp_path, flag):
     """Issue 38 item 7: the rollout function and the loss reducer were not loaded before the actors
     (the reducer's missing file was a raw traceback after Ray started)."""
     from rl_plugin.arguments.embedded import parse_train_flags
+    from rl_plugin.configs.run import RunConfig
     from rl_plugin.errors import RLArgumentError
-    from rl_plugin.loop.preflight import check_user_functions
+    from rl_plugin.loop.preflight import check_user_functions as check_run
+
+    def check_user_functions(args):  # the run's config as the run builds it (its functions load after this)
+        check_run(RunConfig.from_args(args, load_user_code=False))
 
     hook = tmp_path / "h.py"
     hook.write_text("def fn(*a, **k):\n    return None\n")

@@ -60,7 +60,7 @@ def _run(mode, split):
     """J and dJ/dlogp from the loss core, micro-batches ``split`` (sample indices)."""
     g = torch.Generator().manual_seed(3)
     logp = (-torch.rand(sum(LENGTHS), generator=g, dtype=torch.float64) * 3).requires_grad_(True)
-    cfg = LossConfig(loss_type="sft_loss", loss_aggregation=mode, loss_aggregation_divisor=DIVISOR)
+    cfg = LossConfig(loss_type="sft_loss", is_sft=True, loss_aggregation=mode, loss_aggregation_divisor=DIVISOR)
     ctx = prepare_step(_batch(), cfg, ParallelState.single())
     total = 0.0
     for idx in split:
@@ -97,7 +97,7 @@ def test_sft_metrics_are_the_token_mean_nll_and_its_exp_whatever_the_mode():
 
 def test_sft_objective_takes_no_old_log_probs_and_no_advantage():
     """The NLL ignores the batch's advantages and old log-probs (SFT sends none)."""
-    cfg = LossConfig(loss_type="sft_loss", loss_aggregation="token_mean")
+    cfg = LossConfig(loss_type="sft_loss", is_sft=True, loss_aggregation="token_mean")
     batch = _batch()
     batch.advantages = torch.randn(batch.advantages.shape[0])
     ctx = prepare_step(batch, cfg, ParallelState.single())

@@ -204,6 +204,7 @@ def _worker(rank, world, dp, cp, step, combos):
             kl_loss_coef=KL_COEF if kind not in ("raw", "sft") else 0.0,
             entropy_coef=ENT_COEF if kind not in ("raw", "sft") else 0.0,
             loss_type="sft_loss" if kind == "sft" else "policy_loss",
+            is_sft=kind == "sft",
             use_opd=kind == "opd",
             opd_kl_coef=OPD_COEF,
             custom_pg_reducer=custom_sample_mean if custom else None,

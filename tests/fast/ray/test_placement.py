@@ -11,6 +11,7 @@ GPU bundle (there is no real GPU here) must fail loud naming its node."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -72,6 +73,10 @@ def test_device_choice_and_node_count():
 
 
 def _args(**kw):
+    """The run config of the parser's defaults with ``kw`` (flag dests) set, as the run builds it."""
+    from rl_plugin.arguments import build_parser
+    from rl_plugin.configs.run import RunConfig
+
     base = dict(
         actor_num_nodes=2,
         actor_num_gpus_per_node=2,
@@ -89,7 +94,7 @@ def _args(**kw):
         hf_checkpoint=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return RunConfig.from_args(SimpleNamespace(**{**vars(build_parser().parse_args([])), **base}))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +141,7 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert p.threads.train.single and p.threads.rollout.single  # GPUs: one torch thread each
 
         with pytest.raises(TrainActorError) as err:  # the loop's own path: the group's first call fails
-            TrainGroup(_args(), p)
+            TrainGroup(_args().train, p)
         r, text = err.value.rank, str(err.value)
         assert f"GPUPlacementError: train rank {r} was placed on a GPU bundle" in text
         assert f"node id {sites[r].node_id}" in text and "sees no CUDA" in text
@@ -234,4 +239,4 @@ def test_a_gpu_shortfall_fails_in_seconds_and_a_multi_gpu_vllm_engine_follows_th
     finally:
         p.remove()
     with pytest.raises(RLArgumentError, match=r"--rollout-num-gpus-per-engine 2 with --placement-device cpu on a Ray"):
-        create_placement(SimpleNamespace(**{**vars(vllm), "placement_device": "cpu"}))
+        create_placement(replace(vllm, cluster=replace(vllm.cluster, placement_device="cpu")))
