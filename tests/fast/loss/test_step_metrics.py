@@ -54,14 +54,18 @@ def test_the_key_sets_of_each_setting():
     assert sums == [*LOSS_TERMS, *SUM_METRICS_BASIC] and maxes == ["advantage_max"] and mins == ["advantage_min"]
     assert step_metric_names(LossConfig(pg_metrics="none"), False) == (list(LOSS_TERMS), [], [])
     assert step_metric_names(LossConfig(pg_metrics="with_entropy"), False)[0][-1] == "entropy"
-    assert step_metric_names(LossConfig(loss_type="sft_loss"), False) == ([*LOSS_TERMS, "sft/nll_sum"], [], [])
+    assert step_metric_names(LossConfig(loss_type="sft_loss", is_sft=True), False) == (
+        [*LOSS_TERMS, "sft/nll_sum"],
+        [],
+        [],
+    )
     sums, maxes, _ = step_metric_names(LossConfig(use_tis=True), True, ["tis/custom"])
     assert sums[-5:] == [*MISMATCH_SUMS, *TIS_SUMS, "tis/custom"] and maxes[-1] == "mismatch/abs_diff_max"
     assert union_over_group(["b", "a"], None) == ["a", "b"]
 
 
 def test_sft_reports_the_token_mean_nll_and_its_perplexity():
-    out = with_counts_and_aliases({"sft/nll_sum": 6.0}, LossConfig(loss_type="sft_loss"), COUNTS, False)
+    out = with_counts_and_aliases({"sft/nll_sum": 6.0}, LossConfig(loss_type="sft_loss", is_sft=True), COUNTS, False)
     assert out == {
         "samples": 3.0,
         "tokens": 4.0,
@@ -71,9 +75,11 @@ def test_sft_reports_the_token_mean_nll_and_its_perplexity():
         "sft/ppl": math.exp(1.5),
     }
     empty = StepCounts(1, 0.0, 1, torch.ones(1), torch.zeros(1), torch.zeros(1))
-    out = with_counts_and_aliases({"sft/nll_sum": 0.0}, LossConfig(loss_type="sft_loss"), empty, False)
+    out = with_counts_and_aliases({"sft/nll_sum": 0.0}, LossConfig(loss_type="sft_loss", is_sft=True), empty, False)
     assert out["sft/nll"] == 0.0 and out["sft/ppl"] == 1.0
-    huge = with_counts_and_aliases({"sft/nll_sum": 4000.0}, LossConfig(loss_type="sft_loss"), COUNTS, False)
+    huge = with_counts_and_aliases(
+        {"sft/nll_sum": 4000.0}, LossConfig(loss_type="sft_loss", is_sft=True), COUNTS, False
+    )
     assert huge["sft/ppl"] == math.exp(700.0)  # capped: a finite double
 
 

@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 
 from rl_plugin.arguments import parse_args
+from rl_plugin.configs.run import RunConfig
 from rl_plugin.errors import RLArgumentError
-from rl_plugin.loss_config import LossConfig
 from rl_plugin.loss_config.loss_type import LOSS_TYPES
 
 
 def test_is_sft():
     assert LOSS_TYPES == ("policy_loss", "sft_loss")
-    assert LossConfig.from_args(parse_args(["--loss-type", "sft_loss"])).is_sft
-    assert not LossConfig.from_args(parse_args([])).is_sft
+    # the run config derives it once from the run's mode (rl_plugin.configs.mode)
+    assert RunConfig.from_args(parse_args(["--loss-type", "sft_loss"]), load_user_code=False).train.loss.is_sft
+    assert not RunConfig.from_args(parse_args([]), load_user_code=False).train.loss.is_sft
 
 
 @pytest.mark.parametrize(
