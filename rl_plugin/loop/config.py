@@ -20,7 +20,7 @@ from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
 from rl_plugin.flags import Declared, derived, nested, runtime, same_as
 from rl_plugin.loss_config import LossConfig
-from rl_plugin.rollout.async_producer import AsyncSettings
+from rl_plugin.rollout.fully_async.producer import AsyncSettings
 from rl_plugin.weight_sync import SyncSettings
 
 DEFAULT_OUTPUT_DIR = "outputs/run"

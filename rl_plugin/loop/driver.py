@@ -38,7 +38,7 @@ from rl_plugin.loop.steps import rollout_batch, sft_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.weight_sync import WeightLedger
 

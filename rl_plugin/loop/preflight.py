@@ -213,7 +213,7 @@ def preflight(args) -> Optional[ResumePoint]:
     point = check_resume_point(args)
     note_changed_settings(args, point)
     if args.loss_type == "sft_loss":  # no reward; the data are conversations to template
-        from rl_plugin.loop.sft_data import check_sft_file
+        from rl_plugin.rollout.sft_source import check_sft_file
 
         for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
             if path is not None:

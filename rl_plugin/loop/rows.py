@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import MetricsLogger, summary_line
 from rl_plugin.loop.resume import Progress
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 # ``rollout/``: a hook's samples held to the limits and repeated groups (``rollout.sample_check``)

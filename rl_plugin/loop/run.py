@@ -42,11 +42,11 @@ from rl_plugin.loop.preflight import check_progress, finished_message, is_finish
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
-from rl_plugin.loop.sft_data import SftData
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+from rl_plugin.rollout.sft_source import SftData
 from rl_plugin.weight_sync import WeightLedger
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.schedule import RolloutLoop
-from rl_plugin.loop.sft_data import SftData
+from rl_plugin.rollout.sft_source import SftData
 
 
 class SftSchedule:

@@ -25,7 +25,7 @@ import ray
 
 from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, fault_points, generate_ref
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 

@@ -37,9 +37,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from rl_plugin.configs import RolloutConfig
+from rl_plugin.phases import record
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.agent.rollout import AgentRollout
-from rl_plugin.rollout.custom_rollout import (
+from rl_plugin.rollout.dapo.dynamic_sampling import dynamic_rollout
+from rl_plugin.rollout.dapo.filters import load_filter, overlong_penalty
+from rl_plugin.rollout.data.dataset import PromptDataset
+from rl_plugin.rollout.data.tokenizer import load_tokenizer
+from rl_plugin.rollout.engines.base import SamplingParams, make_engine
+from rl_plugin.rollout.engines.teacher import make_teacher
+from rl_plugin.rollout.flatten import flatten_samples, rollout_stats
+from rl_plugin.rollout.fleet import EngineWeights
+from rl_plugin.rollout.generation.default import DefaultGenerate
+from rl_plugin.rollout.generation.hooks import (
     GENERATE_FLAG,
     ROLLOUT_FLAG,
     DataSource,
@@ -52,18 +62,8 @@ from rl_plugin.rollout.custom_rollout import (
     run_generate_hook,
     run_rollout_function,
 )
-from rl_plugin.rollout.data.dataset import PromptDataset
-from rl_plugin.rollout.data.tokenizer import load_tokenizer
-from rl_plugin.rollout.default_generate import DefaultGenerate
-from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
-from rl_plugin.rollout.engine_weights import EngineWeights
-from rl_plugin.rollout.engines.base import SamplingParams, make_engine
-from rl_plugin.rollout.engines.phases import record
-from rl_plugin.rollout.engines.teacher import make_teacher
-from rl_plugin.rollout.filters import load_filter, overlong_penalty
 from rl_plugin.rollout.rewards.scorer import SampleScorer
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
-from rl_plugin.rollout.sample import Sample
+from rl_plugin.rollout.sample import RolloutData, Sample
 from rl_plugin.rollout.sample_check import (
     check_distinct,
     check_log_probs,
@@ -212,7 +212,7 @@ class RolloutManager(EngineWeights):
     def take(self, rollout_id: int, handle: Optional[SyncHandle], settings) -> RolloutData:
         """Fully async: rollout ``rollout_id`` from the background worker's buffer, ``handle``
         loaded first at its next token boundary (``async_producer.take_rollout``)."""
-        from rl_plugin.rollout.async_producer import take_rollout
+        from rl_plugin.rollout.fully_async.producer import take_rollout
 
         return take_rollout(self, rollout_id, handle, settings)
 
@@ -221,7 +221,7 @@ class RolloutManager(EngineWeights):
         ``generate``) and its load answered under ``weight_load``. Fully async: the worker waits at
         a token boundary for the eval's duration (nothing aborted)."""
         if self._producer is not None:
-            from rl_plugin.rollout.async_producer import evaluate_paused
+            from rl_plugin.rollout.fully_async.producer import evaluate_paused
 
             return evaluate_paused(self, rollout_id, handle)
         return self._evaluate(rollout_id, handle)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from rl_plugin.rollout.data.dataset import PromptRecord
-from rl_plugin.rollout.default_generate import build_samples
 from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.generation.default import build_samples
 from rl_plugin.rollout.sample import Sample
 
 

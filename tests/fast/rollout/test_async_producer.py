@@ -17,8 +17,8 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout import generate_tokens
-from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
-from rl_plugin.rollout.async_producer import take_groups
+from rl_plugin.rollout.fully_async.buffer import AsyncBuffer, Group
+from rl_plugin.rollout.fully_async.producer import take_groups
 from rl_plugin.rollout.manager import RolloutManager
 
 HERE = Path(__file__).resolve()
@@ -174,8 +174,8 @@ def test_samples_keep_the_engines_per_token_versions():
     submission's start version on every token, and no trajectory would count as partial)."""
     from types import SimpleNamespace
 
-    from rl_plugin.rollout.default_generate import build_samples
     from rl_plugin.rollout.engines.base import Generation
+    from rl_plugin.rollout.generation.default import build_samples
 
     gens = [Generation([1], [4, 5, 6], [-1.0, -1.0, -1.0], True, None, [3, 3, 4]), Generation([1], [7], [-1.0], True)]
     rec = SimpleNamespace(prompt="p", label="l", metadata=None)

@@ -24,8 +24,8 @@ from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
-from rl_plugin.rollout.async_producer import AsyncProducer
 from rl_plugin.rollout.engines.base import SamplingParams
+from rl_plugin.rollout.fully_async.producer import AsyncProducer
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.weight_sync import SyncHandle
 from tests.support.local_ray import local_ray_cluster

@@ -16,11 +16,11 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.rollout import Sample, generate_tokens
-from rl_plugin.rollout.custom_rollout import HookError
-from rl_plugin.rollout.filters import overlong_penalty
+from rl_plugin.rollout.dapo.filters import overlong_penalty
+from rl_plugin.rollout.flatten import concat_rollouts
 from rl_plugin.rollout.generate import sampling_params_of
+from rl_plugin.rollout.generation.hooks import HookError
 from rl_plugin.rollout.manager import RolloutManager
-from rl_plugin.rollout.rollout_data import concat_rollouts
 from rl_plugin.rollout.sample_check import SampleError
 from tests.support.turn_hooks import TOOL_IDS
 

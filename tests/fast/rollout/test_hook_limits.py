@@ -14,7 +14,7 @@ from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout import Sample
-from rl_plugin.rollout.custom_rollout import HookError
+from rl_plugin.rollout.generation.hooks import HookError
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.rollout.sample_check import SampleError
 

@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Optional
 
-from rl_plugin.rollout.async_buffer import AsyncBuffer, Group
-from rl_plugin.rollout.default_generate import DefaultGenerate
 from rl_plugin.rollout.engines.pause import GenerationGate
+from rl_plugin.rollout.fully_async.buffer import AsyncBuffer, Group
+from rl_plugin.rollout.generation.default import DefaultGenerate
 from rl_plugin.rollout.sample import Sample
 
 ASYNC_SEED_OFFSET = 5_000_011
@@ -331,7 +331,7 @@ def _load_paused(m, handle, version: int) -> Dict[str, Any]:
 def take_groups(producer: AsyncProducer, count: int, version: int) -> Dict[str, Any]:
     """``count`` groups fresh enough for weight version ``version`` (waiting as needed) and the
     ``async/*`` metrics of the take; raises the worker's error when it stopped."""
-    from rl_plugin.rollout.async_buffer import BufferClosed
+    from rl_plugin.rollout.fully_async.buffer import BufferClosed
 
     t0, groups = time.perf_counter(), []
     inflight = producer.inflight()

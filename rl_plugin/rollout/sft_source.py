@@ -22,7 +22,7 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout.data.dataset import PromptDataset, PromptRecord, read_prompts
 from rl_plugin.rollout.data.sft import SftExample, example_of, sft_tensors
 from rl_plugin.rollout.data.tokenizer import load_tokenizer
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 
 def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
-from rl_plugin.rollout.engines.phases import record
+from rl_plugin.phases import record
 from rl_plugin.weight_sync import SyncHandle, load_sync, node_id
 
 
