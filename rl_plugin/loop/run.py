@@ -30,6 +30,7 @@ from rl_plugin.arguments import validate_world
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
@@ -46,7 +47,7 @@ from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shu
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
-from rl_plugin.rollout.sft_source import SftData
+from rl_plugin.rollout.source import SFT, make_source, source_kind
 from rl_plugin.weight_sync import WeightLedger
 
 
@@ -60,7 +61,8 @@ class TrainingRun:
         # what _start starts, in order; _teardown stops whatever of it exists
         self.owns_ray = False
         self.placement = None
-        self.client: Optional[RolloutClient] = None
+        self.client: Optional[RolloutClient] = None  # None under SFT: its source runs here (``self.sft``)
+        self.sft = None
         self.group: Optional[TrainGroup] = None
         self.driver: Optional[Driver] = None
         self.rows: Optional[RowLogger] = None
@@ -131,8 +133,8 @@ class TrainingRun:
                 return
             if progress.step == 0:
                 keep_previous(cfg.metrics_file)
-            self.client.read_dataset_state()
-            if not cfg.sft:  # SFT: no engine to hold the weights
+            if self.client is not None:  # SFT: no rollout manager, no engine to hold the weights
+                self.client.read_dataset_state()
                 self.driver.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.args, cfg, progress.start_rollout)
@@ -206,25 +208,31 @@ class TrainingRun:
         self.exit.install()  # ray.init sets its own SIGTERM handler (exit at once): take it back
         self.placement = create_placement(a)
         ledger = WeightLedger(cfg.sync)
-        if cfg.sft:  # the data source stands in for the rollout client (``loop/sft_data.py``)
-            self.client = SftData(a)
-        else:
+        kind = source_kind(sft=cfg.sft, fully_async=cfg.fully_async)  # the run's rollout source
+        if kind == SFT:  # no rollout manager, no engine: the source runs in this process
+            self.sft = make_source(SFT, config=RolloutConfig.from_args(a), checkpoint_dir=a.hf_checkpoint)
+        else:  # the manager's source, in its actor
             self.client = RolloutClient(
                 a,
                 self.placement,
                 self.resume_hint,
                 rollout_engine=cfg.rollout_engine,
                 max_retries=cfg.max_rollout_retries,
+                source=kind,
+                async_settings=cfg.async_settings,
             )
         self.group = TrainGroup(a, self.placement)
         validate_world(a, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
-        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
+        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
         # the driver's waits poll the exit request; its first poll after a signal aborts the
         # rollout manager's generation and stops the train ranks before their next step
-        self.group.poll = self.client.poll = self.exit.poll
-        self.exit.actions = [self.client.abort, self.group.request_stop]
+        self.group.poll = self.exit.poll
+        self.exit.actions = [self.group.request_stop]
+        if self.client is not None:
+            self.client.poll = self.exit.poll
+            self.exit.actions.insert(0, self.client.abort)
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -242,7 +250,10 @@ class TrainingRun:
         check_progress(self.args, p.start_rollout, p.step)  # checkpoints without loop_state.json
         if is_finished(self.args, p.start_rollout):
             return
-        self.client.call("load_state_dict", extra["rollout_state"])
+        if self.client is not None:
+            self.client.call("load_state_dict", extra["rollout_state"])
+        else:
+            self.sft.load_state_dict(extra["rollout_state"])
         self.driver.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
         print(f"resumed from {step_dir(cfg.load, step)}: step {p.step}, next rollout {p.start_rollout}", flush=True)
         supersede_metrics(cfg, p.step)

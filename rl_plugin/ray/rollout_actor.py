@@ -12,11 +12,14 @@ from rl_plugin.ray.engine_actor import CONTROL_GROUP, create_engines
 from rl_plugin.rollout.manager import RolloutManager
 
 
-def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str, eval_data):
+def create_rollout_manager(
+    args, placement, checkpoint_dir: str, train_data: str, eval_data, *, source: str, async_settings=None
+):
     """The engine actors (if any, see ``rl_plugin.ray.cluster.engine_processes``), then the
-    manager that drives them. Returns ``(manager, engines)``. The flags become the typed
-    ``RolloutConfig`` here, once; the manager and the engines receive it; ``args`` travels to the
-    manager only for the user's rollout hooks (slime's ``fn(args, ...)``)."""
+    manager that drives them, with the run's ``source`` (a kind of ``rl_plugin.rollout.source``;
+    ``async_settings`` the fully-async worker's). Returns ``(manager, engines)``. The flags become
+    the typed ``RolloutConfig`` here, once; the manager and the engines receive it; ``args``
+    travels to the manager only for the user's rollout hooks (slime's ``fn(args, ...)``)."""
     config = RolloutConfig.from_args(args)
     engines = []
     try:
@@ -33,6 +36,8 @@ def create_rollout_manager(args, placement, checkpoint_dir: str, train_data: str
                 engines or None,
                 args=args,
                 threads=placement.threads.rollout,
+                source=source,
+                async_settings=async_settings,
             )
         )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
@@ -68,15 +73,15 @@ def fault_points() -> list:
     return [int(x) for x in spec.split(",") if x.strip()]
 
 
-def generate_ref(actor, rollout_id: int, faults: list, handle=None, method: str = "generate", *more):
-    """``actor.<method>.remote(rollout_id, handle, *more)`` (``handle``: a weight sync to load first,
-    or None; ``method``: ``generate``, or ``take`` under --fully-async); under the test hook, the
-    actor's process is then SIGKILLed (what an OOM kill or a crashed engine looks like to the driver)."""
+def generate_ref(actor, rollout_id: int, faults: list, handle=None):
+    """``actor.generate.remote(rollout_id, handle)`` (``handle``: a weight sync to load first, or
+    None); under the test hook, the actor's process is then SIGKILLed (what an OOM kill or a crashed
+    engine looks like to the driver)."""
     pid = None
     if rollout_id in faults:
         faults.remove(rollout_id)
         pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # asked before the call queues
-    ref = getattr(actor, method).remote(rollout_id, handle, *more)
+    ref = actor.generate.remote(rollout_id, handle)
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
     return ref

@@ -39,8 +39,20 @@ def actor_died(exc: Exception) -> bool:
 
 
 class RolloutClient:
-    def __init__(self, args, placement, resume_hint: Callable[[], str], *, rollout_engine: str, max_retries: int):
+    def __init__(
+        self,
+        args,
+        placement,
+        resume_hint: Callable[[], str],
+        *,
+        rollout_engine: str,
+        max_retries: int,
+        source: str,
+        async_settings=None,
+    ):
         self._args, self.placement = args, placement  # args: for the manager's constructor only
+        # the manager's source (``rl_plugin.rollout.source``) and the fully-async worker's settings
+        self.source, self.async_settings = source, async_settings
         self.resume_hint = resume_hint
         self.rollout_engine, self.max_retries = rollout_engine, max_retries  # for restart and its messages
         self.on_restart: Callable[[], None] = lambda: None  # the driver's full weight sync into fresh engines
@@ -64,7 +76,15 @@ class RolloutClient:
 
     def _create(self):
         a = self._args
-        return create_rollout_manager(a, self.placement, a.hf_checkpoint, a.prompt_data, a.eval_prompt_data)
+        return create_rollout_manager(
+            a,
+            self.placement,
+            a.hf_checkpoint,
+            a.prompt_data,
+            a.eval_prompt_data,
+            source=self.source,
+            async_settings=self.async_settings,
+        )
 
     # -- calls ------------------------------------------------------------------------------------
     def call(self, method: str, *args):
@@ -85,20 +105,18 @@ class RolloutClient:
         self.dataset_state = self.call("state_dict")
 
     def submit_generate(self, k: int, handle) -> ray.ObjectRef:
-        """Rollout k's generate, the weight sync ``handle`` (or None) loaded first."""
+        """Rollout k from the manager's source (generated; fully async: taken from its buffer), the
+        weight sync ``handle`` (or None) loaded first."""
         return generate_ref(self.manager, k, self.faults, handle)
-
-    def submit_take(self, k: int, handle, settings) -> ray.ObjectRef:
-        """Fully async: rollout k from the manager's buffer, the weight sync ``handle`` (or None)
-        loaded first at its worker's next token boundary."""
-        return generate_ref(self.manager, k, self.faults, handle, "take", settings)
 
     def submit_evaluate(self, k: int, handle) -> ray.ObjectRef:
         """The eval after rollout k, the weight sync ``handle`` (or None) loaded first."""
         return self.manager.evaluate.remote(k, handle)
 
-    def submit_update(self, handle_ref) -> ray.ObjectRef:
-        return self.manager.update_weights.remote(handle_ref)
+    def submit_update(self, handle_ref, version: Optional[int] = None) -> ray.ObjectRef:
+        """A weight load of its own (``handle_ref``: a handle or its ObjectRef); ``version``: the
+        trainer weight version it holds (what fully async labels the next tokens with)."""
+        return self.manager.update_weights.remote(handle_ref, version)
 
     def wait_update(self, update: ray.ObjectRef) -> Optional[Dict[str, Any]]:
         """The manager's answer to a weight load (bytes, the slowest engine's seconds); None when

@@ -107,8 +107,8 @@ class RolloutData:
     tokens: torch.Tensor
     total_lengths: torch.Tensor
     response_lengths: torch.Tensor
-    rollout_log_probs: torch.Tensor
-    rewards: torch.Tensor
+    rollout_log_probs: Optional[torch.Tensor]  # None: nothing sampled (an SFT batch)
+    rewards: Optional[torch.Tensor]  # None: no reward (an SFT batch)
     group_ids: torch.Tensor
     num_groups: int
     stats: Dict[str, float] = field(default_factory=dict)

@@ -4,8 +4,8 @@ It generates without waiting for the trainer, in submissions of ``max_concurrent
 groups (``--async-max-concurrent-samples``, n = ``--n-samples-per-prompt``), each seeded
 ``seed + ASYNC_SEED_OFFSET + submission index``:
 
-1. the prompts: first those re-queued (``--async-unused-samples-handler retry``, a resumed run's
-   buffer), then the dataset's next ones;
+1. the prompts (``PromptQueue``): first those re-queued (``--async-unused-samples-handler retry``, a
+   resumed run's buffer), then the dataset's next ones;
 2. the samples, on the engine behind the ``GenerationGate`` (``engines.pause``): a weight load or an
    eval of the manager runs at the next token boundary, and the requests in flight continue under
    the new weights (partial rollouts, ``--pause-generation-mode``); each response token keeps its
@@ -24,21 +24,32 @@ groups (``--async-max-concurrent-samples``, n = ``--n-samples-per-prompt``), eac
    versions, ``sample.prompt`` and index). A generate hook's groups are put when its submission ends.
 
 An error in the thread (an abort included) closes the buffer; the trainer's next ``take`` raises it.
+
+Every prompt taken from the queue is in exactly one place until a rollout takes its group: the
+submission being generated (``generating``), the buffer, or the queue again (re-queued). One lock
+(``lock``, the buffer's too) guards all three and the dataset position, so ``snapshot`` (what a
+checkpoint saves) is one atomic read: a group leaves ``generating`` in the same step that puts it
+into the buffer.
+
+The worker reaches the rest of the rollout side only through public seams: the generation source
+(``GenerationSource``: tokenizer, sampling params, scorer, filter, ``hook_generate``) and the
+engine fleet (``EngineFleet``: the in-process engine or the engine actors).
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import threading
-import time
-from dataclasses import dataclass, replace
-from typing import Any, Deque, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
+from rl_plugin.rollout.data.prompt_queue import PromptQueue
 from rl_plugin.rollout.engines.pause import GenerationGate
+from rl_plugin.rollout.fleet import EngineFleet
 from rl_plugin.rollout.fully_async.buffer import AsyncBuffer, Group
 from rl_plugin.rollout.generation.default import DefaultGenerate
+from rl_plugin.rollout.generation.source import GenerationSource
 from rl_plugin.rollout.sample import Sample
 
 ASYNC_SEED_OFFSET = 5_000_011
@@ -81,16 +92,26 @@ def versions_of(samples: List[Sample]) -> List[List[int]]:
 
 
 class AsyncProducer:
-    def __init__(self, manager, settings: AsyncSettings, version: int, requeued: Optional[List[Any]] = None):
-        self.m, self.settings = manager, settings
-        self.n = int(manager.config.n_samples_per_prompt)
+    def __init__(
+        self,
+        gen: GenerationSource,
+        fleet: EngineFleet,
+        prompts: PromptQueue,
+        settings: AsyncSettings,
+        version: int,
+    ):
+        """``version``: the trainer weight version the engines hold now (the tokens drawn before the
+        next load carry it)."""
+        self.gen, self.fleet, self.prompts, self.settings = gen, fleet, prompts, settings
+        self.n = int(gen.config.n_samples_per_prompt)
         self.gate = GenerationGate(settings.pause_mode, version)
-        self.retry: Deque[Any] = collections.deque(requeued or [])
-        self.lock = threading.Lock()  # the dataset and the retry queue (the manager's thread reads them too)
-        rbs = int(manager.config.rollout_batch_size)
+        # the queue, the dataset position, ``generating`` and the buffer's groups (module docstring)
+        self.lock = threading.RLock()
+        rbs = int(gen.config.rollout_batch_size)
         self.concurrent = settings.concurrent(rbs, self.n)
-        self.buffer = AsyncBuffer(settings.capacity(rbs), settings.max_staleness, settings.handler, self.requeue)
-        self.in_flight: List[Any] = []  # the records of the submission being generated
+        capacity = settings.capacity(rbs)
+        self.buffer = AsyncBuffer(capacity, settings.max_staleness, settings.handler, self.requeue, lock=self.lock)
+        self.generating: List[Any] = []  # the records of the submission being generated, not yet delivered
         self.submissions = 0
         self.generated_groups = 0
         self.filtered_groups = 0
@@ -101,17 +122,20 @@ class AsyncProducer:
 
     # -- what the manager's thread calls --------------------------------------------------------
     def requeue(self, record: Any) -> None:
+        """``record``'s prompt generated again (a group the buffer dropped as stale, ``retry``)."""
         with self.lock:
-            self.retry.append(record)
+            self.prompts.requeue(record)
 
-    def pending_records(self) -> List[Any]:
-        """Every prompt taken from the dataset but not trained on: re-queued, in flight, buffered."""
+    def snapshot(self) -> Dict[str, Any]:
+        """The dataset position and every prompt taken from it but not in a rollout yet
+        (re-queued, being generated, buffered: ``async_requeue``), read in one step."""
         with self.lock:
-            return list(self.retry) + list(self.in_flight) + self.buffer.records()
+            return self.prompts.state_dict(pending=self.generating + self.buffer.records())
 
-    def inflight(self) -> int:
+    def samples_in_flight(self) -> int:
+        """Trajectories of the submission being generated, not yet delivered."""
         with self.lock:
-            return len(self.in_flight) * self.n
+            return len(self.generating) * self.n
 
     # -- the thread ------------------------------------------------------------------------------
     def stop(self, timeout: float = 60.0) -> None:
@@ -131,28 +155,26 @@ class AsyncProducer:
 
     def _records(self, groups: int) -> List[Any]:
         with self.lock:
-            recs = [self.retry.popleft() for _ in range(min(groups, len(self.retry)))]
-            if len(recs) < groups:
-                recs += self.m.train.next_batch(groups - len(recs))
-            self.in_flight = list(recs)  # a copy: delivered groups leave it
+            recs = self.prompts.next_batch(groups)
+            self.generating = list(recs)  # a copy: delivered groups leave it
             return recs
 
     def _submission(self) -> None:
-        m, n = self.m, self.n
+        gen, engine, n = self.gen, self.fleet.engine, self.n
         recs = self._records(max(1, self.concurrent // n))
-        seed = m.config.seed + ASYNC_SEED_OFFSET + self.submissions
+        seed = gen.config.seed + ASYNC_SEED_OFFSET + self.submissions
         self.submissions += 1
         start = self.gate.version
         early = _EarlyGroups(self, recs) if self.settings.granularity == "sample" else None
         if os.environ.get(NO_PARTIAL_ENV) == "1":
             samples = self._unpaused(recs, seed)
-        elif m.generate_hook is not None or m.engine is None:
+        elif gen.generate_hook is not None or engine is None:
             samples = self._whole(recs, seed, early)
         else:
-            engine = GatedEngine(m.engine, self.gate)
+            gated = GatedEngine(engine, self.gate)
             self.gate.on_generations_done = early
             try:
-                samples = DefaultGenerate(m.tokenizer, m.params, engine, [])(recs, n, seed)
+                samples = DefaultGenerate(gen.tokenizer, gen.params, gated, [])(recs, n, seed)
             finally:
                 self.gate.on_generations_done = None
         for s in samples:
@@ -165,16 +187,16 @@ class AsyncProducer:
         for group in early.deferred if early is not None else []:
             self._deliver(group, block=True)
         with self.lock:
-            self.in_flight = []
+            self.generating = []
 
     def _unpaused(self, recs, seed: int) -> List[Sample]:
         """``NO_PARTIAL_ENV``: the submission generated with the gate held throughout (a load waits)."""
-        m = self.m
+        gen, fleet = self.gen, self.fleet
         self.gate.enter()
         try:
-            if m.generate_hook is not None:
-                return m._hook_generate(recs, self.n, seed)
-            return DefaultGenerate(m.tokenizer, m.params, m.engine, m.engines)(recs, self.n, seed)
+            if gen.generate_hook is not None:
+                return gen.hook_generate(recs, self.n, seed)
+            return DefaultGenerate(gen.tokenizer, gen.params, fleet.engine, fleet.actors)(recs, self.n, seed)
         finally:
             self.gate.leave()
 
@@ -183,30 +205,31 @@ class AsyncProducer:
         calls; its groups put when the submission ends) or the engine actors' (each pausing its own
         generation for a load, ``EngineActor.generate_pausable``; with ``early``, their streams,
         ``EngineActor.generate_stream``, so a group leaves as soon as its samples finish)."""
-        m = self.m
-        if m.generate_hook is not None and m.engine is not None:
-            return m._hook_generate(recs, self.n, seed, engine=GatedEngine(m.engine, self.gate))
-        if m.generate_hook is not None:  # engine actors: a load waits for the submission
+        gen, fleet = self.gen, self.fleet
+        if gen.generate_hook is not None and fleet.engine is not None:
+            return gen.hook_generate(recs, self.n, seed, engine=GatedEngine(fleet.engine, self.gate))
+        if gen.generate_hook is not None:  # engine actors: a load waits for the submission
             self.gate.enter()
             try:
-                return m._hook_generate(recs, self.n, seed)
+                return gen.hook_generate(recs, self.n, seed)
             finally:
                 self.gate.leave()
-        gen = DefaultGenerate(m.tokenizer, m.params, None, m.engines)
+        default = DefaultGenerate(gen.tokenizer, gen.params, None, fleet.actors)
+        # ``floor``: the version the actors hold at least (this submission's start: the fleet's true one)
         call = (self.settings.pause_mode, self.gate.version)
         if early is None:
-            gen.actor_call = lambda a, *x: a.generate_pausable.remote(*x, *call)
+            default.actor_call = lambda a, *x: a.generate_pausable.remote(*x, *call)
         else:
-            gen.actor_call = lambda a, *x: a.generate_stream.remote(*x, *call)
-            gen.on_generations_done = early
-        return gen(recs, self.n, seed)
+            default.actor_call = lambda a, *x: a.generate_stream.remote(*x, *call)
+            default.on_generations_done = early
+        return default(recs, self.n, seed)
 
     def _group(self, rec, samples: List[Sample]) -> Optional[Group]:
         """The group scored and filtered (None: the dynamic-sampling filter dropped it)."""
-        m = self.m
-        rewards = m.scorer.score_samples(samples, group_size=self.n)
+        gen = self.gen
+        rewards = gen.scorer.score_samples(samples, group_size=self.n)
         self.generated_groups += 1
-        if m.group_filter is not None and not m.group_filter.keep(m.config, samples):
+        if gen.group_filter is not None and not gen.group_filter.keep(gen.config, samples):
             self.filtered_groups += 1
             self._landed(rec)
             return None
@@ -216,23 +239,25 @@ class AsyncProducer:
         return Group(samples, [float(r) for r in rewards], rec, oldest, partial)
 
     def _deliver(self, group: Optional[Group], block: bool) -> bool:
-        """Put ``group`` into the buffer (``block``: waiting while it is full; else only if there
-        is room); its prompt is then no longer in flight. None (filtered) does nothing."""
+        """Put ``group`` into the buffer (``block``: waiting while it is full, the lock released
+        meanwhile; else only if there is room) and take its prompt off ``generating`` in the same
+        step (under the lock: a snapshot sees it in one place). None (filtered) does nothing."""
         if group is None:
             return True
-        if block and not self.buffer.put(group):
-            raise RuntimeError("the fully-async buffer was closed")
-        if not block and not self.buffer.offer(group):
-            return False
-        self._landed(group.record)
+        with self.lock:
+            if block and not self.buffer.put(group):
+                raise RuntimeError("the fully-async buffer was closed")
+            if not block and not self.buffer.offer(group):
+                return False
+            self._landed(group.record)
         return True
 
     def _landed(self, rec) -> None:
-        """``rec``'s group left the submission in flight (buffered or filtered)."""
+        """``rec``'s group left the submission being generated (buffered or filtered)."""
         with self.lock:
-            at = next((i for i, r in enumerate(self.in_flight) if r is rec), None)
+            at = next((i for i, r in enumerate(self.generating) if r is rec), None)
             if at is not None:
-                del self.in_flight[at]
+                del self.generating[at]
 
 
 class _EarlyGroups:
@@ -245,7 +270,7 @@ class _EarlyGroups:
 
     def __init__(self, producer: "AsyncProducer", recs: List[Any]):
         self.p, self.recs = producer, recs
-        self.build = DefaultGenerate(producer.m.tokenizer, producer.m.params, None, []).samples
+        self.build = DefaultGenerate(producer.gen.tokenizer, producer.gen.params, None, []).samples
         self.parts: Dict[int, List[Any]] = {}  # group -> its finished generations so far
         self.done: set = set()  # groups delivered, filtered or deferred here
         self.deferred: List[Group] = []
@@ -261,94 +286,3 @@ class _EarlyGroups:
             group = p._group(rec, samples)
             if group is not None and not p._deliver(group, block=False):
                 self.deferred.append(group)
-
-
-def take_rollout(m, rollout_id: int, handle, settings: AsyncSettings):
-    """The manager ``m``'s fully-async rollout ``rollout_id``: ``--rollout-batch-size`` groups from
-    the buffer, the worker started on the first call (a fresh manager's engines hold the trainer's
-    weights: version ``rollout_id``). A given ``handle`` (the weights after rollout
-    ``rollout_id - 1``) is loaded first, at the worker's next token boundary; groups staler than
-    ``--max-weight-staleness`` are dropped on the way. Scored at put time: assembled, not rescored."""
-    import torch
-
-    if m._producer is None:
-        m._producer = AsyncProducer(m, settings, rollout_id, m._requeued)
-    with m._producer.gate.exclusive():
-        if m.engine is None and handle is not None and m.generate_hook is None:
-            load = _load_paused(m, handle, rollout_id)  # each engine actor pauses its own generation
-        else:
-            load = m._finish_load(handle, m._start_load(handle))
-        if handle is not None:
-            m._producer.gate.version = rollout_id
-    took = take_groups(m._producer, m.config.rollout_batch_size, rollout_id)
-    groups = took["groups"]
-    samples = [s for g in groups for s in g.samples]
-    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-    hook = m.generate_hook
-    who = hook.describe() if hook is not None else f"the {m.config.engine.engine} engine"
-    wait = took["metrics"]["async/trainer_wait_s"]
-    data = m._assemble(samples, len(groups), wait, custom=hook is not None, who=who, rewards=rewards)[0]
-    data.stats.update(took["metrics"])
-    data = m._shaped(data, None, None)
-    data.weight_load = load
-    return data
-
-
-def evaluate_paused(m, rollout_id: int, handle) -> Dict[str, Any]:
-    """The eval after rollout ``rollout_id`` while the worker waits at a token boundary (nothing is
-    aborted); engine actors load ``handle`` paused and run the eval after their submission in flight."""
-    with m._producer.gate.exclusive():
-        if m.engine is None and handle is not None:
-            load = _load_paused(m, handle, rollout_id + 1)
-            out = m._evaluate(rollout_id, None)
-            out["weight_load"] = load
-        else:
-            out = m._evaluate(rollout_id, handle)
-        if handle is not None:
-            m._producer.gate.version = rollout_id + 1
-    return out
-
-
-def _load_paused(m, handle, version: int) -> Dict[str, Any]:
-    """The engine actors load ``handle`` at their generations' next token boundary (their
-    ``weights`` thread), as ``RolloutManager._finish_load`` answers a load."""
-    import ray
-
-    def own(rank: int):  # the handle as engine rank - 1 reads it (``engine_weights._for_receiver``)
-        return replace(handle, group_rank=rank) if handle.group is not None else handle
-
-    refs = [
-        e.update_weights_paused.options(concurrency_group="weights").remote(own(i + 1), version)
-        for i, e in enumerate(m.engines)
-    ]
-    stats = ray.get(refs)
-    out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
-    if handle.fingerprint is not None:
-        out["fingerprints"] = [s["fingerprint"] for s in stats]
-    return out
-
-
-def take_groups(producer: AsyncProducer, count: int, version: int) -> Dict[str, Any]:
-    """``count`` groups fresh enough for weight version ``version`` (waiting as needed) and the
-    ``async/*`` metrics of the take; raises the worker's error when it stopped."""
-    from rl_plugin.rollout.fully_async.buffer import BufferClosed
-
-    t0, groups = time.perf_counter(), []
-    inflight = producer.inflight()
-    try:
-        while len(groups) < count:
-            group = producer.buffer.get(version)
-            groups.append(group)
-    except BufferClosed:
-        raise producer.error if producer.error is not None else RuntimeError("the fully-async worker stopped") from None
-    staleness = [g.staleness(version) for g in groups]
-    samples = [s for g in groups for s in g.samples]
-    metrics = {
-        "async/staleness_mean": sum(staleness) / len(staleness),
-        "async/staleness_max": float(max(staleness)),
-        "async/partial_frac": sum(g.partial for g in groups) / max(len(samples), 1),
-        "async/trainer_wait_s": time.perf_counter() - t0,
-        "async/inflight": float(inflight),
-        **producer.buffer.metrics(),
-    }
-    return {"groups": groups, "metrics": metrics}

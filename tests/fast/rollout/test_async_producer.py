@@ -18,8 +18,9 @@ from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout import generate_tokens
 from rl_plugin.rollout.fully_async.buffer import AsyncBuffer, Group
-from rl_plugin.rollout.fully_async.producer import take_groups
+from rl_plugin.rollout.fully_async.source import take_groups
 from rl_plugin.rollout.manager import RolloutManager
+from rl_plugin.rollout.source import FULLY_ASYNC
 
 HERE = Path(__file__).resolve()
 
@@ -80,8 +81,7 @@ def managers():
     made = []
     yield made
     for m in made:
-        if m._producer is not None:
-            m._producer.stop()
+        m.stop()
 
 
 def _manager(tmp_path, *extra):
@@ -91,25 +91,28 @@ def _manager(tmp_path, *extra):
         + list(extra)
     )
     prepare_embedded(args)
-    m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
-    return m, LoopConfig.from_args(args).async_settings
+    settings = LoopConfig.from_args(args).async_settings
+    cfg = RolloutConfig.from_args(args)
+    return RolloutManager(
+        cfg, args.hf_checkpoint, args.prompt_data, None, args=args, source=FULLY_ASYNC, async_settings=settings
+    )
 
 
 def _update(m, version: int) -> None:
     """A weight update as ``take`` loads it: at a token boundary, the version set with it."""
     g = torch.Generator().manual_seed(version)
-    with m._producer.gate.exclusive():
+    with m.source.producer.gate.exclusive():
         with torch.no_grad():
-            for p in m.engine.model.parameters():
+            for p in m.fleet.engine.model.parameters():
                 p.add_(1e-3 * torch.randn(p.shape, generator=g))
-        m._producer.gate.version = version
+        m.source.producer.gate.version = version
 
 
 def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_prompts(tmp_path, managers):
-    m, settings = _manager(tmp_path, "--async-unused-samples-handler", "retry")
+    m = _manager(tmp_path, "--async-unused-samples-handler", "retry")
     managers.append(m)
-    m.take(0, None, settings)  # starts the worker at version 0
-    p = m._producer
+    m.generate(0)  # starts the worker at version 0
+    p = m.source.producer
     dropped, trained = [], []
     requeue = p.buffer.requeue
     p.buffer.requeue = lambda rec: (dropped.append(rec.index), requeue(rec))
@@ -127,18 +130,17 @@ def test_every_trained_group_is_within_the_bound_and_retry_regenerates_dropped_p
     regenerated = [idx for idx in dropped if idx in later]
     assert regenerated, (dropped, trained)
     state = m.state_dict()  # the prompts taken but not trained on come back on resume
-    assert state["async_requeue"] and set(state["async_requeue"]) <= {r.index for r in m.train.records}
-    fresh, _ = _manager(tmp_path / "b", "--async-unused-samples-handler", "retry")
+    records = m.generation.prompts.dataset.records
+    assert state["async_requeue"] and set(state["async_requeue"]) <= {r.index for r in records}
+    fresh = _manager(tmp_path / "b", "--async-unused-samples-handler", "retry")
     fresh.load_state_dict(state)
-    assert [r.index for r in fresh._requeued] == state["async_requeue"]
+    assert [r.index for r in fresh.generation.prompts.requeued] == state["async_requeue"]
 
 
 def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_path, managers):
-    m, settings = _manager(
-        tmp_path, "--custom-generate-function-path", f"{HERE}:versioned_two_turn", "--eval-prompt-data", ""
-    )
+    m = _manager(tmp_path, "--custom-generate-function-path", f"{HERE}:versioned_two_turn", "--eval-prompt-data", "")
     managers.append(m)
-    data = m.take(0, None, settings)
+    data = m.generate(0)
     stop = threading.Event()
 
     def updates():
@@ -151,7 +153,7 @@ def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_p
     t = threading.Thread(target=updates)
     t.start()
     try:
-        took = take_groups(m._producer, 8, m._producer.gate.version)
+        took = take_groups(m.source.producer, 8, m.source.producer.gate.version)
     finally:
         stop.set()
         t.join()
@@ -163,10 +165,10 @@ def test_hook_masks_and_versions_survive_pauses_and_eval_pauses_production(tmp_p
             assert mask[first : first + 2] == [0, 0] and s.tokens[s.prompt_length + first :][:2] == [3, 11]
             assert v == sorted(v)  # versions never go back within a trajectory
     assert data.loss_mask.min() == 0  # the tool turn stays masked in the trained rollout
-    pauses = m._producer.gate.pauses
-    m.eval = m.train  # held-out prompts: any
+    pauses = m.source.producer.gate.pauses
+    m.generation.eval = m.generation.prompts.dataset  # held-out prompts: any
     out = m.evaluate(0)
-    assert m._producer.gate.pauses == pauses + 1 and "eval/reward_mean" in out
+    assert m.source.producer.gate.pauses == pauses + 1 and "eval/reward_mean" in out
 
 
 def test_samples_keep_the_engines_per_token_versions():

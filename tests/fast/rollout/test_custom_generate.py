@@ -36,13 +36,13 @@ def _manager(tmp_path, *extra, hook="two_turn", flag="--custom-generate-function
     prepare_embedded(args)
     m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
     calls = []
-    generate = m.engine.generate
+    generate = m.fleet.engine.generate
 
     def counted(prompts, params, **kw):  # the real engine; the calls counted
         calls.append(len(prompts))
         return generate(prompts, params, **kw)
 
-    m.engine.generate = counted
+    m.fleet.engine.generate = counted
     return m, calls
 
 
