@@ -183,3 +183,109 @@ def test_samples_keep_the_engines_per_token_versions():
     rec = SimpleNamespace(prompt="p", label="l", metadata=None)
     samples = build_samples([rec], gens, ["a", "b"], 2)
     assert samples[0].weight_versions == [3, 3, 4] and samples[1].weight_versions is None
+
+
+# -- issue 44 item 2: the checkpoint's snapshot is one atomic read ----------------------------------
+
+
+def test_a_snapshot_never_sees_a_group_both_being_generated_and_buffered(tmp_path, managers):
+    """The worker stops right after a group entered the buffer, before it left the submission's
+    list (what a thread switch there does); a checkpoint's snapshot taken then must list the prompt
+    once (before the fix: twice, so the resumed run trained it twice)."""
+    m = _manager(tmp_path, "--rollout-submission-granularity", "group")
+    managers.append(m)
+    m.generate(0)
+    p = m.source.producer
+    put, landed, resume = p.buffer.put, threading.Event(), threading.Event()
+
+    def put_then_pause(group):
+        ok = put(group)
+        if not landed.is_set():
+            landed.set()
+            resume.wait(2.0)  # the snapshot below waits for the worker (the fix); before it, it did not
+        return ok
+
+    p.buffer.put = put_then_pause
+    assert landed.wait(120)
+    state = m.state_dict()
+    resume.set()
+    pending = state["async_requeue"]
+    assert len(pending) == len(set(pending)), pending
+
+
+def test_a_snapshot_while_the_trainer_requeues_a_stale_group_does_not_deadlock(tmp_path, managers):
+    """``get`` re-queues a stale group's prompt while it holds the buffer; a snapshot at that moment
+    (a checkpoint) holds the worker's lock and reads the buffer: before the fix the two took the two
+    locks in opposite orders and both threads hung."""
+    m = _manager(tmp_path, "--async-unused-samples-handler", "retry")
+    managers.append(m)
+    m.generate(0)
+    p = m.source.producer
+    deadline = time.monotonic() + 120
+    while len(p.buffer) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    requeue, requeuing, go = p.buffer.requeue, threading.Event(), threading.Event()
+
+    def slow_requeue(rec):
+        requeuing.set()
+        go.wait(1.0)  # the snapshot starts meanwhile
+        requeue(rec)
+
+    p.buffer.requeue = slow_requeue
+    with p.gate.exclusive():
+        p.gate.version = 100  # every group buffered so far is stale, the next ones are fresh
+    states = []
+    getter = threading.Thread(target=lambda: p.buffer.get(100, timeout=0.5), daemon=True)
+    getter.start()
+    assert requeuing.wait(30)
+    snap = threading.Thread(target=lambda: states.append(m.state_dict()), daemon=True)
+    snap.start()
+    time.sleep(0.3)  # the snapshot is under way (before the fix: holding the worker's lock)
+    go.set()
+    getter.join(20)
+    snap.join(20)
+    assert not getter.is_alive() and not snap.is_alive(), "the trainer's get and the snapshot deadlocked"
+    assert states and states[0]["async_requeue"]
+
+
+# -- issue 44 item 3: a token's version is the version of the weights that drew it -------------------
+
+
+def test_the_first_take_after_a_resumed_start_labels_tokens_with_the_weights_the_engines_hold(tmp_path, managers):
+    """A run resumed at rollout 3 with rollout 3 taken ahead (pending): the start-up sync loads the
+    trainer's weights, version 3; rollout 3 is trained without publishing (--update-weights-interval
+    2), so take(4) loads nothing and every token of it was drawn by version 3: staleness 1 (before
+    the fix the worker started at version 4 and reported 0)."""
+    from rl_plugin.weight_sync import SyncRequest, WeightPublisher
+
+    m = _manager(tmp_path, "--update-weights-interval", "2", "--max-weight-staleness", "2")
+    managers.append(m)
+    pub = WeightPublisher("shared_memory")
+    try:
+        weights = {k: v.clone() for k, v in m.fleet.engine.weights().items()}  # the trainer's: version 3
+        handle = pub.publish(weights, SyncRequest(buffer_bytes=1 << 20, transport="shared_memory"))
+        m.update_weights(handle, 3)  # the run's start-up sync (``Driver.sync_weights``)
+        data = m.generate(4)
+    finally:
+        pub.close()
+    assert data.stats["async/staleness_max"] == 1.0 and data.stats["async/staleness_mean"] == 1.0
+
+
+# -- issue 44 item 20: a fully-async checkpoint resumed without --fully-async -----------------------
+
+
+def test_a_fully_async_checkpoint_resumed_without_fully_async_trains_its_requeued_prompts_first(tmp_path):
+    """The checkpoint's ``async_requeue`` (prompts taken and not trained on) are the first prompts of
+    the synchronous loop's next rollout, then the dataset continues at the saved position (before
+    the fix they were skipped: the rollout started at the position)."""
+    args = parse_train_flags(
+        ["--n-samples-per-prompt", "2", "--rollout-batch-size", "4", "--rollout-max-response-len", "8"]
+        + ["--output-dir", str(tmp_path / "out")]
+    )
+    prepare_embedded(args)
+    m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
+    records = m.generation.prompts.dataset.records
+    m.load_state_dict({"train_dataset": {"epoch": 0, "offset": 8}, "async_requeue": [5, 2]})
+    data = m.generate(0)
+    assert [e["prompt"] for e in data.examples] == [records[5].prompt] * 2  # the first group's two samples
+    assert data.dataset_state == {"train_dataset": {"epoch": 0, "offset": 10}}  # two prompts from the dataset
