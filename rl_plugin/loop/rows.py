@@ -21,7 +21,7 @@ from rl_plugin.rollout.sample import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 # ``rollout/``: a hook's samples held to the limits and repeated groups (``rollout.sample_check``)
-# ``async/``: the fully-async take's staleness, buffer and wait (``rollout.async_producer``)
+# ``async/``: the fully-async take's staleness, buffer and wait (``rollout.fully_async``)
 ROLLOUT_STAT_PREFIXES = (
     "dynamic_sampling/",
     "overlong/",

@@ -1,5 +1,5 @@
 """Engine ``Generation``s as the default generate function's ``Sample``s, for tests of the
-flattener (``rollout_data.flatten_samples``) that start from an engine's answer."""
+flattener (``flatten.flatten_samples``) that start from an engine's answer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Fully async (``--fully-async``): the buffer (``rollout.async_buffer``) and the rollout manager's
-background worker (``rollout.async_producer``) on the real embedded model and ``hf`` engine. A
+"""Fully async (``--fully-async``): the buffer (``rollout.fully_async.buffer``) and the rollout manager's
+background worker (``rollout.fully_async.producer``) on the real embedded model and ``hf`` engine. A
 weight update is what ``take`` does with a handle: the new weights loaded while the worker waits at
 a token boundary, the engine's version set (``_update`` below, with perturbed weights)."""
 
