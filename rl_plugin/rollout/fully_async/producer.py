@@ -183,9 +183,9 @@ class AsyncProducer:
         done = early.done if early is not None else set()
         for g in range(len(recs)):
             if g not in done:
-                self._deliver(self._group(recs[g], samples[g * n : (g + 1) * n]), block=True)
+                self.deliver(self.scored_group(recs[g], samples[g * n : (g + 1) * n]), block=True)
         for group in early.deferred if early is not None else []:
-            self._deliver(group, block=True)
+            self.deliver(group, block=True)
         with self.lock:
             self.generating = []
 
@@ -224,7 +224,7 @@ class AsyncProducer:
             default.on_generations_done = early
         return default(recs, self.n, seed)
 
-    def _group(self, rec, samples: List[Sample]) -> Optional[Group]:
+    def scored_group(self, rec, samples: List[Sample]) -> Optional[Group]:
         """The group scored and filtered (None: the dynamic-sampling filter dropped it)."""
         gen = self.gen
         rewards = gen.scorer.score_samples(samples, group_size=self.n)
@@ -238,7 +238,7 @@ class AsyncProducer:
         partial = sum(1 for v in versions if v and min(v) != max(v))
         return Group(samples, [float(r) for r in rewards], rec, oldest, partial)
 
-    def _deliver(self, group: Optional[Group], block: bool) -> bool:
+    def deliver(self, group: Optional[Group], block: bool) -> bool:
         """Put ``group`` into the buffer (``block``: waiting while it is full, the lock released
         meanwhile; else only if there is room) and take its prompt off ``generating`` in the same
         step (under the lock: a snapshot sees it in one place). None (filtered) does nothing."""
@@ -283,6 +283,6 @@ class _EarlyGroups:
             part, rec = self.parts.pop(g), self.recs[g]
             self.done.add(g)
             samples = self.build([rec], part, n, first_group=g)
-            group = p._group(rec, samples)
-            if group is not None and not p._deliver(group, block=False):
+            group = p.scored_group(rec, samples)
+            if group is not None and not p.deliver(group, block=False):
                 self.deferred.append(group)
