@@ -56,7 +56,7 @@ MODES = {
     "fa_k4": [*FA, "--max-weight-staleness", "4"],
     "fa_k2_nopartial": [*FA, "--max-weight-staleness", "2"],
 }
-NO_PARTIAL = {"fa_k2_nopartial"}  # rl_plugin.rollout.async_producer.NO_PARTIAL_ENV
+NO_PARTIAL = {"fa_k2_nopartial"}  # rl_plugin.rollout.fully_async.producer.NO_PARTIAL_ENV
 LONG_TAIL = ["--rollout-max-response-len", "59", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8"]
 LONG_TAIL += ["--micro-batch-size", "64", "--eval-interval", "1000"]
 

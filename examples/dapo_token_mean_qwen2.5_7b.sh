@@ -19,7 +19,7 @@ ROLLOUT_ARGS=(
    --rollout-max-response-len 16384
    --num-rollout 2000
    --over-sampling-batch-size 128
-   --dynamic-sampling-filter-path rl_plugin.rollout.filters.check_reward_nonzero_std
+   --dynamic-sampling-filter-path rl_plugin.rollout.dapo.filters.check_reward_nonzero_std
    --overlong-buffer-len 4096
    --overlong-penalty-factor 1.0
 )

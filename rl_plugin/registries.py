@@ -75,7 +75,7 @@ TRAIN_BACKENDS.register_lazy("fsdp", "rl_plugin.backends.fsdp.backend:FSDPBacken
 TIS_LEVELS = ("token", "sequence", "geometric")
 TIS_MODES = ("truncate", "mask")
 # The built-in group filter of --dynamic-sampling-filter-path (a path, as the flag takes it).
-BUILTIN_FILTER = "rl_plugin.rollout.filters.check_reward_nonzero_std"
+BUILTIN_FILTER = "rl_plugin.rollout.dapo.filters.check_reward_nonzero_std"
 # --dynamic-sampling-max-rounds' default: rounds of over-sampling before a rollout gives up.
 DYNAMIC_SAMPLING_MAX_ROUNDS = 64
 

@@ -23,7 +23,7 @@ import torch
 
 from rl_plugin.checkpoint.layout import step_dir
 from rl_plugin.errors import LoopError
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 PENDING_ROLLOUT = "pending_rollout.pt"
 

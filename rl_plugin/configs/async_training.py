@@ -8,7 +8,7 @@ rollout manager generates without stopping into a bounded buffer, the trainer ta
 ``--rollout-batch-size`` groups per step, and a weight update reaches generation mid-trajectory
 (partial rollouts, ``--pause-generation-mode``); ``--max-weight-staleness K`` >= 1 drops (or
 regenerates, ``--async-unused-samples-handler retry``) the groups whose oldest token is more than
-K versions behind at take time (``rl_plugin.rollout.async_buffer``).
+K versions behind at take time (``rl_plugin.rollout.fully_async.buffer``).
 """
 
 from __future__ import annotations

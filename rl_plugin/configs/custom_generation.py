@@ -1,5 +1,5 @@
 """CustomGenerationConfig: slime's rollout hooks, a custom generate function per sample or a
-whole-rollout function (``rl_plugin.rollout.custom_rollout`` runs them;
+whole-rollout function (``rl_plugin.rollout.generation.hooks`` runs them;
 ``rl_plugin.rollout.generate_tokens`` is their way to the engines). ``RolloutConfig`` carries these
 fields under the same names."""
 

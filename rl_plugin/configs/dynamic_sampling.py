@@ -1,6 +1,6 @@
 """DynamicSamplingConfig: DAPO's rollout control (Yu et al. 2025), dynamic sampling (over-sample,
 keep the groups a filter passes) and the soft over-long reward shaping
-(``rl_plugin.rollout.dynamic_sampling`` / ``filters``). slime's names where slime has the flag.
+(``rl_plugin.rollout.dapo.dynamic_sampling`` / ``filters``). slime's names where slime has the flag.
 ``RolloutConfig`` carries these fields under the same names."""
 
 from __future__ import annotations

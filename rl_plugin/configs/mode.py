@@ -31,19 +31,21 @@ class Traits:
     """What a mode does: ``generates`` (an engine samples the trained responses), ``generates_ahead``
     (generation overlaps training: an engine may load weights v - 1 while v is published, the
     placement gives both sides their cores at once), ``trains_nll`` (the per-token loss is the NLL
-    of the data: no advantage, reward, old or reference pass)."""
+    of the data: no advantage, reward, old or reference pass), ``source`` (the kind of
+    ``rl_plugin.rollout.source`` its rollouts come from: ``generation``, ``fully_async``, ``sft``)."""
 
     name: str
     generates: bool
     generates_ahead: bool
     trains_nll: bool
+    source: str
 
 
 class Mode(Enum):
-    SYNC = Traits("sync", generates=True, generates_ahead=False, trains_nll=False)
-    OVERLAPPED = Traits("overlapped", generates=True, generates_ahead=True, trains_nll=False)
-    FULLY_ASYNC = Traits("fully_async", generates=True, generates_ahead=True, trains_nll=False)
-    SFT = Traits("sft", generates=False, generates_ahead=False, trains_nll=True)
+    SYNC = Traits("sync", generates=True, generates_ahead=False, trains_nll=False, source="generation")
+    OVERLAPPED = Traits("overlapped", generates=True, generates_ahead=True, trains_nll=False, source="generation")
+    FULLY_ASYNC = Traits("fully_async", generates=True, generates_ahead=True, trains_nll=False, source="fully_async")
+    SFT = Traits("sft", generates=False, generates_ahead=False, trains_nll=True, source="sft")
 
     @property
     def generates(self) -> bool:
@@ -56,6 +58,10 @@ class Mode(Enum):
     @property
     def trains_nll(self) -> bool:
         return self.value.trains_nll
+
+    @property
+    def source(self) -> str:
+        return self.value.source
 
     def __str__(self) -> str:
         return self.value.name

@@ -4,8 +4,8 @@ It holds the train group (one actor per rank), the rollout client (the manager a
 engines, retries), the weight ledger (which weights the engines hold), the run's progress and the
 row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default),
 ``OverlappedSchedule`` (``--max-weight-staleness 1``), ``FullyAsyncSchedule`` (``--fully-async``) or
-``SftSchedule`` (``--loss-type sft_loss``: its data source ``SftData`` stands in for the rollout
-client, no engine, no sync). The schedule calls the named pieces below
+``SftSchedule`` (``--loss-type sft_loss``: no rollout client, no engine, no sync; its source,
+``rl_plugin.rollout.sft_source.SftSource``, runs in this process). The schedule calls the named pieces below
 (the ``RolloutLoop`` protocol); per rollout k::
 
     data    = generate(k)                  # the manager loads the newest published weights first
@@ -39,7 +39,8 @@ from rl_plugin.loop.steps import rollout_batch, sft_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
+from rl_plugin.rollout.sft_source import SftSource
 from rl_plugin.step_plan import RankPlan, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.weight_sync import WeightLedger
 
@@ -54,12 +55,14 @@ class Driver:
         self,
         cfg: LoopConfig,
         group: TrainGroup,
-        client: RolloutClient,
+        client: Optional[RolloutClient],
         ledger: WeightLedger,
         progress: Progress,
         resume_hint: Callable[[], str],
+        sft: Optional[SftSource] = None,
     ):
-        self.cfg, self.group, self.client, self.ledger = cfg, group, client, ledger
+        """``client``: the rollout manager's (None under SFT, whose ``sft`` source runs here)."""
+        self.cfg, self.group, self.client, self.ledger, self.sft = cfg, group, client, ledger, sft
         self.progress = progress  # shared with the run: resume sets it, the rows advance it
         self.resume_hint = resume_hint
         self.rows: Optional[RowLogger] = None  # opened once the first sync is done (``log_to``)
@@ -67,10 +70,12 @@ class Driver:
         # the run saves when an exit signal cuts a rollout (``loop/run.py``)
         self.last_trained: Optional[int] = None
         self.last_saved: Optional[int] = None
-        client.on_fresh_engines = ledger.fresh_engines
-        client.on_restart = self.sync_weights
-        if cfg.sft:  # ``client`` is the SFT data source (``loop/sft_data.py``)
-            self.schedule: Schedule = SftSchedule(self, cfg, client)
+        self.trained = 0  # rollouts whose train call completed in this run (the trainer's weight version counts them)
+        if client is not None:
+            client.on_fresh_engines = ledger.fresh_engines
+            client.on_restart = self.sync_weights
+        if cfg.sft:
+            self.schedule: Schedule = SftSchedule(self, cfg, sft)
         else:
             self.schedule = SCHEDULES[cfg.mode](self, cfg)
 
@@ -91,7 +96,7 @@ class Driver:
         point), so the disk keeps the space it had."""
         cfg, step = self.cfg, self.progress.step
         try:
-            save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.schedule.pending())
+            save_checkpoint(cfg, self.group, self.progress, k, self.dataset_state(), self.schedule.pending())
         except (OSError, RuntimeError) as exc:  # a rank that raised (TrainActorError), the driver's own writes
             staging, last = partial_dir(cfg.save, step), latest_step(cfg.save)
             remove_partial(staging)
@@ -106,6 +111,16 @@ class Driver:
             ) from None
         self.last_saved = k
 
+    def dataset_state(self):
+        """The data position a checkpoint written now saves: the manager's after its last rollout
+        (kept by the client), or the SFT source's."""
+        return self.sft.state_dict() if self.sft is not None else self.client.dataset_state
+
+    def weights_version(self) -> int:
+        """The trainer's weight version: the rollouts trained on (rollout k trains version k), the
+        resumed ones counted by the start rollout."""
+        return self.progress.start_rollout + self.trained
+
     def sync_weights(self) -> None:
         """A sync as a call of its own: at the start (the trainer's weights, maybe a resumed
         checkpoint's, into the engines) and into a restarted rollout manager. Train rank 0
@@ -115,7 +130,7 @@ class Driver:
         request = self.ledger.request(self.client.engine_node_ids)
         refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
         announced = self.ledger.announce(request)  # distributed: the engines receive while rank 0 publishes
-        update = self.client.submit_update(refs[0] if announced is None else announced)
+        update = self.client.submit_update(refs[0] if announced is None else announced, self.weights_version())
         handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
         if handle.error is not None:  # distributed: the engines died or stalled mid-sync
             return self._replace_engines(handle)
@@ -154,8 +169,7 @@ class Driver:
     def take(self, k: int) -> RolloutData:
         """Fully async: rollout k from the rollout manager's buffer (the newest published weights
         loaded first); a manager that died is replaced and its worker restarted by the retry."""
-        settings = self.cfg.async_settings
-        data = self.client.retrying("take", k, lambda: self.client.submit_take(k, self.ledger.give(), settings))
+        data = self.client.retrying("take", k, lambda: self.client.submit_generate(k, self.ledger.give()))
         self.client.answered(data)
         load, data.weight_load = data.weight_load, None
         self.ledger.loaded(load)
@@ -176,13 +190,15 @@ class Driver:
         if announced is None:
             reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
             _check_complete(reports, plans[0])
+            self.trained += 1
             self.ledger.published(handle)
             return reports
         # distributed: the manager receives while rank 0 broadcasts at the end of its train call
         refs = g.call("train_rollout_and_sync", per_rank, return_refs=True)
-        update = self.client.submit_update(announced)
+        update = self.client.submit_update(announced, self.weights_version() + 1)
         reports, handle = g.wait(refs, "train_rollout_and_sync")[0]
         _check_complete(reports, plans[0])  # stopped: no broadcast comes; the teardown ends the update
+        self.trained += 1
         if handle.error is not None:  # the engines died or stalled mid-sync: the steps stand
             self._replace_engines(handle)
             return reports
@@ -257,7 +273,7 @@ class Driver:
     def _sft_eval(self) -> Dict[str, float]:
         """``eval/nll`` (token mean over every held-out assistant token), ``eval/ppl``, ``eval/tokens``:
         each DP rank scores its share with a forward pass (``TrainActor.eval_nll``)."""
-        g, data = self.group, self.client.eval_data()
+        g, data = self.group, self.sft.eval_data()
         batch = sft_batch(data)
         by_dp = plan_global_batch_steps(batch, global_batch_size=batch.num_samples, dp_size=g.dp_size)
         sums = g.call("eval_nll", [(by_dp[g.dp_rank(r)].batch,) for r in range(g.world_size)])

@@ -1,6 +1,6 @@
 """The fully asynchronous schedule (``--fully-async``; miles' name)::
 
-    take(k)     the rollout manager's worker generates all along (``rollout.async_producer``); the
+    take(k)     the rollout manager's worker generates all along (``rollout.fully_async``); the
                 weights published after rollout k-1 are loaded at its next token boundary (requests
                 in flight continue under them: partial rollouts), then ``--rollout-batch-size``
                 groups are taken from its buffer, the staler than ``--max-weight-staleness`` dropped

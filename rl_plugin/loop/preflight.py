@@ -206,7 +206,7 @@ def preflight(run: RunConfig) -> Optional[ResumePoint]:
     point = check_resume_point(run)
     note_changed_settings(run, point)
     if run.mode.trains_nll:  # no reward; the data are conversations to template
-        from rl_plugin.loop.sft_data import check_sft_file
+        from rl_plugin.rollout.sft_source import check_sft_file
 
         cfg = run.rollout
         for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):

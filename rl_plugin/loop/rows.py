@@ -18,11 +18,11 @@ from rl_plugin.configs.run import RunConfig, flat_settings
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import MetricsLogger, summary_line
 from rl_plugin.loop.resume import Progress
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 ROLLOUT_STATS = ("reward_mean", "reward_max", "response_len_mean", "truncated_frac")
 # ``rollout/``: a hook's samples held to the limits and repeated groups (``rollout.sample_check``)
-# ``async/``: the fully-async take's staleness, buffer and wait (``rollout.async_producer``)
+# ``async/``: the fully-async take's staleness, buffer and wait (``rollout.fully_async``)
 ROLLOUT_STAT_PREFIXES = (
     "dynamic_sampling/",
     "overlong/",

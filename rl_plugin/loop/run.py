@@ -33,7 +33,6 @@ from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
 from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
-from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.run import RunConfig, check_world
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
@@ -45,11 +44,11 @@ from rl_plugin.loop.preflight import check_progress, finished_message, is_finish
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
-from rl_plugin.loop.sft_data import SftData
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
+from rl_plugin.rollout.source import SFT, make_source
 from rl_plugin.weight_sync import WeightLedger
 
 
@@ -69,7 +68,8 @@ class TrainingRun:
         # what _start starts, in order; _teardown stops whatever of it exists
         self.owns_ray = False
         self.placement = None
-        self.client: Optional[RolloutClient] = None
+        self.client: Optional[RolloutClient] = None  # None under SFT: its source runs here (``self.sft``)
+        self.sft = None
         self.group: Optional[TrainGroup] = None
         self.driver: Optional[Driver] = None
         self.rows: Optional[RowLogger] = None
@@ -141,8 +141,8 @@ class TrainingRun:
                 return
             if progress.step == 0:
                 keep_previous(cfg.metrics_file)
-            self.client.read_dataset_state()
-            if not cfg.sft:  # SFT: no engine to hold the weights
+            if self.client is not None:  # SFT: no rollout manager, no engine to hold the weights
+                self.client.read_dataset_state()
                 self.driver.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.config, cfg, progress.start_rollout)
@@ -216,19 +216,22 @@ class TrainingRun:
         self.exit.install()  # ray.init sets its own SIGTERM handler (exit at once): take it back
         self.placement = create_placement(run)
         ledger = WeightLedger(cfg.sync)
-        if run.mode is Mode.SFT:  # the data source stands in for the rollout client (``loop/sft_data.py``)
-            self.client = SftData(run.rollout, run.train.model.hf_checkpoint)
-        else:
+        if run.mode.source == SFT:  # no rollout manager, no engine: the source runs in this process
+            self.sft = make_source(SFT, config=run.rollout, checkpoint_dir=run.train.model.hf_checkpoint)
+        else:  # the manager's source, in its actor
             self.client = RolloutClient(run, self.placement, self.resume_hint, hook_args=self.args)
         self.group = TrainGroup(run.with_user_functions().train, self.placement)
         check_world(run, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
-        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
+        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
         # the driver's waits poll the exit request; its first poll after a signal aborts the
         # rollout manager's generation and stops the train ranks before their next step
-        self.group.poll = self.client.poll = self.exit.poll
-        self.exit.actions = [self.client.abort, self.group.request_stop]
+        self.group.poll = self.exit.poll
+        self.exit.actions = [self.group.request_stop]
+        if self.client is not None:
+            self.client.poll = self.exit.poll
+            self.exit.actions.insert(0, self.client.abort)
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -246,7 +249,10 @@ class TrainingRun:
         check_progress(self.config, p.start_rollout, p.step)  # checkpoints without loop_state.json
         if is_finished(self.config, p.start_rollout):
             return
-        self.client.call("load_state_dict", extra["rollout_state"])
+        if self.client is not None:
+            self.client.call("load_state_dict", extra["rollout_state"])
+        else:
+            self.sft.load_state_dict(extra["rollout_state"])
         self.driver.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
         print(f"resumed from {step_dir(cfg.load, step)}: step {p.step}, next rollout {p.start_rollout}", flush=True)
         supersede_metrics(cfg, p.step)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Protocol
 
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 Reports = List[Dict[str, Any]]  # one report per optimizer step of a rollout (J, metrics, samples, time/*)
 

@@ -1,7 +1,8 @@
 """The SFT schedule (``--loss-type sft_loss``)::
 
     batch(k)    the next --rollout-batch-size conversations of --prompt-data, templated once
-                with their assistant-span loss masks (``loop/sft_data.py``, in this process)
+                with their assistant-span loss masks (the SFT source, ``rollout/sft_source.py``,
+                in this process)
     train(k)    the optimizer steps of the batch (--global-batch-size splits it as in RL), the
                 per-token loss being the NLL; no old / reference pass, no advantage
     log, save, eval (the held-out NLL of --eval-prompt-data)
@@ -20,12 +21,12 @@ from typing import Optional
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.schedule import RolloutLoop
-from rl_plugin.loop.sft_data import SftData
+from rl_plugin.rollout.source import RolloutSource
 
 
 class SftSchedule:
-    def __init__(self, loop: RolloutLoop, cfg: LoopConfig, data: SftData):
-        self._loop, self._cfg, self._data = loop, cfg, data
+    def __init__(self, loop: RolloutLoop, cfg: LoopConfig, source: RolloutSource):
+        self._loop, self._cfg, self._source = loop, cfg, source
 
     def pending(self) -> Optional[PendingRollout]:
         return None
@@ -42,7 +43,7 @@ class SftSchedule:
         """Batch k: its conversations, the optimizer steps on them, then rows, checkpoint, eval."""
         loop = self._loop
         t0 = time.perf_counter()
-        data = self._data.next_batch(k)
+        data = self._source.rollout(k)
         t_data = time.perf_counter() - t0
         t1 = time.perf_counter()
         reports = loop.train_rollout(data, sync=False)

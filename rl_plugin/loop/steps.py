@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rl_plugin.loss import StepBatch, compute_advantages, to_tokens
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 
 def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
@@ -32,7 +32,7 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
 
 
 def sft_batch(data: RolloutData) -> StepBatch:
-    """A batch of SFT conversations (``rl_plugin.loop.sft_data``) as one StepBatch: the
+    """A batch of SFT conversations (``rl_plugin.rollout.sft_source``) as one StepBatch: the
     assistant-span loss mask, zero advantages (read by no term of the NLL), one group per
     conversation, no rollout log-probs."""
     loss_mask = data.loss_mask.float()

@@ -58,7 +58,8 @@ class EngineActor:
     ) -> List[Generation]:
         """Fully async: ``generate`` paused at token boundaries by ``update_weights_paused``
         (partial rollouts, ``rl_plugin.rollout.engines.pause``); ``floor``: the version the
-        engine holds at least (a fresh or resumed manager's first version)."""
+        engine holds at least, the worker's at its submission's start (after a load of its own,
+        ``update_weights``, e.g. the run's start-up sync: the fleet's version, never the next one)."""
         gate = self.gate
         gate.mode, gate.version = mode, max(gate.version, int(floor))
         return self.engine.generate(prompts, params, seed=seed, first_sample=first_sample, gate=gate)

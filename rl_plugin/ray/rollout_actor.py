@@ -13,9 +13,10 @@ from rl_plugin.rollout.manager import RolloutManager
 
 def create_rollout_manager(run, placement, *, hook_args):
     """The engine actors (if any, see ``rl_plugin.ray.cluster.engine_processes``), then the
-    manager that drives them. Returns ``(manager, engines)``. The manager and the engines receive
-    the run config's ``RolloutConfig``; ``hook_args`` (the parsed flags) travels to the manager only
-    for the user's rollout hooks (slime's ``fn(args, ...)``)."""
+    manager that drives them, with the run mode's rollout source (``rl_plugin.rollout.source``).
+    Returns ``(manager, engines)``. The manager and the engines receive the run config's
+    ``RolloutConfig``; ``hook_args`` (the parsed flags) travels to the manager only for the user's
+    rollout hooks (slime's ``fn(args, ...)``)."""
     config, checkpoint_dir = run.rollout, run.train.model.hf_checkpoint
     engines = []
     try:
@@ -32,6 +33,8 @@ def create_rollout_manager(run, placement, *, hook_args):
                 engines or None,
                 args=hook_args,
                 threads=placement.threads.rollout,
+                source=run.mode.source,
+                async_settings=run.async_training,
             )
         )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
@@ -67,15 +70,15 @@ def fault_points() -> list:
     return [int(x) for x in spec.split(",") if x.strip()]
 
 
-def generate_ref(actor, rollout_id: int, faults: list, handle=None, method: str = "generate", *more):
-    """``actor.<method>.remote(rollout_id, handle, *more)`` (``handle``: a weight sync to load first,
-    or None; ``method``: ``generate``, or ``take`` under --fully-async); under the test hook, the
-    actor's process is then SIGKILLed (what an OOM kill or a crashed engine looks like to the driver)."""
+def generate_ref(actor, rollout_id: int, faults: list, handle=None):
+    """``actor.generate.remote(rollout_id, handle)`` (``handle``: a weight sync to load first, or
+    None); under the test hook, the actor's process is then SIGKILLed (what an OOM kill or a crashed
+    engine looks like to the driver)."""
     pid = None
     if rollout_id in faults:
         faults.remove(rollout_id)
         pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))  # asked before the call queues
-    ref = getattr(actor, method).remote(rollout_id, handle, *more)
+    ref = actor.generate.remote(rollout_id, handle)
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
     return ref

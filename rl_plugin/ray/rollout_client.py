@@ -25,7 +25,7 @@ import ray
 
 from rl_plugin.errors import LoopError, StopRequested
 from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, fault_points, generate_ref
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
@@ -87,20 +87,18 @@ class RolloutClient:
         self.dataset_state = self.call("state_dict")
 
     def submit_generate(self, k: int, handle) -> ray.ObjectRef:
-        """Rollout k's generate, the weight sync ``handle`` (or None) loaded first."""
+        """Rollout k from the manager's source (generated; fully async: taken from its buffer), the
+        weight sync ``handle`` (or None) loaded first."""
         return generate_ref(self.manager, k, self.faults, handle)
-
-    def submit_take(self, k: int, handle, settings) -> ray.ObjectRef:
-        """Fully async: rollout k from the manager's buffer, the weight sync ``handle`` (or None)
-        loaded first at its worker's next token boundary."""
-        return generate_ref(self.manager, k, self.faults, handle, "take", settings)
 
     def submit_evaluate(self, k: int, handle) -> ray.ObjectRef:
         """The eval after rollout k, the weight sync ``handle`` (or None) loaded first."""
         return self.manager.evaluate.remote(k, handle)
 
-    def submit_update(self, handle_ref) -> ray.ObjectRef:
-        return self.manager.update_weights.remote(handle_ref)
+    def submit_update(self, handle_ref, version: Optional[int] = None) -> ray.ObjectRef:
+        """A weight load of its own (``handle_ref``: a handle or its ObjectRef); ``version``: the
+        trainer weight version it holds (what fully async labels the next tokens with)."""
+        return self.manager.update_weights.remote(handle_ref, version)
 
     def wait_update(self, update: ray.ObjectRef) -> Optional[Dict[str, Any]]:
         """The manager's answer to a weight load (bytes, the slowest engine's seconds); None when

@@ -166,7 +166,7 @@ class TrainActor:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
         ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``); fewer reports
         than steps when a stop was requested (module docstring)."""
-        from rl_plugin.rollout.engines.phases import record
+        from rl_plugin.phases import record
 
         self._onload()
         record(f"train{self.rank}.train")
@@ -252,7 +252,7 @@ class TrainActor:
         """The training state to host memory while the colocated engines generate
         (``backends/offload.py``); the next call that needs it (train, export, save, load)
         brings it back first. Returns the bytes moved (0: already offloaded)."""
-        from rl_plugin.rollout.engines.phases import record
+        from rl_plugin.phases import record
 
         moved = self.offload.offload(self.backend.state_tensors(), torch.device(self.backend.loss_device))
         if moved:
@@ -261,7 +261,7 @@ class TrainActor:
 
     def _onload(self) -> None:
         if self.offload.reload() is not None:
-            from rl_plugin.rollout.engines.phases import record
+            from rl_plugin.phases import record
 
             record(f"train{self.rank}.reload")
 

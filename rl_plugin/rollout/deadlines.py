@@ -11,7 +11,7 @@ rollout function (``--rollout-function-timeout``, per rollout) and a local rewar
   thread for later calls; the run stops anyway, naming the function.
 
 A call past its deadline raises ``UserCallTimeout`` (a ``TimeoutError``); the caller re-raises it
-naming the flag, the function's file:line and the sample (``custom_rollout``, ``rewards.scorer``).
+naming the flag, the function's file:line and the sample (``generation.hooks``, ``rewards.scorer``).
 The calling context's ``contextvars`` travel with a call into the worker (``generate_tokens`` finds
 the rollout's router from there).
 """

@@ -1,93 +1,45 @@
-"""The rollout manager: owns the prompt datasets, the generation engine(s) and the reward (``SampleScorer``).
+"""The rollout manager: one engine fleet and one source, composed.
 
-One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). Per rollout it takes
-``--rollout-batch-size`` prompts and follows one sample path (slime's):
+One instance lives in a Ray actor (``rl_plugin.ray.rollout_actor``). It builds, once:
 
-1. generate ``--n-samples-per-prompt`` ``Sample``s per prompt (a prompt's samples are
-   contiguous and form one group) with the default generate function
-   (``default_generate.DefaultGenerate``: one engine call per engine for the whole batch) or,
-   with ``--custom-generate-function-path``, the user's hook per sample (``custom_rollout``; its
-   ``generate_tokens`` requests batched to the engines by ``generate.EngineRouter``, seeded from
-   the rollout's seed; what it returns is checked, ``sample_check``);
-2. score them (``rewards.scorer.SampleScorer``, every reward form);
-3. flatten them once into the tensors of a ``RolloutData`` (``rollout_data.flatten_samples``).
+- the engine fleet (``fleet.EngineFleet``): the single ``hf`` engine in this process, or the engine
+  actors (``rl_plugin.ray.engine_actor``), all built from the run's ``EngineConfig``; loading
+  weights, pausing, sleeping / waking;
+- the generation parts (``generation.source.GenerationSource``): the tokenizer, the prompt queue
+  (``data.prompt_queue``), the reward (``SampleScorer``), the user's hooks, the OPD teacher, the
+  agent program;
+- the run's source (``source.make_source``, of the kind the run picked): the generation source
+  itself (synchronous and overlapped runs) or the fully-async one (``fully_async.source``),
+  which generates through the same parts.
 
-With ``--rollout-function-path`` the user's function replaces step 1 for the whole rollout (and
-returns ``Sample``s too). Generation is seeded with ``seed + rollout_id``, so a resumed run
-regenerates exactly what the uninterrupted run would have, whatever happened before. Engines: the
-single ``hf`` engine runs in this process; otherwise the engines are actors
-(``rl_plugin.ray.engine_actor``), all built from the run's ``EngineConfig``.
-
-With ``--dynamic-sampling-filter-path`` (DAPO dynamic sampling, ``dynamic_sampling.py``) a rollout
-runs in rounds of ``--over-sampling-batch-size`` prompts (round r > 0 seeded ``seed + rollout_id +
-r * ROUND_SEED_STRIDE``) until ``--rollout-batch-size`` groups have passed the filter (slime's
-``fn(args, samples)`` over one group's scored ``Sample``s, on their raw rewards); the first
-``--rollout-batch-size`` passing groups, in generation order, are the rollout and the rest are
-dropped (as slime does); every round after the first prints one progress line (at most
-``--dynamic-sampling-max-rounds`` rounds). ``--overlong-buffer-len`` then adds DAPO's over-long
-penalty to the rewards the advantages are computed from (counting the model's tokens, the loss
-mask's sum); ``reward_mean`` stays the raw reward.
+Every call of the driver is then one call on the fleet or the source: ``generate`` (rollout k, a
+weight sync loaded first), ``evaluate``, ``update_weights``, ``state_dict`` /
+``load_state_dict`` (the data position), ``abort`` (on the actor's ``control`` thread).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout import abort
-from rl_plugin.rollout.agent.rollout import AgentRollout
-from rl_plugin.rollout.custom_rollout import (
-    GENERATE_FLAG,
-    ROLLOUT_FLAG,
-    DataSource,
-    Hook,
-    check_groups,
-    default_sampling_params,
-    engine_dispatch,
-    fresh_samples,
-    multi_turn_stats,
-    run_generate_hook,
-    run_rollout_function,
-)
 from rl_plugin.rollout.data.dataset import PromptDataset
+from rl_plugin.rollout.data.prompt_queue import PromptQueue
 from rl_plugin.rollout.data.tokenizer import load_tokenizer
-from rl_plugin.rollout.default_generate import DefaultGenerate
-from rl_plugin.rollout.dynamic_sampling import dynamic_rollout
-from rl_plugin.rollout.engine_weights import EngineWeights
-from rl_plugin.rollout.engines.base import SamplingParams, make_engine
-from rl_plugin.rollout.engines.phases import record
-from rl_plugin.rollout.engines.teacher import make_teacher
-from rl_plugin.rollout.filters import load_filter, overlong_penalty
-from rl_plugin.rollout.rewards.scorer import SampleScorer
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
-from rl_plugin.rollout.sample import Sample
-from rl_plugin.rollout.sample_check import (
-    check_distinct,
-    check_log_probs,
-    check_samples,
-    check_trainable,
-    duplicate_groups,
-    hold_to_limits,
-    say_once,
-)
+from rl_plugin.rollout.engines.base import make_engine
+from rl_plugin.rollout.fleet import EngineFleet
+from rl_plugin.rollout.generation.source import GenerationSource
+from rl_plugin.rollout.sample import RolloutData
+from rl_plugin.rollout.source import GENERATION, make_source
 from rl_plugin.routing.hf import install_routing_flip
 from rl_plugin.threads import ROLLOUT_THREADS_ENV, ThreadShare
-from rl_plugin.weight_sync import SyncHandle, WeightReceiver
+from rl_plugin.weight_sync import SyncHandle
 from rl_plugin.weight_sync.distributed import abort_waits
 
-EVAL_SEED_OFFSET = 1_000_003
-ROUND_SEED_STRIDE = 3_000_017
 
-
-def _progress_line(line: str) -> None:
-    """Dynamic sampling's per-round line, flushed (the actor's stdout reaches the driver's log)."""
-    print(line, flush=True)
-
-
-class RolloutManager(EngineWeights):
+class RolloutManager:
     def __init__(
         self,
         config: RolloutConfig,
@@ -97,311 +49,89 @@ class RolloutManager(EngineWeights):
         engines: Optional[Sequence[Any]] = None,
         args: Any = None,
         threads: Optional[ThreadShare] = None,
+        *,
+        source: str = GENERATION,
+        async_settings: Any = None,
     ):
+        """``source``: the kind of ``rl_plugin.rollout.source`` (``async_settings``: the fully-async
+        worker's, ``AsyncSettings``); ``args``: handed to the user's hooks as slime's ``args``."""
         # the hf engine's threads when it lives here (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(ROLLOUT_THREADS_ENV)).apply()
         self.config = cfg = config
-        self.checkpoint_dir = checkpoint_dir
-        # handed to the user's rollout hooks as slime's ``args`` (the run's parsed flags), never read here
-        self.hook_args = args if args is not None else config
-        self.tokenizer = load_tokenizer(
+        tokenizer = load_tokenizer(
             checkpoint_dir,
             apply_chat_template=cfg.apply_chat_template,
             chat_template_kwargs=cfg.apply_chat_template_kwargs,
             system_prompt=cfg.system_prompt,
         )
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
-        self.engines = list(engines or [])  # engine actors; empty: the engine lives here
-        self.engine = None if self.engines else make_engine(cfg.engine, checkpoint_dir, device=device)
+        actors = list(engines or [])  # empty: the engine lives here
+        engine = None if actors else make_engine(cfg.engine, checkpoint_dir, device=device)
         if cfg.engine.debug_routing_flip:  # test hook: an engine whose routers disagree with the trainer's
-            if self.engine is None:
+            if engine is None:
                 raise ValueError(
                     "--debug-engine-routing-flip hooks the hf engine of the rollout manager's process; with engine "
                     "actors (--rollout-num-gpus) there is none. Fix: drop --rollout-num-gpus or the hook"
                 )
-            install_routing_flip(self.engine.model, cfg.engine.debug_routing_flip)
-        self.receiver = WeightReceiver() if self.engine is not None else None
-        self.colocated = cfg.engine.colocation.colocate  # the engines sleep between calls (docs/design.md)
-        self._sleep()  # colocated: the training ranks start beside sleeping engines
-        self.scorer = SampleScorer(
-            cfg, user_args=self.hook_args
-        )  # every reward form: built-in, custom, slime's rm(args, sample), group, remote
+            install_routing_flip(engine.model, cfg.engine.debug_routing_flip)
+        self.fleet = EngineFleet(engine, actors, colocated=cfg.engine.colocation.colocate)
+        self.fleet.sleep()  # colocated: the training ranks start beside sleeping engines
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
-        self.train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
-        self.eval = PromptDataset.from_file(eval_data, *keys) if eval_data else None
-        self.params = SamplingParams(cfg.engine.temperature, cfg.engine.top_p, cfg.engine.max_response_len)
-        path = cfg.dynamic_sampling_filter_path
-        self.group_filter = load_filter(path) if path else None
-        hook, fn = cfg.custom_generate_function_path, cfg.rollout_function_path
-        self.generate_hook = Hook.load(hook, GENERATE_FLAG) if hook else None
-        self.rollout_fn = Hook.load(fn, ROLLOUT_FLAG) if fn else None
-        # the generate function: (records, n, seed) -> Samples; the user's hook replaces the default
-        default = DefaultGenerate(self.tokenizer, self.params, self.engine, self.engines)
-        self.generate_samples = default if self.generate_hook is None else self._hook_generate
-        # --use-opd --opd-type hf|vllm: the teacher scores each rollout's tokens here (engines/teacher.py)
-        self.teacher = None
-        if cfg.use_opd and cfg.opd_type in ("hf", "vllm"):
-            self.teacher = make_teacher(
-                cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed, device=device
-            )
-        agent = cfg.custom_agent_function_path  # an agent program per sample (rl_plugin.rollout.agent)
-        self.agent = AgentRollout(agent, self.tokenizer, cfg, self.hook_args) if agent else None
-        self._vocab_size: Optional[int] = None
-        self._context_len: Optional[int] = None
-        self._hook_stats: Dict[str, float] = {}  # the limits' and duplicates' counts of the hook's last samples
-        self._producer = None  # --fully-async: the background worker (``take`` starts it)
-        self._requeued: List[Any] = []  # a resumed fully-async run's prompts to generate first
+        train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        held_out = PromptDataset.from_file(eval_data, *keys) if eval_data else None
+        self.generation = GenerationSource(
+            cfg,
+            checkpoint_dir,
+            tokenizer,
+            self.fleet,
+            PromptQueue(train),
+            held_out,
+            hook_args=args if args is not None else config,
+            device=device,
+        )
+        self.source = make_source(source, generation=self.generation, fleet=self.fleet, async_settings=async_settings)
 
-    # -- generation ---------------------------------------------------------------------------
+    # -- the driver's calls --------------------------------------------------------------------------
     def generate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> RolloutData:
-        """Rollout ``rollout_id``; given a weight-sync ``handle`` (the trainer's newest weights,
-        published by its last train call), the engines load it first (``update_weights``, answered
-        in ``data.weight_load``): the sync costs the loop no call of its own. Engine actors get the
-        load and then their share of the rollout without a wait between: an actor runs its calls
-        in order."""
-        loading = self._start_load(handle, generating=True)
-        record(f"engine.generate {rollout_id}")
-        cfg = self.config
-        if self.rollout_fn is not None:
-            data = self._function_rollout(rollout_id, seed=cfg.seed + rollout_id)
-        elif self.agent is not None:
-            recs = self.train.next_batch(cfg.rollout_batch_size)
-            n, seed = cfg.n_samples_per_prompt, cfg.seed + rollout_id
-            args = (self._dispatch(), self.params, self.context_len, self.scorer)
-            with abort.phase(f"the agent {self.agent.describe()}"):
-                data = self.agent.rollout(recs, n, seed, *args)
-        elif self.group_filter is None:
-            recs = self.train.next_batch(cfg.rollout_batch_size)
-            data, _ = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
-        else:
-            data = dynamic_rollout(
-                cfg,
-                rollout_id,
-                self.train.next_batch,
-                self._rollout,
-                self.group_filter,
-                ROUND_SEED_STRIDE,
-                progress=_progress_line,
-            )
-        return self._shaped(data, handle, loading)
-
-    def _shaped(self, data: RolloutData, handle, loading) -> RolloutData:
-        """A rollout's data after generation: the test shift, DAPO's over-long penalty, the dataset
-        position and the weight load's answer."""
-        cfg = self.config
-        if cfg.debug_rollout_logprob_shift:  # test hook: an engine that disagrees by exactly d per token
-            data.rollout_log_probs = data.rollout_log_probs - cfg.debug_rollout_logprob_shift
-        if cfg.overlong_buffer_len is not None:
-            penalty = overlong_penalty(
-                data.model_token_counts(),  # the model's tokens: tool output is not its length
-                max_len=cfg.engine.max_response_len,
-                buffer_len=cfg.overlong_buffer_len,
-                factor=cfg.overlong_penalty_factor,
-            )
-            data.rewards = data.rewards + penalty  # after the filter decided on the raw rewards
-            data.stats["overlong/penalty_mean"] = float(penalty.mean())
-            data.stats["overlong/penalized_frac"] = float((penalty < 0).float().mean())
-            data.stats["reward_shaped_mean"] = float(data.rewards.mean())
-        if self.teacher is not None:
-            data.teacher_log_probs = self.teacher.log_probs(data.tokens, data.total_lengths, data.response_lengths)
-        data.dataset_state = self.state_dict()  # saves the driver a state_dict round trip per rollout
-        data.weight_load = self._finish_load(handle, loading)
-        self._sleep()
-        return data
-
-    def take(self, rollout_id: int, handle: Optional[SyncHandle], settings) -> RolloutData:
-        """Fully async: rollout ``rollout_id`` from the background worker's buffer, ``handle``
-        loaded first at its next token boundary (``async_producer.take_rollout``)."""
-        from rl_plugin.rollout.async_producer import take_rollout
-
-        return take_rollout(self, rollout_id, handle, settings)
+        """Rollout ``rollout_id`` from the run's source (generated; fully async: taken from the
+        worker's buffer); ``handle`` (the trainer's newest published weights, or None) loaded first
+        and answered in ``data.weight_load``."""
+        return self.source.rollout(rollout_id, handle)
 
     def evaluate(self, rollout_id: int, handle: Optional[SyncHandle] = None) -> Dict[str, Any]:
-        """The eval metrics on the held-out prompts; a given ``handle`` is loaded first (as in
-        ``generate``) and its load answered under ``weight_load``. Fully async: the worker waits at
-        a token boundary for the eval's duration (nothing aborted)."""
-        if self._producer is not None:
-            from rl_plugin.rollout.async_producer import evaluate_paused
+        """The eval metrics on the held-out prompts; a given ``handle`` is loaded first and its load
+        answered under ``weight_load``. Fully async: the worker waits at a token boundary."""
+        return self.source.evaluate(rollout_id, handle)
 
-            return evaluate_paused(self, rollout_id, handle)
-        return self._evaluate(rollout_id, handle)
+    def update_weights(self, handle: SyncHandle, version: Optional[int] = None) -> Dict[str, Any]:
+        """Load the sync behind ``handle`` (``rl_plugin.weight_sync``; the weights of trainer
+        version ``version``: the version fully async labels the next tokens with) into every
+        engine, in place; returns the bytes per engine, the slowest engine's seconds and, under
+        --check-weight-sync, every engine's fingerprint (``fingerprints``)."""
+        return self.fleet.load(handle, version)
 
-    def _evaluate(self, rollout_id: int, handle: Optional[SyncHandle]) -> Dict[str, Any]:
-        loading = self._start_load(handle, generating=True)
-        if self.eval is None:
-            raise ValueError(
-                "--eval-interval needs held-out prompts: pass --eval-prompt-data (the embedded default makes them)"
-            )
-        data, _ = self._rollout(
-            self.eval.records, self.config.n_samples_per_eval, seed=self.config.seed + EVAL_SEED_OFFSET + rollout_id
-        )
-        out: Dict[str, Any] = {
-            "eval/reward_mean": data.stats["reward_mean"],
-            "eval/response_len_mean": data.stats["response_len_mean"],
-        }
-        if handle is not None:
-            out["weight_load"] = self._finish_load(handle, loading)
-        self._sleep()
-        return out
+    def engine_node_ids(self) -> List[str]:
+        return self.fleet.node_ids()
 
-    # -- one sample path: generate Samples, score them, flatten them --------------------------
-    def _rollout(self, recs, n: int, *, seed: int) -> Tuple[RolloutData, List[Sample]]:
-        """``n`` samples of each record (groups contiguous) from the generate function (the
-        default one or the user's hook), scored and flattened; the samples come back too (the
-        dynamic-sampling filter reads them)."""
-        t0 = time.perf_counter()
-        with abort.phase(f"generation on the {self.config.engine.engine} engine"):  # a hook names itself inside
-            samples = self.generate_samples(recs, n, seed)
-        hook = self.generate_hook
-        who = hook.describe() if hook is not None else f"the {self.config.engine.engine} engine"
-        return self._assemble(samples, len(recs), time.perf_counter() - t0, custom=hook is not None, who=who)
-
-    def _hook_generate(self, recs, n: int, seed: int, engine=None) -> List[Sample]:
-        """The generate function of ``--custom-generate-function-path``: every sample through the
-        user's hook, concurrently (``custom_rollout.run_generate_hook``), then checked. ``engine``:
-        the in-process engine to use instead (fully async: the gated one)."""
-        hook, samples = self.generate_hook, fresh_samples(self.tokenizer, recs, n)
-        params = default_sampling_params(self.params)
-        out = run_generate_hook(
-            hook,
-            self.hook_args,
-            samples,
-            params,
-            engine_dispatch(engine or self.engine, self.engines),
-            seed,
-            self.params,
-            timeout=self.config.custom_generate_timeout,
-            context_len=self.context_len,
-        )
-        return self._checked(out, hook, n)
-
-    def _function_rollout(self, rollout_id: int, *, seed: int) -> RolloutData:
-        """The whole rollout from ``--rollout-function-path``."""
-        cfg, t0, fn = self.config, time.perf_counter(), self.rollout_fn
-        source = DataSource(self.train.next_batch, self.tokenizer, cfg.n_samples_per_prompt)
-        groups = run_rollout_function(
-            fn,
-            self.hook_args,
-            rollout_id,
-            source,
-            self._dispatch(),
-            seed,
-            self.params,
-            timeout=cfg.rollout_function_timeout,
-            context_len=self.context_len,
-        )
-        samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, fn, rollout_id)
-        checked = self._checked(samples, fn, cfg.n_samples_per_prompt)
-        return self._assemble(checked, len(groups), time.perf_counter() - t0, custom=True, who=fn.describe())[0]
-
-    def _checked(self, out: List[Any], hook: Hook, group_size: int) -> List[Sample]:
-        """A hook's samples checked (``sample_check``: the contract, each its own object, cut to
-        the limits, repeated groups counted), a response text it left empty (or that a cut
-        emptied) decoded from every response id (tool output included)."""
-        samples = check_samples(out, hook.describe(), self.vocab_size)
-        check_distinct(samples, hook.describe(), group_size)
-        self._hook_stats = hold_to_limits(samples, self.params.max_new_tokens, self.context_len)
-        repeated = duplicate_groups(samples, group_size)
-        self._hook_stats["rollout/duplicate_groups"] = float(repeated)
-        if repeated:
-            say_once(
-                "duplicate_groups",
-                f"{hook.describe()} returned {repeated} group(s) whose samples repeat another group's tokens exactly; "
-                "they train that prompt twice (counted in rollout/duplicate_groups)",
-            )
-        for s in samples:
-            if not s.response:
-                s.response = self.tokenizer.decode(s.tokens[len(s.tokens) - s.response_length :])
-        return samples
-
-    def _assemble(
-        self,
-        samples: List[Sample],
-        num_groups: int,
-        gen_time: float,
-        custom: bool = False,
-        who: str = "the engine",
-        rewards: Optional[torch.Tensor] = None,
-    ) -> Tuple[RolloutData, List[Sample]]:
-        """Samples (groups contiguous) scored and flattened into ``RolloutData``; ``custom``
-        (a hook's samples) adds the ``multi_turn/*`` stats and the hook's counts. ``who`` made the
-        samples: the hook or the engine, named when their log-probs or loss mask are refused.
-        ``rewards``: scored already (fully async scores at put time)."""
-        group_size = len(samples) // max(num_groups, 1)
-        flat = flatten_samples(samples)
-        rl = flat.response_lengths
-        check_log_probs(flat.log_probs, flat.loss_mask, rl, samples, who)  # before the reward spends anything on them
-        check_trainable(flat.loss_mask, who, len(samples))
-        t1 = time.perf_counter()
-        if rewards is None:
-            rewards = torch.tensor(self.scorer.score_samples(samples, group_size=group_size), dtype=torch.float32)
-        reward_time = time.perf_counter() - t1  # timed apart from generation: a slow verifier shows up as such
-        stats = rollout_stats(rewards, rl, flat.truncated_frac, gen_time, reward_time)
-        if custom:
-            stats.update(multi_turn_stats(samples, float(flat.loss_mask.sum()), int(rl.sum())))
-            stats.update(self._hook_stats)
-        data = RolloutData(
-            tokens=flat.tokens,
-            total_lengths=flat.total_lengths,
-            response_lengths=rl,
-            rollout_log_probs=flat.log_probs,
-            rewards=rewards,
-            group_ids=torch.arange(num_groups).repeat_interleave(group_size),
-            num_groups=num_groups,
-            routed_experts=flat.routed_experts,
-            stats=stats,
-            examples=[
-                {"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], rewards)
-            ],
-            loss_mask=flat.loss_mask,
-        )
-        return data, samples
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size (its config's), the bound of every id a hook returns."""
-        if self._vocab_size is None:
-            from transformers import AutoConfig
-
-            self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
-        return self._vocab_size
-
-    @property
-    def context_len(self) -> Optional[int]:
-        """The model's context (``max_position_embeddings``; None when its config names none)."""
-        if self._context_len is None:
-            from rl_plugin.rollout.data.prompt_check import model_context_length
-
-            self._context_len = model_context_length(self.checkpoint_dir)
-        return self._context_len
-
-    def _dispatch(self):
-        """``generate_tokens``' way to the engines (``custom_rollout.engine_dispatch``). Built per
-        call: a Ray actor class with an ``async def`` method would become an async actor."""
-        return engine_dispatch(self.engine, self.engines)
-
-    # -- stopping -----------------------------------------------------------------------------
     def abort(self) -> Optional[str]:
         """Abort the rollout in progress (``rl_plugin.rollout.abort``; called on the actor's
         ``control`` thread while ``generate`` runs on its own): the engine actors' generations
         too. Returns what was running (None: nothing)."""
-        for e in self.engines:
-            e.abort.options(concurrency_group="control").remote()
+        self.fleet.abort()
         abort_waits()  # a distributed load waiting for the train call ends too
         return abort.request()
 
-    # -- resume -------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, object]:
-        """The dataset position; fully async also the prompts taken but not trained on (re-queued,
-        in flight, buffered: ``async_requeue``, record indices), which a resumed run generates
-        again first (the buffer itself is dropped)."""
-        if self._producer is None:
-            return {"train_dataset": self.train.state_dict()}
-        with self._producer.lock:
-            position = self.train.state_dict()
-        return {"train_dataset": position, "async_requeue": [r.index for r in self._producer.pending_records()]}
+    def stop(self) -> None:
+        """End the fully-async worker, if any (after its submission in flight)."""
+        stop = getattr(self.source, "stop", None)
+        if stop is not None:
+            stop()
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
-        self.train.load_state_dict(state["train_dataset"])
-        by_index = {r.index: r for r in self.train.records}
-        self._requeued = [by_index[i] for i in state.get("async_requeue", [])]
+    # -- resume -------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The data position (fully async: with the prompts taken but not trained on,
+        ``async_requeue``, which a resumed run generates again first)."""
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.source.load_state_dict(state)

@@ -220,7 +220,7 @@ def hold_to_limits(samples: Sequence[Sample], max_model_tokens: int, context_len
         if s.rollout_routed_experts is not None:
             s.rollout_routed_experts = s.rollout_routed_experts[: len(s.tokens) - 1]
         s.status = Sample.Status.TRUNCATED
-        s.response = ""  # re-decoded from the kept ids (``RolloutManager._checked``)
+        s.response = ""  # re-decoded from the kept ids (``GenerationSource._checked``)
     counts = {"rollout/cut_to_response_len": float(over_len.sum()), "rollout/cut_to_context": float(over_ctx.sum())}
     if over_len.any():
         say_once(

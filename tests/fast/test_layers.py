@@ -59,6 +59,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.lora",
             "rl_plugin.models",
             "rl_plugin.threads",
+            "rl_plugin.phases",
         ),
     ),
     ("loss core", ("rl_plugin.loss",)),

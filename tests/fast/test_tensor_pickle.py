@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import torch
 
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.step_plan import RankPlan
 from rl_plugin.tensor_pickle import ALIGN, pack_tensors, unpack_tensors
 from tests.support.fsdp_common import make_step, step_batch

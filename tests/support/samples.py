@@ -1,13 +1,13 @@
 """Engine ``Generation``s as the default generate function's ``Sample``s, for tests of the
-flattener (``rollout_data.flatten_samples``) that start from an engine's answer."""
+flattener (``flatten.flatten_samples``) that start from an engine's answer."""
 
 from __future__ import annotations
 
 from typing import List, Sequence
 
 from rl_plugin.rollout.data.dataset import PromptRecord
-from rl_plugin.rollout.default_generate import build_samples
 from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.generation.default import build_samples
 from rl_plugin.rollout.sample import Sample
 
 

@@ -37,12 +37,13 @@ from rl_plugin.rollout.agent.records import episode_samples, episode_stats
 from rl_plugin.rollout.agent.server import AgentServer, Serving
 from rl_plugin.rollout.agent.sessions import Session, SessionTable
 from rl_plugin.rollout.agent.template import ChatTemplate
-from rl_plugin.rollout.custom_rollout import fresh_samples
 from rl_plugin.rollout.deadlines import is_async_callable
 from rl_plugin.rollout.engines.base import SamplingParams
+from rl_plugin.rollout.flatten import flatten_samples, rollout_stats
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
+from rl_plugin.rollout.generation.hooks import fresh_samples
 from rl_plugin.rollout.rewards.functions import reward_number
-from rl_plugin.rollout.rollout_data import RolloutData, flatten_samples, rollout_stats
+from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.rollout.sample_check import check_log_probs, check_trainable, describe_sample
 from rl_plugin.user_code import describe_exception, load_function, where
 

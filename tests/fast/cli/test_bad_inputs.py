@@ -143,8 +143,8 @@ def test_user_function_not_found_crosses_ray_as_itself():
     exc = UserFunctionNotFound("--rollout-function-path", "h.py:typo", "'h.py' has no callable 'typo'")
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is UserFunctionNotFound and str(back) == str(exc) and back.reason == exc.reason
-    from rl_plugin.rollout.custom_rollout import HookError
     from rl_plugin.rollout.deadlines import UserCallTimeout
+    from rl_plugin.rollout.generation.hooks import HookError
     from rl_plugin.rollout.rewards.functions import RewardFunctionError
     from rl_plugin.rollout.sample_check import SampleError
 

@@ -388,7 +388,7 @@ def test_perturbed_engine_tis_and_dynamic_sampling(ray_cluster, tmp_path):
         "--over-sampling-batch-size",
         "8",
         "--dynamic-sampling-filter-path",
-        "rl_plugin.rollout.filters.check_reward_nonzero_std",
+        "rl_plugin.rollout.dapo.filters.check_reward_nonzero_std",
         "--overlong-buffer-len",
         "2",
         "--deepspeed-metric-names",

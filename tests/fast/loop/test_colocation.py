@@ -2,7 +2,7 @@
 
 ``--colocate --offload-train`` on the embedded task: real Ray, the real hf engine inside the
 rollout manager, one gloo training rank. Every party records its phases
-(``rl_plugin.rollout.engines.phases``, ``RL_PLUGIN_COLOCATION_TRACE``): per rollout k the trainer
+(``rl_plugin.phases``, ``RL_PLUGIN_COLOCATION_TRACE``): per rollout k the trainer
 offloads before the engines wake, the engines load the weights the last train call published
 (their weights woken alone for it), wake the rest, generate rollout k and sleep, and the trainer
 reloads before it trains on k; each exactly once per rollout; the eval after the last rollout

@@ -13,7 +13,7 @@ from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
 from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.loss.micro_batch_plan import micro_batches_by_count
-from rl_plugin.rollout.rollout_data import RolloutData
+from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_docs_steps, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.train import parse_train_args
 from rl_plugin.weight_sync import compare_fingerprints, weights_fingerprint

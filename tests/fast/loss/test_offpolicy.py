@@ -15,7 +15,7 @@ import torch
 from rl_plugin.arguments import parse_args
 from rl_plugin.loss import BadBatchError, LossConfig, StepBatch, prepare_step, tis_weights
 from rl_plugin.parallel import ParallelState
-from rl_plugin.rollout.filters import (
+from rl_plugin.rollout.dapo.filters import (
     BUILTIN_FILTER,
     check_reward_nonzero_std,
     keep_decision,
@@ -209,7 +209,7 @@ RULES = [
     # a group of one sample (no reward variance, no group passes) is refused for every estimator by
     # the --n-samples-per-prompt rule of BatchingConfig.check, tested in arguments/test_arguments.py
     (
-        "--dynamic-sampling-filter-path rl_plugin.rollout.filters.nope",
+        "--dynamic-sampling-filter-path rl_plugin.rollout.dapo.filters.nope",
         ["--dynamic-sampling-filter-path: cannot load the function", "no callable 'nope'"],
     ),
     ("--overlong-penalty-factor 1.0", ["--overlong-penalty-factor without --overlong-buffer-len"]),

@@ -215,8 +215,8 @@ def test_score_samples_from_a_thread_and_inside_a_loop(files):
 
 def test_manager_builds_the_samples_of_a_rollout():
     from rl_plugin.rollout.data.dataset import PromptRecord
-    from rl_plugin.rollout.default_generate import build_samples
     from rl_plugin.rollout.engines.base import Generation
+    from rl_plugin.rollout.generation.default import build_samples
 
     recs = [PromptRecord("12=", "12", 0), PromptRecord([{"role": "user", "content": "hi"}], 7, 1, metadata={"w": 1})]
     gens = [

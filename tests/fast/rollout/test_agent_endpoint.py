@@ -57,7 +57,7 @@ def test_two_turn_append_only_episode_is_one_sample_trained_on_the_completions(s
     data = m.generate(0)
     seen = agents.SEEN["two_turns"]
     assert len(seen) == 4 and data.stats["agent/non_append_turns"] == 0 and data.stats["agent/samples"] == 4
-    tok = m.agent.template.tok
+    tok = m.generation.agent.template.tok
     by_prompt = {}
     for _base_url, prompt, r1, r2 in seen:
         # turn 1: the prompt ids are the template's tokenisation of the chat
@@ -146,7 +146,7 @@ def test_64_concurrent_sessions(setup):
     print("64 sessions:", {k: v for k, v in data.stats.items() if k.startswith("agent/")})
     assert data.stats["agent/model_tokens"] == sum(agents.SEEN["many"])  # trained tokens = usage the agents got
     assert data.num_groups == 16 and data.group_ids.bincount().tolist() == [4] * 16
-    assert m.agent.server.port > 0
+    assert m.generation.agent.server.port > 0
 
 
 def test_failures_are_named_and_answered(setup):

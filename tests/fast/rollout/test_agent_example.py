@@ -55,4 +55,4 @@ def test_the_agent_runs_through_the_endpoint(tmp_path):
     assert data.stats["agent/model_tokens"] == data.stats["agent/completion_tokens"] <= 4 * 24
     # the tools reached the prompt (SmolLM2's template ignores `tools`: the system turn carries them)
     first = data.tokens[: int(data.total_lengths[0])].tolist()
-    assert '"name": "calculator"' in m.agent.template.decode(first)
+    assert '"name": "calculator"' in m.generation.agent.template.decode(first)

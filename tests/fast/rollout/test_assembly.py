@@ -14,8 +14,8 @@ import torch
 
 from rl_plugin.rollout.data.task import digit_match_reward
 from rl_plugin.rollout.engines.base import Generation
+from rl_plugin.rollout.flatten import flatten_samples
 from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
-from rl_plugin.rollout.rollout_data import flatten_samples
 from tests.support.samples import samples_of
 
 

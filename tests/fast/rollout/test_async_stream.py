@@ -24,8 +24,8 @@ from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded import prepare_embedded
-from rl_plugin.rollout.async_producer import AsyncProducer
 from rl_plugin.rollout.engines.base import SamplingParams
+from rl_plugin.rollout.fully_async.producer import AsyncProducer
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.weight_sync import SyncHandle
 from tests.support.local_ray import local_ray_cluster
@@ -159,13 +159,13 @@ def test_engine_actor_groups_arrive_early_and_equal_the_whole_submission_path(se
     m = _manager(setup)
     _control(slow, _arm)
     hold = slow.__ray_call__.options(concurrency_group="weights").remote(_hold_mid_generation)
-    producer = AsyncProducer(m, setup.settings, 0)
+    producer = _producer(m, setup.settings, 0)
     try:
         first = _take(producer, 2, 0)  # engine 0's groups, while engine 1 is held mid-generation
         deadline = time.monotonic() + 10
-        while producer.inflight() > 2 * N and time.monotonic() < deadline:  # the last take's group landing
+        while producer.samples_in_flight() > 2 * N and time.monotonic() < deadline:  # the last take's group landing
             time.sleep(0.01)
-        recs = list(producer.in_flight)  # engine 1's records: not delivered yet
+        recs = list(producer.generating)  # engine 1's records: not delivered yet
         assert _control(slow, lambda a: a._held.is_set())
         assert producer.buffer.records() == [] and len(recs) == 2
         assert {g.record.index for g in first}.isdisjoint(r.index for r in recs)
@@ -189,12 +189,12 @@ def test_engine_actor_groups_arrive_early_and_equal_the_whole_submission_path(se
     # the same prompts and seed through the whole-submission path (``group`` granularity), no loads:
     # the streamed groups equal its groups bitwise
     prompts = [g.record for g in first] + [g.record for g in rest]
-    streamed = AsyncProducer(m, setup.settings, 1, requeued=prompts)
+    streamed = _producer(m, setup.settings, 1, requeued=prompts)
     try:
         early = {g.record.index: _fields(g) for g in _take(streamed, GROUPS, 1)}
     finally:
         streamed.stop()
-    whole = AsyncProducer(m, _group_granularity(setup.settings), 1, requeued=prompts)
+    whole = _producer(m, _group_granularity(setup.settings), 1, requeued=prompts)
     try:
         late = {g.record.index: _fields(g) for g in _take(whole, GROUPS, 1)}
     finally:
@@ -202,6 +202,13 @@ def test_engine_actor_groups_arrive_early_and_equal_the_whole_submission_path(se
     assert early.keys() == late.keys() == {r.index for r in prompts}
     for k in early:
         assert early[k] == late[k], k
+
+
+def _producer(m, settings, version: int, requeued=()) -> AsyncProducer:
+    """A worker on the manager's generation parts and fleet, ``requeued`` its first prompts."""
+    for rec in requeued:
+        m.generation.prompts.requeue(rec)
+    return AsyncProducer(m.generation, m.fleet, m.generation.prompts, settings, version)
 
 
 def _group_granularity(settings):
@@ -216,9 +223,9 @@ def test_an_engine_actor_streams_samples_as_they_finish_then_the_rest(setup):
     import ray
 
     m = _manager(setup)
-    recs = m.train.next_batch(2)
-    prompts = [m.tokenizer.prompt_ids(r.prompt) for r in recs for _ in range(N)]
-    actor, call = setup.engines[0], (prompts, m.params, 7, 0, "retract", 0)
+    recs = m.generation.prompts.next_batch(2)
+    prompts = [m.generation.tokenizer.prompt_ids(r.prompt) for r in recs for _ in range(N)]
+    actor, call = setup.engines[0], (prompts, m.generation.params, 7, 0, "retract", 0)
     chunks = [ray.get(ref) for ref in actor.generate_stream.remote(*call)]
     whole = ray.get(actor.generate_pausable.remote(*call))
     idx = [i for i, _ in chunks]

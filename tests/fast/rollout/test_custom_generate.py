@@ -16,11 +16,11 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.rollout import Sample, generate_tokens
-from rl_plugin.rollout.custom_rollout import HookError
-from rl_plugin.rollout.filters import overlong_penalty
+from rl_plugin.rollout.dapo.filters import overlong_penalty
+from rl_plugin.rollout.flatten import concat_rollouts
 from rl_plugin.rollout.generate import sampling_params_of
+from rl_plugin.rollout.generation.hooks import HookError
 from rl_plugin.rollout.manager import RolloutManager
-from rl_plugin.rollout.rollout_data import concat_rollouts
 from rl_plugin.rollout.sample_check import SampleError
 from tests.support.turn_hooks import TOOL_IDS
 
@@ -36,13 +36,13 @@ def _manager(tmp_path, *extra, hook="two_turn", flag="--custom-generate-function
     prepare_embedded(args)
     m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
     calls = []
-    generate = m.engine.generate
+    generate = m.fleet.engine.generate
 
     def counted(prompts, params, **kw):  # the real engine; the calls counted
         calls.append(len(prompts))
         return generate(prompts, params, **kw)
 
-    m.engine.generate = counted
+    m.fleet.engine.generate = counted
     return m, calls
 
 

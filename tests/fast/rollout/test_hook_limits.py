@@ -14,7 +14,7 @@ from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.embedded import prepare_embedded
 from rl_plugin.rollout import Sample
-from rl_plugin.rollout.custom_rollout import HookError
+from rl_plugin.rollout.generation.hooks import HookError
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.rollout.sample_check import SampleError
 
@@ -187,7 +187,7 @@ def test_tool_tokens_count_against_the_context_not_the_response_len(tmp_path, ho
 
 def test_generate_tokens_clamps_max_new_tokens_to_the_flag_and_the_context(tmp_path, hooks, capsys):
     m = _manager(tmp_path, hooks, "asks_500", "--rollout-max-response-len", "8")
-    samples = m.generate_samples(m.train.next_batch(2), 4, 0)
+    samples = m.generation.generate_samples(m.generation.prompts.next_batch(2), 4, 0)
     lens = [s.metadata["lens"] for s in samples]
     assert all(a <= 8 and b <= 4 for a, b, _ in lens), lens  # the hf engine generated 500 before
     assert any(b == 4 and f == "length" for _, b, f in lens), lens  # 60 ids + 4 = the 64 positions
@@ -264,14 +264,14 @@ def test_nan_log_probs_from_the_engine_are_refused_naming_it(tmp_path):
     )
     prepare_embedded(args)
     m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
-    generate = m.engine.generate
+    generate = m.fleet.engine.generate
 
     def nan_engine(prompts, params, **kw):  # the real engine, one log-prob turned NaN
         gens = generate(prompts, params, **kw)
         gens[1].log_probs[0] = float("nan")
         return gens
 
-    m.engine.generate = nan_engine
+    m.fleet.engine.generate = nan_engine
     with pytest.raises(SampleError, match=r"the hf engine: sample 1 \(group 0, .*rollout_log_probs\[0\] = nan"):
         m.generate(0)
     assert Sample().status == Sample.Status.PENDING

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
+from rl_plugin.rollout.dapo.filters import FilterResultError, GroupFilter, keep_decision, load_filter
 from rl_plugin.rollout.data.dataset import read_jsonl
 from rl_plugin.rollout.data.prompt_check import check_labels
-from rl_plugin.rollout.filters import FilterResultError, GroupFilter, keep_decision, load_filter
 from rl_plugin.rollout.rewards.functions import load_reward_fn
 from rl_plugin.rollout.sample import Sample
 from tests.support.flag_rules import assert_refused
@@ -84,8 +84,8 @@ def test_filter_forms_are_those_of_custom_rm_path(tmp_path):
     path = _filter_file(tmp_path, "    return True")
     for spec in (
         f"{path}:keep",
-        "rl_plugin.rollout.filters:check_reward_nonzero_std",
-        "rl_plugin.rollout.filters.check_reward_nonzero_std",
+        "rl_plugin.rollout.dapo.filters:check_reward_nonzero_std",
+        "rl_plugin.rollout.dapo.filters.check_reward_nonzero_std",
     ):
         assert isinstance(load_filter(spec), GroupFilter)
         parse_args(["--dynamic-sampling-filter-path", spec])
@@ -103,7 +103,7 @@ def test_filter_forms_are_those_of_custom_rm_path(tmp_path):
     [
         ("--dynamic-sampling-max-rounds 8", ["--dynamic-sampling-max-rounds without --dynamic-sampling-filter-path"]),
         (
-            "--dynamic-sampling-filter-path rl_plugin.rollout.filters.check_reward_nonzero_std --dynamic-sampling-max-rounds 0",
+            "--dynamic-sampling-filter-path rl_plugin.rollout.dapo.filters.check_reward_nonzero_std --dynamic-sampling-max-rounds 0",
             ["--dynamic-sampling-max-rounds: must be >= 1 (got 0)"],
         ),
     ],
@@ -239,7 +239,7 @@ def test_numeric_labels_are_compared_as_numbers():
 
 def test_filter_sees_tensor_rewards_of_real_groups():
     """The built-in filter returns a Python bool (not a 0-dim tensor)."""
-    from rl_plugin.rollout.filters import check_reward_nonzero_std
+    from rl_plugin.rollout.dapo.filters import check_reward_nonzero_std
 
     assert check_reward_nonzero_std(None, GROUP) is True
     same = [Sample(prompt="p", response="r", label="l", reward=0.5, response_length=1)] * 2

@@ -64,8 +64,8 @@ def _seen(tmp_path, model, rows, template: bool, hook: bool):
     args = parse_train_flags(argv)
     m = RolloutManager(RolloutConfig.from_args(args), args.hf_checkpoint, args.prompt_data, None, args=args)
     m.generate(0)
-    seen = list(m.scorer.fn.fn.__globals__["SEEN"])
-    return seen, m.tokenizer
+    seen = list(m.generation.scorer.fn.fn.__globals__["SEEN"])
+    return seen, m.generation.tokenizer
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ def rollout(moe_ckpt):
     """The disagreeing engine's rollout: 3 prompts x 2 samples, flat, with its routed experts."""
     from rl_plugin.rollout.engines.base import SamplingParams
     from rl_plugin.rollout.engines.hf_engine import HFEngine
-    from rl_plugin.rollout.rollout_data import flatten_samples
+    from rl_plugin.rollout.flatten import flatten_samples
     from rl_plugin.routing.hf import install_routing_flip
 
     torch.manual_seed(0)

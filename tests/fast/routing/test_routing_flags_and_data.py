@@ -10,7 +10,8 @@ import torch
 
 from rl_plugin.arguments import RLArgumentError, parse_args
 from rl_plugin.rollout.engines.base import Generation
-from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, flatten_samples
+from rl_plugin.rollout.flatten import concat_rollouts, flatten_samples
+from rl_plugin.rollout.sample import RolloutData
 from tests.support.samples import samples_of
 
 

@@ -10,7 +10,7 @@ pass the filter, and trains on those only. A filter is slime's
 the RAW rewards, before any shaping. ``args`` is the ``RolloutConfig`` (slime's names). The answer must be a ``bool`` (``numpy.bool_`` is accepted too: it is what a numpy
 comparison returns, and it has one truth value); anything else stops the rollout at the first
 group with the filter's flag, file:line, the value and its type (``keep_decision``). Built-in:
-``rl_plugin.rollout.filters.check_reward_nonzero_std`` (float64 std > 0).
+``rl_plugin.rollout.dapo.filters.check_reward_nonzero_std`` (float64 std > 0).
 
 Over-long shaping (DAPO, sec. 3.4, "soft overlong punishment"), with L_max =
 ``--rollout-max-response-len``, L_cache = ``--overlong-buffer-len`` and factor f =

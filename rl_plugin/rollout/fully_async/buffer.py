@@ -1,7 +1,7 @@
 """The bounded buffer between the fully-async rollout worker and the trainer (miles' data buffer).
 
-One replaceable component with three methods (``/work/shared/DESIGN.md``, "Per-token weight
-versions"): ``put(group)`` keeps a finished, scored group (the producer blocks while the buffer
+One replaceable component with three methods (miles' ``put`` / ``get`` / ``get_metrics``;
+``docs/design.md``, "One rollout, as a sequence"): ``put(group)`` keeps a finished, scored group (the producer blocks while the buffer
 holds ``capacity`` groups; dynamic sampling has already filtered it), ``get(version)`` returns the
 next group that is fresh enough for a trainer at weight version ``version``, waiting while there is
 none, and ``metrics()`` the counts since the last call.
@@ -11,6 +11,11 @@ staler than ``max_staleness`` (counted in ``dropped``); with ``handler == "retry
 record goes back to the producer (``requeue``), which generates it again with the current weights.
 Groups come out in the order they were put (FIFO: the oldest first, so the least stale training
 order the bound allows).
+
+``lock``: the lock the buffer's condition uses, shared with its producer (``producer.py``) so that a
+group moves from the producer's in-flight list into the buffer, or from the buffer back to the
+producer's queue (``requeue``), in one step that a checkpoint's snapshot never sees half done, and
+with one lock there is no lock order to invert. A re-entrant lock: ``requeue`` runs inside ``get``.
 """
 
 from __future__ import annotations
@@ -49,13 +54,14 @@ class AsyncBuffer:
         max_staleness: int,
         handler: str = "drop",
         requeue: Optional[Callable[[Any], None]] = None,
+        lock: Optional[threading.RLock] = None,
     ):
         if capacity < 1:
             raise ValueError(f"buffer capacity must be >= 1 group (got {capacity})")
         self.capacity, self.max_staleness, self.handler = int(capacity), int(max_staleness), handler
         self.requeue = requeue
         self._groups: Deque[Group] = collections.deque()
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(lock if lock is not None else threading.RLock())
         self._closed = False
         self.dropped = 0  # groups dropped as stale since the last ``metrics()``
         self.dropped_total = 0

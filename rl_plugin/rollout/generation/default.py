@@ -11,13 +11,13 @@ the ``hf`` engine in the manager's process gets the whole batch in one call.
 
 The engines answer with ``Generation``s (the engine boundary: engines know no ``Sample``); they
 become ``Sample``s here (``build_samples``), once per rollout, with what the flattener
-(``rollout_data.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
+(``flatten.flatten_samples``) and the reward read: ``tokens`` = the engine's prompt +
 response ids, ``response``, ``rollout_log_probs``, ``rollout_routed_experts``, ``weight_versions`` and the status
 (``TRUNCATED`` when the response did not end on a stop id). ``sample.prompt`` is slime's: the
 record's prompt after the chat template with ``--apply-chat-template`` (the text whose ids the
 engine got, ``--system-prompt`` and ``--apply-chat-template-kwargs`` included), the string itself
 without (``tokenizer.prompt_text``), the same form a generate hook's samples carry
-(``custom_rollout.fresh_samples``), so one reward function sees one form in both paths.
+(``hooks.fresh_samples``), so one reward function sees one form in both paths.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class DefaultGenerate:
     """``generate(recs, n, seed)`` -> the ``n * len(recs)`` samples of those records (module
     docstring), on the in-process ``engine`` or the ``engine_actors``.
 
-    Fully async (``rollout.async_producer``) sets ``actor_call`` to the actors' pausable call and,
+    Fully async (``rollout.fully_async.producer``) sets ``actor_call`` to the actors' pausable call and,
     with ``--rollout-submission-granularity sample``, ``on_generations_done``: ``actor_call`` then
     returns each actor's stream (``EngineActor.generate_stream``), consumed as the actors yield, and
     ``on_generations_done(indices, generations)`` gets every chunk at once, indices in the whole

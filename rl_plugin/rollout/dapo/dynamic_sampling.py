@@ -19,8 +19,9 @@ from typing import Callable, List
 import torch
 
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.rollout.filters import GroupFilter
-from rl_plugin.rollout.rollout_data import RolloutData, concat_rollouts, rollout_stats
+from rl_plugin.rollout.dapo.filters import GroupFilter
+from rl_plugin.rollout.flatten import concat_rollouts, rollout_stats
+from rl_plugin.rollout.sample import RolloutData
 
 
 def dynamic_rollout(

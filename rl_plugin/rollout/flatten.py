@@ -1,23 +1,10 @@
-"""One rollout as flat tensors, and the one flattener of a rollout's ``Sample``s into it.
-
-``RolloutData``: samples ordered by prompt group (a group's ``--n-samples-per-prompt`` samples
-contiguous); ``tokens`` holds prompt + response of every sample back to back (``[sum T_i]``),
-``rollout_log_probs`` the sampler's log-prob of each response token and ``loss_mask`` its 0/1
-trained flag (``[sum R_i]`` each; 0 for the ids a custom generate hook appended, tool output:
-conditioned on, in no loss term and in no count). It travels
-from the rollout manager to the driver (pickled with its tensors in one buffer), into a
-checkpoint under overlapped training (``checkpoint.pending_rollout``), and becomes the step batch
-(``loop.steps.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
-per token of ``tokens``, per MoE layer, the ``top_k`` experts the engine routed it to
-(``[sum T_i, num_moe_layers, top_k]`` int16; ``rl_plugin.routing``); the last token of each sample
-never ran through the engine and holds ``UNROUTED`` (-1) rows: the trainer's router routes it
-itself (its hidden state reaches no log-prob: causal attention, and its logits predict past the
-sample).
-"""
+"""The one flattener of a rollout's ``Sample``s into ``RolloutData``'s tensors (both types in
+``rollout/sample.py``), and the helpers of assembly: concatenating rollouts of whole groups and a
+rollout's logged statistics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, is_not
 from typing import Any, Dict, List, Optional, Sequence
@@ -25,84 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
+from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.routing.layout import pad_experts
-from rl_plugin.tensor_pickle import reduce_dataclass
-
-
-@dataclass
-class RolloutData:
-    """One rollout, samples ordered by prompt group. ``tokens``: prompt + response of every sample
-    (``[sum T_i]``); ``rollout_log_probs``: the sampler's log-prob of each response token;
-    ``loss_mask``: 1 for a token the policy produced, 0 for one it only conditions on (fp32,
-    ``[sum R_i]``; None at construction means every response token is trained)."""
-
-    tokens: torch.Tensor
-    total_lengths: torch.Tensor
-    response_lengths: torch.Tensor
-    rollout_log_probs: torch.Tensor
-    rewards: torch.Tensor
-    group_ids: torch.Tensor
-    num_groups: int
-    stats: Dict[str, float] = field(default_factory=dict)
-    examples: List[Dict[str, object]] = field(default_factory=list)
-    dataset_state: Optional[Dict[str, object]] = None  # the manager's state_dict() right after this generate
-    weight_load: Optional[Dict[str, Any]] = None  # the weight sync generate loaded first (``update_weights``'s answer)
-    routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
-    loss_mask: Optional[torch.Tensor] = None
-    teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd with an engine-served teacher, [sum R_i]
-
-    def __post_init__(self):
-        if self.loss_mask is None:
-            self.loss_mask = torch.ones(int(self.response_lengths.sum()), dtype=torch.float32)
-
-    def model_token_counts(self) -> torch.Tensor:
-        """Per sample, its trained (model-produced) response tokens: the loss mask's sum (``[S]``,
-        int64); equal to ``response_lengths`` without a custom generate hook."""
-        rl = self.response_lengths.long()
-        sums = torch.zeros(rl.numel(), dtype=torch.float64).index_add_(0, segment_ids(rl), self.loss_mask.double())
-        return sums.round().long()
-
-    def __reduce_ex__(self, protocol):
-        """Pickled (Ray's transport from the rollout manager to the driver) with its tensors in
-        one buffer (``rl_plugin.tensor_pickle``): ~0.05 ms instead of torch's ~0.7 ms for the
-        six tensors of the embedded rollout; torch's pickling when a tensor needs it."""
-        return reduce_dataclass(self) or super().__reduce_ex__(protocol)
-
-    def select_groups(self, groups: torch.Tensor, group_size: int) -> "RolloutData":
-        """The rollout of the given groups (contiguous ``group_size`` samples each), renumbered
-        ``0..len(groups)-1``; stats and examples are left to the caller."""
-        groups = torch.as_tensor(groups, dtype=torch.long)
-        idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
-        tl, rl = self.total_lengths, self.response_lengths
-        resp = expand_runs(exclusive_cumsum(rl)[idx], rl[idx])
-        token_idx = expand_runs(exclusive_cumsum(tl)[idx], tl[idx])
-        return RolloutData(
-            tokens=self.tokens[token_idx],
-            total_lengths=tl[idx],
-            response_lengths=rl[idx],
-            rollout_log_probs=self.rollout_log_probs[resp],
-            rewards=self.rewards[idx],
-            group_ids=torch.arange(groups.numel()).repeat_interleave(group_size),
-            num_groups=int(groups.numel()),
-            loss_mask=self.loss_mask[resp],
-            routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
-            teacher_log_probs=None if self.teacher_log_probs is None else self.teacher_log_probs[resp],
-        )
-
-
-# the fields that travel in one buffer when pickled (``tensor_pickle.reduce_dataclass``)
-RolloutData.TENSOR_FIELDS = (
-    "tokens",
-    "total_lengths",
-    "response_lengths",
-    "rollout_log_probs",
-    "rewards",
-    "group_ids",
-    "loss_mask",
-    "routed_experts",
-    "teacher_log_probs",
-)
 
 
 @dataclass
