@@ -54,7 +54,7 @@ class RolloutManager:
         async_settings: Any = None,
     ):
         """``source``: the kind of ``rl_plugin.rollout.source`` (``async_settings``: the fully-async
-        worker's, ``AsyncSettings``); ``args``: handed to the user's hooks as slime's ``args``."""
+        worker's, the run's ``AsyncConfig``); ``args``: handed to the user's hooks as slime's ``args``."""
         # the hf engine's threads when it lives here (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(ROLLOUT_THREADS_ENV)).apply()
         self.config = cfg = config

@@ -214,7 +214,7 @@ def _producer(m, settings, version: int, requeued=()) -> AsyncProducer:
 def _group_granularity(settings):
     from dataclasses import replace
 
-    return replace(settings, granularity="group")
+    return replace(settings, rollout_submission_granularity="group")
 
 
 def test_an_engine_actor_streams_samples_as_they_finish_then_the_rest(setup):
