@@ -223,7 +223,7 @@ def run(a) -> dict:
         if prof is not None and i == a.warmup:
             prof.enable()
         t0 = time.perf_counter()
-        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups]))
+        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups])).reports
         t1 = time.perf_counter()
         backend.export_hf_state_dict()
         t2 = time.perf_counter()
