@@ -66,8 +66,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("configs and step plan", ("rl_plugin.configs", "rl_plugin.step_plan")),
     ("rollout", ("rl_plugin.rollout",)),
     ("checkpoint", ("rl_plugin.checkpoint",)),
-    # the backend-specific routing replays sit beside the rest of routing/, at the backends layer
-    ("backends", ("rl_plugin.backends", "rl_plugin.routing.megatron_replay", "rl_plugin.routing.fsdp_replay")),
+    ("backends", ("rl_plugin.backends",)),
     ("ray", ("rl_plugin.ray",)),
     ("arguments", ("rl_plugin.arguments",)),
     ("loop", ("rl_plugin.loop", "rl_plugin.train")),

@@ -257,7 +257,7 @@ class FSDPBackend(TrainBackend):
         return torch.stack([logp, ent], 1)
 
     def new_routing_pass(self, action: str):
-        from rl_plugin.routing.fsdp_replay import RoutingPass
+        from rl_plugin.backends.fsdp.routing_replay import RoutingPass
 
         return RoutingPass(action, self.attn_implementation)
 

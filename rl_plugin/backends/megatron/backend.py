@@ -128,7 +128,7 @@ class MegatronBackend(TrainBackend):
         )
 
     def new_routing_pass(self, action: str):
-        from rl_plugin.routing.megatron_replay import RoutingPass
+        from rl_plugin.backends.megatron.routing_replay import RoutingPass
 
         ps = self.parallel_state
         return RoutingPass(
