@@ -118,7 +118,12 @@ def supersede_metrics(cfg: LoopConfig, step: int) -> None:
 
 
 def save_checkpoint(
-    cfg: LoopConfig, group: TrainGroup, progress: Progress, rollout_id: int, dataset_state, pending: Optional[PendingRollout]
+    cfg: LoopConfig,
+    group: TrainGroup,
+    progress: Progress,
+    rollout_id: int,
+    dataset_state,
+    pending: Optional[PendingRollout],
 ) -> None:
     """The checkpoint after rollout ``rollout_id``: ``dataset_state`` is the dataset position after
     its generate (training, sync and eval do not move it); overlapped, after rollout_id + 1's,

@@ -22,7 +22,6 @@ done, and the export is skipped.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -34,19 +33,11 @@ from rl_plugin.configs import TrainConfig
 from rl_plugin.errors import WeightSyncError
 from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.ray.gpu_check import require_cuda
+from rl_plugin.ray.testing_hooks import TrainActorHooks
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
 from rl_plugin.threads import TRAIN_THREADS_ENV, ThreadShare
 from rl_plugin.weight_sync import node_id
-
-# Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
-# step (1-based), to exercise the driver's dead-actor report and --load resume.
-FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
-# Test hook: "STEP" makes rank 0 send SIGTERM to the driver (pid ``DRIVER_PID_ENV``, same node) when
-# it is about to run that optimizer step, and wait for the stop request that follows, so the stop
-# lands before that step as a preemption mid-train would.
-SIGNAL_ENV = "RL_PLUGIN_FAULT_SIGTERM_DRIVER_AT_STEP"
-DRIVER_PID_ENV = "RL_PLUGIN_DRIVER_PID"
 
 
 class TrainedRollout(NamedTuple):
@@ -74,6 +65,7 @@ class TrainActor:
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
         self._stop = threading.Event()  # set by request_stop (an exit signal); read before each step
+        self.hooks = TrainActorHooks.from_env()  # the tests' fault injection (``ray/testing_hooks.py``)
         # the node's cores shared with the run's other processes (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(TRAIN_THREADS_ENV)).apply()
 
@@ -145,17 +137,6 @@ class TrainActor:
         }
 
     # -- training -----------------------------------------------------------------------------
-    def _maybe_fault(self, step: int) -> None:
-        spec = os.environ.get(FAULT_ENV)
-        if spec:
-            rank, at = (int(x) for x in spec.split(":"))
-            if rank == self.rank and step == at:
-                os.kill(os.getpid(), signal.SIGKILL)
-        at = os.environ.get(SIGNAL_ENV)
-        if at and int(at) == step and self.rank == 0:
-            os.kill(int(os.environ[DRIVER_PID_ENV]), signal.SIGTERM)
-            self._stop.wait(timeout=60)
-
     def request_stop(self) -> None:
         """Stop the train call in progress before its next optimizer step (module docstring)."""
         self._stop.set()
@@ -209,7 +190,7 @@ class TrainActor:
         logprob_time = time.perf_counter() - t0
         reports = []
         for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
-            self._maybe_fault(self.step + 1)
+            self.hooks.before_step(self.rank, self.step + 1, self._stop)
             if self._stop_agreed():  # an exit signal: the steps done are reported, the rest not run
                 break
             t1 = time.perf_counter()

@@ -20,23 +20,19 @@ run's exit request, ``rl_plugin.loop.exit_request``: it may stop the ranks with
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
 
 from rl_plugin.configs import TrainConfig
+from rl_plugin.loss import StepBatch
 from rl_plugin.ray.cluster import Placement
 from rl_plugin.ray.engine_actor import CONTROL_GROUP
 from rl_plugin.ray.rollout_actor import error_line
-from rl_plugin.loss import StepBatch
-from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, TrainActor, TrainedRollout
+from rl_plugin.ray.testing_hooks import forwarded_env
+from rl_plugin.ray.train_actor import TrainActor, TrainedRollout
 from rl_plugin.step_plan import RankPlan
-from rl_plugin.threads import TRAIN_THREADS_ENV
 
-# Driver environment variables handed to the train actors even when the Ray cluster (and its
-# workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, TRAIN_THREADS_ENV, "RL_PLUGIN_COLOCATION_TRACE")
 DEATH_GRACE_S = 30.0
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
 
@@ -78,9 +74,7 @@ class TrainGroup:
         self.world_size = placement.world_size
         self.poll: Callable[[], None] = lambda: None  # the run's exit request, between two waits
         remote_cls = ray.remote(concurrency_groups=CONTROL_GROUP)(TrainActor)  # request_stop while training
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        if SIGNAL_ENV in env:
-            env[DRIVER_PID_ENV] = str(os.getpid())
+        env = forwarded_env()  # the tests' hooks and the threads, even to a cluster older than this run
         opts = {"runtime_env": {"env_vars": env}} if env else {}
         self.actors = [
             remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(

@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import EngineConfig
-from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.lora.scaling import lora_scaling
+from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
 from rl_plugin.rollout.engines.hf_sampler import (
     distinct_prompts,

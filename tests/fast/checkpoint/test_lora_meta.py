@@ -44,7 +44,9 @@ def test_the_metadata_holds_rank_alpha_sorted_targets_and_the_base(tmp_path):
     assert meta["lora"] == {"rank": 4, "alpha": 16.0, "targets": ["q_proj", "v_proj"]}
     assert meta["base"] == base_identity(base) and set(meta["base"]["weights"]) == {"model.safetensors"}
     assert lora_meta(LoraConfig(lora_rank=0), base) is None
-    check_lora_meta(step, lora_meta(LoraConfig(lora_rank=4, lora_alpha=16.0, target_modules=("q_proj", "v_proj")), base))
+    check_lora_meta(
+        step, lora_meta(LoraConfig(lora_rank=4, lora_alpha=16.0, target_modules=("q_proj", "v_proj")), base)
+    )
     check_lora_meta(str(tmp_path), None)  # a full-model checkpoint into a full run: nothing to compare
 
 
@@ -70,7 +72,10 @@ def meta_targets(step: str):
     [
         (dict(lora_rank=4, lora_alpha=16.0), "--lora-rank 8 in the checkpoint, 4 in this run"),
         (dict(lora_rank=8, lora_alpha=16.0, target_modules=("q_proj",)), "--target-modules down_proj"),
-        (dict(lora_rank=4, lora_alpha=8.0), "--lora-rank 8 in the checkpoint, 4 in this run; --lora-alpha 16 in the checkpoint, 8 in this run"),
+        (
+            dict(lora_rank=4, lora_alpha=8.0),
+            "--lora-rank 8 in the checkpoint, 4 in this run; --lora-alpha 16 in the checkpoint, 8 in this run",
+        ),
     ],
     ids=["rank", "targets", "rank_and_alpha"],
 )

@@ -27,7 +27,7 @@ from rl_plugin.checkpoint.commit import write_tracker  # noqa: E402
 from rl_plugin.checkpoint.layout import latest_step  # noqa: E402
 from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
-from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
+from rl_plugin.ray.testing_hooks import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 from tests.support.tolerance import FP32_MODEL, FP64, within  # noqa: E402

@@ -276,7 +276,9 @@ def alpha_load_error(rank, world, hf_dir, load_dir):
     from tests.support.megatron_common import make_args
 
     other = ("--lora-rank", str(RANK), "--lora-alpha", str(2 * ALPHA), "--target-modules", "all-linear")
-    backend = MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, *EXACT_SGD, *other, *LOSS, world_size=world))
+    backend = MegatronBackend.from_args(
+        make_args("--hf-checkpoint", hf_dir, *EXACT_SGD, *other, *LOSS, world_size=world)
+    )
     try:
         backend.load_checkpoint(load_dir)
     except ValueError as exc:
