@@ -27,6 +27,7 @@ from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
 from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
+from rl_plugin.loop.advantages import rollout_batch, sft_batch
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
@@ -34,7 +35,6 @@ from rl_plugin.loop.resume import Progress, save_checkpoint
 from rl_plugin.loop.rows import RowLogger
 from rl_plugin.loop.schedule import Schedule
 from rl_plugin.loop.sft_schedule import SftSchedule
-from rl_plugin.loop.steps import rollout_batch, sft_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup

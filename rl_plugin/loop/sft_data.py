@@ -91,7 +91,7 @@ class SftData:
             tokens=t["tokens"],
             total_lengths=t["total_lengths"],
             response_lengths=t["response_lengths"],
-            rollout_log_probs=torch.zeros(0),  # nothing sampled (``loop.steps.sft_batch`` reads none)
+            rollout_log_probs=torch.zeros(0),  # nothing sampled (``loop.advantages.sft_batch`` reads none)
             rewards=torch.zeros(n),
             group_ids=torch.arange(n),  # every conversation its own group
             num_groups=n,
