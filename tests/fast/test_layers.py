@@ -48,7 +48,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.cp",
             "rl_plugin.parallel",
             "rl_plugin.tensor_pickle",
-            "rl_plugin.registry",
+            "rl_plugin.registry_base",
             "rl_plugin.registries",
             "rl_plugin.user_code",
             "rl_plugin.errors",
