@@ -183,7 +183,7 @@ def run(a) -> dict:
 
     from rl_plugin.arguments.embedded import parse_train_flags
     from rl_plugin.configs import TrainConfig
-    from rl_plugin.loop.embedded import cache_root, ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
     from rl_plugin.ray.train_actor import TrainActor
     from rl_plugin.step_plan import RankPlan
 

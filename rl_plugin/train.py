@@ -10,7 +10,7 @@ has the driver (``rl_plugin.loop.driver``) run one rollout after another (``--nu
     driver.finish_rollout(k, ...)            # metrics rows, checkpoint and eval when due
 
 (``--max-weight-staleness 1`` overlaps generate(k+1) with train(k): ``loop/overlapped_schedule.py``.)
-With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). ``--load DIR``
+With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded_setup``). ``--load DIR``
 resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugin.loop.resume``);
 ``--save-interval N`` counts rollouts, and a final checkpoint is written at the end.
 

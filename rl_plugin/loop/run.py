@@ -35,7 +35,7 @@ from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.driver import Driver
-from rl_plugin.loop.embedded import is_embedded, prepare_embedded
+from rl_plugin.loop.embedded_setup import is_embedded, prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
