@@ -1,9 +1,9 @@
-"""The run of ``rl-plugin-train``, start to end, around the rollouts the driver runs.
+"""The run of ``rl-plugin-train``, start to end, around the rollouts its schedule runs.
 
 Before Ray starts, ``preflight`` checks everything that needs no world and the run takes the
 output directory's lock (``run_lock``). Then: start Ray, the placement, the rollout client
 (``rl_plugin.ray.rollout_client``), the train group and the weight ledger; resume (``--load``);
-the first weight sync; then ``Driver.run_rollout(k)`` for each rollout, stopping between two
+the first weight sync; then ``RolloutPieces.run_rollout(k)`` for each rollout, stopping between two
 rollouts when an exit signal or ``--exit-duration-in-mins`` asks; at the end (or on any failure)
 the actors and the placement go, and Ray with them when this run started it.
 
@@ -34,12 +34,12 @@ from rl_plugin.configs.async_training import staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.driver import Driver
 from rl_plugin.loop.embedded_setup import is_embedded, prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
+from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.loop.sft_data import SftData
@@ -62,7 +62,7 @@ class TrainingRun:
         self.placement = None
         self.client: Optional[RolloutClient] = None
         self.group: Optional[TrainGroup] = None
-        self.driver: Optional[Driver] = None
+        self.pieces: Optional[RolloutPieces] = None
         self.rows: Optional[RowLogger] = None
 
     def run(self) -> None:
@@ -133,13 +133,13 @@ class TrainingRun:
                 keep_previous(cfg.metrics_file)
             self.client.read_dataset_state()
             if not cfg.sft:  # SFT: no engine to hold the weights
-                self.driver.sync_weights()
+                self.pieces.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.args, cfg, progress.start_rollout)
-            self.driver.log_to(self.rows)
+            self.pieces.log_to(self.rows)
             for k in range(progress.start_rollout, cfg.num_rollout):
                 try:
-                    self.driver.run_rollout(k)
+                    self.pieces.run_rollout(k)
                 except StopRequested as exc:
                     self._stop_cut(k, exc)
                 if k + 1 < cfg.num_rollout:
@@ -173,8 +173,8 @@ class TrainingRun:
         reason = self.exit.reason()
         if reason is None:
             return
-        if k is not None and self.cfg.save and self.driver.last_saved != k:
-            self.driver.save(k)
+        if k is not None and self.cfg.save and self.pieces.last_saved != k:
+            self.pieces.save(k)
         where = f"after rollout {k} (step {self.progress.step})" if k is not None else "before training started"
         raise Stopped(f"{reason} {where}. {self.resume_hint()}", self.exit.exit_code())
 
@@ -182,7 +182,7 @@ class TrainingRun:
         """An exit signal cut rollout ``k`` (``exc`` says how): write the checkpoint of the last
         complete rollout (with rollout k when it was generated but not trained on, so a resumed
         run trains on it) unless the trainer's weights are between two rollouts, then stop."""
-        reason, d = self.exit.reason() or "stopped", self.driver
+        reason, d = self.exit.reason() or "stopped", self.pieces
         head = f"{reason} during rollout {k}: {exc}"
         if exc.steps_done:
             raise Stopped(
@@ -220,7 +220,7 @@ class TrainingRun:
         validate_world(a, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
-        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
+        self.pieces = RolloutPieces(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
         # the driver's waits poll the exit request; its first poll after a signal aborts the
         # rollout manager's generation and stops the train ranks before their next step
         self.group.poll = self.client.poll = self.exit.poll
@@ -243,7 +243,7 @@ class TrainingRun:
         if is_finished(self.args, p.start_rollout):
             return
         self.client.call("load_state_dict", extra["rollout_state"])
-        self.driver.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
+        self.pieces.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
         print(f"resumed from {step_dir(cfg.load, step)}: step {p.step}, next rollout {p.start_rollout}", flush=True)
         supersede_metrics(cfg, p.step)
 

@@ -1,4 +1,4 @@
-"""Driver pieces without Ray: rollout -> step planning, weight-sync check, metrics logging and
+"""Rollout pieces without Ray: rollout -> step planning, weight-sync check, metrics logging and
 the reward plot, argument defaults of the embedded run (the checkpoint layout: ``tests/fast/checkpoint``)."""
 
 import json

@@ -1,6 +1,8 @@
-"""The driver: the pieces of a rollout, over the objects the run started.
+"""``RolloutPieces``: the pieces of a rollout, over the objects the run started.
 
-It holds the train group (one actor per rank), the rollout client (the manager actor, its
+The schedule drives (``loop/schedule.py``); this object is what it drives: the phases of one
+rollout (the ``RolloutLoop`` protocol), each over the actors and records the run started. It
+holds the train group (one actor per rank), the rollout client (the manager actor, its
 engines, retries), the weight ledger (which weights the engines hold), the run's progress and the
 row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default),
 ``OverlappedSchedule`` (``--max-weight-staleness 1``), ``FullyAsyncSchedule`` (``--fully-async``) or
@@ -43,8 +45,9 @@ from rl_plugin.step_plan import RankPlan, plan_global_batch_steps, split_rollout
 from rl_plugin.weight_sync import WeightLedger
 
 
-class Driver:
-    """The ``RolloutLoop`` a schedule runs (and the run's handle on the schedule)."""
+class RolloutPieces:
+    """The ``RolloutLoop`` a schedule calls (and the run's handle on the schedule): it decides no
+    order itself, the schedule does."""
 
     def __init__(
         self,
@@ -89,7 +92,7 @@ class Driver:
         cfg, step = self.cfg, self.progress.step
         try:
             save_checkpoint(cfg, self.group, self.progress, k, self.client.dataset_state, self.schedule.pending())
-        except (OSError, RuntimeError) as exc:  # a rank that raised (TrainActorError), the driver's own writes
+        except (OSError, RuntimeError) as exc:  # a rank that raised (TrainActorError), this process's own writes
             staging, last = partial_dir(cfg.save, step), latest_step(cfg.save)
             remove_partial(staging)
             full = disk_full_message(
