@@ -54,7 +54,7 @@ SHAPES = {
 
 def _checkpoint(cfg, root: Path) -> str:
     if cfg is None:
-        from rl_plugin.loop.embedded import cache_root, ensure_tiny_model
+        from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
 
         return str(ensure_tiny_model(cache_root()))
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint

@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--smollm2-shape", action="store_true", help="also measure a random SmolLM2-135M-shaped model")
     args = ap.parse_args(argv)
-    from rl_plugin.loop.embedded import MODEL
+    from rl_plugin.loop.embedded_setup import MODEL
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
     from tests.support.harness import run_world
 

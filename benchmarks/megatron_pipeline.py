@@ -47,7 +47,7 @@ def _medians(timings, skip: int):
 
 
 def _embedded_model(layers: int) -> Path:
-    """The embedded model (``rl_plugin.loop.embedded.MODEL``) with ``layers`` layers, its tokenizer."""
+    """The embedded model (``rl_plugin.loop.embedded_setup.MODEL``) with ``layers`` layers, its tokenizer."""
     from rl_plugin.loop import embedded
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
 

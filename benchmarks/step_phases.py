@@ -183,7 +183,7 @@ def run(a) -> dict:
 
     from rl_plugin.arguments.embedded import parse_train_flags
     from rl_plugin.configs import TrainConfig
-    from rl_plugin.loop.embedded import cache_root, ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
     from rl_plugin.ray.train_actor import TrainActor
     from rl_plugin.step_plan import RankPlan
 
@@ -223,7 +223,7 @@ def run(a) -> dict:
         if prof is not None and i == a.warmup:
             prof.enable()
         t0 = time.perf_counter()
-        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups]))
+        reports = actor.train_rollout(RankPlan(b, [(0, b.num_samples)], [groups])).reports
         t1 = time.perf_counter()
         backend.export_hf_state_dict()
         t2 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Benchmark: rl-plugin-train against TRL's GRPOTrainer on the embedded digit-copy task.
 
 Both learn the same task (``rl_plugin.rollout.data.task``: copy 3 digits, partial-credit reward) from
-the same tiny Qwen2 checkpoint and character tokenizer (``rl_plugin.loop.embedded``), with the
+the same tiny Qwen2 checkpoint and character tokenizer (``rl_plugin.loop.embedded_setup``), with the
 same prompts per step, samples per prompt, response length, learning rate, optimizer (Adam,
 betas (0.9, 0.98), eps 1e-8, no weight decay, grad-norm clip 1.0, constant LR), clip range
 (0.2 / 0.28), no KL term (TRL beta = 0), temperature 1 / top-p 1 / no top-k, GRPO advantages
@@ -158,7 +158,7 @@ def trl_worker(a) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOTrainer
 
-    from rl_plugin.loop.embedded import cache_root, ensure_task_data, ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import cache_root, ensure_task_data, ensure_tiny_model
     from rl_plugin.rollout.data.task import digit_match_reward
 
     model_dir = ensure_tiny_model(cache_root())

@@ -135,7 +135,7 @@ def main() -> int:
     import ray
     from safetensors.torch import load_file
 
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=max(512, 3 * a.synthetic_mb) * 2**20)

@@ -18,7 +18,7 @@ code, ``REGISTRY.register(name, obj)`` before the parser is built), and the flag
 
 from __future__ import annotations
 
-from rl_plugin.registry import Registry
+from rl_plugin.registry_base import Registry
 
 # --update-weight-transport: how the weights reach the engines (``rl_plugin.weight_sync``); auto
 # composes shared memory and the object store; nccl is the distributed transport's other name

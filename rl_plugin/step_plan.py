@@ -1,6 +1,6 @@
 """From a rollout's samples to each training rank's plan of optimizer steps (``RankPlan``).
 
-The loop computes advantages ONCE per rollout over whole prompt groups (``loop.steps``), then
+The loop computes advantages ONCE per rollout over whole prompt groups (``loop.advantages``), then
 the rollout is cut into optimizer steps here, in one of two ways; both end in one ``RankPlan``
 per rank, which ``TrainActor.train_rollout`` runs (this module sits below the loop and the Ray
 actors and above the loss core, whose micro-batch planner, ``loss.micro_batch_plan``, it uses

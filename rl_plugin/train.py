@@ -2,15 +2,16 @@
 
 Parses the flags (``rl_plugin.arguments``), then hands them to the run
 (``rl_plugin.loop.run.TrainingRun``), which checks everything that needs no cluster, starts Ray and
-has the driver (``rl_plugin.loop.driver``) run one rollout after another (``--num-rollout``)::
+has its schedule run one rollout after another (``--num-rollout``) over the rollout's pieces
+(``rl_plugin.loop.rollout_pieces``)::
 
-    data    = driver.generate(k)             # the engines load the newest weights, then sample and score
-    reports = driver.train_rollout(data)     # advantages, the plan of steps, every optimizer step;
+    data    = pieces.generate(k)             # the engines load the newest weights, then sample and score
+    reports = pieces.train_rollout(data)     # advantages, the plan of steps, every optimizer step;
                                              # the ranks export and rank 0 publishes the new weights
-    driver.finish_rollout(k, ...)            # metrics rows, checkpoint and eval when due
+    pieces.finish_rollout(k, ...)            # metrics rows, checkpoint and eval when due
 
 (``--max-weight-staleness 1`` overlaps generate(k+1) with train(k): ``loop/overlapped_schedule.py``.)
-With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded``). ``--load DIR``
+With no ``--prompt-data`` it runs the embedded default (``rl_plugin.loop.embedded_setup``). ``--load DIR``
 resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugin.loop.resume``);
 ``--save-interval N`` counts rollouts, and a final checkpoint is written at the end.
 

@@ -2,7 +2,7 @@
 that applies them.
 
 ``rl-plugin-train`` with neither ``--hf-checkpoint`` nor ``--prompt-data`` runs the embedded task
-(``rl_plugin.loop.embedded`` builds its model and data); so does a ``--hf-checkpoint`` of the
+(``rl_plugin.loop.embedded_setup`` builds its model and data); so does a ``--hf-checkpoint`` of the
 embedded family (a checkpoint with the character tokenizer, ``char_tokenizer.json``: it reads only
 the task's digits, e.g. the tiny MoE the end-to-end tests train). Any other ``--hf-checkpoint``
 without ``--prompt-data`` is refused (``check_model_and_data``): the digit task, its reward and its

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 from rl_plugin.errors import fail
 from rl_plugin.flags import Bounds, Declared, flag
 from rl_plugin.lora.peft_dir import missing_files
+from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.lora.targets import MLP, UnknownTargetError, resolve_targets
 
 GROUP = "lora"
@@ -157,7 +158,7 @@ class LoraConfig(Declared):
                 "across a weight update would go on under the old adapters while its tokens are labelled with the new version",
                 "use --pause-generation-mode retract (a retracted request is resubmitted with the new adapters), or --rollout-engine hf",
             )
-        scaling = self.lora_alpha / rank
+        scaling = lora_scaling(self.lora_alpha, rank)
         if self.check_lora_weight_equal and run.rollout.engine.engine == "vllm":
             if scaling <= 0 or math.frexp(scaling)[0] != 0.5:  # not a power of two
                 fail(

@@ -26,7 +26,7 @@ from rl_plugin.checkpoint.pending_rollout import (
 from rl_plugin.errors import LoopError, RLArgumentError
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.logger import supersede_after
-from rl_plugin.ray.train_group import TrainActorError
+from rl_plugin.ray.train_group import TrainActorError, TrainGroup
 
 
 @dataclass
@@ -69,12 +69,12 @@ def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
     return f"{steps}; no checkpoint was written (pass --save DIR --save-interval N to make runs resumable)"
 
 
-def load_train_state(group, load_dir: str, step: int) -> Dict[str, Any]:
+def load_train_state(group: TrainGroup, load_dir: str, step: int) -> Dict[str, Any]:
     """Every rank loads ``iter_{step}``; returns rank 0's metadata (step, the loop's ``extra``).
     A checkpoint that does not fit this run (another model, another layout) is an argument error
     with the backend's message (it names the checkpoint, the model and the fix)."""
     try:
-        metas = group.call("load", [(step_dir(load_dir, step),)] * group.world_size)
+        metas = group.load(step_dir(load_dir, step))
     except TrainActorError as exc:
         if exc.died or not exc.error_line:
             raise
@@ -118,14 +118,19 @@ def supersede_metrics(cfg: LoopConfig, step: int) -> None:
 
 
 def save_checkpoint(
-    cfg: LoopConfig, group, progress: Progress, rollout_id: int, dataset_state, pending: Optional[PendingRollout]
+    cfg: LoopConfig,
+    group: TrainGroup,
+    progress: Progress,
+    rollout_id: int,
+    dataset_state,
+    pending: Optional[PendingRollout],
 ) -> None:
     """The checkpoint after rollout ``rollout_id``: ``dataset_state`` is the dataset position after
     its generate (training, sync and eval do not move it); overlapped, after rollout_id + 1's,
     which the checkpoint then holds (``pending_rollout.pt``)."""
     extra = {"rollout_id": rollout_id + 1, "rollout_state": dataset_state, "samples_seen": progress.samples_seen}
     staging = begin_save(cfg.save, progress.step)  # the layout: rl_plugin.checkpoint
-    written = group.call("save", [(str(staging), progress.step, extra)] * group.world_size)
+    written = group.save(str(staging), progress.step, extra)
     state = {
         "step": progress.step,
         "next_rollout": rollout_id + 1,

@@ -1,9 +1,9 @@
-"""The run of ``rl-plugin-train``, start to end, around the rollouts the driver runs.
+"""The run of ``rl-plugin-train``, start to end, around the rollouts its schedule runs.
 
 Before Ray starts, ``preflight`` checks everything that needs no world and the run takes the
 output directory's lock (``run_lock``). Then: start Ray, the placement, the rollout client
 (``rl_plugin.ray.rollout_client``), the train group and the weight ledger; resume (``--load``);
-the first weight sync; then ``Driver.run_rollout(k)`` for each rollout, stopping between two
+the first weight sync; then ``RolloutPieces.run_rollout(k)`` for each rollout, stopping between two
 rollouts when an exit signal or ``--exit-duration-in-mins`` asks; at the end (or on any failure)
 the actors and the placement go, and Ray with them when this run started it.
 
@@ -36,12 +36,12 @@ from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.configs.run import RunConfig, check_world
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.driver import Driver
-from rl_plugin.loop.embedded import prepare_embedded
+from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
+from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
@@ -71,7 +71,7 @@ class TrainingRun:
         self.client: Optional[RolloutClient] = None  # None under SFT: its source runs here (``self.sft``)
         self.sft = None
         self.group: Optional[TrainGroup] = None
-        self.driver: Optional[Driver] = None
+        self.pieces: Optional[RolloutPieces] = None
         self.rows: Optional[RowLogger] = None
 
     def run(self) -> None:
@@ -143,13 +143,13 @@ class TrainingRun:
                 keep_previous(cfg.metrics_file)
             if self.client is not None:  # SFT: no rollout manager, no engine to hold the weights
                 self.client.read_dataset_state()
-                self.driver.sync_weights()
+                self.pieces.sync_weights()
             self._stop_if_asked(None)  # asked during start-up: nothing trained since the checkpoint
             self.rows = RowLogger(self.config, cfg, progress.start_rollout)
-            self.driver.log_to(self.rows)
+            self.pieces.log_to(self.rows)
             for k in range(progress.start_rollout, cfg.num_rollout):
                 try:
-                    self.driver.run_rollout(k)
+                    self.pieces.run_rollout(k)
                 except StopRequested as exc:
                     self._stop_cut(k, exc)
                 if k + 1 < cfg.num_rollout:
@@ -183,8 +183,8 @@ class TrainingRun:
         reason = self.exit.reason()
         if reason is None:
             return
-        if k is not None and self.cfg.save and self.driver.last_saved != k:
-            self.driver.save(k)
+        if k is not None and self.cfg.save and self.pieces.last_saved != k:
+            self.pieces.save(k)
         where = f"after rollout {k} (step {self.progress.step})" if k is not None else "before training started"
         raise Stopped(f"{reason} {where}. {self.resume_hint()}", self.exit.exit_code())
 
@@ -192,7 +192,7 @@ class TrainingRun:
         """An exit signal cut rollout ``k`` (``exc`` says how): write the checkpoint of the last
         complete rollout (with rollout k when it was generated but not trained on, so a resumed
         run trains on it) unless the trainer's weights are between two rollouts, then stop."""
-        reason, d = self.exit.reason() or "stopped", self.driver
+        reason, d = self.exit.reason() or "stopped", self.pieces
         head = f"{reason} during rollout {k}: {exc}"
         if exc.steps_done:
             raise Stopped(
@@ -224,7 +224,7 @@ class TrainingRun:
         check_world(run, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
-        self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
+        self.pieces = RolloutPieces(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
         # the driver's waits poll the exit request; its first poll after a signal aborts the
         # rollout manager's generation and stops the train ranks before their next step
         self.group.poll = self.exit.poll
@@ -253,7 +253,7 @@ class TrainingRun:
             self.client.call("load_state_dict", extra["rollout_state"])
         else:
             self.sft.load_state_dict(extra["rollout_state"])
-        self.driver.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
+        self.pieces.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))
         print(f"resumed from {step_dir(cfg.load, step)}: step {p.step}, next rollout {p.start_rollout}", flush=True)
         supersede_metrics(cfg, p.step)
 

@@ -1,13 +1,14 @@
-"""What a schedule is, and what it may ask of the driver.
+"""What a schedule is, and what it may ask of the rollout's pieces.
 
 A schedule decides the order of one rollout's phases (generate, train, publish the weights) and
 owns what carries over between rollouts: the rollout generated ahead (``PendingRollout``, the
 value a checkpoint keeps: ``rl_plugin.checkpoint.pending_rollout``). The
-driver (``loop/driver.py``) runs ``Schedule.run_rollout(k)`` once per rollout, reads
+run (``loop/run.py``, through ``RolloutPieces`` in ``loop/rollout_pieces.py``) calls
+``Schedule.run_rollout(k)`` once per rollout, ``RolloutPieces`` reads
 ``pending()`` when it writes a checkpoint and hands a resumed checkpoint's to ``resume``.
 
-A schedule calls the driver only through ``RolloutLoop``, the named pieces of a rollout; it never
-imports the driver nor reads its fields. The implementations: ``SyncSchedule``
+A schedule calls ``RolloutPieces`` only through ``RolloutLoop``, the named pieces of a rollout; it
+never imports it nor reads its fields. The implementations: ``SyncSchedule``
 (``sync_schedule.py``, the default), ``OverlappedSchedule`` (``overlapped_schedule.py``,
 ``--max-weight-staleness 1``) and ``FullyAsyncSchedule`` (``fully_async_schedule.py``,
 ``--fully-async``); another schedule is one more file implementing ``Schedule``.
@@ -24,7 +25,7 @@ Reports = List[Dict[str, Any]]  # one report per optimizer step of a rollout (J,
 
 
 class RolloutLoop(Protocol):
-    """The driver's pieces a schedule runs; each is one phase of a rollout."""
+    """The pieces of a rollout a schedule calls (``RolloutPieces``); each is one phase of a rollout."""
 
     def generate(self, k: int) -> RolloutData:
         """Rollout k, the newest published weights loaded first; retried on a fresh manager."""

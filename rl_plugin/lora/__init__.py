@@ -6,4 +6,5 @@ adapters, J and gradients from the same seed.
   (``q_proj`` ... ``down_proj``), and the Megatron linear each lives in.
 - ``init``: the initial A of one adapter, a function of (seed, adapter name, shape) only, on the
   full (unsharded) shape; B starts at zero.
+- ``scaling``: the adapter's scale ``alpha / r``, computed there only.
 """

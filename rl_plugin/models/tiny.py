@@ -102,7 +102,7 @@ def default_tiny_checkpoint() -> str:
     """The checkpoint a backend falls back to without ``--hf-checkpoint``: a tiny Qwen2 under
     ``~/.cache/rl_plugin/tiny-qwen2``, written once by rank 0 while the other ranks wait, so every
     backend and rank starts from the same weights. (The loop's embedded default passes its own
-    ``--hf-checkpoint``, see ``rl_plugin.loop.embedded``.)"""
+    ``--hf-checkpoint``, see ``rl_plugin.loop.embedded_setup``.)"""
     import torch.distributed as dist
 
     path = Path.home() / ".cache" / "rl_plugin" / "tiny-qwen2"

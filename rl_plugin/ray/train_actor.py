@@ -2,13 +2,14 @@
 
 The actor is a thin shell around ``rl_plugin.backends.base.TrainBackend``: the driver calls the
 same method on every rank (collectives inside the backend need all of them) and reads rank 0's
-answer. ``train_rollout`` runs one rollout's optimizer steps: old (and reference) log-probs for
-all of this rank's samples first, on the weights that generated them, then the steps in order.
-When the rollout is ONE optimizer step, the old log-probs are that step's own detached training
-log-probs and the separate forward is skipped (``rl_plugin.loss.runner.old_log_probs_rule``:
-same numbers, bit for bit; the rule lists where the separate pass stays).
-``train_rollout_and_sync`` then exports the new weights (collective) and rank 0 publishes them
-for the engines in the same call, so the weight sync costs the loop no round trip of its own.
+answer (the driver's typed proxy is ``rl_plugin.ray.train_group.TrainGroup``). ``train_rollout``
+runs one rollout's optimizer steps: old (and reference) log-probs for all of this rank's samples
+first, on the weights that generated them, then the steps in order. When the rollout is ONE
+optimizer step, the old log-probs are that step's own detached training log-probs and the
+separate forward is skipped (``rl_plugin.loss.runner.old_log_probs_rule``: same numbers, bit for
+bit; the rule lists where the separate pass stays). Given ``publish`` (a ``SyncRequest``), the
+same call then exports the new weights (collective) and rank 0 publishes them for the engines, so
+the weight sync costs the loop no round trip of its own; without it nothing is exported.
 
 Stopping (an exit signal): ``request_stop`` runs on the actor's ``control`` thread while a train
 call runs on its own (a threaded actor whose default group stays one thread, so every torch,
@@ -21,10 +22,9 @@ done, and the export is skipped.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -33,19 +33,18 @@ from rl_plugin.configs import TrainConfig
 from rl_plugin.errors import WeightSyncError
 from rl_plugin.loss import StepBatch, old_log_probs_rule
 from rl_plugin.ray.gpu_check import require_cuda
+from rl_plugin.ray.testing_hooks import TrainActorHooks
 from rl_plugin.registries import TRAIN_BACKENDS
 from rl_plugin.step_plan import RankPlan, plan_docs_steps
 from rl_plugin.threads import TRAIN_THREADS_ENV, ThreadShare
 from rl_plugin.weight_sync import node_id
 
-# Test hook: "RANK:STEP" makes that rank SIGKILL itself when it is about to run that optimizer
-# step (1-based), to exercise the driver's dead-actor report and --load resume.
-FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"
-# Test hook: "STEP" makes rank 0 send SIGTERM to the driver (pid ``DRIVER_PID_ENV``, same node) when
-# it is about to run that optimizer step, and wait for the stop request that follows, so the stop
-# lands before that step as a preemption mid-train would.
-SIGNAL_ENV = "RL_PLUGIN_FAULT_SIGTERM_DRIVER_AT_STEP"
-DRIVER_PID_ENV = "RL_PLUGIN_DRIVER_PID"
+
+class TrainedRollout(NamedTuple):
+    """One rank's answer to ``TrainActor.train_rollout``."""
+
+    reports: List[Dict[str, Any]]  # one per optimizer step done (fewer than planned: a stop was requested)
+    handle: Optional[Any]  # rank 0's ``SyncHandle`` when ``publish`` was given and every step ran; else None
 
 
 def backend_class(name: str):
@@ -66,6 +65,7 @@ class TrainActor:
         self.fuse_old_log_probs = True  # False: always the separate pass (tests, benchmarks)
         self.stream_export = True  # False: every rank materialises the whole export (benchmarks)
         self._stop = threading.Event()  # set by request_stop (an exit signal); read before each step
+        self.hooks = TrainActorHooks.from_env()  # the tests' fault injection (``ray/testing_hooks.py``)
         # the node's cores shared with the run's other processes (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(TRAIN_THREADS_ENV)).apply()
 
@@ -137,17 +137,6 @@ class TrainActor:
         }
 
     # -- training -----------------------------------------------------------------------------
-    def _maybe_fault(self, step: int) -> None:
-        spec = os.environ.get(FAULT_ENV)
-        if spec:
-            rank, at = (int(x) for x in spec.split(":"))
-            if rank == self.rank and step == at:
-                os.kill(os.getpid(), signal.SIGKILL)
-        at = os.environ.get(SIGNAL_ENV)
-        if at and int(at) == step and self.rank == 0:
-            os.kill(int(os.environ[DRIVER_PID_ENV]), signal.SIGTERM)
-            self._stop.wait(timeout=60)
-
     def request_stop(self) -> None:
         """Stop the train call in progress before its next optimizer step (module docstring)."""
         self._stop.set()
@@ -162,7 +151,17 @@ class TrainActor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def train_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
+    def train_rollout(self, plan: RankPlan, publish=None) -> TrainedRollout:
+        """The rollout's steps (``_train_steps``), then, given ``publish`` (a ``SyncRequest``), the
+        export and publish of the weights after them (``export_weight_buckets``; every rank must
+        be given it: the export is collective). No export when ``publish`` is None or when a stop
+        request cut the steps (the same on every rank: agreed)."""
+        reports = self._train_steps(plan)
+        stopped = len(reports) < len(plan.step_bounds)
+        handle = self.export_weight_buckets(publish) if publish is not None and not stopped else None
+        return TrainedRollout(reports, handle)
+
+    def _train_steps(self, plan: RankPlan) -> List[Dict[str, Any]]:
         """Old/ref log-probs for ``plan.batch`` (this rank's samples of the rollout), then one
         ``train_step`` per step of the plan (``rl_plugin.step_plan.RankPlan``); fewer reports
         than steps when a stop was requested (module docstring)."""
@@ -191,7 +190,7 @@ class TrainActor:
         logprob_time = time.perf_counter() - t0
         reports = []
         for k, (sub, num_groups, micro_batches) in enumerate(plan.steps()):
-            self._maybe_fault(self.step + 1)
+            self.hooks.before_step(self.rank, self.step + 1, self._stop)
             if self._stop_agreed():  # an exit signal: the steps done are reported, the rest not run
                 break
             t1 = time.perf_counter()
@@ -212,15 +211,6 @@ class TrainActor:
         logp = self.backend.compute_log_probs(batch, role="actor")
         mask = batch.loss_mask.to(logp.dtype)
         return float(-(logp * mask).sum()), float(mask.sum())
-
-    def train_rollout_and_sync(self, plan: RankPlan, request=None) -> Tuple[List[Dict[str, Any]], Optional[Any]]:
-        """``train_rollout``, then, given a ``SyncRequest``, the export and publish of the weights
-        after its steps (``export_weight_buckets``; every rank must be asked: the export is
-        collective). Returns ``(reports, handle)``: rank 0's ``SyncHandle``, None elsewhere or
-        when no sync was asked for."""
-        reports = self.train_rollout(plan)
-        stopped = len(reports) < len(plan.step_bounds)  # the same on every rank (agreed)
-        return reports, (self.export_weight_buckets(request) if request is not None and not stopped else None)
 
     def separate_old_pass_reason(self, plan: RankPlan) -> Optional[str]:
         """Why this rollout needs its separate old-log-prob forward (None: the training forward's

@@ -1,9 +1,15 @@
 """The training group: one ``TrainActor`` per rank, called in lock step, failures named.
 
-``call(method, per_rank_args)`` submits the method on every rank and waits. If an actor process
-dies (killed, OOM, segfault) or raises, the wait stops at the first failure and raises
-``TrainActorError`` naming the rank, its pid and node, and Ray's cause, instead of leaving the
-surviving ranks blocked in a collective. The driver then tears the group down; checkpoints
+``TrainGroup`` is the loop's typed proxy of the ranks: one method per ``TrainActor`` method the
+loop calls (``train_rollout``, ``export_weight_buckets``, ``plan_docs_steps``, ``eval_nll``,
+``offload_train``, ``save``, ``load``), each naming the actor's method it submits, taking what
+every rank receives (one value for all, or one per rank: ``per_rank[r]`` goes to rank r) and
+returning every rank's answer in rank order. The ``submit_*`` variants return an ``InFlight``
+(the ranks' ObjectRefs, waited for later) so the driver can overlap the call with another.
+
+A wait stops at the first failure: if an actor process dies (killed, OOM, segfault) or raises, it
+raises ``TrainActorError`` naming the rank, its pid and node, and Ray's cause, instead of leaving
+the surviving ranks blocked in a collective. The driver then tears the group down; checkpoints
 already written stay, so ``--load`` resumes.
 
 Waits never block in ``ray.get``: they poll every ``POLL_S`` and call ``poll`` in between (the
@@ -14,23 +20,23 @@ run's exit request, ``rl_plugin.loop.exit_request``: it may stop the ranks with
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
 
 from rl_plugin.configs import TrainConfig
+from rl_plugin.loss import StepBatch
 from rl_plugin.ray.cluster import Placement
 from rl_plugin.ray.engine_actor import CONTROL_GROUP
 from rl_plugin.ray.rollout_actor import error_line
-from rl_plugin.ray.train_actor import DRIVER_PID_ENV, FAULT_ENV, SIGNAL_ENV, TrainActor
-from rl_plugin.threads import TRAIN_THREADS_ENV
+from rl_plugin.ray.testing_hooks import forwarded_env
+from rl_plugin.ray.train_actor import TrainActor, TrainedRollout
+from rl_plugin.step_plan import RankPlan
 
-# Driver environment variables handed to the train actors even when the Ray cluster (and its
-# workers' environment) predates this run.
-FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, TRAIN_THREADS_ENV, "RL_PLUGIN_COLOCATION_TRACE")
 DEATH_GRACE_S = 30.0
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
+
+T = TypeVar("T")
 
 
 class TrainActorError(RuntimeError):
@@ -51,15 +57,25 @@ class TrainActorError(RuntimeError):
         super().__init__(f"train actor rank {rank}{where} {what} during {method}: {cause}")
 
 
+class InFlight(Generic[T]):
+    """A ``TrainActor`` method submitted on every rank and not waited for yet: ``refs[r]`` is rank
+    r's answer (an ObjectRef, which may be handed to another actor as it is); ``wait()`` returns
+    the answers in rank order, a failed rank named (``TrainGroup.wait``)."""
+
+    def __init__(self, group: "TrainGroup", method: str, refs: List[ray.ObjectRef]):
+        self.group, self.method, self.refs = group, method, refs
+
+    def wait(self) -> List[T]:
+        return self.group.wait(self.refs, self.method)
+
+
 class TrainGroup:
     def __init__(self, config: TrainConfig, placement: Placement):
         """``config``: the run config's ``TrainConfig``, which every rank receives."""
         self.world_size = placement.world_size
         self.poll: Callable[[], None] = lambda: None  # the run's exit request, between two waits
         remote_cls = ray.remote(concurrency_groups=CONTROL_GROUP)(TrainActor)  # request_stop while training
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        if SIGNAL_ENV in env:
-            env[DRIVER_PID_ENV] = str(os.getpid())
+        env = forwarded_env()  # the tests' hooks and the threads, even to a cluster older than this run
         opts = {"runtime_env": {"env_vars": env}} if env else {}
         self.actors = [
             remote_cls.options(**placement.train_options(r), **opts, max_restarts=0).remote(
@@ -70,7 +86,7 @@ class TrainGroup:
         addrs = self._wait([a.address.remote() for a in self.actors], "address")
         self.info: List[Dict[str, Any]] = [{"ip": ip, "pid": pid} for ip, _, pid in addrs]
         master_addr, master_port, _ = addrs[0]
-        layout = self.call("init", [(master_addr, master_port, config)] * self.world_size)
+        layout = self._submit(TrainActor.init, [(master_addr, master_port, config)] * self.world_size).wait()
         for i, lay in zip(self.info, layout):
             i.update(lay)
         self.dp_size = layout[0]["dp_size"]
@@ -83,12 +99,48 @@ class TrainGroup:
         from now on (bound once and kept: ``TrainActor.weight_store_address``)."""
         return tuple(ray.get(self.actors[0].weight_store_address.remote()))
 
-    def call(self, method: str, per_rank_args: Optional[Sequence[tuple]] = None, *, return_refs: bool = False):
-        per_rank_args = per_rank_args or [()] * self.world_size
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        if return_refs:
-            return refs
-        return self._wait(refs, method)
+    # -- the ranks' methods (``TrainActor``), typed ----------------------------------------------
+    def submit_train_rollout(self, plans: Sequence[RankPlan], publish=None) -> InFlight[TrainedRollout]:
+        """``TrainActor.train_rollout``: rank r trains ``plans[r]`` (its share of the rollout's
+        steps); given ``publish`` (a ``SyncRequest``, to every rank: the export is collective),
+        rank 0 then publishes the weights after them. Not waited for."""
+        return self._submit(TrainActor.train_rollout, [(plan, publish) for plan in plans])
+
+    def train_rollout(self, plans: Sequence[RankPlan], publish=None) -> List[TrainedRollout]:
+        """``submit_train_rollout``, waited for: every rank's ``(reports, handle)``."""
+        return self.submit_train_rollout(plans, publish).wait()
+
+    def submit_export_weight_buckets(self, request) -> InFlight[Optional[Any]]:
+        """``TrainActor.export_weight_buckets(request)`` on every rank (collective): rank 0's
+        answer is the ``SyncHandle`` of the weights it published, the others' None. Not waited for."""
+        return self._submit(TrainActor.export_weight_buckets, [(request,)] * self.world_size)
+
+    def plan_docs_steps(self, shares: Sequence[StepBatch], num_groups: int) -> List[RankPlan]:
+        """``TrainActor.plan_docs_steps``: rank r plans its DP share ``shares[r]`` of a rollout of
+        ``num_groups`` prompt groups (collective over DP); its ``RankPlan``."""
+        return self._submit(TrainActor.plan_docs_steps, [(share, num_groups) for share in shares]).wait()
+
+    def eval_nll(self, batches: Sequence[StepBatch]) -> List[Tuple[float, float]]:
+        """``TrainActor.eval_nll``: rank r scores ``batches[r]``; its ``(NLL sum, token count)``."""
+        return self._submit(TrainActor.eval_nll, [(batch,) for batch in batches]).wait()
+
+    def offload_train(self) -> List[int]:
+        """``TrainActor.offload_train`` on every rank: the bytes each moved to host memory."""
+        return self._submit(TrainActor.offload_train, [()] * self.world_size).wait()
+
+    def save(self, path: str, step: int, extra: Dict[str, Any]) -> List[List[str]]:
+        """``TrainActor.save`` on every rank into ``path``: the files each wrote (relative)."""
+        return self._submit(TrainActor.save, [(path, step, extra)] * self.world_size).wait()
+
+    def load(self, path: str) -> List[Dict[str, Any]]:
+        """``TrainActor.load`` of step directory ``path`` on every rank: each rank's metadata."""
+        return self._submit(TrainActor.load, [(path,)] * self.world_size).wait()
+
+    def _submit(self, method: Callable, per_rank_args: Sequence[tuple]) -> InFlight:
+        """``method`` (a ``TrainActor`` function) submitted on rank r with ``per_rank_args[r]``."""
+        name = method.__name__
+        refs = [getattr(a, name).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        return InFlight(self, name, refs)
 
     def wait(self, refs: List[ray.ObjectRef], method: str, *, first_rank: int = 0) -> List[Any]:
         """Results of ``refs`` (ranks ``first_rank``, ``first_rank + 1``, ...), failures named."""

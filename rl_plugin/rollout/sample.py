@@ -36,7 +36,7 @@ and ``loss_mask`` its 0/1 trained flag (``[sum R_i]`` each; 0 for the ids a cust
 appended, tool output: conditioned on, in no loss term and in no count). It travels from the
 rollout manager to the driver (pickled with its tensors in one buffer), into a checkpoint under
 overlapped training (``checkpoint.pending_rollout``), and becomes the step batch
-(``loop.steps.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
+(``loop.advantages.rollout_batch``). Under ``--use-rollout-routing-replay`` ``routed_experts`` holds,
 per token of ``tokens``, per MoE layer, the ``top_k`` experts the engine routed it to
 (``[sum T_i, num_moe_layers, top_k]`` int16; ``rl_plugin.routing``); the last token of each sample
 never ran through the engine and holds ``UNROUTED`` (-1) rows: the trainer's router routes it

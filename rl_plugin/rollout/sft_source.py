@@ -100,7 +100,7 @@ class SftSource:
     @staticmethod
     def _batch(examples: List[SftExample]) -> RolloutData:
         """Conversations in the loss core's flat layout: nothing sampled, so no rollout log-probs
-        and no reward (``loop.steps.sft_batch`` reads neither); every conversation its own group."""
+        and no reward (``loop.advantages.sft_batch`` reads neither); every conversation its own group."""
         t = sft_tensors(examples)
         n = t["total_lengths"].numel()
         trained = float(t["loss_mask"].sum())

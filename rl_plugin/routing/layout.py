@@ -6,7 +6,7 @@
 ``MicroBatchInputs.input_ids`` flattened row-major (thd: the packed stream; bshd: ``[S, len]``
 sample-major). Padding positions get ``UNROUTED`` rows (``-1``): no engine routed them (padding,
 each sample's last token, another CP rank's tokens), so the replays let the trainer's own router
-route them (``routing.hf.replay_routing``, ``routing.megatron_replay.replaying``): they spread
+route them (``routing.hf.replay_routing``, ``backends.megatron.routing_replay.replaying``): they spread
 over the experts as they would without replay, instead of all landing on experts ``0..k-1`` (EP
 rank 0's load, the expert-bias counts). No real token attends to padding and the last token's
 logits are never read, so their routing changes no log-prob.

@@ -10,8 +10,8 @@
   recorded and nothing replayed: that forward IS the old policy's routing. The reference pass
   (another model) routes freely.
 
-A backend builds the pass's ``RoutingPass`` (Megatron: ``routing.megatron_replay``;
-FSDP: ``routing.fsdp_replay``); its forward enters ``routing_pass.context`` per
+A backend builds the pass's ``RoutingPass`` (Megatron: ``backends.megatron.routing_replay``;
+FSDP: ``backends.fsdp.routing_replay``); its forward enters ``routing_pass.context`` per
 micro-batch. The training pass reports ``routing/topk_agree_frac``: over the routed response
 tokens of the step (every response token but each sample's last) and every MoE layer, the
 fraction whose router's own top-k set equals the replayed one, summed over the DP x CP ranks.

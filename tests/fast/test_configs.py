@@ -108,11 +108,11 @@ def test_rollout_config_reads_slime_names_and_resolves_defaults():
 
 
 # Below the command line: every module but the CLI (arguments/, train.py), the run that builds the
-# config tree from the flags (loop/run.py, with the embedded default's paths, loop/embedded.py) and
+# config tree from the flags (loop/run.py, with the embedded default's paths, loop/embedded_setup.py) and
 # the configs' own declarations (configs/, loss_config/, weight_sync/settings.py: a derived value
 # is a function of the parsed flags, ``lambda args: ...``).
 BELOW_CLI = ["backends", "ray", "rollout", "loss", "checkpoint", "step_plan.py", "weight_sync", "loop"]
-ABOVE = {"loop/run.py", "loop/embedded.py", "weight_sync/settings.py"}
+ABOVE = {"loop/run.py", "loop/embedded_setup.py", "weight_sync/settings.py"}
 ARGS_READ = re.compile(r"getattr\(args\b|\bargs\.[a-z_]|self\.args\b")
 
 

@@ -48,7 +48,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.cp",
             "rl_plugin.parallel",
             "rl_plugin.tensor_pickle",
-            "rl_plugin.registry",
+            "rl_plugin.registry_base",
             "rl_plugin.registries",
             "rl_plugin.user_code",
             "rl_plugin.errors",
@@ -67,8 +67,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("configs and step plan", ("rl_plugin.configs", "rl_plugin.step_plan")),
     ("rollout", ("rl_plugin.rollout",)),
     ("checkpoint", ("rl_plugin.checkpoint",)),
-    # the backend-specific routing replays sit beside the rest of routing/, at the backends layer
-    ("backends", ("rl_plugin.backends", "rl_plugin.routing.megatron_replay", "rl_plugin.routing.fsdp_replay")),
+    ("backends", ("rl_plugin.backends",)),
     ("ray", ("rl_plugin.ray",)),
     ("arguments", ("rl_plugin.arguments",)),
     ("loop", ("rl_plugin.loop", "rl_plugin.train")),

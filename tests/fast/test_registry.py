@@ -10,7 +10,7 @@ import pytest
 
 from rl_plugin import registries
 from rl_plugin.arguments import build_parser
-from rl_plugin.registry import Registry, RegistryError
+from rl_plugin.registry_base import Registry, RegistryError
 
 
 def test_register_get_names_in_order():

@@ -52,10 +52,10 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
-from rl_plugin.checkpoint.lora_base import lora_meta
+from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
 from rl_plugin.lora.peft_dir import write_run_adapters
-from rl_plugin.lora.targets import resolve_targets
+from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
 from rl_plugin.models.tiny import default_tiny_checkpoint
@@ -257,7 +257,7 @@ class FSDPBackend(TrainBackend):
         return torch.stack([logp, ent], 1)
 
     def new_routing_pass(self, action: str):
-        from rl_plugin.routing.fsdp_replay import RoutingPass
+        from rl_plugin.backends.fsdp.routing_replay import RoutingPass
 
         return RoutingPass(action, self.attn_implementation)
 
@@ -313,7 +313,7 @@ class FSDPBackend(TrainBackend):
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         sd = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
         if self.lora_enabled:  # the merged model: W_base + (alpha / r) B A, HF names
-            sd = lora.merged_state_dict(sd, self.config.lora.lora_alpha / self.config.lora.lora_rank)
+            sd = lora.merged_state_dict(sd, lora_scaling(self.config.lora.lora_alpha, self.config.lora.lora_rank))
         return model_to_checkpoint(sd, self.model_type)  # MoE: one tensor per expert (models.moe_names)
 
     def hf_weight_specs(self) -> Optional[Dict[str, torch.Tensor]]:
@@ -347,13 +347,6 @@ class FSDPBackend(TrainBackend):
         """Every adapter, gathered one at a time to rank 0 (``gather_to_rank0``), canonical names, fp32."""
         return lora.stream_adapters(self.model, gather_to_rank0)
 
-    def _lora_meta(self) -> Optional[Dict[str, Any]]:
-        cfg = self.config.lora
-        if not cfg.enabled:
-            return None
-        targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
-        return lora_meta(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets, hf_dir=self.hf_dir)
-
     def save_hf(self, out_dir: Optional[str]) -> None:
         """Write a Hugging Face directory (config + safetensors in the checkpoint's dtype); collective.
         With LoRA: a PEFT adapter directory at ``out_dir`` (if given) and, with ``--save-hf-merged
@@ -382,14 +375,15 @@ class FSDPBackend(TrainBackend):
             step=step,
             extra=extra,
             backend_state={"optimizer_steps": self.optimizer_steps},
-            lora_meta=self._lora_meta(),
+            lora_meta=lora_meta(self.config.lora, self.hf_dir),
         )
         if self.config.model.save_hf or (self.lora_enabled and self.config.lora.save_hf_merged):
             self.save_hf(self.config.model.save_hf)
         return written
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
-        meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir, lora_meta=self._lora_meta())
+        current = lora_meta(self.config.lora, self.hf_dir)
+        meta = ckpt.load(path, self.model, self.optimizer, hf_dir=self.hf_dir, lora_meta=current)
         self.optimizer_steps = int(meta.get("backend", {}).get("optimizer_steps", meta["step"]))
         set_lr(self.optimizer, megatron_lr(self.config.optimizer, self.optimizer_steps))
         return {"step": int(meta["step"]), "extra": meta.get("extra", {})}

@@ -6,12 +6,12 @@ Files of one step directory (the layout around it is ``rl_plugin.checkpoint``'s,
     iter_0000003/.metadata, __*.distcp         DCP: {"model": sharded model, "optim": sharded AdamW}
     iter_0000003/rng_rank{r}.pt                per-rank RNG (``rl_plugin.checkpoint.rng_state``)
     iter_0000003/meta.pt                       {"step", "extra" (the loop's state), "backend"}, rank 0
-    iter_0000003/lora.json                     LoRA only: rank, targets, the base's identity, rank 0
+    iter_0000003/lora.json                     LoRA only: rank, alpha, targets, the base's identity, rank 0
 
 With LoRA (``lora_meta`` given) the DCP state holds the adapters and their optimizer state only
 (``StateDictOptions(ignore_frozen_params=True)``: the frozen base is the ``--hf-checkpoint``,
-fingerprinted in ``lora.json`` by ``rl_plugin.checkpoint.lora_base``, which refuses a load onto
-another base).
+fingerprinted in ``lora.json`` by ``rl_plugin.checkpoint.lora_meta``, which refuses a load onto
+another base or with another adapter shape; the Megatron backend writes and checks the same file).
 
 DCP writes each rank's shards and reloads them resharded, so a checkpoint saved on DP=2 loads on
 DP=1. ``write_hf_dir`` writes full (all-gathered) weights as ``model.safetensors`` with the
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.checkpoint.compat import check_same_model
-from rl_plugin.checkpoint.lora_base import check_lora_meta, write_lora_meta
+from rl_plugin.checkpoint.lora_meta import check_lora_meta, write_lora_meta
 from rl_plugin.checkpoint.rng_state import rng_state, set_rng_state
 from rl_plugin.checkpoint.written_files import RecordingFileSystemWriter
 
@@ -108,7 +108,7 @@ def load(
             f"--load {src}: no complete FSDP checkpoint there (no {META}). Fix: pass the --save "
             "directory of a run (its latest_checkpointed_iteration.txt names the step)"
         )
-    check_lora_meta(str(src), lora_meta)  # a LoRA checkpoint only on its own base (and LoRA-ness)
+    check_lora_meta(str(src), lora_meta)  # LoRA-ness, rank / alpha / targets, the base
     options = _options(lora_meta is not None)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     model_sd = _adapters_only(model_sd, lora_meta is not None)

@@ -33,7 +33,6 @@ from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
 from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
-from rl_plugin.backends.megatron.lora_checkpoint import lora_meta
 from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
@@ -128,7 +127,7 @@ class MegatronBackend(TrainBackend):
         )
 
     def new_routing_pass(self, action: str):
-        from rl_plugin.routing.megatron_replay import RoutingPass
+        from rl_plugin.backends.megatron.routing_replay import RoutingPass
 
         ps = self.parallel_state
         return RoutingPass(
@@ -276,19 +275,8 @@ class MegatronBackend(TrainBackend):
             return stream()
         return lora_model.stream_in_view(self.model, stream, merged=True)  # the merged fallback
 
-    def _shared_lora_meta(self) -> Optional[Dict[str, Any]]:
-        """The shared checkpoint layer's ``lora.json`` (adapter shape + the base's identity), None without LoRA."""
-        from rl_plugin.checkpoint.lora_base import lora_meta as shared_meta
-        from rl_plugin.lora.targets import resolve_targets
-
-        cfg = self.config.lora
-        if not cfg.enabled:
-            return None
-        targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
-        return shared_meta(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets, hf_dir=self.hf_dir)
-
     def save_checkpoint(self, path: str, *, step: int, extra: Optional[Dict[str, Any]] = None) -> List[str]:
-        from rl_plugin.checkpoint.lora_base import write_lora_meta
+        from rl_plugin.checkpoint.lora_meta import lora_meta, write_lora_meta
 
         written = checkpoint.save(
             path,
@@ -298,9 +286,8 @@ class MegatronBackend(TrainBackend):
             scheduler=self.scheduler,
             ps=self.parallel_state,
             extra=extra,
-            lora=lora_meta(self.config.lora),
         )
-        meta = self._shared_lora_meta()
+        meta = lora_meta(self.config.lora, self.hf_dir)  # the adapters' lora.json, as the FSDP backend's
         if meta is not None and dist.get_rank() == 0:
             written = sorted(set(written) | {write_lora_meta(path, meta)})
         save_hf = self.config.model.save_hf
@@ -340,9 +327,9 @@ class MegatronBackend(TrainBackend):
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> Dict[str, Any]:
-        from rl_plugin.checkpoint.lora_base import check_lora_meta
+        from rl_plugin.checkpoint.lora_meta import check_lora_meta, lora_meta
 
-        check_lora_meta(str(path), self._shared_lora_meta())  # a LoRA checkpoint only on its own base
+        check_lora_meta(str(path), lora_meta(self.config.lora, self.hf_dir))  # LoRA-ness, rank / alpha / targets, base
         return checkpoint.load(
             path,
             model=self.model,
@@ -350,7 +337,6 @@ class MegatronBackend(TrainBackend):
             scheduler=self.scheduler,
             ps=self.parallel_state,
             hf_dir=self.hf_dir,
-            lora=lora_meta(self.config.lora),
         )
 
     # -- reference model (--use-kl-loss) -----------------------------------------------------

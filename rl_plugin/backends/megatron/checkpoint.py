@@ -183,7 +183,6 @@ def save(
     scheduler,
     ps: ParallelState,
     extra: Optional[Dict] = None,
-    lora: Optional[Dict] = None,
 ) -> List[str]:
     """Collective: every rank writes its part of ``step``'s checkpoint into ``directory`` (an
     empty directory, created if missing: the loop's ``iter_*.partial``). Returns the files this
@@ -197,7 +196,6 @@ def save(
     # The common part (rank 0 writes it to common.pt; dist_checkpointing checks it is equal on
     # every rank): identical everywhere by construction.
     state.update(format=FORMAT, step=int(step), layout=_layout(ps), scheduler=scheduler.state_dict(), extra=extra or {})
-    state["lora"] = lora  # None without LoRA; with it, the adapters' rank / alpha / targets (lora_checkpoint)
     written: Set[str] = set()
     dist_checkpointing.save(
         state,
@@ -282,7 +280,6 @@ def load(
     scheduler,
     ps: ParallelState,
     hf_dir: Optional[str] = None,
-    lora: Optional[Dict] = None,
 ) -> Dict[str, Any]:
     """Collective: restore model, optimizer, LR schedule (and RNG on the same layout) from one
     complete step directory (``iter_*``); returns ``{"step", "extra"}``."""
@@ -297,9 +294,6 @@ def load(
             f"{common.get('format')!r}, expected {FORMAT!r}). Fix: convert it to Hugging Face weights and pass them "
             "as --hf-checkpoint."
         )
-    lora_checkpoint.check_lora_meta(
-        src, common.get("lora"), lora
-    )  # the base: the backend's check_lora_meta (lora.json)
     check_same_model(str(src), hf_dir, *_model_shapes(src, model, ps))
     _check_optimizer_split(src, optimizer)
     allocate_state(optimizer)

@@ -53,6 +53,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from rl_plugin.lora.init import initial_lora_a, initial_lora_b
+from rl_plugin.lora.scaling import lora_scaling
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class LoraAdapters(torch.nn.Module):
         if parallel not in ("column", "row"):
             raise ValueError(parallel)
         self.specs, self.layout, self.parallel = tuple(specs), layout, parallel
-        self.rank, self.scaling = rank, alpha / rank
+        self.rank, self.scaling = rank, lora_scaling(alpha, rank)
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.enabled = True

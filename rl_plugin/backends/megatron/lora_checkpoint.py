@@ -10,19 +10,17 @@ parameter identity (``optimizer.sharded_state_dict(model_sd)``), so the Adam mom
 distributed optimizer's fp32 main params) are saved in model space, reshardable across TP x DP x PP
 like the full model's (``checkpoint.py``).
 
-``lora_meta(lora_cfg)`` goes into ``common.pt``; ``check_lora_meta`` refuses a checkpoint written
-with another rank / alpha / targets, or without LoRA (and a full-model checkpoint into a LoRA run).
-The base checkpoint's identity (refusing adapters trained on another base) is the shared
-checkpoint layer's ``lora.json`` (``rl_plugin.checkpoint.lora_base``), written and checked by
-``MegatronBackend.save_checkpoint`` / ``load_checkpoint``.
+The adapters' metadata (rank, alpha, targets, the base's identity) is the ``lora.json`` both
+backends write and check (``rl_plugin.checkpoint.lora_meta``, from ``MegatronBackend.save_checkpoint``
+/ ``load_checkpoint``): a checkpoint written with another adapter shape, on another base, or
+without LoRA (and a full-model checkpoint into a LoRA run) is refused there, before any tensor loads.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from rl_plugin.backends.megatron.lora_model import local_adapters
-from rl_plugin.lora.targets import resolve_targets
 
 
 def model_sharded_state_dict(model) -> Dict[str, Any]:
@@ -46,38 +44,3 @@ def load_model_state(model, state: Dict[str, Any]) -> None:
     with torch.no_grad():
         for name, param, _, _ in local_adapters(model):
             param.copy_(state[name])
-
-
-def lora_meta(lora_cfg) -> Optional[Dict[str, Any]]:
-    if lora_cfg is None or not lora_cfg.enabled:
-        return None
-    return {
-        "rank": lora_cfg.lora_rank,
-        "alpha": lora_cfg.lora_alpha,
-        "targets": list(resolve_targets(lora_cfg.target_modules, lora_cfg.exclude_modules)),
-    }
-
-
-class LoraCheckpointError(ValueError):
-    pass
-
-
-def check_lora_meta(src, saved: Optional[Dict[str, Any]], current: Optional[Dict[str, Any]]) -> None:
-    """Refuse a checkpoint whose adapters are not this run's (module docstring)."""
-    if saved == current:
-        return
-    if current is None:
-        raise LoraCheckpointError(
-            f"--load {src}: it holds LoRA adapters only (rank {saved['rank']}), and this run trains the full model. "
-            f"Fix: resume with --lora-rank {saved['rank']} --lora-alpha {saved['alpha']} --target-modules "
-            f"{' '.join(saved['targets'])}."
-        )
-    if saved is None:
-        raise LoraCheckpointError(
-            f"--load {src}: it is a full-model checkpoint and this run trains LoRA adapters. Fix: drop --lora-rank to "
-            "resume it, or start the LoRA run from its weights (--save-hf, then --hf-checkpoint)."
-        )
-    raise LoraCheckpointError(
-        f"--load {src}: its adapters are {saved}, this run's {current}. Fix: resume with the checkpoint's "
-        "--lora-rank / --lora-alpha / --target-modules."
-    )

@@ -199,7 +199,7 @@ def build_model(
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
-    (``moe_enable_routing_replay``; ``rl_plugin.routing.megatron_replay``).
+    (``moe_enable_routing_replay``; ``rl_plugin.backends.megatron.routing_replay``).
     ``lora`` (a ``LoraConfig``, enabled): the local layer spec (megatron-core's own linears), the
     base frozen and the adapters added after the HF weights load and before DDP wraps the model
     (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters."""

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import EngineConfig
+from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
 from rl_plugin.rollout.engines.hf_sampler import (
@@ -69,7 +70,7 @@ class HFEngine(RolloutEngine):
     @classmethod
     def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
-        scaling = config.lora_alpha / config.lora_rank if config.lora_rank > 0 else None
+        scaling = lora_scaling(config.lora_alpha, config.lora_rank) if config.lora_rank > 0 else None
         return cls(
             checkpoint_dir, device=device, record_routed_experts=config.record_routed_experts, lora_scaling=scaling
         )

@@ -25,6 +25,7 @@ from typing import Dict, Optional
 import torch
 
 from rl_plugin.lora.peft_dir import write_peft_dir
+from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.rollout.engines.lora_merge import is_adapter, module_of
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
@@ -87,7 +88,7 @@ class VLLMAdapters:
             [{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), lora_request=self.request, use_tqdm=False
         )
         modules = sorted({module_of(n) for n in self.adapters})
-        shards = llm.collective_rpc(_read_lora_slots, args=(self.alpha / self.rank, self.rank, modules))
+        shards = llm.collective_rpc(_read_lora_slots, args=(lora_scaling(self.alpha, self.rank), self.rank, modules))
         if len(shards) != 1:
             raise NotImplementedError("LoRA read-back from a tensor-parallel vLLM engine: check with TP 1")
         return shards[0]

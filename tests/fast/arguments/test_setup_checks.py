@@ -17,7 +17,7 @@ from rl_plugin.rollout.data.tokenizer import FILENAME
 
 @pytest.fixture(scope="module")
 def embedded_family(tmp_path_factory):
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     return str(ensure_tiny_model(tmp_path_factory.mktemp("cache")))
 

@@ -68,7 +68,7 @@ def _worker(rank, world, hf_dir, backend_name):
             )
             actor.offload_train()  # offloaded again: the train call below reloads it
             out["round_trip"] = (moved, emptied, same, len(before))
-        reports = actor.train_rollout(replace(plan[1], batch=replace(rollouts[1][0])))
+        reports = actor.train_rollout(replace(plan[1], batch=replace(rollouts[1][0]))).reports
         grads = {
             n: (getattr(p, "main_grad", None) if p.grad is None else p.grad)
             for n, p in backend.model.named_parameters()

@@ -18,7 +18,7 @@ class _NoFilesGroup:
     world_size = 1
     info = [{"ip": "127.0.0.1"}]
 
-    def call(self, method, per_rank):
+    def save(self, path, step, extra):
         return [[]]  # every rank wrote nothing (its files are not what this test reads)
 
 

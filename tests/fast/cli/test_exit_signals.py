@@ -27,7 +27,7 @@ import pytest
 
 from rl_plugin.checkpoint.layout import complete_steps, latest_step
 from rl_plugin.loop.exit_request import ExitRequest
-from rl_plugin.ray.train_actor import SIGNAL_ENV
+from rl_plugin.ray.testing_hooks import SIGNAL_ENV
 from tests.fast.cli.test_cli_faults import Proc, _gone, _names
 
 NUM_ROLLOUT = 16  # rollouts take ~0.1 s here: the signal must land well before the last

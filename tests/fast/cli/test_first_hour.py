@@ -150,7 +150,7 @@ def _data(tmp: Path, lines) -> Path:
 
 def test_prompt_too_long_or_unencodable_is_named_by_file_line(no_ray, capsys):
     """#5: checked for the whole file at start-up (the tiny model has 64 positions)."""
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     model = str(ensure_tiny_model(no_ray / "cache"))
     common = [

@@ -21,7 +21,7 @@ import signal
 
 from rl_plugin.checkpoint.layout import latest_step
 from rl_plugin.ray.rollout_actor import FAULT_ENV
-from rl_plugin.ray.train_actor import SIGNAL_ENV
+from rl_plugin.ray.testing_hooks import SIGNAL_ENV
 from tests.fast.cli.test_cli_faults import Proc
 
 NUM_ROLLOUT = 6

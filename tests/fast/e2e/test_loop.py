@@ -25,9 +25,9 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.checkpoint.commit import write_tracker  # noqa: E402
 from rl_plugin.checkpoint.layout import latest_step  # noqa: E402
-from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
+from rl_plugin.loop.embedded_setup import ensure_tiny_model  # noqa: E402
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
-from rl_plugin.ray.train_actor import FAULT_ENV  # noqa: E402
+from rl_plugin.ray.testing_hooks import FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 from tests.support.tolerance import FP32_MODEL, FP64, within  # noqa: E402
@@ -438,7 +438,7 @@ def test_resume_supersedes_the_rows_written_after_the_checkpoint(ray_cluster, tm
 def test_load_of_another_model_size_names_the_first_tensor(runs_a, tmp_path, backend, capsys):
     """Issue 16 #9: a checkpoint of the tiny model loaded into a wider one: one line naming the
     checkpoint, the model, the first mismatching tensor and the fix (was: 17 size-mismatch lines)."""
-    from rl_plugin.loop.embedded import MODEL
+    from rl_plugin.loop.embedded_setup import MODEL
     from rl_plugin.models.tiny import make_tiny_hf_checkpoint
     from rl_plugin.rollout.data.tokenizer import FILENAME
 

@@ -1,6 +1,6 @@
 """An MoE model trains end to end at expert parallelism 2 on the CPU: ``rl-plugin-train
 --train-backend megatron --expert-model-parallel-size 2`` on the embedded digit-copy task with the
-tiny Qwen3-MoE (``loop.embedded.ensure_tiny_model(root, "qwen3_moe")``: 4 experts, top-2), two
+tiny Qwen3-MoE (``loop.embedded_setup.ensure_tiny_model(root, "qwen3_moe")``: 4 experts, top-2), two
 train ranks (DP 2 = EP 2: each rank holds 2 of every layer's 4 experts), the aux and z losses on,
 ``--check-weight-sync`` (every expert, bitwise, or the run fails), once with the hf engine and once
 with vLLM (whose CPU experts kernel needs its re-pack after each sync, ``rollout.engines.vllm_engine``).
@@ -17,7 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
+from rl_plugin.loop.embedded_setup import ensure_tiny_model  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from rl_plugin.loop.embedded import ensure_tiny_model  # noqa: E402
+from rl_plugin.loop.embedded_setup import ensure_tiny_model  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Driver pieces without Ray: rollout -> step planning, weight-sync check, metrics logging and
+"""Rollout pieces without Ray: rollout -> step planning, weight-sync check, metrics logging and
 the reward plot, argument defaults of the embedded run (the checkpoint layout: ``tests/fast/checkpoint``)."""
 
 import json
@@ -9,9 +9,9 @@ import torch
 
 from rl_plugin.arguments import RLArgumentError
 from rl_plugin.errors import WeightSyncError
+from rl_plugin.loop.advantages import rollout_batch
 from rl_plugin.loop.logger import MetricsLogger, read_metrics
 from rl_plugin.loop.plot import plot_reward_curve, reward_by_rollout
-from rl_plugin.loop.steps import rollout_batch
 from rl_plugin.loss.micro_batch_plan import micro_batches_by_count
 from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_docs_steps, plan_global_batch_steps, split_rollout_for_dp

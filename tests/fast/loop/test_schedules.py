@@ -12,9 +12,9 @@ import pytest
 
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.errors import LoopError, StopRequested
-from rl_plugin.loop.driver import Driver
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
+from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.schedule import RolloutLoop, Schedule
 from rl_plugin.loop.sync_schedule import SyncSchedule
 
@@ -101,7 +101,7 @@ def _methods(protocol) -> Dict[str, List[str]]:
     }
 
 
-@pytest.mark.parametrize("impl", [Driver, FakeLoop], ids=["Driver", "FakeLoop"])
+@pytest.mark.parametrize("impl", [RolloutPieces, FakeLoop], ids=["RolloutPieces", "FakeLoop"])
 def test_rollout_loop_is_what_the_driver_offers(impl):
     """Every piece of ``RolloutLoop`` is a method of the driver with the same parameters (a
     ``Protocol`` is not checked at run time; this keeps the two from drifting)."""

@@ -271,7 +271,7 @@ def test_dynamic_sampling_trains_only_groups_with_reward_variance(tmp_path, monk
     is exactly the first --rollout-batch-size groups, in order, whose raw rewards vary, of the
     over-sampled round; the counts match; shaping is added after the filter's raw decision."""
     from rl_plugin.configs import RolloutConfig
-    from rl_plugin.loop.embedded import prepare_embedded
+    from rl_plugin.loop.embedded_setup import prepare_embedded
     from rl_plugin.rollout.manager import RolloutManager
     from rl_plugin.train import parse_train_args
 

@@ -96,7 +96,7 @@ def _worker(rank, world, backend_name, hf_dir):
             plan = RankPlan(replace(local), [(0, local.num_samples)], [groups])
             assert (actor.separate_old_pass_reason(plan) is None) == fused
             forward_only.clear()
-            reports = actor.train_rollout(plan)
+            reports = actor.train_rollout(plan).reports
             weights = backend.export_hf_state_dict()  # collective
             out[(case, fused)] = (reports, weights, len(forward_only))
     return out

@@ -23,7 +23,7 @@ import torch
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.embedded import prepare_embedded
+from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.rollout.engines.base import SamplingParams
 from rl_plugin.rollout.fully_async.producer import AsyncProducer
 from rl_plugin.rollout.manager import RolloutManager

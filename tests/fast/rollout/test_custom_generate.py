@@ -13,8 +13,8 @@ import torch
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.checkpoint.pending_rollout import PendingRollout, read_pending_rollout, write_pending_rollout
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.loop.embedded import prepare_embedded
-from rl_plugin.loop.steps import rollout_batch
+from rl_plugin.loop.advantages import rollout_batch
+from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.rollout import Sample, generate_tokens
 from rl_plugin.rollout.dapo.filters import overlong_penalty
 from rl_plugin.rollout.flatten import concat_rollouts

@@ -12,7 +12,7 @@ import pytest
 
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.configs import RolloutConfig
-from rl_plugin.loop.embedded import prepare_embedded
+from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.rollout import Sample
 from rl_plugin.rollout.generation.hooks import HookError
 from rl_plugin.rollout.manager import RolloutManager

@@ -114,7 +114,7 @@ def test_max_rounds_flag_rules(flags, fragments):
 
 def _manager(tmp_path, monkeypatch, spec: str, *extra: str):
     from rl_plugin.configs import RolloutConfig
-    from rl_plugin.loop.embedded import prepare_embedded
+    from rl_plugin.loop.embedded_setup import prepare_embedded
     from rl_plugin.rollout.manager import RolloutManager
     from rl_plugin.train import parse_train_args
 
@@ -208,7 +208,7 @@ def test_null_labels_refused_by_the_trainer_before_ray(tmp_path, monkeypatch, ca
     """The real entry point, Ray forbidden: the check runs in preflight."""
     import ray
 
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
     from rl_plugin.train import main
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("the label check must run before Ray starts"))

@@ -28,7 +28,7 @@ def _vllm_teacher(ckpt):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     return str(ensure_tiny_model(tmp_path_factory.mktemp("teacher")))
 

@@ -80,7 +80,7 @@ def _own(ckpt, weights, prompt, response):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     return str(ensure_tiny_model(tmp_path_factory.mktemp("vllm_partial")))
 

@@ -52,7 +52,7 @@ def _routing_maps(backend, batch):
     """``(replayed, own)`` routing maps ``[s * b, E]`` of every router call of a forward-only pass:
     what the router dispatched, and its own top-k of the same logits."""
     from rl_plugin.backends.megatron.forward import unwrap
-    from rl_plugin.routing.megatron_replay import routers_of
+    from rl_plugin.backends.megatron.routing_replay import routers_of
 
     maps = []
 

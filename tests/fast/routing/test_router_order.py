@@ -1,4 +1,4 @@
-"""The Megatron router's token order (``routing.megatron_replay.to_router_order``): the
+"""The Megatron router's token order (``backends.megatron.routing_replay.to_router_order``): the
 decoder's hidden states ``[s, b, H]`` flattened sequence-major, each sequence-parallel rank
 holding ``s / tp`` consecutive positions (megatron-core's ``scatter_to_sequence_parallel_region``
 splits dim 0). Checked against that definition written out for a few layouts; ``from_router_order``
@@ -7,7 +7,7 @@ inverts it without sequence parallelism."""
 import pytest
 import torch
 
-from rl_plugin.routing.megatron_replay import from_router_order, to_router_order
+from rl_plugin.backends.megatron.routing_replay import from_router_order, to_router_order
 
 
 def _reference(local, *, bshd_rows, extra, rank, size):

@@ -93,7 +93,7 @@ def _rollout(gens):
 def test_routed_experts_travel_with_the_rollout(tmp_path):
     from rl_plugin.checkpoint.layout import step_dir
     from rl_plugin.checkpoint.pending_rollout import PendingRollout, read_pending_rollout, write_pending_rollout
-    from rl_plugin.loop.steps import rollout_batch
+    from rl_plugin.loop.advantages import rollout_batch
 
     data = _rollout(_gens())
     sample_of = torch.repeat_interleave(torch.arange(4), data.total_lengths)
@@ -120,7 +120,7 @@ def test_routed_experts_travel_with_the_rollout(tmp_path):
 def test_a_micro_batch_carries_its_tokens_experts_in_input_order():
     """bshd pads each sample to the row length: its padding cells are UNROUTED (-1: the trainer's
     router routes them itself; issue 37 #12, before: experts 0..k-1)."""
-    from rl_plugin.loop.steps import rollout_batch
+    from rl_plugin.loop.advantages import rollout_batch
     from rl_plugin.loss import MicroBatchInputs
 
     batch = rollout_batch(_rollout(_gens()), "grpo")

@@ -1,10 +1,11 @@
 """LoRA checkpoints and exports of the FSDP backend (one gloo process, tiny Qwen2, fp32).
 
 - The step directory holds the adapters and their AdamW state only (no base tensor in DCP's
-  metadata, not even the tied head's alias of the frozen embedding) plus ``lora.json`` (rank, targets, the base's fingerprint); a fresh backend that
+  metadata, not even the tied head's alias of the frozen embedding) plus ``lora.json`` (rank, alpha, targets, the base's fingerprint); a fresh backend that
   loads it runs step 2 bit for bit as the uninterrupted one.
 - A load onto another base (a tiny model of another seed) is refused, naming both bases; a
-  full-model run refuses a LoRA checkpoint.
+  full-model run refuses a LoRA checkpoint; a run with another ``--lora-alpha`` is refused naming
+  both values (issue 44 item 4: it resumed silently, its adapters' update rescaled).
 - ``--save-hf`` writes a PEFT adapter directory: ``peft.PeftModel.from_pretrained(base, dir)``
   gives the trainer's log-probs (within fp32 rounding), and ``--lora-adapter-path dir`` starts a
   new run's adapters from it bit for bit. ``--save-hf-merged`` writes the merged model, which
@@ -59,10 +60,10 @@ def warm_started(rank, world, ckpt, root):
     return dict(backend.stream_lora_adapters())
 
 
-def load_error(rank, world, ckpt, root, lora: bool):
+def load_error(rank, world, ckpt, root, lora: bool, *extra):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
 
-    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *(LORA if lora else []))))
+    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *(LORA if lora else []), *extra)))
     try:
         checkpointing.load(backend, f"{root}/save")
     except ValueError as exc:
@@ -78,6 +79,7 @@ def all_runs(rank, world, ckpt, other, root):
         warm=warm_started(rank, world, ckpt, root),
         wrong=load_error(rank, world, other, root, True),
         full=load_error(rank, world, ckpt, root, False),
+        alpha=load_error(rank, world, ckpt, root, True, "--lora-alpha", "16"),  # saved with 8
     )
 
 
@@ -113,6 +115,14 @@ def test_load_refuses_another_base_naming_both(runs):
     assert msg is not None and "trained on the base model" in msg
     assert str(runs["ckpt"]) in msg and str(runs["other"]) in msg
     assert "without --lora-rank" in runs["full"] or "LoRA checkpoint" in runs["full"]
+
+
+def test_load_refuses_another_lora_alpha_naming_both(runs):
+    """Issue 44 item 4: saved with --lora-alpha 8, resumed with 16: refused (it resumed silently)."""
+    msg = runs["alpha"]
+    assert msg is not None, "a resume with another --lora-alpha was accepted"
+    assert "--lora-alpha 8 in the checkpoint, 16 in this run" in msg, msg
+    assert "Fix: resume with the checkpoint's --lora-rank 4 --lora-alpha 8" in msg, msg
 
 
 def test_save_hf_is_a_peft_directory_with_the_trainers_log_probs(runs):

@@ -68,7 +68,7 @@ def _worker(rank, world, hf_dir):
         for opt in getattr(backend.optimizer, "chained_optimizers", [backend.optimizer]):
             opt.optimizer.state.clear()
         backend.scheduler.load_state_dict(schedule)
-        reports = actor.train_rollout(RankPlan(replace(batch), [(0, batch.num_samples)], [groups]))
+        reports = actor.train_rollout(RankPlan(replace(batch), [(0, batch.num_samples)], [groups])).reports
         grads = {n: p.main_grad.clone() for n, p in backend.model.named_parameters()}
         out[name] = (reports[0], grads, backend.export_hf_state_dict())
     rope_utils._apply_rotary_pos_emb_thd, VarlenDotProductAttention._padded_forward = lean

@@ -270,6 +270,31 @@ def test_adapter_checkpoint_resumes_on_another_layout(runs, ckpt_dir):
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
 
 
+def alpha_load_error(rank, world, hf_dir, load_dir):
+    """A backend with another --lora-alpha than the checkpoint's: its load's error (None: loaded)."""
+    from rl_plugin.backends.megatron.backend import MegatronBackend
+    from tests.support.megatron_common import make_args
+
+    other = ("--lora-rank", str(RANK), "--lora-alpha", str(2 * ALPHA), "--target-modules", "all-linear")
+    backend = MegatronBackend.from_args(
+        make_args("--hf-checkpoint", hf_dir, *EXACT_SGD, *other, *LOSS, world_size=world)
+    )
+    try:
+        backend.load_checkpoint(load_dir)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_adapter_checkpoint_refuses_another_lora_alpha(runs, run_world, tiny_qwen2, ckpt_dir):
+    """TP1's checkpoint (--lora-alpha 8) into a run with --lora-alpha 16: refused naming both values,
+    by the one check both backends run (``checkpoint.lora_meta``; issue 44 item 4)."""
+    msg = run_world(alpha_load_error, 1, str(tiny_qwen2), ckpt_dir)[0]
+    assert msg is not None, "a resume with another --lora-alpha was accepted"
+    assert "--lora-alpha 8 in the checkpoint, 16 in this run" in msg, msg
+    assert "Fix: resume with the checkpoint's --lora-rank 4 --lora-alpha 8" in msg, msg
+
+
 def test_save_hf_writes_a_peft_dir_peft_loads(runs, tiny_qwen2, ckpt_dir):
     """``save_hf`` with LoRA (TP1, after its step): a PEFT directory that
     ``PeftModel.from_pretrained`` loads on the HF base, giving the trainer's log-probs; the

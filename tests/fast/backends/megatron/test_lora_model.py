@@ -62,18 +62,3 @@ def test_fused_layout_interleaves_per_group():
     assert torch.equal(out, want)
     gate_up = FusedLayout(1, (3, 3)).place([torch.ones(2, 3), 2 * torch.ones(2, 3)])
     assert torch.equal(gate_up, torch.tensor([[1.0, 1, 1, 2, 2, 2]] * 2))
-
-
-def test_lora_checkpoint_meta_refusals():
-    from rl_plugin.backends.megatron.lora_checkpoint import LoraCheckpointError, check_lora_meta, lora_meta
-
-    _, lora = _cfgs("--target-modules", "q_proj", "v_proj")
-    meta = lora_meta(lora)
-    assert meta == {"rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj"]}
-    check_lora_meta("ck", meta, dict(meta))
-    with pytest.raises(LoraCheckpointError, match="adapters only"):
-        check_lora_meta("ck", meta, None)
-    with pytest.raises(LoraCheckpointError, match="full-model checkpoint"):
-        check_lora_meta("ck", None, meta)
-    with pytest.raises(LoraCheckpointError, match="--lora-rank"):
-        check_lora_meta("ck", meta, {**meta, "rank": 4})

@@ -1,6 +1,8 @@
-"""The driver: the pieces of a rollout, over the objects the run started.
+"""``RolloutPieces``: the pieces of a rollout, over the objects the run started.
 
-It holds the train group (one actor per rank), the rollout client (the manager actor, its
+The schedule drives (``loop/schedule.py``); this object is what it drives: the phases of one
+rollout (the ``RolloutLoop`` protocol), each over the actors and records the run started. It
+holds the train group (one actor per rank), the rollout client (the manager actor, its
 engines, retries), the weight ledger (which weights the engines hold), the run's progress and the
 row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedule`` (default),
 ``OverlappedSchedule`` (``--max-weight-staleness 1``), ``FullyAsyncSchedule`` (``--fully-async``) or
@@ -28,6 +30,7 @@ from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
+from rl_plugin.loop.advantages import rollout_batch, sft_batch
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
@@ -35,7 +38,6 @@ from rl_plugin.loop.resume import Progress, save_checkpoint
 from rl_plugin.loop.rows import RowLogger
 from rl_plugin.loop.schedule import Schedule
 from rl_plugin.loop.sft_schedule import SftSchedule
-from rl_plugin.loop.steps import rollout_batch, sft_batch
 from rl_plugin.loop.sync_schedule import SyncSchedule
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup
@@ -48,8 +50,9 @@ from rl_plugin.weight_sync import WeightLedger
 SCHEDULES = {Mode.SYNC: SyncSchedule, Mode.OVERLAPPED: OverlappedSchedule, Mode.FULLY_ASYNC: FullyAsyncSchedule}
 
 
-class Driver:
-    """The ``RolloutLoop`` a schedule runs (and the run's handle on the schedule)."""
+class RolloutPieces:
+    """The ``RolloutLoop`` a schedule calls (and the run's handle on the schedule): it decides no
+    order itself, the schedule does."""
 
     def __init__(
         self,
@@ -128,14 +131,14 @@ class Driver:
         as soon as rank 0 published."""
         g = self.group
         request = self.ledger.request(self.client.engine_node_ids)
-        refs = g.call("export_weight_buckets", [(request,)] * g.world_size, return_refs=True)
+        export = g.submit_export_weight_buckets(request)
         announced = self.ledger.announce(request)  # distributed: the engines receive while rank 0 publishes
-        update = self.client.submit_update(refs[0] if announced is None else announced, self.weights_version())
-        handle = g.wait(refs, "export_weight_buckets")[0]  # a failed rank is named here, before the update's error
+        update = self.client.submit_update(export.refs[0] if announced is None else announced, self.weights_version())
+        handle = export.wait()[0]  # a failed rank is named here, before the update's error
         if handle.error is not None:  # distributed: the engines died or stalled mid-sync
             return self._replace_engines(handle)
         load = self.client.wait_update(update)
-        del refs, update  # the buckets are freed once no one holds their handles
+        del export, update  # the buckets are freed once no one holds their handles
         if load is not None:
             self.ledger.synced_fully(handle, load)
 
@@ -155,7 +158,7 @@ class Driver:
         engines wake to generate; the next train call brings it back (``TrainActor.offload_train``).
         Once per generation, a no-op on ranks already offloaded."""
         if self.cfg.offload_train:
-            self.group.call("offload_train")
+            self.group.offload_train()
 
     def wait_generate(self, k: int, in_flight) -> RolloutData:
         """The answer of ``in_flight`` (or of a generate submitted now, when None), resubmitted to
@@ -184,19 +187,18 @@ class Driver:
         manager call). Returns the step reports. A train call that an exit signal stopped before
         its last step raises ``StopRequested`` (nothing published)."""
         g, plans = self.group, self._plans(data)
-        request = self.ledger.request(self.client.engine_node_ids) if sync else None
-        per_rank = [(plan, request) for plan in plans]  # one RankPlan per rank; every rank exports
+        request = self.ledger.request(self.client.engine_node_ids) if sync else None  # every rank exports
         announced = self.ledger.announce(request) if request is not None else None
         if announced is None:
-            reports, handle = g.call("train_rollout_and_sync", per_rank)[0]
+            reports, handle = g.train_rollout(plans, publish=request)[0]
             _check_complete(reports, plans[0])
             self.trained += 1
             self.ledger.published(handle)
             return reports
         # distributed: the manager receives while rank 0 broadcasts at the end of its train call
-        refs = g.call("train_rollout_and_sync", per_rank, return_refs=True)
+        trained = g.submit_train_rollout(plans, publish=request)
         update = self.client.submit_update(announced, self.weights_version() + 1)
-        reports, handle = g.wait(refs, "train_rollout_and_sync")[0]
+        reports, handle = trained.wait()[0]
         _check_complete(reports, plans[0])  # stopped: no broadcast comes; the teardown ends the update
         self.trained += 1
         if handle.error is not None:  # the engines died or stalled mid-sync: the steps stand
@@ -221,7 +223,7 @@ class Driver:
         batch = sft_batch(data) if cfg.sft else rollout_batch(data, cfg.advantage_estimator)
         if cfg.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
-            return g.call("plan_docs_steps", [(shares[g.dp_rank(r)], data.num_groups) for r in range(g.world_size)])
+            return g.plan_docs_steps([shares[g.dp_rank(r)] for r in range(g.world_size)], data.num_groups)
         by_dp = plan_global_batch_steps(
             batch, global_batch_size=cfg.global_batch_size or batch.num_samples, dp_size=g.dp_size
         )
@@ -276,7 +278,7 @@ class Driver:
         g, data = self.group, self.sft.eval_data()
         batch = sft_batch(data)
         by_dp = plan_global_batch_steps(batch, global_batch_size=batch.num_samples, dp_size=g.dp_size)
-        sums = g.call("eval_nll", [(by_dp[g.dp_rank(r)].batch,) for r in range(g.world_size)])
+        sums = g.eval_nll([by_dp[g.dp_rank(r)].batch for r in range(g.world_size)])
         first = {g.dp_rank(r): r for r in reversed(range(g.world_size))}  # one rank per DP share
         nll = sum(sums[r][0] for r in first.values())
         tokens = sum(sums[r][1] for r in first.values())

@@ -1,4 +1,5 @@
-"""``Registry``: names -> implementations, one instance per kind of pluggable piece.
+"""The ``Registry`` class: names -> implementations, one instance per kind of pluggable piece
+(the instances, every registry of rl_plugin, are ``rl_plugin.registries``).
 
 A registry maps a name (what a flag takes) to an object. An entry is either the object itself
 (``register``) or a ``"package.module:attr"`` string resolved on first ``get`` (``register_lazy``),

@@ -1,6 +1,7 @@
-"""The embedded default: ``rl-plugin-train --train-backend X`` with no data or model flags
-(``rl_plugin.arguments.embedded.is_embedded`` decides; a ``--hf-checkpoint`` alone is refused there
-unless it is of the embedded family).
+"""The embedded default's setup: its model and data files, built before the run starts
+(``rl-plugin-train --train-backend X`` with no data or model flags; its flag defaults and the
+rule that picks it are ``rl_plugin.arguments.embedded``: ``is_embedded`` decides, and a
+``--hf-checkpoint`` alone is refused there unless it is of the embedded family).
 
 It builds (once, then reuses) a tiny Qwen2-architecture model with a character tokenizer over
 the digits, and the digit-copy task (``rl_plugin.rollout.data.task``) with a held-out eval split,
