@@ -32,8 +32,9 @@ response, label); a reward that is not a number or not finite names the sample t
 Deadline: a ``--custom-rm-path`` function's every call (per sample; per group with ``--group-rm``)
 must return within ``--rm-timeout`` seconds (``DEFAULT_LOCAL_TIMEOUT_S`` when unset; the remote
 client reads the flag per request): an ``async def`` is cancelled, a plain ``def`` runs in a worker
-thread (``rollout.deadlines``; left behind when stuck), and the rollout stops naming the function,
-its file:line and the sample. The built-in verifiers run as before, without one.
+thread (``rollout.deadlines``; left behind when stuck, the calls queued behind it served by a fresh
+one), and the rollout stops at the first call past it (the other calls cancelled) naming the
+function, its file:line and the sample. The built-in verifiers run as before, without one.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any, List, Optional, Sequence
 
 from rl_plugin.configs.rewards import DEFAULT_LOCAL_TIMEOUT_S
 from rl_plugin.rollout import abort
-from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
+from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline, gather_calls
 from rl_plugin.rollout.rewards.functions import (
     NOT_A_REWARD,
     CustomReward,
@@ -242,10 +243,11 @@ class SampleScorer:
             calls = [call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
         else:
             calls = [call(fn, s.prompt, s.response, s.label) for s in samples]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await gather_calls(calls)  # the first deadline passed cancels the other calls
+        late = next((i for i, r in enumerate(results) if isinstance(r, UserCallTimeout)), None)
+        if late is not None:
+            raise self._timeout_error(late, samples, "did not return within --rm-timeout")
         bad = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
-        if bad is not None and isinstance(results[bad], UserCallTimeout):
-            raise self._timeout_error(bad, samples, "did not return within --rm-timeout")
         if bad is not None:
             s = samples[bad]
             raise RewardFunctionError(
@@ -260,12 +262,14 @@ class SampleScorer:
             raise ValueError(f"--group-rm: {len(samples)} samples do not split into groups of {size}")
         groups = [samples[i : i + size] for i in range(0, len(samples), size)]
         calls = [self._call(_target(self.fn), self.user_args, list(g)) for g in groups]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await gather_calls(calls)  # the first deadline passed cancels the other calls
+        late = next((k for k, r in enumerate(results) if isinstance(r, UserCallTimeout)), None)
+        if late is not None:
+            what = f"(--group-rm, group {late}) did not return within --rm-timeout"
+            raise self._timeout_error(late * size, samples, what)
         out: List[Any] = []
         for k, (group, r) in enumerate(zip(groups, results)):
             first = k * size
-            if isinstance(r, UserCallTimeout):
-                raise self._timeout_error(first, samples, f"(--group-rm, group {k}) did not return within --rm-timeout")
             if isinstance(r, BaseException):
                 raise RewardFunctionError(
                     f"{self.who} (--group-rm) raised {describe_exception(r, self.source)} on group {k} of the rollout "
