@@ -66,6 +66,7 @@ PROMPT_RESPONSE_LABEL = "fn(prompt, response, label)"
 SAMPLE = "rm(args, sample)"
 GROUP = "rm(args, samples)"
 REMOTE = "remote_rm"
+NONE = "no reward"  # neither --rm-type nor --custom-rm-path: an agent run whose agent returns the rewards
 
 
 def required_positionals(fn) -> Optional[int]:
@@ -135,7 +136,9 @@ class SampleScorer:
         rm_type, custom = config.rm_type, config.custom_rm_path
         self.remote: Optional[RemoteRewardModel] = None
         self.fn = None
-        if rm_type == REMOTE and not custom:
+        if rm_type is None and not custom:  # only an agent run gets here (RolloutConfig's rule)
+            self.form, self.who = NONE, "no reward (neither --rm-type nor --custom-rm-path)"
+        elif rm_type == REMOTE and not custom:
             self.remote = shared_client(config)  # the process's one client: its bound covers remote_rm() calls too
             self.form = REMOTE
             self.who = f"--rm-url {self.remote.url}"
@@ -151,6 +154,11 @@ class SampleScorer:
             self.timeout = float(config.rm_timeout) if config.rm_timeout is not None else DEFAULT_LOCAL_TIMEOUT_S
         self.worker = SerialWorker("rl_plugin-reward")
         self._late: Optional[int] = None  # the sample whose sync call passed its deadline
+
+    @property
+    def configured(self) -> bool:
+        """Whether the run has a reward of its own (an agent run may leave it to the agent)."""
+        return self.form != NONE
 
     # -- entry points -------------------------------------------------------------------------
     def score_samples(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
@@ -170,6 +178,10 @@ class SampleScorer:
 
     async def score(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
         """Set every ``sample.reward``; return the rewards as floats, in order."""
+        if not self.configured:
+            raise RewardFunctionError(
+                f"{len(samples)} samples to score and no reward configured. Fix: pass --rm-type or --custom-rm-path"
+            )
         if self.sync:
             return self._score_sync(samples)
         if self.form == REMOTE:
