@@ -220,7 +220,8 @@ class RolloutConfig(Declared):
                 "a custom dataset has no embedded defaults for the rollout size",
                 f"pass {' '.join(m + ' N' for m in missing)}",
             )
-        if not (args.rm_type or args.custom_rm_path or sft):
+        agent = getattr(args, "custom_agent_function_path", None)  # its reward may be the agent's number
+        if not (args.rm_type or args.custom_rm_path or sft or agent):
             fail(
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",

@@ -16,6 +16,7 @@ from rl_plugin.configs import BatchingConfig, EngineConfig, RolloutConfig, Train
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig as Ckpt
 from rl_plugin.configs.colocation import ColocationConfig
+from rl_plugin.configs.custom_generation import steps_global_batch_size
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
 from rl_plugin.configs.logging import LoggingConfig
 from rl_plugin.flags import Declared, derived, nested, runtime, same_as
@@ -42,7 +43,8 @@ class LoopConfig(Declared):
     train_backend: str = same_as(TrainConfig, "train_backend")
     rollout_engine: str = same_as(EngineConfig, "engine")
     advantage_estimator: str = same_as(LossConfig, "advantage_estimator")
-    global_batch_size: Optional[int] = same_as(BatchingConfig, "global_batch_size")  # None: one step per rollout
+    # None: one step per rollout (also an agent run's --global-batch-size of the rollout's nominal size)
+    global_batch_size: Optional[int] = derived(steps_global_batch_size, None)
     docs_per_step: Optional[int] = same_as(
         BatchingConfig, "docs_per_step"
     )  # --docs-per-step: the ranks plan their steps

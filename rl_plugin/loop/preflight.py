@@ -129,6 +129,10 @@ def check_reward_and_data(args) -> None:
         fail(
             f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
         )
+    if getattr(args, "custom_agent_function_path", None) and hasattr(tokenizer, "tok"):
+        from rl_plugin.rollout.agent.template import AgentPrompts
+
+        tokenizer = AgentPrompts(tokenizer)  # chat messages go through the template, flag or not
     context = model_context_length(args.hf_checkpoint)
     vocab = model_vocab_size(args.hf_checkpoint)
     for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):

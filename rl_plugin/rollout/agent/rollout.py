@@ -188,7 +188,8 @@ class AgentRollout:
 
     async def _all(self, sessions: List[Session], prompts, kwargs: Dict[str, Any], seconds):
         tasks = [
-            asyncio.ensure_future(self._episode(i, s, p, kwargs, seconds)) for i, (s, p) in enumerate(zip(sessions, prompts))
+            asyncio.ensure_future(self._episode(i, s, p, kwargs, seconds))
+            for i, (s, p) in enumerate(zip(sessions, prompts))
         ]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -294,8 +295,11 @@ class AgentRollout:
             with self.server.serving(serving):
                 try:
                     rewards = self._episodes(sessions, prompts, self.request_kwargs(defaults), seconds)
-                except AgentError as exc:
-                    raise self._endpoint_error(serving, sessions) or exc
+                except AgentError as exc:  # the engine's failure, when there was one, is the cause
+                    failure = self._endpoint_error(serving, sessions)
+                    if failure is None:
+                        raise
+                    raise failure from exc
                 failure = self._endpoint_error(serving, sessions)
                 if failure is not None:
                     raise failure

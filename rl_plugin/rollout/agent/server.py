@@ -112,7 +112,9 @@ def _handler(method: str) -> Callable:
         except Exception as exc:  # noqa: BLE001 - the endpoint's own failure: answered, kept, re-raised by the rollout
             if session is not None:
                 serving.failed(exc, session)
-            return _error(RequestError(500, f"the agent endpoint failed: {type(exc).__name__}: {exc}", None, "server_error"))
+            return _error(
+                RequestError(500, f"the agent endpoint failed: {type(exc).__name__}: {exc}", None, "server_error")
+            )
 
     return handle
 

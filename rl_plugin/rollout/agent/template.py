@@ -101,9 +101,7 @@ class AgentPrompts:
         self.plain = tokenizer
         self.chat = tokenizer
         if not tokenizer.apply_chat_template and getattr(tokenizer.tok, "chat_template", None):
-            self.chat = HFTokenizerAdapter(
-                tokenizer.tok, True, tokenizer.chat_template_kwargs, tokenizer.system_prompt
-            )
+            self.chat = HFTokenizerAdapter(tokenizer.tok, True, tokenizer.chat_template_kwargs, tokenizer.system_prompt)
 
     def _of(self, prompt):
         return self.plain if isinstance(prompt, str) else self.chat
