@@ -23,6 +23,10 @@ function's required positional parameters (``metadata`` not counted):
   call slime's ``remote_rm(args, sample)`` itself (with ``--rm-url``): its calls go through the
   process's one client, so the same bound holds over all of them.
 
+With neither ``--rm-type`` nor ``--custom-rm-path`` (an agent run whose agent returns the
+rewards; ``RolloutConfig`` refuses it elsewhere) the scorer is not ``configured`` and refuses to
+score.
+
 In slime's forms and from the server, a reward is a number or a dict holding it under
 ``--reward-key`` (default ``"reward"``); the dict is kept whole as ``sample.reward`` and the number
 is returned (the sync three-argument form returns a float, as ``score_responses`` checks). A function that raises stops the
