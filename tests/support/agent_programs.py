@@ -169,20 +169,34 @@ async def blocks(base_url, prompt, request_kwargs=None):
 
 
 async def hostile(base_url, prompt, request_kwargs=None):
-    """Requests the endpoint must refuse with a 4xx, then one good completion."""
+    """Requests the endpoint must refuse with a 4xx, then one good completion (aiohttp)."""
     import json
 
+    import aiohttp
+
+    async def post(url: str, body: bytes):
+        try:
+            async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json(content_type=None)
+        except aiohttp.ClientError as exc:  # the server may close the connection after refusing
+            return None, repr(exc)
+
     url = base_url + "/v1/completions"
-    out = {
-        "oov_prompt": _post(url, json.dumps({"prompt": [1, 2, 1_000_000], "max_tokens": 2}).encode()),
-        "oov_stop": _post(url, json.dumps({"prompt": [1, 2], "stop_token_ids": [999_999], "max_tokens": 2}).encode()),
-        "nested": _post(url, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-        "too_large": _post(url, json.dumps({"prompt": "x" * (9 * 1024 * 1024)}).encode()),
-    }
     token, rest = base_url.split("/sessions/", 1)
     no_token = token.rsplit("/", 1)[0] + "/sessions/" + rest  # the same session without the run's token
-    out["no_token"] = _post(no_token + "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode())
-    out["ok"] = _post(url, json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode())
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        out = {
+            "oov_prompt": await post(url, json.dumps({"prompt": [1, 2, 1_000_000], "max_tokens": 2}).encode()),
+            "oov_stop": await post(
+                url, json.dumps({"prompt": [1, 2], "stop_token_ids": [999_999], "max_tokens": 2}).encode()
+            ),
+            "nested": await post(url, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+            "too_large": await post(url, json.dumps({"prompt": "x" * (9 * 1024 * 1024)}).encode()),
+            "no_token": await post(
+                no_token + "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()
+            ),
+            "ok": await post(url, json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()),
+        }
     SEEN["hostile"].append(out)
     return 1.0
 
