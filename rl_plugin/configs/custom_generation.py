@@ -70,38 +70,41 @@ class CustomGenerationConfig(Declared):
             "return value, else the run's reward on the final conversation. docs/design.md, 'Agent sessions'."
         ),
     )
-    agent_timeout: float = flag(
+    agent_timeout: Optional[float] = flag(
         "--agent-timeout",
         type=float,
-        default=DEFAULT_AGENT_TIMEOUT_S,
+        default=None,
         group="custom generation",
         help=(
             "Seconds one agent episode (one sample's run_agent call, its requests included; all episodes start "
             "together) may take; past it the agent is cancelled, its session answers 409, and the rollout stops naming "
-            f"the agent and the sample. Default: {DEFAULT_AGENT_TIMEOUT_S:g}."
+            "the agent and the sample. An agent that blocks its event loop (a synchronous call inside async def) is "
+            "stopped a few seconds later, naming the line that blocks. Needs --custom-agent-function-path. Default: "
+            f"{DEFAULT_AGENT_TIMEOUT_S:g}."
         ),
     )
-    custom_generate_timeout: float = flag(
+    custom_generate_timeout: Optional[float] = flag(
         "--custom-generate-timeout",
         type=float,
-        default=DEFAULT_GENERATE_TIMEOUT_S,
+        default=None,
         group="custom generation",
         help=(
             "Seconds one sample may spend in --custom-generate-function-path's hook (its generate_tokens calls "
             "included; all samples start together). A sample past it stops the rollout naming the hook, its file:line "
             "and the sample (index, group, prompt), so a stuck tool cannot freeze the run. A plain `def` hook runs in a "
-            f"worker thread, which a deadline cannot interrupt: it is left behind. Default: {DEFAULT_GENERATE_TIMEOUT_S:g} "
-            "(raise it for long agentic samples)."
+            "worker thread, which a deadline cannot interrupt: it is left behind. Needs --custom-generate-function-path. "
+            f"Default: {DEFAULT_GENERATE_TIMEOUT_S:g} (raise it for long agentic samples)."
         ),
     )
-    rollout_function_timeout: float = flag(
+    rollout_function_timeout: Optional[float] = flag(
         "--rollout-function-timeout",
         type=float,
-        default=DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S,
+        default=None,
         group="custom generation",
         help=(
             "Seconds one call of --rollout-function-path's function (a whole rollout) may take; past it the rollout "
-            f"stops naming the function, its file:line and the rollout. Default: {DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S:g}."
+            "stops naming the function, its file:line and the rollout. Needs --rollout-function-path. Default: "
+            f"{DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S:g}."
         ),
     )
 
@@ -109,11 +112,19 @@ class CustomGenerationConfig(Declared):
         """The combinations and the deadlines; the files themselves are loaded in preflight
         (``loop.preflight.check_user_functions``)."""
         gen, fn = self.custom_generate_function_path, self.rollout_function_path
-        for flag_name, value in (
-            ("--custom-generate-timeout", self.custom_generate_timeout),
-            ("--rollout-function-timeout", self.rollout_function_timeout),
-            ("--agent-timeout", self.agent_timeout),
+        for flag_name, value, hook, hook_flag in (
+            ("--custom-generate-timeout", self.custom_generate_timeout, gen, "--custom-generate-function-path"),
+            ("--rollout-function-timeout", self.rollout_function_timeout, fn, "--rollout-function-path"),
+            ("--agent-timeout", self.agent_timeout, self.custom_agent_function_path, "--custom-agent-function-path"),
         ):
+            if value is None:
+                continue
+            if not hook:  # as --rm-timeout without a reward that reads it
+                fail(
+                    f"{flag_name} without {hook_flag}",
+                    f"it bounds a call of {hook_flag}'s function, which is not set, so it would be silently ignored",
+                    f"add {hook_flag}, or drop {flag_name}",
+                )
             if not is_positive_finite(value):
                 fail(flag_name, f"must be a positive number of seconds (got {value})", f"use e.g. {flag_name} 600")
         if gen and fn:
@@ -132,7 +143,9 @@ class CustomGenerationConfig(Declared):
 
     def _check_agent(self, run) -> None:
         """The agent replaces per-sample generation; its rollout's sample count varies (a turn
-        that rewrote the history is a sample of its own), so its steps are sized by the rollout."""
+        that rewrote the history is a sample of its own), so its steps are sized by the rollout
+        (``steps_global_batch_size``). Its reward may be the agent's own number: no reward flag
+        is needed, except for the evaluation, which keeps the plain rollout."""
         if not self.custom_agent_function_path:
             return
         for other, value in (
@@ -146,10 +159,37 @@ class CustomGenerationConfig(Declared):
                     "the agent generates every sample through its session; the other hook would replace or filter that",
                     f"drop one of the two (call your tools from the agent instead of {other})",
                 )
-        if run.train.batching.global_batch_size is not None:
+        gbs, nominal = run.train.batching.global_batch_size, nominal_rollout_size(run)
+        if gbs is not None and gbs != nominal:
             fail(
-                "--custom-agent-function-path with --global-batch-size",
+                f"--custom-agent-function-path with --global-batch-size {gbs}",
                 "an agent rollout's sample count varies (a turn whose prompt does not extend the previous one becomes a "
-                "sample of its own), so a fixed number of samples per step may not divide it",
-                "drop --global-batch-size (one optimizer step per rollout) or size steps with --docs-per-step",
+                f"sample of its own), so a fixed number of samples per step other than the rollout's ({nominal}) may "
+                "not divide it",
+                f"use --global-batch-size {nominal} (--rollout-batch-size x --n-samples-per-prompt: one optimizer step "
+                "per rollout, however many samples its episodes made), drop it, or size steps with --docs-per-step",
             )
+        if run.rollout.eval_interval and not (run.rewards.rm_type or run.rewards.custom_rm_path):
+            fail(
+                "--custom-agent-function-path with --eval-interval and no --rm-type or --custom-rm-path",
+                "evaluation keeps the plain rollout (no agent), which only the run's reward can score",
+                "pass --rm-type or --custom-rm-path, or drop --eval-interval",
+            )
+
+
+def nominal_rollout_size(run) -> Optional[int]:
+    """``--rollout-batch-size x --n-samples-per-prompt`` of the run config (None: no rollout size given)."""
+    if run.rollout.rollout_batch_size is None:
+        return None
+    return int(run.rollout.rollout_batch_size) * int(run.rollout.n_samples_per_prompt)
+
+
+def steps_global_batch_size(run) -> Optional[int]:
+    """The loop's samples per optimizer step: ``--global-batch-size``, except that an agent run's
+    value equal to the rollout's nominal size means one step per rollout (None), whatever the
+    sample count its episodes made (an episode whose turns rewrote the history is several
+    samples: the step takes them all, each weighed as one sample of its prompt's group)."""
+    gbs = run.train.batching.global_batch_size
+    if run.custom_generation.custom_agent_function_path and gbs is not None and gbs == nominal_rollout_size(run):
+        return None
+    return gbs

@@ -223,7 +223,8 @@ class RolloutConfig(Declared):
                 "a custom dataset has no embedded defaults for the rollout size",
                 f"pass {' '.join(m + ' N' for m in missing)}",
             )
-        if not (run.rewards.rm_type or run.rewards.custom_rm_path or sft):
+        agent = run.custom_generation.custom_agent_function_path  # its reward may be the agent's number
+        if not (run.rewards.rm_type or run.rewards.custom_rm_path or sft or agent):
             fail(
                 "--prompt-data without --rm-type or --custom-rm-path",
                 "a custom dataset needs a reward function",

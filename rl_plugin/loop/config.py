@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from rl_plugin.configs.async_training import AsyncConfig
+from rl_plugin.configs.custom_generation import steps_global_batch_size
 from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.run import RunConfig
 from rl_plugin.weight_sync import SyncSettings
@@ -28,7 +29,8 @@ class LoopConfig:
     train_backend: str
     rollout_engine: str
     advantage_estimator: str
-    global_batch_size: Optional[int]  # None: one step per rollout
+    # None: one step per rollout (also an agent run's --global-batch-size of the rollout's nominal size)
+    global_batch_size: Optional[int]
     docs_per_step: Optional[int]  # --docs-per-step: the ranks plan their steps
     offload_train: bool  # the driver offloads before each generation
     # --fully-async: what the rollout manager's worker reads (buffer, concurrency, staleness, pause)
@@ -62,7 +64,7 @@ class LoopConfig:
             train_backend=train.train_backend,
             rollout_engine=run.rollout.engine.engine,
             advantage_estimator=train.loss.advantage_estimator,
-            global_batch_size=train.batching.global_batch_size,
+            global_batch_size=steps_global_batch_size(run),
             docs_per_step=train.batching.docs_per_step,
             offload_train=run.rollout.engine.colocation.offload_train,
             async_settings=run.async_training if run.mode is Mode.FULLY_ASYNC else None,

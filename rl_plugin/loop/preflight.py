@@ -126,6 +126,10 @@ def check_reward_and_data(run: RunConfig) -> None:
         )
     except ValueError as exc:
         fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+    if run.custom_generation.custom_agent_function_path and hasattr(tokenizer, "tok"):
+        from rl_plugin.rollout.agent.template import AgentPrompts
+
+        tokenizer = AgentPrompts(tokenizer)  # chat messages go through the template, flag or not
     context = model_context_length(hf_checkpoint)
     vocab = model_vocab_size(hf_checkpoint)
     for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):

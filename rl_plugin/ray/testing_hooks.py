@@ -13,7 +13,7 @@ Outside tests none is set and the actor's check before a step is two ``None`` te
   and waits for the stop request that follows, so the stop lands before that step as a preemption
   mid-train would.
 - ``RL_PLUGIN_COLOCATION_TRACE`` = a file: the colocation phases appended there
-  (``rl_plugin.rollout.engines.phases``, read where each phase is recorded).
+  (``rl_plugin.phases``, read where each phase is recorded).
 - ``RL_PLUGIN_TRAIN_THREADS``: not a test hook, the train ranks' torch threads (``rl_plugin.threads``),
   forwarded with them for the same reason.
 """
@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
-from rl_plugin.rollout.engines.phases import TRACE_ENV
+from rl_plugin.phases import TRACE_ENV
 from rl_plugin.threads import TRAIN_THREADS_ENV
 
 FAULT_ENV = "RL_PLUGIN_FAULT_KILL_RANK_AT_STEP"

@@ -38,7 +38,9 @@ Limits (``EngineRouter.clamp``): ``max_new_tokens`` is clamped to ``--rollout-ma
 (``max_position_embeddings - len(input_ids)``), before any engine sees it, so every engine
 generates the same number of tokens (the ``hf`` engine would generate past the context, vLLM
 caps silently). Each kind of clamp prints one line per run, not one per call. ``input_ids`` that
-already fill the context are refused (``ValueError``: nothing can be generated). A request whose
+already fill the context are refused (``ValueError``: nothing can be generated), and so is an id
+of ``input_ids`` or ``stop_token_ids`` outside the model's vocabulary (``vocab_size``), before any
+engine sees it; the hook's error then names the sample. A request whose
 room is below the flag gets its own engine call (a shared call generates up to its longest
 request), so no engine runs past the context.
 """
@@ -113,13 +115,22 @@ def sampling_params_of(
     return SamplingParams(temperature, top_p, int(max_new), top_k, tuple(sorted(set(stop))))
 
 
-def _check_ids(input_ids) -> List[int]:
+def _check_ids(input_ids, vocab_size: Optional[int] = None) -> List[int]:
+    """``input_ids`` as a list of ints in ``[0, vocab_size)`` (``ValueError`` naming the first
+    that is not: an id past the embedding fails every request batched with it, and on a GPU
+    poisons the engine with a device-side assert)."""
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)
     if not ids:
         raise ValueError("generate_tokens: input_ids is empty; a generation needs at least one token to condition on")
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
     if bad is not None:
         raise ValueError(f"generate_tokens: input_ids holds {bad!r} ({type(bad).__name__}); expected ids >= 0")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        at = next(k for k, t in enumerate(ids) if t >= vocab_size)
+        raise ValueError(
+            f"generate_tokens: input_ids[{at}] = {ids[at]} is outside the model's vocabulary [0, {vocab_size}); "
+            "pass ids the model's tokenizer produced"
+        )
     return ids
 
 
@@ -135,8 +146,13 @@ async def generate_tokens(
             "generate_tokens runs inside a rollout: call it from a --custom-generate-function-path hook or a "
             "--rollout-function-path function, which the rollout manager runs with its engines"
         )
-    ids = _check_ids(input_ids)
+    ids = _check_ids(input_ids, router.vocab_size)
     params = router.clamp(ids, sampling_params_of(sampling_params, router.defaults))
+    stop = [t for t in params.stop_token_ids if router.vocab_size is not None and t >= router.vocab_size]
+    if stop:
+        raise ValueError(
+            f"generate_tokens: stop_token_ids holds {stop[0]}, outside the model's vocabulary [0, {router.vocab_size})"
+        )
     gen = await router.submit(ids, params)
     out = {
         "output_ids": list(gen.response_ids),
@@ -163,10 +179,16 @@ class EngineRouter:
     docstring). One per rollout, used from one event loop; ``calls`` counts the engine calls."""
 
     def __init__(
-        self, dispatch: Dispatch, seed: int, defaults: SamplingParams = DEFAULTS, context_len: Optional[int] = None
+        self,
+        dispatch: Dispatch,
+        seed: int,
+        defaults: SamplingParams = DEFAULTS,
+        context_len: Optional[int] = None,
+        vocab_size: Optional[int] = None,
     ):
         self.dispatch, self.seed, self.defaults = dispatch, int(seed), defaults
         self.context_len = context_len  # the model's max_position_embeddings (None: unknown, no clamp)
+        self.vocab_size = vocab_size  # the model's vocabulary: the bound of every id asked (None: unchecked)
         self.queue: List[Tuple[List[int], SamplingParams, asyncio.Future]] = []
         self.flushes = self.calls = self.requests = 0
         self.busy = False

@@ -132,3 +132,93 @@ async def refused(base_url, prompt, request_kwargs=None):
             out[name] = (exc.status_code, exc.body.get("param") if isinstance(exc.body, dict) else None, str(exc))
     SEEN["refused"].append(out)
     _ENDED.clear()
+
+
+# -- issue 44: agents that block their event loop, hostile requests ------------------------------
+def _post(url: str, body: bytes, timeout: float = 15.0):
+    """A blocking POST (urllib): (status, parsed JSON answer)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def sync_clients(base_url, prompt, request_kwargs=None):
+    """Blocking HTTP inside `async def`: the synchronous openai client, then urllib."""
+    import json
+
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=15.0)
+    r1 = c.chat.completions.create(model="m", messages=chat(prompt), max_tokens=3)
+    body = json.dumps({"messages": chat(prompt), "max_tokens": 3}).encode()
+    status, r2 = _post(base_url + "/v1/chat/completions", body)
+    SEEN["sync_clients"].append((r1.usage.completion_tokens, status, r2["usage"]["completion_tokens"]))
+
+
+async def blocks(base_url, prompt, request_kwargs=None):
+    """One completion, then a synchronous sleep that blocks the agents' event loop."""
+    import time
+
+    await client(base_url).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
+    time.sleep(6)
+
+
+async def hostile(base_url, prompt, request_kwargs=None):
+    """Requests the endpoint must refuse with a 4xx, then one good completion (aiohttp)."""
+    import json
+
+    import aiohttp
+
+    async def post(url: str, body: bytes):
+        try:
+            async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json(content_type=None)
+        except aiohttp.ClientError as exc:  # the server may close the connection after refusing
+            return None, repr(exc)
+
+    url = base_url + "/v1/completions"
+    token, rest = base_url.split("/sessions/", 1)
+    no_token = token.rsplit("/", 1)[0] + "/sessions/" + rest  # the same session without the run's token
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        out = {
+            "oov_prompt": await post(url, json.dumps({"prompt": [1, 2, 1_000_000], "max_tokens": 2}).encode()),
+            "oov_stop": await post(
+                url, json.dumps({"prompt": [1, 2], "stop_token_ids": [999_999], "max_tokens": 2}).encode()
+            ),
+            "nested": await post(url, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+            "too_large": await post(url, json.dumps({"prompt": "x" * (9 * 1024 * 1024)}).encode()),
+            "no_token": await post(
+                no_token + "/v1/completions", json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()
+            ),
+            "ok": await post(url, json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()),
+        }
+    SEEN["hostile"].append(out)
+    return 1.0
+
+
+async def flood(base_url, prompt, request_kwargs=None):
+    """200 concurrent requests on one session, each asking the whole budget."""
+    c = client(base_url)
+    outs = await asyncio.gather(
+        *(c.chat.completions.create(model="m", messages=chat(prompt), max_tokens=8) for _ in range(200))
+    )
+    SEEN["flood"].append(sum(r.usage.completion_tokens for r in outs))
+    return 1.0
+
+
+async def rewardless(base_url, prompt, request_kwargs=None):
+    """One completion, no reward: the run's reward (if any) scores the episode."""
+    await client(base_url).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
+    SEEN["rewardless"].append(prompt)
+
+
+async def scored(base_url, prompt, request_kwargs=None):
+    """One completion; the agent's own reward."""
+    await client(base_url).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
+    SEEN["scored"].append(prompt)
+    return 0.25

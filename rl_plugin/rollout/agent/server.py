@@ -1,156 +1,92 @@
-"""The agent endpoint: an aiohttp server on the rollout manager's node, one port per run.
+"""The agent endpoint: an aiohttp server in its own thread and event loop, one port per run.
 
 The port is bound once, when the manager is built (``AgentServer``: printed at start, kept
-listening for the whole run); each rollout serves it from its own event loop (``serving``), the
-loop its ``EngineRouter`` runs in, so every session's requests are batched with the others'
-(``generate.EngineRouter``: seeded per flush, the context and ``--rollout-max-response-len``
-clamps). Routes, per session:
+listening for the whole run), on loopback (127.0.0.1): the agents run in the rollout manager's
+process, so nothing off the node needs to reach it. Its event loop runs in a thread of its own
+(``rl_plugin-agent-endpoint``), not in the agents' loop: an agent that blocks its loop (a
+synchronous HTTP client, ``time.sleep`` inside ``async def run_agent``) cannot starve the server,
+so its own synchronous requests are answered and ``--agent-timeout`` still ends it
+(``rollout.AgentRollout``). Each rollout serves its ``Serving`` there (``serving``); the
+rollout's ``EngineRouter`` runs in that loop, so every session's requests are batched with the
+others' (``generate.EngineRouter``: seeded per flush, the context and
+``--rollout-max-response-len`` clamps). Rendering, tokenising, parsing a body and decoding run in
+one worker thread beside the loop (``Serving.off_loop``: one, because a Hugging Face tokenizer is
+not safe to call from several threads at once), so a large chat does not stall the other sessions.
 
-    POST /sessions/{id}/v1/chat/completions     POST /sessions/{id}/v1/completions
-    GET  /sessions/{id}/v1/models
+Routes, per session, behind the run's token (a random 128-bit hex string, ``secrets``):
 
-(the agent's ``base_url`` is ``http://host:port/sessions/{id}``). Errors are OpenAI error objects
-with the status of ``chat.RequestError`` (400 a field, 404 an unknown session, 409 an ended
-episode, 500 the engine) and ``x-should-retry: false``, so the ``openai`` client does not retry
-them; every request is answered or refused, none waits on an ended episode.
+    POST /{token}/sessions/{id}/v1/chat/completions     POST /{token}/sessions/{id}/v1/completions
+    GET  /{token}/sessions/{id}/v1/models
+
+The agent's ``base_url`` is ``http://127.0.0.1:port/{token}/sessions/{id}``: the token travels in
+the URL, so an unmodified OpenAI client (whatever its ``api_key``) reaches its session and
+nothing without the URL does (a wrong or missing token: 401, checked in constant time; the
+session id, uuid4, is a second secret). The printed address shows ``<token>``, never the token.
+
+Errors are OpenAI error objects with the status of ``chat.RequestError`` (400 a field, a body
+that is no JSON object, nested deeper than ``MAX_JSON_DEPTH`` or an id outside the vocabulary;
+401 the token; 404 an unknown session; 409 an ended episode; 413 a body over
+``MAX_REQUEST_BYTES``; 500 the engine or the endpoint itself) and ``x-should-retry: false``, so
+the ``openai`` client does not retry them; every request is answered or refused, none waits on an
+ended episode. A 500 is also kept (``Serving.failure``) and re-raised by the rollout naming the
+sample: an engine failure is not the agent's fault.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
 import json
+import secrets
 import socket
-from typing import Any, AsyncIterator, Callable, Dict, Optional
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator
 
 from aiohttp import web
 
-from rl_plugin.rollout.agent.chat import (
-    CHAT_KEYS,
-    COMPLETION_KEYS,
-    RequestError,
-    bad,
-    chat_answer,
-    check_messages,
-    completion_answer,
-    parse_tool_calls,
-    sampling_params,
-)
-from rl_plugin.rollout.agent.records import TurnRecord
-from rl_plugin.rollout.agent.sessions import Session, SessionTable
-from rl_plugin.rollout.agent.template import ChatTemplate
-from rl_plugin.rollout.generate import EngineRouter, sampling_params_of
+from rl_plugin.rollout.agent.chat import RequestError
+from rl_plugin.rollout.agent.serving import MODEL_NAME, Serving
 
 NO_RETRY = {"x-should-retry": "false"}
-MODEL_NAME = "rl_plugin-policy"
+LOOPBACK = "127.0.0.1"
+# The largest body served. A request carries one chat: a 128k-token context is ~0.5 MB of text,
+# JSON escaping and a tools list a few times that; 8 MiB leaves room for any context served here
+# and is far below the 256 MB this endpoint took before (one request could hold that much memory).
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# The deepest nesting of a body: OpenAI requests nest a handful of levels (a tool's JSON schema a
+# few more); Python's json parser recurses per level, so a body nested 100k deep would raise
+# RecursionError (a 500) instead of a 400.
+MAX_JSON_DEPTH = 64
+STOP_TIMEOUT_S = 30.0  # the most a rollout waits on the server's loop to start or stop serving
 
 
-def node_address() -> str:
-    """The address agents reach this node at: Ray's node IP inside a Ray worker, else loopback."""
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` (an explicit stack: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def parse_body(raw: bytes) -> Dict[str, Any]:
+    """A request body as a JSON object; ``RequestError`` 400 for anything else (module docstring)."""
     try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - no Ray: a local run
-        pass
-    return "127.0.0.1"
-
-
-class Serving:
-    """One rollout's endpoint state: the sessions, the router, the template, the weight version."""
-
-    def __init__(self, table: SessionTable, router: EngineRouter, template: ChatTemplate, version: Optional[int]):
-        self.table, self.router, self.template, self.version = table, router, template, version
-
-    async def generate(self, session: Session, ids, body, appended: bool):
-        """One completion for ``session`` on prompt ``ids``: ``(record, finish_reason)``; the
-        episode's budget bounds ``max_new_tokens``; nothing left: no engine call, no tokens."""
-        sp = sampling_params(body, CHAT_KEYS if "messages" in body else COMPLETION_KEYS, self.template.stop_id_of)
-        left = session.left
-        if left <= 0:
-            return TurnRecord(list(ids), [], [], "length", appended, self.version), "length"
-        sp["max_new_tokens"] = min(sp.get("max_new_tokens", left), left)
-        try:
-            params = self.router.clamp(list(ids), sampling_params_of(sp, self.router.defaults))
-        except ValueError as exc:
-            raise RequestError(400, f"messages: {exc}", "messages") from None
-        try:
-            gen = await self.router.submit(list(ids), params)
-        except Exception as exc:  # noqa: BLE001 - the engine's error, answered and re-raised by the rollout
-            session.end(f"engine error: {exc}")
-            raise RequestError(500, f"the engine failed: {exc}", kind="engine_error") from exc
-        session.check_open()  # the episode ended while this generated (timeout): nothing recorded
-        finish = "stop" if gen.finished else "length"
-        return TurnRecord(
-            list(ids), list(gen.response_ids), list(gen.log_probs), finish, appended, self.version
-        ), finish
-
-    async def chat(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
-        tpl = self.template
-        sampling_params(body, CHAT_KEYS, tpl.stop_id_of)  # refuse a bad request before rendering it
-        messages = session.raw_messages(check_messages(body.get("messages")))
-        tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        if tools is not None and not isinstance(tools, list):
-            raise bad("tools", f"must be a list of tool objects, got {tools!r}")
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise bad("tool_choice", f"only 'auto' and 'none' are served, got {body.get('tool_choice')!r}")
-        text = tpl.render(messages, tools)
-        ids, appended = session.prompt_ids(text, lambda: tpl.template_ids(messages, tools), tpl.encode)
-        rec, finish = await self.generate(session, ids, body, appended)
-        shown = tpl.answer_ids(rec.output_ids, finish)
-        rec.raw_text = tpl.decode(shown, keep_special=True)
-        content, calls = parse_tool_calls(tpl.decode(shown, keep_special=False)) if tools else (None, [])
-        if not calls:
-            content = tpl.decode(shown, keep_special=False)
-        rec.tool_call_ids = [c["id"] for c in calls]
-        answer = chat_answer(
-            content,
-            calls,
-            finish,
-            rec.prompt_ids,
-            rec.output_ids,
-            rec.log_probs,
-            tpl.token_texts(rec.output_ids) if body.get("logprobs") else [],
-            want_logprobs=bool(body.get("logprobs")),
-            want_prompt_ids=bool(body.get("return_prompt_token_ids")),
-            model=MODEL_NAME,
-        )
-        if rec.output_ids:
-            session.add(rec, tpl.decode(rec.full_ids, keep_special=True), content, rec.tool_call_ids)
-            session.last_messages = list(body["messages"]) + [answer["choices"][0]["message"]]
-        return answer
-
-    async def completion(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
-        tpl = self.template
-        sampling_params(body, COMPLETION_KEYS, tpl.stop_id_of)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str) and prompt:
-            ids, appended = session.prompt_ids(prompt, lambda: tpl.encode(prompt, special=True), tpl.encode)
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            ids, appended = list(prompt), session.ids_extend(list(prompt))
-        else:
-            raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
-        rec, finish = await self.generate(session, ids, body, appended)
-        shown = tpl.answer_ids(rec.output_ids, finish)
-        rec.raw_text = tpl.decode(shown, keep_special=True)
-        text = tpl.decode(shown, keep_special=False)
-        if rec.output_ids:
-            session.add(rec, tpl.decode(rec.full_ids, keep_special=True), None, [])
-        return completion_answer(
-            text,
-            finish,
-            rec.prompt_ids,
-            rec.output_ids,
-            rec.log_probs,
-            tpl.token_texts(rec.output_ids) if body.get("logprobs") is not None else [],
-            want_logprobs=body.get("logprobs") not in (None, False),
-            want_prompt_ids=bool(body.get("return_prompt_token_ids")),
-            model=MODEL_NAME,
-        )
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError(400, "the request body is not JSON", None) from None
+    except RecursionError:
+        body = None
+    if body is None or _depth_over(body, MAX_JSON_DEPTH):
+        raise RequestError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", None)
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object", None)
+    return body
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -160,17 +96,25 @@ def _error(exc: RequestError) -> web.Response:
 def _handler(method: str) -> Callable:
     async def handle(request: web.Request) -> web.Response:
         serving: Serving = request.app[SERVING]
+        session = None
         try:
             session = serving.table.lookup(request.match_info["sid"])
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise RequestError(400, "the request body is not JSON", None) from None
-            if not isinstance(body, dict):
-                raise RequestError(400, "the request body must be a JSON object", None)
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise RequestError(
+                    413, f"the request body is over {MAX_REQUEST_BYTES} bytes (the endpoint's limit)", None
+                ) from None
+            body = await serving.off_loop(parse_body, raw)
             return web.json_response(await getattr(serving, method)(session, body))
         except RequestError as exc:
             return _error(exc)
+        except Exception as exc:  # noqa: BLE001 - the endpoint's own failure: answered, kept, re-raised by the rollout
+            if session is not None:
+                serving.failed(exc, session)
+            return _error(
+                RequestError(500, f"the agent endpoint failed: {type(exc).__name__}: {exc}", None, "server_error")
+            )
 
     return handle
 
@@ -192,41 +136,80 @@ async def _unknown(request: web.Request) -> web.Response:
 
 
 SERVING = web.AppKey("serving", Serving)
+TOKEN = web.AppKey("token", str)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler) -> web.Response:
+    """The run's token, the first path segment, compared in constant time (module docstring)."""
+    first = request.path.lstrip("/").split("/", 1)[0]
+    if not hmac.compare_digest(first.encode(), request.app[TOKEN].encode()):
+        return _error(
+            RequestError(
+                401,
+                "missing or wrong run token: use the base_url the rollout handed to the agent, as it is",
+                None,
+                "authentication_error",
+            )
+        )
+    return await handler(request)
 
 
 class AgentServer:
-    """The run's port (module docstring): bound at construction, served per rollout."""
+    """The run's port, its thread and event loop (module docstring): bound at construction,
+    served per rollout (``serving``)."""
 
-    def __init__(self, host: Optional[str] = None, port: int = 0):
-        self.host = host or node_address()
+    def __init__(self, host: str = LOOPBACK, port: int = 0):
+        self.host = host
+        self.token = secrets.token_hex(16)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((self.host, int(port)))
         self.sock.listen(1024)
         self.port = int(self.sock.getsockname()[1])
-        print(f"agent endpoint: http://{self.host}:{self.port}/sessions/<id>/v1 (one session per sample)", flush=True)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rl_plugin-agent-template")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rl_plugin-agent-endpoint", daemon=True)
+        self.thread.start()
+        print(
+            f"agent endpoint: http://{self.host}:{self.port}/<run token>/sessions/<id>/v1 (one session per sample; "
+            "each agent gets its base_url)",
+            flush=True,
+        )
 
     def base_url(self, sid: str) -> str:
-        return f"http://{self.host}:{self.port}/sessions/{sid}"
+        return f"http://{self.host}:{self.port}/{self.token}/sessions/{sid}"
 
-    @contextlib.asynccontextmanager
-    async def serving(self, serving: Serving) -> AsyncIterator[Serving]:
-        """Serve ``serving`` on the run's port in the running event loop until the block ends."""
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app[SERVING] = serving
-        app.router.add_post("/sessions/{sid}/v1/chat/completions", _handler("chat"))
-        app.router.add_post("/sessions/{sid}/v1/completions", _handler("completion"))
-        app.router.add_get("/sessions/{sid}/v1/models", _models)
+    def _run(self, coro):
+        """``coro`` on the server's loop, waited for from the calling thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STOP_TIMEOUT_S)
+
+    async def _start(self, serving: Serving) -> web.AppRunner:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_guard])
+        app[SERVING], app[TOKEN] = serving, self.token
+        base = "/{token}/sessions/{sid}/v1"
+        app.router.add_post(base + "/chat/completions", _handler("chat"))
+        app.router.add_post(base + "/completions", _handler("completion"))
+        app.router.add_get(base + "/models", _models)
         app.router.add_route("*", "/{tail:.*}", _unknown)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         # a duplicate of the listening socket: the site closes its own, the run's stays bound
-        site = web.SockSite(runner, self.sock.dup())
-        await site.start()
+        await web.SockSite(runner, self.sock.dup()).start()
+        return runner
+
+    @contextlib.contextmanager
+    def serving(self, serving: Serving) -> Iterator[Serving]:
+        """Serve ``serving`` on the run's port, in the server's loop, until the block ends."""
+        serving.pool = self.pool
+        runner = self._run(self._start(serving))
         try:
             yield serving
         finally:
-            await runner.cleanup()
+            self._run(runner.cleanup())
 
     def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(STOP_TIMEOUT_S)
+        self.pool.shutdown(wait=False)
         self.sock.close()

@@ -3,7 +3,12 @@
 A session owns its completions' records (``records.TurnRecord``), its episode budget of model
 tokens (``--rollout-max-response-len`` per episode: a request asks at most what is left; with
 nothing left it is answered at once with no tokens and finish_reason "length") and the token-in /
-token-out rule that makes a turn append-only:
+token-out rule that makes a turn append-only. The budget is *reserved* before the engine call
+(``reserve`` / ``settle``, on the endpoint's event loop, with no await between the check and the
+reservation): requests in flight together on one session share what is left instead of each
+seeing all of it, so the episode never generates more than its budget.
+
+The append-only rule:
 
 - a turn's messages are rendered by the chat template to text ``T``;
 - when ``T`` starts with the text of the previous record's prompt + output ids (decoded, special
@@ -37,6 +42,8 @@ class Session:
     def __init__(self, sid: str, base: Sample, budget: int):
         self.sid, self.base, self.budget = sid, base, int(budget)
         self.records: List[TurnRecord] = []
+        self.spent = 0  # output ids the engine produced for this episode (recorded or not)
+        self.reserved = 0  # output ids asked by the engine calls in flight
         self.ended: Optional[str] = None  # why the episode ended (None: open)
         self.last_messages: List[Dict[str, Any]] = []
         self.last_answer: Optional[Dict[str, Any]] = None
@@ -45,12 +52,21 @@ class Session:
         self._raw_by_content: Dict[str, str] = {}
 
     @property
-    def used(self) -> int:
-        return sum(len(r.output_ids) for r in self.records)
-
-    @property
     def left(self) -> int:
-        return max(self.budget - self.used, 0)
+        """Model tokens a new request may still ask: the budget less what was generated and what
+        the calls in flight reserved."""
+        return max(self.budget - self.spent - self.reserved, 0)
+
+    def reserve(self, asked: int) -> int:
+        """Reserve at most ``asked`` of what is left; returns the reservation (0: nothing left)."""
+        take = min(int(asked), self.left)
+        self.reserved += take
+        return take
+
+    def settle(self, reserved: int, produced: int) -> None:
+        """An engine call that reserved ``reserved`` ended having produced ``produced`` ids."""
+        self.reserved -= reserved
+        self.spent += produced
 
     def check_open(self) -> None:
         if self.ended is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from rl_plugin.rollout.agent.chat import RequestError, with_tools_in_system
-from rl_plugin.rollout.data.tokenizer import _as_ids
+from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, _as_ids
 
 
 class ChatTemplate:
@@ -87,3 +87,30 @@ class ChatTemplate:
         """The output ids without the stop id that ended them (what ``content`` shows)."""
         ids = list(output_ids)
         return ids[:-1] if finish_reason == "stop" and ids else ids
+
+
+class AgentPrompts:
+    """The run's tokenizer as an agent rollout reads the dataset's prompts (``fresh_samples``):
+    a string as the run's tokenizer shows it (the text after the template with
+    ``--apply-chat-template``, the string itself without), a list of chat messages rendered by the
+    checkpoint's chat template with or without the flag: the agent is handed the messages as they
+    are, and the endpoint renders every chat with that template, so ``sample.prompt`` is the text
+    the agent's first request becomes."""
+
+    def __init__(self, tokenizer):
+        self.plain = tokenizer
+        self.chat = tokenizer
+        if not tokenizer.apply_chat_template and getattr(tokenizer.tok, "chat_template", None):
+            self.chat = HFTokenizerAdapter(tokenizer.tok, True, tokenizer.chat_template_kwargs, tokenizer.system_prompt)
+
+    def _of(self, prompt):
+        return self.plain if isinstance(prompt, str) else self.chat
+
+    def prompt_ids(self, prompt) -> List[int]:
+        return self._of(prompt).prompt_ids(prompt)
+
+    def prompt_text(self, prompt) -> str:
+        return self._of(prompt).prompt_text(prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.plain.decode(ids)

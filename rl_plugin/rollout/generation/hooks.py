@@ -142,13 +142,16 @@ def run_generate_hook(
     seed: int,
     defaults: SamplingParams,
     *,
-    timeout: float = DEFAULT_GENERATE_TIMEOUT_S,
+    timeout: Optional[float] = None,
     context_len: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> List[Any]:
     """Every sample through the hook, concurrently (one event loop), each within ``timeout``
-    seconds (``--custom-generate-timeout``); the hooks' return values. ``context_len``: the
-    model's context, ``generate_tokens``' bound (with ``defaults.max_new_tokens``)."""
+    seconds (``--custom-generate-timeout``; None: ``DEFAULT_GENERATE_TIMEOUT_S``); the hooks'
+    return values. ``context_len``: the model's context, ``generate_tokens``' bound (with
+    ``defaults.max_new_tokens``); ``vocab_size``: the bound of the ids it is asked for."""
     source = hook.source()
+    timeout = DEFAULT_GENERATE_TIMEOUT_S if timeout is None else timeout
 
     async def one(i: int, sample: Sample):
         try:
@@ -174,7 +177,7 @@ def run_generate_hook(
             ) from exc
 
     async def main():
-        EngineRouter(dispatch, seed, defaults, context_len).bind()
+        EngineRouter(dispatch, seed, defaults, context_len, vocab_size).bind()
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
 
     return abort.run(main(), f"the generate hook {hook.describe()}")
@@ -204,12 +207,14 @@ def run_rollout_function(
     defaults: SamplingParams,
     evaluation: bool = False,
     *,
-    timeout: float = DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S,
+    timeout: Optional[float] = None,
     context_len: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> List[List[Sample]]:
     """The whole rollout from the user's function (module docstring), within ``timeout`` seconds
-    (``--rollout-function-timeout``): its groups."""
-    token = EngineRouter(dispatch, seed, defaults, context_len).bind()
+    (``--rollout-function-timeout``; None: ``DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S``): its groups."""
+    timeout = DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S if timeout is None else timeout
+    token = EngineRouter(dispatch, seed, defaults, context_len, vocab_size).bind()
     what = "--rollout-function-timeout"
     try:
         label = f"the rollout function {hook.describe()}"  # what an abort names

@@ -142,7 +142,7 @@ class GenerationSource:
             n, seed = cfg.n_samples_per_prompt, cfg.seed + rollout_id
             args = (self.dispatch(), self.params, self.context_len, self.scorer)
             with abort.phase(f"the agent {self.agent.describe()}"):
-                data = self.agent.rollout(recs, n, seed, *args)
+                data = self.agent.rollout(recs, n, seed, *args, vocab_size=self.vocab_size)
         elif self.group_filter is None:
             recs = self.prompts.next_batch(cfg.rollout_batch_size)
             data, _ = self._rollout(recs, cfg.n_samples_per_prompt, seed=cfg.seed + rollout_id)
@@ -235,6 +235,7 @@ class GenerationSource:
             self.params,
             timeout=self.config.custom_generate_timeout,
             context_len=self.context_len,
+            vocab_size=self.vocab_size,
         )
         return self._checked(out, hook, n)
 
@@ -329,6 +330,7 @@ class GenerationSource:
             self.params,
             timeout=cfg.rollout_function_timeout,
             context_len=self.context_len,
+            vocab_size=self.vocab_size,
         )
         samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, fn, rollout_id)
         checked = self._checked(samples, fn, cfg.n_samples_per_prompt)

@@ -226,3 +226,10 @@ def _checked(values: List[object], prompts: Sequence[str], responses: Sequence[s
                     "rewards must be finite"
                 ) from None
     return out
+
+
+def get_reward_value(sample, args) -> float:
+    """slime's accessor as a function (exported as ``rl_plugin.rollout.get_reward_value``): the
+    number of ``sample.reward``, a dict reward's entry under ``--reward-key`` (``"reward"`` when
+    unset); the same as ``sample.get_reward_value(args)``."""
+    return sample.get_reward_value(args)

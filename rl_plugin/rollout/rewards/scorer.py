@@ -23,6 +23,10 @@ function's required positional parameters (``metadata`` not counted):
   call slime's ``remote_rm(args, sample)`` itself (with ``--rm-url``): its calls go through the
   process's one client, so the same bound holds over all of them.
 
+With neither ``--rm-type`` nor ``--custom-rm-path`` (an agent run whose agent returns the
+rewards; ``RolloutConfig`` refuses it elsewhere) the scorer is not ``configured`` and refuses to
+score.
+
 In slime's forms and from the server, a reward is a number or a dict holding it under
 ``--reward-key`` (default ``"reward"``); the dict is kept whole as ``sample.reward`` and the number
 is returned (the sync three-argument form returns a float, as ``score_responses`` checks). A function that raises stops the
@@ -32,8 +36,9 @@ response, label); a reward that is not a number or not finite names the sample t
 Deadline: a ``--custom-rm-path`` function's every call (per sample; per group with ``--group-rm``)
 must return within ``--rm-timeout`` seconds (``DEFAULT_LOCAL_TIMEOUT_S`` when unset; the remote
 client reads the flag per request): an ``async def`` is cancelled, a plain ``def`` runs in a worker
-thread (``rollout.deadlines``; left behind when stuck), and the rollout stops naming the function,
-its file:line and the sample. The built-in verifiers run as before, without one.
+thread (``rollout.deadlines``; left behind when stuck, the calls queued behind it served by a fresh
+one), and the rollout stops at the first call past it (the other calls cancelled) naming the
+function, its file:line and the sample. The built-in verifiers run as before, without one.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any, List, Optional, Sequence
 
 from rl_plugin.configs.rewards import DEFAULT_LOCAL_TIMEOUT_S
 from rl_plugin.rollout import abort
-from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
+from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline, gather_calls
 from rl_plugin.rollout.rewards.functions import (
     NOT_A_REWARD,
     CustomReward,
@@ -65,6 +70,7 @@ PROMPT_RESPONSE_LABEL = "fn(prompt, response, label)"
 SAMPLE = "rm(args, sample)"
 GROUP = "rm(args, samples)"
 REMOTE = "remote_rm"
+NONE = "no reward"  # neither --rm-type nor --custom-rm-path: an agent run whose agent returns the rewards
 
 
 def required_positionals(fn) -> Optional[int]:
@@ -134,7 +140,9 @@ class SampleScorer:
         rm_type, custom = config.rm_type, config.custom_rm_path
         self.remote: Optional[RemoteRewardModel] = None
         self.fn = None
-        if rm_type == REMOTE and not custom:
+        if rm_type is None and not custom:  # only an agent run gets here (RolloutConfig's rule)
+            self.form, self.who = NONE, "no reward (neither --rm-type nor --custom-rm-path)"
+        elif rm_type == REMOTE and not custom:
             self.remote = shared_client(config)  # the process's one client: its bound covers remote_rm() calls too
             self.form = REMOTE
             self.who = f"--rm-url {self.remote.url}"
@@ -150,6 +158,11 @@ class SampleScorer:
             self.timeout = float(config.rm_timeout) if config.rm_timeout is not None else DEFAULT_LOCAL_TIMEOUT_S
         self.worker = SerialWorker("rl_plugin-reward")
         self._late: Optional[int] = None  # the sample whose sync call passed its deadline
+
+    @property
+    def configured(self) -> bool:
+        """Whether the run has a reward of its own (an agent run may leave it to the agent)."""
+        return self.form != NONE
 
     # -- entry points -------------------------------------------------------------------------
     def score_samples(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
@@ -169,6 +182,10 @@ class SampleScorer:
 
     async def score(self, samples: Sequence[Sample], *, group_size: Optional[int] = None) -> List[float]:
         """Set every ``sample.reward``; return the rewards as floats, in order."""
+        if not self.configured:
+            raise RewardFunctionError(
+                f"{len(samples)} samples to score and no reward configured. Fix: pass --rm-type or --custom-rm-path"
+            )
         if self.sync:
             return self._score_sync(samples)
         if self.form == REMOTE:
@@ -242,10 +259,11 @@ class SampleScorer:
             calls = [call(fn, s.prompt, s.response, s.label, metadata=s.metadata or {}) for s in samples]
         else:
             calls = [call(fn, s.prompt, s.response, s.label) for s in samples]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await gather_calls(calls)  # the first deadline passed cancels the other calls
+        late = next((i for i, r in enumerate(results) if isinstance(r, UserCallTimeout)), None)
+        if late is not None:
+            raise self._timeout_error(late, samples, "did not return within --rm-timeout")
         bad = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
-        if bad is not None and isinstance(results[bad], UserCallTimeout):
-            raise self._timeout_error(bad, samples, "did not return within --rm-timeout")
         if bad is not None:
             s = samples[bad]
             raise RewardFunctionError(
@@ -260,12 +278,14 @@ class SampleScorer:
             raise ValueError(f"--group-rm: {len(samples)} samples do not split into groups of {size}")
         groups = [samples[i : i + size] for i in range(0, len(samples), size)]
         calls = [self._call(_target(self.fn), self.user_args, list(g)) for g in groups]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await gather_calls(calls)  # the first deadline passed cancels the other calls
+        late = next((k for k, r in enumerate(results) if isinstance(r, UserCallTimeout)), None)
+        if late is not None:
+            what = f"(--group-rm, group {late}) did not return within --rm-timeout"
+            raise self._timeout_error(late * size, samples, what)
         out: List[Any] = []
         for k, (group, r) in enumerate(zip(groups, results)):
             first = k * size
-            if isinstance(r, UserCallTimeout):
-                raise self._timeout_error(first, samples, f"(--group-rm, group {k}) did not return within --rm-timeout")
             if isinstance(r, BaseException):
                 raise RewardFunctionError(
                     f"{self.who} (--group-rm) raised {describe_exception(r, self.source)} on group {k} of the rollout "

@@ -153,7 +153,47 @@ def test_agent_replaces_the_other_generation_hooks(other, value):
 
 def test_agent_rollouts_are_not_cut_into_fixed_size_steps():
     msg = _err(CUSTOM + AGENT + ["--global-batch-size", "4", "--n-samples-per-prompt", "2"])
-    assert "--custom-agent-function-path with --global-batch-size" in msg and "--docs-per-step" in msg
+    assert "--custom-agent-function-path with --global-batch-size 4" in msg and "--docs-per-step" in msg
+    assert "Fix: use --global-batch-size 8 (--rollout-batch-size x --n-samples-per-prompt" in msg
+
+
+def test_agent_accepts_the_rollouts_nominal_global_batch_size():
+    """Issue 44 item 15: slime's usual flags give --global-batch-size = rollout x n; it means one
+    step per rollout, however many samples the episodes made (was refused)."""
+    from rl_plugin.loop.config import LoopConfig
+
+    args = parse_args(CUSTOM + AGENT + ["--global-batch-size", "8", "--n-samples-per-prompt", "2"])
+    assert args.global_batch_size == 8 and LoopConfig.from_args(args).global_batch_size is None
+    plain = parse_args(CUSTOM + ["--global-batch-size", "8", "--n-samples-per-prompt", "2"])
+    assert LoopConfig.from_args(plain).global_batch_size == 8  # other runs: unchanged
+
+
+def test_agent_needs_no_reward_flag_but_its_evaluation_does():
+    """Issue 44 item 15: the agent's number is the reward (--rm-type was demanded); the
+    evaluation keeps the plain rollout, which needs the run's reward."""
+    no_rm = CUSTOM[:-2]
+    assert parse_args(no_rm + AGENT).rm_type is None
+    assert "--prompt-data without --rm-type or --custom-rm-path" in _err(no_rm)
+    msg = _err(no_rm + AGENT + ["--eval-prompt-data", "e.jsonl", "--eval-interval", "1"])
+    assert "--custom-agent-function-path with --eval-interval and no --rm-type or --custom-rm-path" in msg
+
+
+@pytest.mark.parametrize(
+    "flag, hook",
+    [
+        ("--agent-timeout", "--custom-agent-function-path"),
+        ("--custom-generate-timeout", "--custom-generate-function-path"),
+        ("--rollout-function-timeout", "--rollout-function-path"),
+    ],
+)
+def test_a_hook_deadline_without_its_hook_is_refused(flag, hook):
+    """Issue 44 item 24: as --rm-timeout without a reward that reads it (they were accepted and
+    silently ignored)."""
+    msg = _err(CUSTOM + [flag, "60"])
+    assert (
+        f"{flag} without {hook}: it bounds a call of {hook}'s function" in msg
+        and f"Fix: add {hook}, or drop {flag}" in msg
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf"])

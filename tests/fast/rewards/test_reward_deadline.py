@@ -6,6 +6,7 @@ function (run in a worker thread, left behind when stuck), ``--group-rm``."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -88,3 +89,75 @@ def test_rm_timeout_is_accepted_with_a_custom_reward_and_refused_with_a_builtin(
     assert args.rm_timeout == 5.0
     with pytest.raises(RLArgumentError, match="--rm-timeout without --rm-type remote_rm or --custom-rm-path"):
         parse_args(["--rm-type", "math_exact", "--rm-timeout", "5"])
+
+
+PLAIN = """
+import time
+
+def first_stuck(args, sample):
+    if sample.index == 0:
+        time.sleep(8)  # stuck: left behind in its worker thread
+    return 1.0
+
+def all_stuck(args, sample):
+    time.sleep(4)
+    return 1.0
+
+def group_stuck(args, samples):
+    if samples[0].group_index == 0:
+        time.sleep(8)
+    return [1.0] * len(samples)
+"""
+
+
+@pytest.mark.parametrize(
+    "fn, group_rm, what",
+    [
+        ("first_stuck", False, "did not return within --rm-timeout 0.5 s on sample 0"),
+        ("all_stuck", False, "did not return within --rm-timeout 0.5 s on sample 0"),
+        ("group_stuck", True, "(--group-rm, group 0) did not return within --rm-timeout 0.5 s on sample 0"),
+    ],
+)
+def test_a_stuck_plain_def_reward_does_not_hold_the_calls_queued_behind_it(tmp_path, fn, group_rm, what):
+    """Issue 44 item 7: a plain ``def`` in slime's forms runs in the serial worker; when its stuck
+    call was abandoned, the calls queued behind it stayed on the dead thread's queue and the scoring
+    waited for the stuck call to return (8 s here; 4 x 4 s when every call is stuck). Now the
+    queue moves to a fresh thread and the first deadline passed stops the scoring."""
+    path = tmp_path / "plain_rm.py"
+    path.write_text(PLAIN)
+    args = argparse.Namespace(
+        rm_type=None,
+        custom_rm_path=f"{path}:{fn}",
+        group_rm=group_rm,
+        reward_key=None,
+        rm_url=None,
+        rm_timeout=0.5,
+        n_samples_per_prompt=2,
+    )
+    scorer = SampleScorer(args)
+    t0 = time.perf_counter()
+    with pytest.raises(RewardFunctionError) as err:
+        scorer.score_samples(_samples())
+    took = time.perf_counter() - t0
+    assert what in str(err.value) and f"{path}:{fn}" in str(err.value), str(err.value)
+    assert took < 2.5, f"the scoring took {took:.1f} s with --rm-timeout 0.5"
+
+
+def test_the_worker_serves_later_calls_after_abandoning_a_stuck_one():
+    """The serial worker after a timeout: the next calls run (in order, one at a time) on a
+    fresh thread while the stuck one is still running on the old."""
+    import threading
+
+    from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout
+
+    worker, release, order = SerialWorker("test"), threading.Event(), []
+
+    def stuck():
+        release.wait(30)
+        order.append("stuck")
+
+    with pytest.raises(UserCallTimeout, match="did not return within --x 0.2 s"):
+        worker.call(stuck, timeout=0.2, what="--x")
+    assert [worker.call(order.append, i, timeout=5, what="--x") for i in range(3)] == [None] * 3
+    assert order == [0, 1, 2]
+    release.set()

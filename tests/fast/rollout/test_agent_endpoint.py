@@ -15,7 +15,7 @@ pytest.importorskip("openai")
 from rl_plugin.arguments.embedded import parse_train_flags  # noqa: E402
 from rl_plugin.configs import RolloutConfig  # noqa: E402
 from rl_plugin.models.smollm2 import tiny_chat_checkpoint  # noqa: E402
-from rl_plugin.rollout.agent.rollout import AgentRaised, AgentSessionUnused, AgentTimeout  # noqa: E402
+from rl_plugin.rollout.agent.rollout import AgentRaisedError, AgentSessionUnusedError, AgentTimeoutError  # noqa: E402
 from rl_plugin.rollout.manager import RolloutManager  # noqa: E402
 from tests.support import agent_programs as agents  # noqa: E402
 from tests.support.real_tokenizer import smollm2_tokenizer_path  # noqa: E402
@@ -151,13 +151,13 @@ def test_64_concurrent_sessions(setup):
 
 def test_failures_are_named_and_answered(setup):
     t0 = time.perf_counter()
-    with pytest.raises(AgentRaised, match=r"raises.*raised on sample \d.*KeyError.*no 'result'"):
+    with pytest.raises(AgentRaisedError, match=r"raises.*raised on sample \d.*KeyError.*no 'result'"):
         manager(setup, "raises", batch=2, n=2).generate(0)
     assert time.perf_counter() - t0 < 30  # the other episodes were cancelled, not awaited
-    with pytest.raises(AgentTimeout, match=r"--agent-timeout 0.5 s"):
+    with pytest.raises(AgentTimeoutError, match=r"--agent-timeout 0.5 s"):
         manager(setup, "sleeps", "--agent-timeout", "0.5", batch=1, n=2).generate(0)
     assert agents.SEEN["abort"] == [True]  # the module's abort(args), once
-    with pytest.raises(AgentSessionUnused, match="without one completion"):
+    with pytest.raises(AgentSessionUnusedError, match="without one completion"):
         manager(setup, "unused", batch=1, n=2).generate(0)
     data = manager(setup, "refused", batch=1, n=2).generate(0)
     (out,) = agents.SEEN["refused"]

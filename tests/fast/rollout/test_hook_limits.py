@@ -100,6 +100,9 @@ async def positive_log_prob(args, sample, sampling_params):
 
 async def rounding_log_prob(args, sample, sampling_params):
     return await _fill(sample, [5], [1], [1e-7])
+async def oov_id(args, sample, sampling_params):  # an id past the embedded vocabulary (16)
+    out = await generate_tokens(args, sample.tokens + [16], sampling_params)
+    return await _fill(sample, out["output_ids"], [1] * len(out["output_ids"]), out["output_log_probs"])
 """
 
 
@@ -155,12 +158,27 @@ def test_a_stuck_rollout_function_stops_at_its_deadline(tmp_path, hooks, name):
         m.generate(0)
 
 
+def test_an_id_past_the_vocabulary_is_named_before_the_engine_sees_it(tmp_path, hooks):
+    """Issue 44 item 9: generate_tokens checked only ids < 0; id 16 of the 16-id vocabulary
+    reached the engine (an IndexError from the embedding on CPU, a device-side assert on a GPU)."""
+    m = _manager(tmp_path, hooks, "oov_id")
+    with pytest.raises(
+        HookError,
+        match=r"oov_id at .*raised on sample 0 \(group 0\): ValueError: generate_tokens: "
+        r"input_ids\[\d+\] = 16 is outside the model's vocabulary \[0, 16\)",
+    ):
+        m.generate(0)
+
+
 def test_deadline_flags_must_be_positive():
     from rl_plugin.errors import RLArgumentError
 
-    for flag in ("--custom-generate-timeout", "--rollout-function-timeout"):
+    for flag, hook in (
+        ("--custom-generate-timeout", "--custom-generate-function-path"),
+        ("--rollout-function-timeout", "--rollout-function-path"),
+    ):
         with pytest.raises(RLArgumentError, match=rf"{flag}: must be a positive number of seconds \(got 0.0\)"):
-            parse_train_flags([flag, "0"])
+            parse_train_flags([hook, "m:f", flag, "0"])
 
 
 # -- item 4: limits -----------------------------------------------------------------------------
