@@ -2,7 +2,10 @@
 
 Checks what needs no world, exactly as ``rl-plugin-train`` does in its first second: the flag
 rules (with the embedded defaults when there is no ``--prompt-data``), the data-parallel rules
-for the DP size the cluster flags imply, and the files the flags name (``arguments.paths``).
+for the DP size the cluster flags imply, the files the flags name (``arguments.paths``) and
+what they hold (``arguments.file_contents``: the checkpoint to resume, its LoRA adapters, the
+SFT conversations or RL prompts, the OPD teacher; the same function as the trainer's preflight,
+so the same one-line message).
 Flags that nothing reads in the chosen configuration are refused or warned
 (``arguments.unread_flags``; a warning is a ``warning:`` line on stderr). Prints the resolved
 settings as JSON and exits 0; an invalid combination exits 2 with the
@@ -18,6 +21,7 @@ import sys
 
 from rl_plugin.arguments import RLArgumentError, validate_world
 from rl_plugin.arguments.embedded import check_model_and_data, parse_train_flags
+from rl_plugin.arguments.file_contents import check_file_contents
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.arguments.unread_flags import check_layout_flags
 from rl_plugin.configs.cluster import planned_dp_size
@@ -36,6 +40,7 @@ def main(argv=None) -> int:
         check_layout_flags(args)  # warnings on stderr
         if check_files:
             validate_paths(args)
+            check_file_contents(args)  # the trainer's preflight runs the same function
     except RLArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,8 @@ class LoopConfig(Declared):
     save_retain: Optional[int] = same_as(Ckpt, "save_retain")
     save_retain_interval: Optional[int] = same_as(Ckpt, "save_retain_interval")
     overwrite_save: bool = same_as(Ckpt, "overwrite_save")
+    # --save-hf (or, with LoRA, --save-hf-merged): a Hugging Face directory at every save, or at the end without --save
+    hf_export: bool = derived(lambda a: bool(a.save_hf or (a.lora_rank and a.save_hf_merged)), False)
     eval_interval: Optional[int] = same_as(RolloutConfig, "eval_interval")
     log_interval: int = same_as(LoggingConfig, "log_interval")
     progress_bar: bool = derived(lambda args: not args.no_progress_bar, True)
@@ -79,6 +81,11 @@ class LoopConfig(Declared):
         return bool(self.save) and (
             (bool(self.save_interval) and (k + 1) % self.save_interval == 0) or k + 1 == self.num_rollout
         )
+
+    def hf_export_due(self, k: int) -> bool:
+        """Whether the Hugging Face directory alone is written after rollout k: the last rollout of a
+        run with --save-hf and no --save (with --save, every checkpoint writes it)."""
+        return self.hf_export and not self.save and k + 1 == self.num_rollout
 
     def sync_due(self, k: int, ahead: int) -> bool:
         """Whether the train call of rollout k publishes its weights: some later call loads them

@@ -11,20 +11,22 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 2. the files the flags name (``rl_plugin.arguments.paths``: data, model, reward module, ``--load``
    exists, ``--save`` holds no other run's checkpoints), and the model's family is one the
    backend trains (``rl_plugin.backends.model_families``);
-3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
-   ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
-   changed since it was written (``note_changed_settings``);
+3. what the files hold (``rl_plugin.arguments.file_contents.check_file_contents``, the flag
+   checker's check too): the checkpoint to resume (written by this ``--train-backend``, not
+   already at or past ``--num-rollout``, its LoRA adapters' shape and base), every SFT
+   conversation or RL prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a
+   string or chat messages: it templates / tokenizes sanely, integer ids inside the model's
+   vocabulary, not implausibly few for its text, and fits the model's context;
+   ``rl_plugin.rollout.data.prompt_check``; no RL chat ends in an assistant turn), the
+   ``--use-opd`` teacher; a note names the settings that changed since the checkpoint was
+   written (``note_changed_settings``);
 4. every user function a ``*-path`` flag names loads (``check_user_functions``: the generate hook,
    the rollout function, the loss reducer; the dynamic-sampling filter and the TIS function load
    in their flags' checks, the reward function below): a typo is named with the functions the
    file does define, before Ray starts;
 5. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-url`` (``--rm-type remote_rm``, or a ``--custom-rm-path`` rm calling ``remote_rm``),
-   the server there accepts connections;
-6. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
-   chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
-   few for its text) and fits the model's context with ``--rollout-max-response-len``
-   (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
+   the server there accepts connections (``check_reward``; not under ``--loss-type sft_loss``).
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -33,59 +35,24 @@ aside) are the driver's, taken right after these checks.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.arguments import validate_world
 from rl_plugin.arguments.embedded import check_model_and_data
+from rl_plugin.arguments.file_contents import (  # noqa: F401 - check_progress, check_resume_point: the run's
+    ResumePoint,
+    check_file_contents,
+    check_progress,
+    check_resume_point,
+)
 from rl_plugin.arguments.paths import validate_paths
 from rl_plugin.arguments.unread_flags import check_layout_flags
-from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import resume_note
 from rl_plugin.configs.cluster import planned_dp_size
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family
-from rl_plugin.loop.opd_preflight import check_opd
-
-
-@dataclass
-class ResumePoint:
-    step: int
-    next_rollout: Optional[int]  # None when the checkpoint predates loop_state.json
-
-
-def check_resume_point(args) -> Optional[ResumePoint]:
-    if not args.load:
-        return None
-    step = resume_step(args.load, args.ckpt_step)
-    if step is None:
-        return None
-    d = step_dir(args.load, step)
-    backend = written_by(args.load, step)
-    if backend is not None and backend != args.train_backend:
-        fail(
-            f"--load {args.load} with --train-backend {args.train_backend}",
-            f"its checkpoint at step {step} ({d}) was written by the {backend} backend, whose checkpoint format the "
-            f"{args.train_backend} backend cannot read",
-            f"resume with --train-backend {backend}; to move the model to the {args.train_backend} backend, export it from a "
-            f"{backend} run with --save-hf DIR and start a new run from it with --hf-checkpoint DIR",
-        )
-    state = read_loop_state(args.load, step) or {}
-    point = ResumePoint(step, state.get("next_rollout"))
-    check_progress(args, point.next_rollout, step)
-    return point
-
-
-def check_progress(args, next_rollout: Optional[int], step: int) -> None:
-    """A checkpoint past ``--num-rollout`` would train nothing: refuse, naming both numbers."""
-    if next_rollout is not None and next_rollout > args.num_rollout:
-        fail(
-            f"--load {args.load} with --num-rollout {args.num_rollout}",
-            f"its checkpoint (step {step}) has already done {next_rollout} rollouts, more than --num-rollout, so this run would "
-            "train nothing. --num-rollout counts all rollouts of the run, those before the checkpoint included",
-            f"pass --num-rollout {next_rollout + args.num_rollout} to train {args.num_rollout} more rollouts",
-        )
 
 
 def is_finished(args, next_rollout: Optional[int]) -> bool:
@@ -100,9 +67,8 @@ def finished_message(args, step: int) -> str:
     )
 
 
-def check_reward_and_data(args) -> None:
-    from rl_plugin.rollout.data.prompt_check import check_prompt_file, model_context_length, model_vocab_size
-    from rl_plugin.rollout.data.tokenizer import load_tokenizer
+def check_reward(args) -> None:
+    """The reward function loads and its form suits ``--group-rm``; a ``--rm-url`` server answers."""
     from rl_plugin.rollout.rewards.functions import RewardFunctionError
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
@@ -118,34 +84,6 @@ def check_reward_and_data(args) -> None:
         )
     if args.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
         check_reward_server(args.rm_url)
-    try:
-        tokenizer = load_tokenizer(
-            args.hf_checkpoint,
-            apply_chat_template=args.apply_chat_template,
-            chat_template_kwargs=args.apply_chat_template_kwargs,
-            system_prompt=args.system_prompt,
-        )
-    except ValueError as exc:
-        fail(
-            f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
-        )
-    context = model_context_length(args.hf_checkpoint)
-    vocab = model_vocab_size(args.hf_checkpoint)
-    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
-        if path is not None:
-            check_prompt_file(
-                flag,
-                path,
-                tokenizer,
-                input_key=args.input_key,
-                label_key=args.label_key,
-                metadata_key=args.metadata_key,
-                max_response_len=args.rollout_max_response_len,
-                context_len=context,
-                hf_checkpoint=args.hf_checkpoint,
-                rm_type=args.rm_type,
-                vocab_size=vocab,
-            )
 
 
 def check_reward_server(url: str) -> None:
@@ -182,7 +120,7 @@ def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
 
 # the user-function flags loaded here: (flag, attribute). The other ``*-path`` flags load where
 # they are checked: --dynamic-sampling-filter-path and --custom-tis-function-path in their configs'
-# rules (at parse time), --custom-rm-path with the reward's form (``check_reward_and_data``).
+# rules (at parse time), --custom-rm-path with the reward's form (``check_reward``).
 USER_FUNCTION_FLAGS = (
     ("--custom-generate-function-path", "custom_generate_function_path"),
     ("--rollout-function-path", "rollout_function_path"),
@@ -210,15 +148,8 @@ def preflight(args) -> Optional[ResumePoint]:
     check_user_functions(args)
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
-    point = check_resume_point(args)
+    if args.loss_type != "sft_loss":  # SFT has no reward
+        check_reward(args)
+    point = check_file_contents(args)  # the resume checkpoint, the data, the OPD teacher: as the flag checker
     note_changed_settings(args, point)
-    if args.loss_type == "sft_loss":  # no reward; the data are conversations to template
-        from rl_plugin.loop.sft_data import check_sft_file
-
-        for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
-            if path is not None:
-                check_sft_file(flag, path, args)
-    else:
-        check_reward_and_data(args)
-    check_opd(args)
     return point

@@ -30,25 +30,6 @@ def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:
     return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True)
 
 
-def check_sft_file(flag: str, path, args) -> None:
-    """Template every record of an SFT file now (preflight, before Ray starts): the first bad one
-    raises ``RLArgumentError`` naming its file:line."""
-    from rl_plugin.errors import fail
-
-    cfg = RolloutConfig.from_args(args)
-    tokenizer = load_tokenizer(
-        args.hf_checkpoint,
-        apply_chat_template=cfg.apply_chat_template,
-        chat_template_kwargs=cfg.apply_chat_template_kwargs,
-        system_prompt=cfg.system_prompt,
-    )
-    try:
-        for rec in read_sft_records(path, cfg):
-            example_of(tokenizer, rec)
-    except (ValueError, FileNotFoundError) as exc:
-        fail(f"--loss-type sft_loss {flag}", str(exc), "correct that record of the file")
-
-
 class SftData:
     def __init__(self, args):
         cfg = RolloutConfig.from_args(args)
