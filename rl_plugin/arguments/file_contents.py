@@ -10,16 +10,15 @@ one-line message (issue 44 item 25). After ``validate_paths`` (the files exist),
    its adapters' shape and base model (``lora.json``), by the check the train ranks run at load
    (``rl_plugin.checkpoint.lora_base.check_lora_meta``; the base fingerprint hashes the base's
    weight files, as the ranks do);
-2. the data: with ``--loss-type sft_loss`` every conversation of ``--prompt-data`` /
-   ``--eval-prompt-data`` templates and fits the model's context
-   (``rollout.data.prompt_check.check_sft_file``), else every RL prompt tokenizes sanely and fits
-   with ``--rollout-max-response-len`` (``check_prompt_file``);
+2. with ``--loss-type sft_loss``, every conversation of ``--prompt-data`` /
+   ``--eval-prompt-data``: it reads, templates and fits the model's context
+   (``rollout.data.prompt_check.check_sft_file``);
 3. the ``--use-opd`` teacher (``opd_teacher.check_opd``).
 
 The data and the LoRA base need the model's directory: the flag checker on the embedded model
 (built by the run, ``loop.embedded``) skips them; the trainer builds it first and checks all.
-The reward function's import and the ``--rm-url`` probe are the trainer's (``loop.preflight``):
-they need the user's code and the reward server, not files.
+The RL prompts are checked by the trainer's preflight only (``check_reward_and_data``: with the
+reward function's import and the ``--rm-url`` probe, which need the user's code and the server).
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ class ResumePoint:
 def check_file_contents(args) -> Optional[ResumePoint]:
     """Raise ``RLArgumentError`` on the first bad file (module docstring); returns the resume point."""
     point = check_resume_point(args)
-    if args.hf_checkpoint is not None:
-        check_data(args)
+    if args.loss_type == "sft_loss" and args.hf_checkpoint is not None:
+        check_sft_data(args)
     check_opd(args)
     return point
 
@@ -105,17 +104,14 @@ def check_lora_resume(args, directory: str) -> None:
         raise RLArgumentError(str(exc)) from None
 
 
-def check_data(args) -> None:
-    """Every record of ``--prompt-data`` / ``--eval-prompt-data`` (module docstring, 2)."""
-    from rl_plugin.rollout.data.prompt_check import (
-        check_prompt_file,
-        check_sft_file,
-        model_context_length,
-        model_vocab_size,
-    )
+def check_sft_data(args) -> None:
+    """Every conversation of ``--prompt-data`` / ``--eval-prompt-data`` (module docstring, 2)."""
+    from rl_plugin.rollout.data.prompt_check import check_sft_file, model_context_length
     from rl_plugin.rollout.data.tokenizer import load_tokenizer
 
-    files = [(f, p) for f, p in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)) if p]
+    files = [
+        (f, p) for f, p in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)) if p
+    ]
     if not files:
         return
     try:
@@ -131,27 +127,12 @@ def check_data(args) -> None:
         )
     context = model_context_length(args.hf_checkpoint)
     for flag, path in files:
-        if args.loss_type == "sft_loss":  # no reward; the data are conversations to template
-            check_sft_file(
-                flag,
-                path,
-                tokenizer,
-                input_key=args.input_key,
-                label_key=args.label_key,
-                context_len=context,
-                hf_checkpoint=args.hf_checkpoint,
-            )
-            continue
-        check_prompt_file(
+        check_sft_file(
             flag,
             path,
             tokenizer,
             input_key=args.input_key,
             label_key=args.label_key,
-            metadata_key=args.metadata_key,
-            max_response_len=args.rollout_max_response_len,
             context_len=context,
             hf_checkpoint=args.hf_checkpoint,
-            rm_type=args.rm_type,
-            vocab_size=model_vocab_size(args.hf_checkpoint),
         )

@@ -14,19 +14,19 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 3. what the files hold (``rl_plugin.arguments.file_contents.check_file_contents``, the flag
    checker's check too): the checkpoint to resume (written by this ``--train-backend``, not
    already at or past ``--num-rollout``, its LoRA adapters' shape and base), every SFT
-   conversation or RL prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a
-   string or chat messages: it templates / tokenizes sanely, integer ids inside the model's
-   vocabulary, not implausibly few for its text, and fits the model's context;
-   ``rl_plugin.rollout.data.prompt_check``; no RL chat ends in an assistant turn), the
-   ``--use-opd`` teacher; a note names the settings that changed since the checkpoint was
-   written (``note_changed_settings``);
+   conversation (it templates and fits the model's context), the ``--use-opd`` teacher; a note
+   names the settings that changed since the checkpoint was written (``note_changed_settings``);
 4. every user function a ``*-path`` flag names loads (``check_user_functions``: the generate hook,
    the rollout function, the loss reducer; the dynamic-sampling filter and the TIS function load
    in their flags' checks, the reward function below): a typo is named with the functions the
    file does define, before Ray starts;
 5. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-url`` (``--rm-type remote_rm``, or a ``--custom-rm-path`` rm calling ``remote_rm``),
-   the server there accepts connections (``check_reward``; not under ``--loss-type sft_loss``).
+   the server there accepts connections;
+6. every RL prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
+   chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
+   few for its text) and fits the model's context with ``--rollout-max-response-len``
+   (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
 
 The output-directory lock (``run_lock``) and ``--overwrite-save`` (moving the old checkpoints
 aside) are the driver's, taken right after these checks.
@@ -67,8 +67,9 @@ def finished_message(args, step: int) -> str:
     )
 
 
-def check_reward(args) -> None:
-    """The reward function loads and its form suits ``--group-rm``; a ``--rm-url`` server answers."""
+def check_reward_and_data(args) -> None:
+    from rl_plugin.rollout.data.prompt_check import check_prompt_file, model_context_length, model_vocab_size
+    from rl_plugin.rollout.data.tokenizer import load_tokenizer
     from rl_plugin.rollout.rewards.functions import RewardFunctionError
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
@@ -84,6 +85,34 @@ def check_reward(args) -> None:
         )
     if args.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
         check_reward_server(args.rm_url)
+    try:
+        tokenizer = load_tokenizer(
+            args.hf_checkpoint,
+            apply_chat_template=args.apply_chat_template,
+            chat_template_kwargs=args.apply_chat_template_kwargs,
+            system_prompt=args.system_prompt,
+        )
+    except ValueError as exc:
+        fail(
+            f"--hf-checkpoint {args.hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files"
+        )
+    context = model_context_length(args.hf_checkpoint)
+    vocab = model_vocab_size(args.hf_checkpoint)
+    for flag, path in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        if path is not None:
+            check_prompt_file(
+                flag,
+                path,
+                tokenizer,
+                input_key=args.input_key,
+                label_key=args.label_key,
+                metadata_key=args.metadata_key,
+                max_response_len=args.rollout_max_response_len,
+                context_len=context,
+                hf_checkpoint=args.hf_checkpoint,
+                rm_type=args.rm_type,
+                vocab_size=vocab,
+            )
 
 
 def check_reward_server(url: str) -> None:
@@ -120,7 +149,7 @@ def note_changed_settings(args, point: Optional[ResumePoint]) -> None:
 
 # the user-function flags loaded here: (flag, attribute). The other ``*-path`` flags load where
 # they are checked: --dynamic-sampling-filter-path and --custom-tis-function-path in their configs'
-# rules (at parse time), --custom-rm-path with the reward's form (``check_reward``).
+# rules (at parse time), --custom-rm-path with the reward's form (``check_reward_and_data``).
 USER_FUNCTION_FLAGS = (
     ("--custom-generate-function-path", "custom_generate_function_path"),
     ("--rollout-function-path", "rollout_function_path"),
@@ -148,8 +177,8 @@ def preflight(args) -> Optional[ResumePoint]:
     check_user_functions(args)
     check_model_family(args)  # the --train-backend builds this --hf-checkpoint's model type
     check_output_dirs(args)
-    if args.loss_type != "sft_loss":  # SFT has no reward
-        check_reward(args)
+    if args.loss_type != "sft_loss":  # SFT has no reward; its data: check_file_contents
+        check_reward_and_data(args)
     point = check_file_contents(args)  # the resume checkpoint, the data, the OPD teacher: as the flag checker
     note_changed_settings(args, point)
     return point

@@ -84,7 +84,9 @@ def conversation(record: PromptRecord) -> Messages:
             f"{where}: the conversation has no assistant turn, so SFT has no token to train on. "
             "Fix: add the assistant's answer (a message with role 'assistant', or a --label-key completion)"
         )
-    blank = (j for j, m in enumerate(msgs) if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls")))
+    blank = (
+        j for j, m in enumerate(msgs) if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls"))
+    )
     empty = next(blank, None)
     if empty is not None:
         raise ValueError(

@@ -154,7 +154,9 @@ class HFTokenizerAdapter:
         answer, or the probe's content is not found in its render (cached per adapter)."""
         if not hasattr(self, "_end_of_turn"):
             probe = "Probe answer 7"
-            chat = self.messages([{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": probe}])
+            chat = self.messages(
+                [{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": probe}]
+            )
             text = self.tok.apply_chat_template(chat, tokenize=False, **self.chat_template_kwargs)
             at = text.rfind(probe) if isinstance(text, str) else -1
             tail = text[at + len(probe) :].rstrip() if at >= 0 else ""

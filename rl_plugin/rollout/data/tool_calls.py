@@ -44,15 +44,19 @@ def normalise(where: str, key: str, j: int, m: Dict[str, Any]) -> Dict[str, Any]
                 f"{at}: tool call {c} has no function name (expected "
                 f'{{"type": "function", "function": {{"name": ..., "arguments": {{...}}}}}}), got {call!r:.120}'
             )
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
             try:
-                args = json.loads(args) if args.strip() else {}
+                arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{at}: the arguments of tool call {c} ({name}) are not valid JSON ({exc.msg})") from None
-        if not isinstance(args, dict):
-            raise ValueError(f"{at}: the arguments of tool call {c} ({name}) must be a JSON object, got {args!r:.80}")
-        out.append({"type": "function", "function": {"name": name, "arguments": args}})
+                raise ValueError(
+                    f"{at}: the arguments of tool call {c} ({name}) are not valid JSON ({exc.msg})"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise ValueError(
+                f"{at}: the arguments of tool call {c} ({name}) must be a JSON object, got {arguments!r:.80}"
+            )
+        out.append({"type": "function", "function": {"name": name, "arguments": arguments}})
     content = "" if m.get("content") is None else m.get("content")
     return {**m, "content": content, "tool_calls": out}
 
@@ -74,6 +78,4 @@ def with_tool_calls_rendered(messages: List[Dict[str, Any]], template_reads_them
     call written into its message's content (``hermes_text``)."""
     if template_reads_them or not any(m.get("tool_calls") for m in messages):
         return messages
-    return [
-        {"role": m["role"], "content": hermes_text(m)} if m.get("tool_calls") else m for m in messages
-    ]
+    return [{"role": m["role"], "content": hermes_text(m)} if m.get("tool_calls") else m for m in messages]

@@ -95,8 +95,18 @@ def test_a_peft_directory_as_the_opd_teacher(capsys, monkeypatch, tmp_path):
     from rl_plugin.lora.peft_dir import write_peft_dir
 
     peft = tmp_path / "teacher_adapters"
-    write_peft_dir(str(peft), {"m.q_proj.lora_A.weight": torch.zeros(8, 4)}, rank=8, alpha=16, dropout=0, targets=["q_proj"])
-    flags = ["--train-backend", "fsdp", "--use-opd", "--opd-teacher-load", str(peft), "--output-dir", str(tmp_path / "o")]
+    write_peft_dir(
+        str(peft), {"m.q_proj.lora_A.weight": torch.zeros(8, 4)}, rank=8, alpha=16, dropout=0, targets=["q_proj"]
+    )
+    flags = [
+        "--train-backend",
+        "fsdp",
+        "--use-opd",
+        "--opd-teacher-load",
+        str(peft),
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
     msg = _same_refusal(capsys, monkeypatch, flags)
     assert f"--opd-teacher-load {peft}: a PEFT adapter directory" in msg
     assert "pass the merged model instead: the teacher run's --save-hf-merged DIR" in msg
@@ -123,18 +133,25 @@ def test_a_lora_checkpoint_resumed_with_another_rank(capsys, monkeypatch, chat_m
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     first = parse_train_flags(_sft_flags(chat_model, data, tmp_path / "o", "--save", str(ckpt), "--lora-rank", "8"))
-    save_checkpoint(LoopConfig.from_args(first, run_settings=settings_of(first)), NoFilesGroup(), Progress(step=2), 1, {}, None)
+    save_checkpoint(
+        LoopConfig.from_args(first, run_settings=settings_of(first)), NoFilesGroup(), Progress(step=2), 1, {}, None
+    )
     targets = resolve_targets(("all-linear",), None)
     write_lora_meta(str(step_dir(str(ckpt), 2)), lora_meta(rank=8, alpha=16, targets=targets, hf_dir=chat_model))
 
-    msg = _same_refusal(capsys, monkeypatch, _sft_flags(chat_model, data, tmp_path / "o", "--load", str(ckpt), "--lora-rank", "4"))
+    msg = _same_refusal(
+        capsys, monkeypatch, _sft_flags(chat_model, data, tmp_path / "o", "--load", str(ckpt), "--lora-rank", "4")
+    )
     assert f"--load {step_dir(str(ckpt), 2)}: adapters of rank 8 on {sorted(targets)}, this run has rank 4" in msg
     # the same checkpoint with the same flags passes both (its base is this --hf-checkpoint)
     same = _sft_flags(chat_model, data, tmp_path / "o", "--load", str(ckpt), "--lora-rank", "8")
     assert checker(same) == 0, capsys.readouterr().err
     # a full-model run on it is refused on LoRA-ness alone
     rc = checker(_sft_flags(chat_model, data, tmp_path / "o", "--load", str(ckpt)))
-    assert rc == 2 and "a LoRA checkpoint (adapters only, rank 8), this run trains the whole model" in capsys.readouterr().err
+    assert (
+        rc == 2
+        and "a LoRA checkpoint (adapters only, rank 8), this run trains the whole model" in capsys.readouterr().err
+    )
 
 
 def test_the_checker_still_checks_flags_alone_with_no_file_checks(capsys, tmp_path):
