@@ -129,9 +129,9 @@ def test_the_turn_terminator_comes_from_the_template_not_the_eos(eos_is_not_the_
     adapter = load_tokenizer(eos_is_not_the_terminator, apply_chat_template=True)
     im_end = adapter.tok.convert_tokens_to_ids("<|im_end|>")
     assert adapter.eos_token_id == adapter.tok.convert_tokens_to_ids("<|endoftext|>") != im_end
-    assert adapter.end_of_turn_ids() == [im_end]
     ex = example_of(adapter, PromptRecord(CHAT, None, 0, where="d.jsonl:1"))
     assert _trained(adapter, ex) == ["Hello there<|im_end|>", "4<|im_end|>"]
+    assert adapter.end_of_turn_ids() == [im_end]
 
 
 def test_a_template_ending_turns_with_two_tokens(smollm2_tokenizer_dir):
@@ -141,9 +141,9 @@ def test_a_template_ending_turns_with_two_tokens(smollm2_tokenizer_dir):
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|><|endoftext|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    assert adapter.tok.convert_ids_to_tokens(adapter.end_of_turn_ids()) == ["<|im_end|>", "<|endoftext|>"]
     ex = example_of(adapter, PromptRecord(CHAT, None, 0, where="d.jsonl:1"))
     assert _trained(adapter, ex) == ["Hello there<|im_end|><|endoftext|>", "4<|im_end|><|endoftext|>"]
+    assert adapter.tok.convert_ids_to_tokens(adapter.end_of_turn_ids()) == ["<|im_end|>", "<|endoftext|>"]
 
 
 TOOL_CHAT = [
