@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag
+from rl_plugin.flags import Bounds, Declared, flag, flag_of
 from rl_plugin.lora.peft_dir import missing_files
 from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.lora.targets import MLP, UnknownTargetError, resolve_targets
@@ -105,6 +105,17 @@ class LoraConfig(Declared):
     def enabled(self) -> bool:
         return self.lora_rank > 0
 
+    def shape_flags_given(self) -> list:
+        """``--flag value`` of each adapter-shape flag set away from its default (read at rank 0 only)."""
+        given = []
+        for name in ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules"):
+            spec, value = flag_of(type(self), name), getattr(self, name)
+            norm = tuple(value) if isinstance(value, list) else value  # nargs="+" parses to a list
+            if norm != spec.default:
+                shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else f"{value:g}"
+                given.append(f"{spec.names[0]} {shown}")
+        return given
+
     def check(self, run) -> None:
         """Fail-loud rules (``rl_plugin.errors.fail``), static: what the flags alone decide."""
         rank = self.lora_rank
@@ -120,6 +131,13 @@ class LoraConfig(Declared):
                         "it only means something for LoRA adapters",
                         "add --lora-rank 8 (or drop the flag)",
                     )
+            shape = self.shape_flags_given()
+            if shape:
+                fail(
+                    f"{' '.join(shape)} with --lora-rank {rank}",
+                    "LoRA is off at rank 0 (the whole model trains), so these adapter settings would be ignored",
+                    "add --lora-rank 8 to train adapters, or drop those flags to train the whole model",
+                )
             return
         try:
             targets = resolve_targets(self.target_modules, self.exclude_modules)

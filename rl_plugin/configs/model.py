@@ -157,7 +157,11 @@ class ModelConfig(Declared):
         "--save-hf",
         type=str,
         default=None,
-        help="Write the trained weights as a Hugging Face directory (safetensors) here at every save.",
+        help=(
+            "Write the trained weights as a Hugging Face directory (safetensors, config and tokenizer files) here at "
+            "every save (--save), or once at the end of the run when there is no --save. With --lora-rank: the PEFT "
+            "adapter directory (the merged model: --save-hf-merged)."
+        ),
         group="training backend",
     )
     tensor_model_parallel_size: int = flag(

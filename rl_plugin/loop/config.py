@@ -44,6 +44,8 @@ class LoopConfig:
     save_retain: Optional[int]
     save_retain_interval: Optional[int]
     overwrite_save: bool
+    # --save-hf (or, with LoRA, --save-hf-merged): a Hugging Face directory at every save, or at the end without --save
+    hf_export: bool
     eval_interval: Optional[int]
     log_interval: int
     progress_bar: bool
@@ -77,6 +79,7 @@ class LoopConfig:
             save_retain=ckpt.save_retain,
             save_retain_interval=ckpt.save_retain_interval,
             overwrite_save=ckpt.overwrite_save,
+            hf_export=bool(train.model.save_hf or (train.lora.lora_rank and train.lora.save_hf_merged)),
             eval_interval=run.rollout.eval_interval,
             log_interval=run.logging.log_interval,
             progress_bar=not run.logging.no_progress_bar,
@@ -106,6 +109,11 @@ class LoopConfig:
         return bool(self.save) and (
             (bool(self.save_interval) and (k + 1) % self.save_interval == 0) or k + 1 == self.num_rollout
         )
+
+    def hf_export_due(self, k: int) -> bool:
+        """Whether the Hugging Face directory alone is written after rollout k: the last rollout of a
+        run with --save-hf and no --save (with --save, every checkpoint writes it)."""
+        return self.hf_export and not self.save and k + 1 == self.num_rollout
 
     def sync_due(self, k: int, ahead: int) -> bool:
         """Whether the train call of rollout k publishes its weights: some later call loads them

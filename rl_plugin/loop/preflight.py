@@ -9,9 +9,11 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
    ``--load`` exists, ``--save`` holds no other run's checkpoints);
 1. then ``preflight(run)`` on the typed ``RunConfig``: (2) the model's family is one the backend
    trains (``rl_plugin.backends.model_families``), the output directories are writable;
-3. the checkpoint to resume: written by this ``--train-backend``, and not already at or past
-   ``--num-rollout`` (``loop_state.json`` of the step dir); a note names the settings that
-   changed since it was written (``note_changed_settings``);
+3. what the files hold (``rl_plugin.arguments.file_contents.check_file_contents``, the flag
+   checker's check too): the checkpoint to resume (written by this ``--train-backend``, not
+   already at or past ``--num-rollout``, its LoRA adapters' shape and base), every SFT
+   conversation (it templates and fits the model's context), the ``--use-opd`` teacher; a note
+   names the settings that changed since the checkpoint was written (``note_changed_settings``);
 4. every user function a ``*-path`` flag names loads (``check_user_functions``: the generate hook,
    the rollout function, the loss reducer; the dynamic-sampling filter and the TIS function load
    in their flags' checks, the reward function below): a typo is named with the functions the
@@ -19,7 +21,7 @@ Everything that needs no world, so a bad command line or a bad file costs a seco
 5. the reward function imports (errors at the user's file:line) and its form suits ``--group-rm``;
    with ``--rm-url`` (``--rm-type remote_rm``, or a ``--custom-rm-path`` rm calling ``remote_rm``),
    the server there accepts connections;
-6. every prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
+6. every RL prompt of ``--prompt-data`` / ``--eval-prompt-data`` (JSONL or Parquet, a string or
    chat messages) tokenizes sanely (integer ids inside the model's vocabulary, not implausibly
    few for its text) and fits the model's context with ``--rollout-max-response-len``
    (``rl_plugin.rollout.data.prompt_check``); no chat ends in an assistant turn.
@@ -31,58 +33,21 @@ aside) are the driver's, taken right after these checks.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.checkpoint.layout import read_loop_state, resume_step, step_dir, written_by
+from rl_plugin.arguments.file_contents import (  # noqa: F401 - check_progress, check_resume_point: the run's
+    ResumePoint,
+    check_file_contents,
+    check_progress,
+    check_resume_point,
+)
+from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import resume_note
 from rl_plugin.configs.run import RunConfig
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.flags import flag_of
 from rl_plugin.loop.disk_checks import check_output_dirs
 from rl_plugin.loop.model_check import check_model_family
-from rl_plugin.loop.opd_preflight import check_opd
-
-
-@dataclass
-class ResumePoint:
-    step: int
-    next_rollout: Optional[int]  # None when the checkpoint predates loop_state.json
-
-
-def check_resume_point(run: RunConfig) -> Optional[ResumePoint]:
-    load, backend_now = run.checkpoint.load, run.train.train_backend
-    if not load:
-        return None
-    step = resume_step(load, run.checkpoint.ckpt_step)
-    if step is None:
-        return None
-    d = step_dir(load, step)
-    backend = written_by(load, step)
-    if backend is not None and backend != backend_now:
-        fail(
-            f"--load {load} with --train-backend {backend_now}",
-            f"its checkpoint at step {step} ({d}) was written by the {backend} backend, whose checkpoint format the "
-            f"{backend_now} backend cannot read",
-            f"resume with --train-backend {backend}; to move the model to the {backend_now} backend, export it from a "
-            f"{backend} run with --save-hf DIR and start a new run from it with --hf-checkpoint DIR",
-        )
-    state = read_loop_state(load, step) or {}
-    point = ResumePoint(step, state.get("next_rollout"))
-    check_progress(run, point.next_rollout, step)
-    return point
-
-
-def check_progress(run: RunConfig, next_rollout: Optional[int], step: int) -> None:
-    """A checkpoint past ``--num-rollout`` would train nothing: refuse, naming both numbers."""
-    n = run.rollout.num_rollout
-    if next_rollout is not None and next_rollout > n:
-        fail(
-            f"--load {run.checkpoint.load} with --num-rollout {n}",
-            f"its checkpoint (step {step}) has already done {next_rollout} rollouts, more than --num-rollout, so this run would "
-            "train nothing. --num-rollout counts all rollouts of the run, those before the checkpoint included",
-            f"pass --num-rollout {next_rollout + n} to train {n} more rollouts",
-        )
 
 
 def is_finished(run: RunConfig, next_rollout: Optional[int]) -> bool:
@@ -207,16 +172,8 @@ def preflight(run: RunConfig) -> Optional[ResumePoint]:
     check_user_functions(run)
     check_model_family(run.train.model.hf_checkpoint, run.train.train_backend)  # the backend builds its type
     check_output_dirs(run)
-    point = check_resume_point(run)
-    note_changed_settings(run, point)
-    if run.mode.trains_nll:  # no reward; the data are conversations to template
-        from rl_plugin.rollout.sft_source import check_sft_file
-
-        cfg = run.rollout
-        for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
-            if path is not None:
-                check_sft_file(flag, path, cfg, run.train.model.hf_checkpoint)
-    else:
+    if run.mode.generates:  # SFT has no reward; its data: check_file_contents
         check_reward_and_data(run)
-    check_opd(run)
+    point = check_file_contents(run)  # the resume checkpoint, the data, the OPD teacher: as the flag checker
+    note_changed_settings(run, point)
     return point

@@ -329,6 +329,12 @@ class TrainActor:
         self._onload()
         return list(self.backend.save_checkpoint(path, step=step, extra=extra))
 
+    def save_hf(self) -> None:
+        """``--save-hf`` (and ``--save-hf-merged``) alone, at the end of a run without ``--save``:
+        the final weights as a Hugging Face directory, no checkpoint; collective."""
+        self._onload()
+        self.backend.save_hf(self.config.model.save_hf)
+
     def load(self, path: str) -> Dict[str, Any]:
         self._onload()
         meta = self.backend.load_checkpoint(path)

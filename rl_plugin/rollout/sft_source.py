@@ -10,7 +10,8 @@ reuses its ids.
 It is a ``RolloutSource`` (``rollout/source.py``): the SFT schedule calls ``rollout(k)``, the
 driver its ``eval_data`` and the data position a checkpoint saves and a resume restores (the
 rollout manager's form, so an SFT checkpoint starts an RL run at the same position).
-``check_sft_file`` is the preflight's: every record of a file templated before Ray starts.
+Its files are checked before Ray starts by ``rollout.data.prompt_check.check_sft_file``
+(``arguments.file_contents``).
 """
 
 from __future__ import annotations
@@ -30,24 +31,6 @@ from rl_plugin.rollout.sample import RolloutData
 def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:
     """The records of an SFT file: ``--input-key``, and ``--label-key`` where a record has it."""
     return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True)
-
-
-def check_sft_file(flag: str, path, cfg: RolloutConfig, hf_checkpoint: str) -> None:
-    """Template every record of an SFT file now (preflight, before Ray starts): the first bad one
-    raises ``RLArgumentError`` naming its file:line."""
-    from rl_plugin.errors import fail
-
-    tokenizer = load_tokenizer(
-        hf_checkpoint,
-        apply_chat_template=cfg.apply_chat_template,
-        chat_template_kwargs=cfg.apply_chat_template_kwargs,
-        system_prompt=cfg.system_prompt,
-    )
-    try:
-        for rec in read_sft_records(path, cfg):
-            example_of(tokenizer, rec)
-    except (ValueError, FileNotFoundError) as exc:
-        fail(f"--loss-type sft_loss {flag}", str(exc), "correct that record of the file")
 
 
 class SftSource:

@@ -291,11 +291,11 @@ class MegatronBackend(TrainBackend):
         if meta is not None and dist.get_rank() == 0:
             written = sorted(set(written) | {write_lora_meta(path, meta)})
         save_hf = self.config.model.save_hf
-        if save_hf:
+        if save_hf or (self.lora and self.config.lora.save_hf_merged):  # as FSDP's save_checkpoint
             self.save_hf(save_hf)
         return written
 
-    def save_hf(self, path: str) -> None:
+    def save_hf(self, path: Optional[str]) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad).
         With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there)."""
@@ -303,10 +303,11 @@ class MegatronBackend(TrainBackend):
             from rl_plugin.lora.peft_dir import write_run_adapters
 
             cfg = self.config.lora
-            adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
-            if dist.get_rank() == 0:
-                write_run_adapters(path, adapters, cfg, str(self.hf_dir))
-            dist.barrier()
+            if path:  # --save-hf-merged alone: the merged model only
+                adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
+                if dist.get_rank() == 0:
+                    write_run_adapters(path, adapters, cfg, str(self.hf_dir))
+                dist.barrier()
             if not cfg.save_hf_merged:
                 return
             path = cfg.save_hf_merged

@@ -3,12 +3,13 @@
 
 The dataset is read once. A file whose name ends in ``.parquet`` is read with pyarrow (one record
 per row, named ``file row N`` in messages); any other file is JSONL (one JSON object per line,
-named ``file:line``; lines of whitespace only hold no record and are skipped, a trailing newline
+named ``file:line``, UTF-8; lines of whitespace only hold no record and are skipped, a trailing newline
 is common in JSONL tools). Every record holds under the input key either
 
 - a non-empty prompt string, or
 - a chat as a non-empty list of ``{"role": str, "content": str}`` messages (slime's and verl's
-  convention, e.g. a system and a user turn; roles from ``KNOWN_ROLES``, content one string),
+  convention, e.g. a system and a user turn; roles from ``KNOWN_ROLES``, content one string; an
+  assistant turn may carry OpenAI ``tool_calls``, ``rl_plugin.rollout.data.tool_calls``),
   which needs ``--apply-chat-template``;
 
 and the label key (when one is configured), and the metadata key (when one is configured: a JSON
@@ -26,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-Messages = List[Dict[str, str]]
+from rl_plugin.rollout.data.tool_calls import normalise as normalise_tool_calls
+
+Messages = List[Dict[str, Any]]  # role, content (and an assistant turn's tool_calls)
 Prompt = Union[str, Messages]
 
 
@@ -52,8 +55,16 @@ def is_parquet(path) -> bool:
 
 
 def _jsonl_rows(path: Path) -> Iterator[Tuple[str, int, Any]]:
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    """Read as bytes and decoded line by line, so a line that is not UTF-8 is named by its line."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); JSONL is "
+                    "UTF-8. Fix: re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or drop that line"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -88,6 +99,7 @@ def check_messages(where: str, key: str, messages: Any) -> Messages:
     refused saying so."""
     if not messages:
         raise ValueError(f"{where}: {key!r} is an empty list of messages; the model needs a prompt to answer")
+    messages = [normalise_tool_calls(where, key, j, m) if isinstance(m, dict) else m for j, m in enumerate(messages)]
     for j, m in enumerate(messages):
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
             raise ValueError(
@@ -109,7 +121,12 @@ def check_messages(where: str, key: str, messages: Any) -> Messages:
             )
     if not any(m["content"].strip() for m in messages):
         raise ValueError(f"{where}: every message of {key!r} is empty; the model needs a prompt to answer")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # an assistant turn's tool calls are kept (``tool_calls``: how the template gets them)
+    return [{"role": m["role"], "content": m["content"], **_calls(m)} for m in messages]
+
+
+def _calls(m) -> Dict[str, Any]:
+    return {"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {}
 
 
 def _record(where, lineno, row, index, input_key, label_key, metadata_key, label_optional=False) -> PromptRecord:

@@ -1,4 +1,6 @@
-"""Start-up check of a whole prompt file: every prompt tokenizes sanely, and fits the model's context.
+"""Start-up check of a whole prompt file: every prompt tokenizes sanely, and fits the model's context
+(``check_prompt_file``); for ``--loss-type sft_loss``, every conversation templates and fits
+(``check_sft_file``).
 
 Run once by ``rl-plugin-train`` before Ray starts (``rl_plugin.loop.preflight``), so a bad prompt
 is named at start-up by file:line instead of failing (or training silently on a truncated
@@ -44,6 +46,7 @@ from typing import List, Optional, Tuple
 
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.rollout.data.dataset import PromptRecord, is_parquet, read_prompts
+from rl_plugin.rollout.data.sft import example_of
 from rl_plugin.rollout.data.tokenizer import PromptFormatError
 from rl_plugin.rollout.rewards.functions import LABEL_REWARDS, is_number
 
@@ -234,3 +237,44 @@ def check_ids(flag: str, rec: PromptRecord, ids: List[int], hf_checkpoint: str, 
             f"--hf-checkpoint {hf_checkpoint}): the tokenizer is not the model's",
             "use the tokenizer files that came with the model",
         )
+
+
+def check_sft_file(
+    flag: str,
+    path,
+    tokenizer,
+    *,
+    input_key: str,
+    label_key: Optional[str],
+    context_len: Optional[int],
+    hf_checkpoint: str,
+) -> int:
+    """``--loss-type sft_loss``: every record of ``path`` reads, templates (``sft.example_of``) and
+    fits the model's context::
+
+        len(conversation_ids) <= max_position_embeddings
+
+    else ``RLArgumentError`` naming file:line (of the first too-long ones, with their count). A
+    conversation is trained whole, never truncated: a cut one loses the end of its answer and the
+    end-of-turn token, teaching the model not to stop (slime's SFT rollout, too, trains each
+    conversation as the template renders it). Returns the longest conversation in tokens."""
+    where = f"--loss-type sft_loss {flag}"
+    try:
+        records = read_prompts(path, input_key, label_key, label_optional=True)
+        lengths = [len(example_of(tokenizer, rec).ids) for rec in records]
+    except (ValueError, FileNotFoundError) as exc:
+        fail(where, str(exc), "correct that record of the file")
+    too_long = [(rec, n) for rec, n in zip(records, lengths) if context_len is not None and n > context_len]
+    if too_long:
+        first, n = too_long[0]
+        unit = "rows" if is_parquet(path) else "lines"
+        at = ", ".join(str(r.lineno) for r, _ in too_long[:SHOW]) + (", ..." if len(too_long) > SHOW else "")
+        fail(
+            f"{where} {first.where}",
+            f"the conversation is {n} tokens after the chat template, more than the {context_len} positions of the "
+            f"model (max_position_embeddings of --hf-checkpoint {hf_checkpoint}) ({len(too_long)} of {len(records)} "
+            f"conversations, at {unit} {at}); SFT trains a conversation whole, never truncated (a cut one loses the "
+            "end of its answer and its end-of-turn token)",
+            "shorten, split or drop those conversations, or use a model with a longer context",
+        )
+    return max(lengths)

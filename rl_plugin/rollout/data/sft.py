@@ -3,8 +3,10 @@
 A record of ``--prompt-data`` (``dataset.read_prompts``) becomes one conversation:
 
 - chat ``messages`` under ``--input-key`` (system / user / assistant / tool turns; at least one
-  assistant turn), with, when ``--label-key`` names a string, that string appended as one more
-  assistant turn;
+  assistant turn, none empty; an assistant turn's OpenAI ``tool_calls`` are trained as the template
+  renders them, in the agent endpoint's Hermes form when it ignores them:
+  ``rl_plugin.rollout.data.tool_calls``), with, when ``--label-key`` names a string, that string
+  appended as one more assistant turn;
 - a prompt string under ``--input-key`` and its completion under ``--label-key``: the chat
   ``[user: prompt, assistant: completion]``.
 
@@ -12,8 +14,9 @@ Templated once (HF tokenizers, ``--apply-chat-template``): the whole conversatio
 by the tokenizer's chat template (``--system-prompt`` and ``--apply-chat-template-kwargs`` as for
 RL prompts), and the loss mask is 1 on the assistant turns' tokens only. For assistant turn i the
 trained span is ``[len(render(turns < i, add_generation_prompt=True)),
-len(render(turns <= i)))`` cut after its last end-of-turn token (the tokenizer's EOS; ChatML's
-``<|im_end|>``). So the span is the assistant's content AND its end-of-turn token (the model learns
+len(render(turns <= i)))`` cut after its last end-of-turn token(s), read from the template
+(``HFTokenizerAdapter.end_of_turn_ids``: ChatML's ``<|im_end|>``, whatever the tokenizer's EOS;
+the EOS only when the template writes no terminator). So the span is the assistant's content AND its end-of-turn token (the model learns
 to stop: at generation the engine stops on that token), but NOT the ``<|im_start|>assistant\\n``
 header (the template writes it, the model never has to: it is the generation prompt an RL rollout
 starts from) and NOT the newline the template writes after ``<|im_end|>`` (the engine stops before
@@ -61,7 +64,8 @@ class SftExample:
 
 def conversation(record: PromptRecord) -> Messages:
     """The chat a record holds (module docstring); raises naming the record when it has no
-    assistant turn to train on."""
+    assistant turn to train on, or an empty one (no content, no ``tool_calls``: it would train the
+    end-of-turn token alone, i.e. to answer nothing)."""
     where = record.where or f"record {record.index}"
     label = record.label
     if isinstance(record.prompt, str):
@@ -79,6 +83,16 @@ def conversation(record: PromptRecord) -> Messages:
         raise ValueError(
             f"{where}: the conversation has no assistant turn, so SFT has no token to train on. "
             "Fix: add the assistant's answer (a message with role 'assistant', or a --label-key completion)"
+        )
+    blank = (
+        j for j, m in enumerate(msgs) if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls"))
+    )
+    empty = next(blank, None)
+    if empty is not None:
+        raise ValueError(
+            f"{where}: message {empty} is an assistant turn with no content and no tool_calls, so SFT would train "
+            "its end-of-turn token alone (the model learns to answer nothing). Fix: fill in the answer (or its "
+            "tool_calls), or drop the turn"
         )
     return msgs
 
@@ -99,7 +113,8 @@ def chat_example(adapter, messages: Messages, where: str) -> SftExample:
 
     ids = render(msgs, False)
     mask = [0] * len(ids)
-    eos = adapter.eos_token_id
+    end = adapter.end_of_turn_ids()
+    terminator = end if end is not None else [adapter.eos_token_id] if adapter.eos_token_id is not None else []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
@@ -112,14 +127,22 @@ def chat_example(adapter, messages: Messages, where: str) -> SftExample:
                     "drops past reasoning), so the assistant tokens cannot be located. Fix: use a template that "
                     "renders each turn the same whatever follows, or split the conversation at this turn"
                 )
-        start, end = len(before), len(through)
-        span = ids[start:end]
-        if eos is not None and eos in span:  # cut after the last end-of-turn token (docstring)
-            end = start + len(span) - span[::-1].index(eos)
-        if end <= start:
+        start, stop = len(before), len(through)
+        stop = start + _through_last(ids[start:stop], terminator)  # cut after the end-of-turn token(s) (docstring)
+        if stop <= start:
             raise ValueError(f"{where}: assistant turn {i} renders to no token after the template's header")
-        mask[start:end] = [1] * (end - start)
+        mask[start:stop] = [1] * (stop - start)
     return SftExample(ids, mask, where)
+
+
+def _through_last(span: Sequence[int], terminator: Sequence[int]) -> int:
+    """The length of ``span`` up to and including the last occurrence of ``terminator`` (the
+    whole span when it holds none)."""
+    n = len(terminator)
+    for at in range(len(span) - n, -1, -1) if n else ():
+        if list(span[at : at + n]) == list(terminator):
+            return at + n
+    return len(span)
 
 
 def char_example(tok: CharTokenizer, record: PromptRecord) -> SftExample:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from rl_plugin.rollout.data.tool_calls import with_tool_calls_rendered
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<sep>")
 FILENAME = "char_tokenizer.json"
 
@@ -133,12 +135,34 @@ class HFTokenizerAdapter:
         self.eos_token_id = tok.eos_token_id
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def messages(self, prompt) -> List[Dict[str, str]]:
-        """The chat the template renders for ``prompt`` (a string or a message list)."""
+    def messages(self, prompt) -> List[Dict[str, Any]]:
+        """The chat the template renders for ``prompt`` (a string or a message list); assistant
+        ``tool_calls`` written into the content when the template does not read them
+        (``rl_plugin.rollout.data.tool_calls``)."""
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.system_prompt is not None and msgs[0]["role"] != "system":
             msgs = [{"role": "system", "content": self.system_prompt}] + msgs
-        return msgs
+        return with_tool_calls_rendered(msgs, "tool_calls" in (getattr(self.tok, "chat_template", None) or ""))
+
+    def end_of_turn_ids(self) -> Optional[List[int]]:
+        """The token(s) the chat template closes an assistant turn with (ChatML's ``<|im_end|>``,
+        Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``), read from the template, not the
+        tokenizer's EOS (Qwen2.5 / Qwen3 base tokenizers' EOS is ``<|endoftext|>`` while their
+        template ends turns with ``<|im_end|>``). A probe chat ``[user, assistant: PROBE]`` is
+        rendered as text; what follows the probe's content, trailing whitespace stripped, is the
+        terminator, tokenised. None when the template writes nothing but whitespace after an
+        answer, or the probe's content is not found in its render (cached per adapter)."""
+        if not hasattr(self, "_end_of_turn"):
+            probe = "Probe answer 7"
+            chat = self.messages(
+                [{"role": "user", "content": "Probe question"}, {"role": "assistant", "content": probe}]
+            )
+            text = self.tok.apply_chat_template(chat, tokenize=False, **self.chat_template_kwargs)
+            at = text.rfind(probe) if isinstance(text, str) else -1
+            tail = text[at + len(probe) :].rstrip() if at >= 0 else ""
+            ids = _as_ids(self.tok(tail, add_special_tokens=False)["input_ids"], "the tokenizer") if tail else []
+            self._end_of_turn = ids or None
+        return self._end_of_turn
 
     def prompt_ids(self, prompt) -> List[int]:
         if self.apply_chat_template:

@@ -100,3 +100,18 @@ def test_vllm_in_place_pause_refused_with_lora():
         "--pause-generation-mode in_place",
         "use --pause-generation-mode retract",
     )
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--lora-alpha", "32"], "--lora-alpha 32 with --lora-rank 0"),
+        (["--target-modules", "q_proj", "v_proj"], "--target-modules q_proj v_proj with --lora-rank 0"),
+        (["--exclude-modules", "o_proj"], "--exclude-modules o_proj with --lora-rank 0"),
+        (["--lora-dropout", "0.1", "--lora-alpha", "8"], "--lora-alpha 8 --lora-dropout 0.1 with --lora-rank 0"),
+    ],
+)
+def test_adapter_shape_flags_without_lora_rank_are_refused(flags, named):
+    """Issue 44 item 24. Before: accepted, and the whole model trained with no word about them."""
+    refused(flags, named, "LoRA is off at rank 0", "add --lora-rank 8", "drop those flags")
+    parse_args(FSDP + ["--lora-alpha", "16", "--target-modules", "all-linear"])  # the defaults, spelled out

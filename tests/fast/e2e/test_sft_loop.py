@@ -6,7 +6,8 @@ tokenizer and ChatML template:
   under the initial model, computed here independently: transformers' forward, the assistant
   tokens found by character offsets in the rendered text (rel 1e-5, fp32);
 - the loss falls over a few steps on the same small chat set, and the held-out eval NLL with it;
-- the ``--save-hf`` output of the SFT run starts an RL run (``--hf-checkpoint``).
+- the ``--save-hf`` output of the SFT run starts an RL run (``--hf-checkpoint``); without ``--save``
+  it is written once, at the end (issue 44 item 6).
 
 Other layouts are not run here: the SFT objective and gradient are layout-invariant in
 ``tests/fast/parity/test_loss_layouts.py`` (every DP x CP layout, every mode), and Megatron's
@@ -167,3 +168,21 @@ def test_sft_checkpoint_loads_into_an_rl_run_on_the_embedded_task(setup, tmp_pat
     assert main(["--num-rollout", "3", "--load", str(ckpt), "--output-dir", str(tmp_path / "rl"), *common]) == 0
     rl = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
     assert [(r["rollout_id"], r["step"]) for r in rl] == [(2, 3)]
+
+
+@pytest.mark.parametrize(
+    "backend, agg",
+    [("megatron", ["--calculate-per-token-loss"]), ("fsdp", ["--loss-aggregation", "token_mean"])],
+    ids=["megatron", "fsdp"],
+)
+def test_save_hf_without_save_writes_the_final_model(setup, tmp_path, backend, agg):
+    """Issue 44 item 6: ``--save-hf DIR`` without ``--save`` writes the final model at the end of the
+    run (before: exit 0 and nothing written; an OPD recipe that --opd-teacher-load-ed it failed).
+    The directory loads with transformers and holds the trained weights: its NLL is the final eval's."""
+    model, data = setup
+    out = tmp_path / "o"
+    assert _sft(backend, model, data, out, *agg, "--save-hf", str(out / "hf")) == 0
+    assert not (out / "ckpt").exists()
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval/nll"' in x]
+    assert (out / "hf" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
+    assert independent_token_mean_nll(out / "hf", CHATS) == pytest.approx(evals[-1]["eval/nll"], rel=1e-4)

@@ -1,4 +1,5 @@
-"""``--use-opd`` checks before Ray starts: the teacher exists, it shares the student's tokenizer
+"""``--use-opd`` checks before Ray starts (``file_contents.check_file_contents``: the trainer's
+preflight and the flag checker): the teacher exists, it shares the student's tokenizer
 (the teacher scores the student's token ids, so one id must mean one string in both), and a
 ``megatron``-type teacher on the Megatron backend has the student's architecture (it is built
 with the student's bridge and layout; another size needs ``--opd-type hf`` / ``vllm`` or FSDP)."""
@@ -36,18 +37,32 @@ def _vocabulary(path: str):
 
 
 def check_opd(run) -> None:
-    """``--use-opd`` of the ``RunConfig`` ``run``: a teacher there, of the student's tokenizer (and
-    architecture, for the in-trainer teacher)."""
+    """Refuse (``RLArgumentError``) a teacher directory that is no HF model (a PEFT adapter
+    directory, a LoRA run's ``--save-hf`` output, is named as such), another tokenizer than the
+    student's, or another architecture for a Megatron-built teacher. The tokenizer and
+    architecture need the student's directory: skipped while it is not built yet (the flag
+    checker on the embedded model; the trainer builds it before its preflight). ``run``: the
+    ``RunConfig``."""
     loss = run.train.loss
     if not loss.use_opd:
         return
     student, teacher = run.train.model.hf_checkpoint, loss.opd_teacher_load
     if not Path(teacher, "config.json").is_file():
+        if Path(teacher, "adapter_config.json").is_file():
+            fail(
+                f"--opd-teacher-load {teacher}",
+                "a PEFT adapter directory (adapter_config.json: the --save-hf output of a LoRA run), not a whole "
+                "model; the teacher is loaded as a Hugging Face model",
+                "pass the merged model instead: the teacher run's --save-hf-merged DIR (with --lora-rank, it writes "
+                "W + (alpha/r) B A as a Hugging Face directory)",
+            )
         fail(
             f"--opd-teacher-load {teacher}",
             "no Hugging Face checkpoint there (config.json missing)",
             "pass the teacher's Hugging Face directory (e.g. the --save-hf output of its run)",
         )
+    if student is None:
+        return
     try:
         same = _vocabulary(student) == _vocabulary(teacher)
     except ValueError as exc:  # no tokenizer files
