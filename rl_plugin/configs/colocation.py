@@ -19,6 +19,7 @@ from typing import Optional
 from rl_plugin.configs.cluster import ClusterConfig
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag, same_as
+from rl_plugin.loss_config.opd import TEACHER_MEMORY_SHARE
 
 GROUP = "cluster"
 DEFAULT_MEMORY_SHARE = 0.9  # vLLM's own default: the engine alone on its GPUs
@@ -90,6 +91,16 @@ class ColocationConfig(Declared):
             )
         if not args.colocate:
             return
+        engine = args.rollout_gpu_memory_utilization or COLOCATED_MEMORY_SHARE
+        teacher = args.opd_teacher_gpu_memory_utilization
+        if args.use_opd and args.opd_type == "vllm" and args.rollout_engine == "vllm" and engine + teacher >= 1:
+            fail(
+                f"--opd-type vllm with --colocate: --rollout-gpu-memory-utilization {engine} + "
+                f"--opd-teacher-gpu-memory-utilization {teacher} >= 1",
+                "the teacher's vLLM lives in the rollout manager, on the GPU of engine 0 and train rank 0, and each "
+                "engine takes its share of that GPU's whole memory, so both together must leave room for training",
+                f"lower one of them so that they sum below 1 (the defaults: {COLOCATED_MEMORY_SHARE} + {TEACHER_MEMORY_SHARE})",
+            )
         per_engine, world = args.rollout_num_gpus_per_engine, args.actor_num_nodes * args.actor_num_gpus_per_node
         if (
             per_engine is not None
