@@ -167,6 +167,14 @@ class AsyncConfig(Declared):
                 "needs --max-weight-staleness K >= 1 (the bound on how old a trained group's tokens may be)",
                 "add --max-weight-staleness 1 (or 2, 4: more overlap, staler samples)",
             )
+        if run.rollout.engine.engine == "sglang":
+            fail(
+                "--rollout-engine sglang with --fully-async",
+                "not implemented: the fully-async worker pauses each generation at a token boundary for a weight "
+                "load (partial rollouts), and the SGLang client has no such pause (one /generate call runs whole)",
+                "use --rollout-engine vllm (or hf), or drop --fully-async (--max-weight-staleness 1 overlaps "
+                "generation with training on SGLang)",
+            )
         if self.pause_generation_mode == "abort":
             fail(
                 "--pause-generation-mode abort with --fully-async",

@@ -19,6 +19,7 @@ from typing import Optional
 from rl_plugin.configs.cluster import ClusterConfig
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, flag, same_as
+from rl_plugin.loss_config.opd import TEACHER_MEMORY_SHARE
 
 GROUP = "cluster"
 DEFAULT_MEMORY_SHARE = 0.9  # vLLM's own default: the engine alone on its GPUs
@@ -91,6 +92,17 @@ class ColocationConfig(Declared):
             )
         if not self.colocate:
             return
+        engine = self.gpu_memory_utilization or COLOCATED_MEMORY_SHARE
+        loss = run.train.loss
+        teacher = loss.opd_teacher_gpu_memory_utilization
+        if loss.use_opd and loss.opd_type == "vllm" and run.rollout.engine.engine == "vllm" and engine + teacher >= 1:
+            fail(
+                f"--opd-type vllm with --colocate: --rollout-gpu-memory-utilization {engine} + "
+                f"--opd-teacher-gpu-memory-utilization {teacher} >= 1",
+                "the teacher's vLLM lives in the rollout manager, on the GPU of engine 0 and train rank 0, and each "
+                "engine takes its share of that GPU's whole memory, so both together must leave room for training",
+                f"lower one of them so that they sum below 1 (the defaults: {COLOCATED_MEMORY_SHARE} + {TEACHER_MEMORY_SHARE})",
+            )
         per_engine, world = run.rollout.engine.tensor_parallel_size, run.cluster.world_size
         if (
             per_engine is not None

@@ -169,6 +169,8 @@ class RolloutConfig(Declared):
     use_opd: bool = same_as(LossConfig, "use_opd")  # --use-opd: an engine-served teacher scores here (hf / vllm)
     opd_type: str = same_as(LossConfig, "opd_type")
     opd_teacher_load: Optional[str] = same_as(LossConfig, "opd_teacher_load")
+    opd_teacher_max_tokens: int = same_as(LossConfig, "opd_teacher_max_tokens")
+    opd_teacher_gpu_memory_utilization: float = same_as(LossConfig, "opd_teacher_gpu_memory_utilization")
     custom_generate_function_path: Optional[str] = same_as(CustomGenerationConfig, "custom_generate_function_path")
     rollout_function_path: Optional[str] = same_as(CustomGenerationConfig, "rollout_function_path")
     custom_generate_timeout: float = same_as(CustomGenerationConfig, "custom_generate_timeout")

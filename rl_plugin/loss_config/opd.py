@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import flag
+from rl_plugin.flags import Bounds, flag
 
 GROUP = "sft and distillation"
 OPD_TYPES = ("megatron", "sglang", "vllm", "hf")
+TEACHER_MAX_TOKENS = 8192  # --opd-type hf: padded tokens of one teacher forward
+TEACHER_MEMORY_SHARE = 0.3  # --opd-type vllm on a GPU: the teacher's vLLM gpu_memory_utilization
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,31 @@ class OpdSettings:
         help="The teacher: a Hugging Face checkpoint directory (e.g. the --save-hf output of a trained run). Its tokenizer must be the student's.",
         group=GROUP,
     )
+    opd_teacher_max_tokens: int = flag(
+        "--opd-teacher-max-tokens",
+        type=int,
+        default=TEACHER_MAX_TOKENS,
+        help=(
+            "--opd-type hf: the token budget of one teacher forward (samples x their longest length, padded; a "
+            "longer sample goes alone). The rollout is scored in such micro-batches, each token's log-prob through "
+            "the fused LM head, so no [tokens, vocabulary] logits exist. Lower it when the teacher runs out of memory."
+        ),
+        group=GROUP,
+        bounds=Bounds(1, f"--opd-teacher-max-tokens {TEACHER_MAX_TOKENS}"),
+    )
+    opd_teacher_gpu_memory_utilization: float = flag(
+        "--opd-teacher-gpu-memory-utilization",
+        type=float,
+        default=TEACHER_MEMORY_SHARE,
+        help=(
+            "--opd-type vllm on a GPU: the fraction of the device the teacher's vLLM may take for its weights and "
+            "KV cache (vLLM's gpu_memory_utilization, whose own default 0.9 would leave nothing beside it). The "
+            "teacher lives in the rollout manager, on the device it shares (with --colocate: with engine 0, whose "
+            "share is --rollout-gpu-memory-utilization, and train rank 0)."
+        ),
+        group=GROUP,
+        bounds=Bounds(0, f"--opd-teacher-gpu-memory-utilization {TEACHER_MEMORY_SHARE}", low_open=True, high=1),
+    )
     opd_teacher_ckpt_step: Optional[int] = flag(
         "--opd-teacher-ckpt-step",
         type=int,
@@ -78,6 +105,11 @@ class OpdSettings:
                 ("--opd-kl-coef", self.opd_kl_coef != 1.0),
                 ("--opd-teacher-load", self.opd_teacher_load is not None),
                 ("--opd-teacher-ckpt-step", self.opd_teacher_ckpt_step is not None),
+                ("--opd-teacher-max-tokens", self.opd_teacher_max_tokens != TEACHER_MAX_TOKENS),
+                (
+                    "--opd-teacher-gpu-memory-utilization",
+                    self.opd_teacher_gpu_memory_utilization != TEACHER_MEMORY_SHARE,
+                ),
             )
             if on
         ]
@@ -103,6 +135,20 @@ class OpdSettings:
                 "a teacher is read from a Hugging Face directory only in this release",
                 "pass the teacher run's --save-hf directory as --opd-teacher-load and drop --opd-teacher-ckpt-step",
             )
+        for name, kind, changed in (
+            ("--opd-teacher-max-tokens", "hf", self.opd_teacher_max_tokens != TEACHER_MAX_TOKENS),
+            (
+                "--opd-teacher-gpu-memory-utilization",
+                "vllm",
+                self.opd_teacher_gpu_memory_utilization != TEACHER_MEMORY_SHARE,
+            ),
+        ):
+            if changed and self.opd_type != kind:
+                fail(
+                    f"{name} with --opd-type {self.opd_type}",
+                    f"only the --opd-type {kind} teacher reads it, so it would be silently ignored",
+                    f"use --opd-type {kind}, or drop {name}",
+                )
         if not self.opd_kl_coef > 0:
             fail(
                 f"--opd-kl-coef {self.opd_kl_coef}",

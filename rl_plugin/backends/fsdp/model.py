@@ -28,12 +28,9 @@ import torch
 from torch import nn
 
 from rl_plugin.loss import ForwardOptions, default_chunk_rows, fp32_output_projection, fused_log_probs_and_entropy
+from rl_plugin.models.hf_head import fused_head_unsupported
 
 logger = logging.getLogger(__name__)
-
-# Config fields with which an HF model post-processes its logits after ``lm_head`` (Gemma-2 soft-
-# capping, Cohere / Granite scaling): the fused head cannot stand in for those heads.
-LOGIT_POSTPROCESS_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _is_dropout_field(name: str) -> bool:
@@ -181,20 +178,6 @@ class FusedLogProbHead(nn.Module):
             with_entropy=req.options.with_entropy,
         )
         return torch.stack([logp, ent], -1).unsqueeze(0)
-
-
-def fused_head_unsupported(model: nn.Module) -> Optional[str]:
-    """Why ``FusedLogProbHead`` cannot stand in for this HF model's head, or None."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        return f"the output embedding is {type(head).__name__}, not nn.Linear"
-    if head.bias is not None:
-        return "the output layer has a bias"
-    for field in LOGIT_POSTPROCESS_FIELDS:
-        value = getattr(model.config, field, None)
-        if value not in (None, 1, 1.0):
-            return f"the model post-processes its logits (config.{field}={value})"
-    return None
 
 
 def install_fused_head(model: nn.Module, *, fp32: bool) -> nn.Module:

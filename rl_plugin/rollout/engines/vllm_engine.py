@@ -19,8 +19,22 @@ a CPU engine, CUDA graphs on a GPU).
 
 Weights in place. ``update_weights(bucket)`` hands a bucket of Hugging Face tensors to vLLM's
 ``reload_weights`` (checkpoint format: vLLM fuses q/k/v and gate/up itself, so a fused group must
-arrive in one bucket), then drops the prefix cache, whose KV entries were computed under the old
-weights. Nothing is restarted and nothing touches the disk. A bucket on the GPU (the distributed
+arrive in one bucket). Nothing is restarted and nothing touches the disk.
+
+No KV of older weights is reused. vLLM's prefix cache hashes each full ``BLOCK_SIZE``-token block
+by its tokens, and ``reset_prefix_cache()`` refuses (returns False, only logs) while any request
+holds blocks, which a load at a token boundary of a fully-async generation always meets: a
+retracted request re-added with "prompt + tokens so far", or a new submission sharing a prefix (a
+system prompt), would find the old weights' blocks (their KV, not the new weights') and its
+tokens would carry the new version, under-counting their staleness. So every request carries
+``cache_salt`` = the engine's weight generation (``cache_salt``, bumped by every
+``update_weights``): vLLM puts the salt in the first block's hash, and every later block's hash
+chains on it, so no request added after a load can hit a block computed before it, whatever the
+engine holds. Salting is chosen over aborting first (``in_place`` keeps its requests' KV by
+design, and new submissions arrive while others run) and over disabling the cache (requests of one
+version still share their prompts' blocks). The cache is still dropped when the engine is idle (a
+synchronous load, a sleep), and there a refusal is an error; with requests in flight it is left to
+evict the old, unreachable blocks as it needs room. A bucket on the GPU (the distributed
 transport's NCCL receive) is handed over where it is when the worker runs in this process (one
 rank); otherwise, and on a CPU engine, through the host. Tied embeddings: vLLM's LM head
 shares the embedding's parameter, but its CPU build computes logits with a packed copy made at
@@ -152,6 +166,7 @@ class VLLMEngine(RolloutEngine):
         )
         # --lora-rank: vLLM's own LoRA, the adapter replaced by a new LoRARequest each sync (vllm_lora)
         self.lora = VLLMAdapters(lora_rank, lora_alpha) if lora_rank > 0 else None
+        self.loads = 0  # update_weights calls so far: the weight generation every request's salt names
         if any(self.llm.collective_rpc(_has_prepacked_experts)):
             # the experts again through the sync's path, so the read-back knows their checkpoint layout
             self.update_weights(_checkpoint_experts(str(checkpoint_dir)))
@@ -166,7 +181,7 @@ class VLLMEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {first_sample + i} is empty: a prompt needs at least one token")
-        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        requests = [{"prompt_token_ids": list(p), "cache_salt": self.cache_salt} for p in prompts]
         sampling = [
             VSamplingParams(
                 temperature=params.temperature,
@@ -196,6 +211,7 @@ class VLLMEngine(RolloutEngine):
                 gate,
                 lambda i: sample_seed(seed, first_sample + i),
                 lora_of=(lambda: self.lora.current(self.llm)) if self.lora is not None else None,
+                salt_of=lambda: self.cache_salt,
                 on_done=(lambda idx, rs: done(idx, [generation(i, r) for i, r in zip(idx, rs)])) if done else None,
             )
             return [generation(i, r) for i, r in enumerate(res)]
@@ -208,7 +224,13 @@ class VLLMEngine(RolloutEngine):
             gens.append(Generation(list(p), ids, logp, c.finish_reason == "stop"))
         return gens
 
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of a request added now: names the weights it is computed with."""
+        return f"rl_plugin_weights_{self.loads}"
+
     def update_weights(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        self.loads += 1  # requests added from now on never hit a block computed before this load
         if self.lora is not None:
             state_dict = self.lora.receive(state_dict)  # adapters: kept for the next LoRARequest
             if not state_dict:
@@ -223,14 +245,25 @@ class VLLMEngine(RolloutEngine):
         expert_layers = sorted({m.group(1) for m in (EXPERT.match(name) for name, _ in items) if m})
         if expert_layers:
             self.llm.collective_rpc(_repack_experts, args=(expert_layers,))
-        self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
+        self._drop_prefix_cache()
+
+    def _drop_prefix_cache(self) -> None:
+        """Free the old weights' cached blocks when no request holds any (vLLM refuses otherwise;
+        the salt already makes them unreachable); a refusal with nothing in flight is an error."""
+        if self.llm.llm_engine.has_unfinished_requests():
+            return  # a token-boundary load (fully async): the blocks are evicted as room is needed
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM refused to reset its prefix cache with no request in flight (blocks still held): KV "
+                "computed under older weights could be reused; this is a bug in the engine's request handling"
+            )
 
     def sleep(self) -> None:
         """Sleep level 1: the KV cache dropped, the weights copied to host memory (and back,
         unchanged, at ``wake_up``). Not level 2, which drops the weights: a sync carries only the
         tensors that changed since the engine's version, so the frozen rest would be lost."""
         if self.sleeps:
-            self.llm.reset_prefix_cache()  # its KV blocks are dropped by the sleep
+            self._drop_prefix_cache()  # its KV blocks are dropped by the sleep
             self.llm.sleep(level=1)
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:

@@ -7,8 +7,9 @@ the requests in flight), so the call drives the engine itself: every request is 
 running request), and between two steps the gate is offered. When the weight version changed
 there, ``retract`` aborts the unfinished requests and adds each again with its prompt + the tokens
 it generated so far as the prompt and the tokens left as ``max_tokens`` (vLLM prefills them again
-under the new weights: every later log-prob is the new weights' own); ``in_place`` lets them run on
-(their KV blocks were computed by the old weights). Each token keeps the version of the step that
+under the new weights, salted by the new weights' ``cache_salt`` so no old block is reused: every
+later log-prob is the new weights' own); ``in_place`` lets them run on (their KV blocks were
+computed by the old weights). Each token keeps the version of the step that
 drew it. A resubmitted request is seeded ``sample_seed(seed, i) + attempt``: its continuation is a
 fresh stream, as any sample drawn by other weights is. ``on_done`` (``--rollout-submission-granularity
 sample``, the gate's ``on_generations_done``) gets the requests that finished at each boundary, before
@@ -30,11 +31,15 @@ def generate_pausable(
     gate,
     seed_of: Callable[[int], int],
     lora_of: Optional[Callable[[], Any]] = None,
+    salt_of: Optional[Callable[[], str]] = None,
     on_done: Optional[Callable[[List[int], List[Result]], None]] = None,
 ):
     """One ``Result`` per prompt (``sampling[i]`` its vLLM ``SamplingParams``), paused by ``gate``.
     ``lora_of()`` (LoRA runs) is the ``LoRARequest`` of the newest adapters, asked at every
     (re)submission: a retracted request continues under the adapters of the new version.
+    ``salt_of()`` is the prefix-cache salt of the weights held now (``VLLMEngine.cache_salt``), asked
+    at every (re)submission too: a re-added "prompt + tokens so far" never hits a block of the old
+    weights (``in_place`` requests keep their own blocks: they are not re-added).
     ``on_done(indices, results)``: the requests finished since the last boundary, at each boundary
     while others still run (each reported once; the ones finished at the last step are not: the
     call returns them). A finished request's lists are never touched again."""
@@ -59,7 +64,10 @@ def generate_pausable(
         sp.seed = (seed_of(i) + attempt[i]) % (2**63)
         base[i] = len(ids[i])
         lora = None if lora_of is None else lora_of()
-        engine.add_request(f"p{i}a{attempt[i]}", {"prompt_token_ids": list(prompts[i]) + ids[i]}, sp, lora_request=lora)
+        prompt = {"prompt_token_ids": list(prompts[i]) + ids[i]}
+        if salt_of is not None:
+            prompt["cache_salt"] = salt_of()
+        engine.add_request(f"p{i}a{attempt[i]}", prompt, sp, lora_request=lora)
 
     version = gate.enter()
     try:

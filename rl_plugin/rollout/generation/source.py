@@ -117,7 +117,13 @@ class GenerationSource:
         self.teacher = None
         if cfg.use_opd and cfg.opd_type in ("hf", "vllm"):
             self.teacher = make_teacher(
-                cfg.opd_type, cfg.opd_teacher_load, temperature=cfg.engine.temperature, seed=cfg.seed, device=device
+                cfg.opd_type,
+                cfg.opd_teacher_load,
+                temperature=cfg.engine.temperature,
+                seed=cfg.seed,
+                device=device,
+                max_tokens=cfg.opd_teacher_max_tokens,
+                memory_share=cfg.opd_teacher_gpu_memory_utilization,
             )
         agent = cfg.custom_agent_function_path  # an agent program per sample (rl_plugin.rollout.agent)
         self.agent = AgentRollout(agent, tokenizer, cfg, hook_args) if agent else None

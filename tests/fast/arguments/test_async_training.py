@@ -53,6 +53,14 @@ RULES = [
         ["--fully-async with --custom-agent-function-path", "the agent would never run", "drop --fully-async"],
     ),
     (
+        "--fully-async --max-weight-staleness 1 --rollout-engine sglang",
+        [
+            "--rollout-engine sglang with --fully-async",
+            "the SGLang client has no such pause",
+            "use --rollout-engine vllm (or hf), or drop --fully-async",
+        ],
+    ),
+    (
         "--max-weight-staleness 1 --colocate",
         ["--max-weight-staleness 1 with --colocate", "cannot overlap training", "drop --colocate"],
     ),

@@ -26,6 +26,16 @@ REFUSED = [
         "--colocate --update-weight-transport nccl --placement-device gpu",
         ["--update-weight-transport nccl", "shared memory"],
     ),
+    (  # the vLLM teacher shares engine 0's GPU: 0.5 (the colocated default) + 0.6
+        "--colocate --rollout-engine vllm --use-opd --opd-teacher-load d --opd-type vllm "
+        "--opd-teacher-gpu-memory-utilization 0.6",
+        [
+            "--opd-type vllm with --colocate: --rollout-gpu-memory-utilization 0.5 + "
+            "--opd-teacher-gpu-memory-utilization 0.6 >= 1",
+            "the GPU of engine 0",
+            "sum below 1 (the defaults: 0.5 + 0.3)",
+        ],
+    ),
 ]
 
 
@@ -46,3 +56,11 @@ def test_memory_share_defaults_leave_room_for_training_when_colocated():
 def test_colocated_tp_engines_and_the_cpu_broadcast_are_accepted():
     parse_args("--colocate --rollout-engine vllm --rollout-num-gpus-per-engine 2 --actor-num-gpus-per-node 4".split())
     parse_args("--colocate --update-weight-transport distributed".split())  # on CPUs (gloo) it works
+
+
+def test_vllm_teacher_share_beside_a_colocated_engine_is_accepted_below_one():
+    args = parse_args(
+        "--colocate --rollout-engine vllm --rollout-gpu-memory-utilization 0.6 --use-opd --opd-teacher-load d "
+        "--opd-type vllm --opd-teacher-gpu-memory-utilization 0.3".split()
+    )
+    assert args.opd_teacher_gpu_memory_utilization == 0.3

@@ -44,6 +44,27 @@ OPD_RULES = [
     ("--use-opd --opd-teacher-load d --opd-kl-coef 0", ["--opd-kl-coef 0.0", "must be > 0"]),
     ("--use-opd --opd-teacher-load d --opd-kl-coef -1", ["--opd-kl-coef -1.0", "must be > 0"]),
     ("--use-opd --opd-teacher-load d --opd-teacher-ckpt-step 3", ["--opd-teacher-ckpt-step", "--save-hf directory"]),
+    ("--opd-teacher-max-tokens 64", ["--opd-teacher-max-tokens without --use-opd", "add --use-opd"]),
+    (
+        "--use-opd --opd-teacher-load d --opd-type vllm --opd-teacher-max-tokens 64",
+        [
+            "--opd-teacher-max-tokens with --opd-type vllm",
+            "only the --opd-type hf teacher reads it",
+            "use --opd-type hf",
+        ],
+    ),
+    (
+        "--use-opd --opd-teacher-load d --opd-type hf --opd-teacher-gpu-memory-utilization 0.5",
+        ["--opd-teacher-gpu-memory-utilization with --opd-type hf", "use --opd-type vllm, or drop"],
+    ),
+    (
+        "--use-opd --opd-teacher-load d --opd-type hf --opd-teacher-max-tokens 0",
+        ["--opd-teacher-max-tokens: must be >= 1 (got 0)"],
+    ),
+    (
+        "--use-opd --opd-teacher-load d --opd-type vllm --opd-teacher-gpu-memory-utilization 1",
+        ["--opd-teacher-gpu-memory-utilization: must be in (0, 1) (got 1.0)"],
+    ),
     (f"{SFT} --use-opd --opd-teacher-load d", ["--loss-type sft_loss with --use-opd", "student's own samples"]),
 ]
 

@@ -1,6 +1,6 @@
 """Issue 35, the OPD teacher's log-probs: the in-trainer teacher (``--opd-type megatron``, on both
 backends, ``compute_log_probs(role="teacher")``) and the engine-served one (``--opd-type hf``,
-``rollout.engines.teacher.HFTeacher``: one padded forward of the teacher's HF model) give the
+``rollout.engines.teacher.HFTeacher``: micro-batched forwards of the teacher's HF model) give the
 same teacher log-probs of the same sampled tokens, to fp32 rounding; and they are the teacher's
 (another model's), not the student's."""
 
