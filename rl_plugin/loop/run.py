@@ -7,14 +7,16 @@ the first weight sync; then ``Driver.run_rollout(k)`` for each rollout, stopping
 rollouts when an exit signal or ``--exit-duration-in-mins`` asks; at the end (or on any failure)
 the actors and the placement go, and Ray with them when this run started it.
 
-An exit signal also cuts the rollout in progress (``exit_request``: the driver's waits poll it;
-the generate aborts, the train call stops before its next optimizer step): the run then saves the
+An exit signal (SIGTERM, SIGUSR1, SIGHUP, Ctrl-C) also cuts the rollout in progress
+(``exit_request``: the driver's waits poll it; the train call stops before its next optimizer
+step, the generate aborts; neither request waits for its answer): the run then saves the
 last complete rollout, with the rollout generated but not trained on (``Schedule.pending``), and
 stops with 128 + N. Every way out releases the output lock, the watchdog's and the second
 signal's exit at once included.
 
-Failures end the run with a ``LoopError`` naming what broke and where to resume from; Ctrl-C ends
-it with one line naming the last checkpoint and the ``--load`` command. The metrics file keeps
+Failures end the run with a ``LoopError`` naming what broke and where to resume from; Ctrl-C under
+``--no-exit-signal-handler`` ends it at once with one line naming the last checkpoint and the
+``--load`` command. The metrics file keeps
 every line already written and the last complete checkpoint stays the resume point
 (``resume.py``).
 """
@@ -221,10 +223,12 @@ class TrainingRun:
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
         self.driver = Driver(cfg, self.group, self.client, ledger, self.progress, self.resume_hint)
-        # the driver's waits poll the exit request; its first poll after a signal aborts the
-        # rollout manager's generation and stops the train ranks before their next step
+        # the driver's waits poll the exit request; its first poll after a signal stops the train
+        # ranks before their next step, then aborts the rollout manager's generation. Neither waits
+        # for an answer, and the ranks come first: a manager that does not answer (its control
+        # thread held by user code) must not cost the grace the checkpoint needs
         self.group.poll = self.client.poll = self.exit.poll
-        self.exit.actions = [self.client.abort, self.group.request_stop]
+        self.exit.actions = [self.group.request_stop, self.client.abort]
 
     def _resume(self) -> None:
         cfg = self.cfg
