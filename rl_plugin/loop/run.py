@@ -32,7 +32,7 @@ from rl_plugin.arguments import validate_world
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
-from rl_plugin.configs.async_training import staleness_warning
+from rl_plugin.configs.async_training import stale_drop_warning, staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
@@ -100,9 +100,9 @@ class TrainingRun:
         if point is not None and is_finished(a, point.next_rollout):
             print(finished_message(a, point.step), flush=True)
             return
-        warning = staleness_warning(a)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
+        for warning in (staleness_warning(a), stale_drop_warning(a)):
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         self._stop_if_asked(None)  # a signal during the checks: nothing started yet
         lock = RunLock(cfg.output_dir).acquire()
         self.exit.release_lock = lock.release  # an exit at once (a second signal, the grace's end) too
