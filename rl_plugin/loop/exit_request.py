@@ -1,24 +1,26 @@
 """Stopping a run on purpose: exit signals and a wall-time budget (Megatron-LM's flags).
 
 ``--exit-signal-handler`` (default on): SIGTERM (what Slurm and Kubernetes send on preemption),
-SIGUSR1 (Slurm's ``--signal`` default), SIGHUP and SIGINT (Ctrl-C) set a request. They are blocked in the driver's
-threads (``take_exit_signals``, first thing in ``rl-plugin-train``: every thread started after
-inherits the mask, torch's and Ray's included) and taken by one thread of ours (``sigwait``): Ray's core worker resets SIGTERM's disposition to the default in
-the C library during ``ray.shutdown()``, and a SIGTERM that reached a thread then killed the driver
-mid-teardown (the lock left, no reward curve). The handler only records the request (it never
-raises: a handler that raised inside Ray's waits, whose C code lets only KeyboardInterrupt through,
-ended in ``SystemError``). The run acts on it where it waits:
+SIGUSR1 (Slurm's ``--signal`` default), SIGHUP and SIGINT (Ctrl-C) set a request. They are blocked
+in the driver's threads (``take_exit_signals``, first thing in ``rl-plugin-train``: every thread
+started after inherits the mask, torch's and Ray's included) and taken by one thread of ours
+(``sigwait``): Ray's core worker resets SIGTERM's disposition to the default in the C library
+during ``ray.shutdown()``, and a SIGTERM that reached a thread then killed the driver mid-teardown
+(the lock left, no reward curve). The handler only records the request (it never raises: a
+handler that raised inside Ray's waits, whose C code lets only KeyboardInterrupt through, ended in
+``SystemError``). The run acts on it where it waits:
 
 - every wait of the driver (``TrainGroup``, ``RolloutClient``) polls ``poll`` every
   ``POLL_S`` instead of blocking in ``ray.get``. The first poll after the signal runs the
   ``actions`` once, none of which waits for an answer: the train ranks are asked to stop before
   their next optimizer step first, then the rollout manager to abort its generation (engines
   between two decode steps, the hooks' and rewards' asyncio tasks cancelled); what the manager was
-  running is read when a message needs it (a manager that does not answer costs the exit nothing). A generate or eval that has not answered ``GIVE_UP * grace`` after the signal
-  is given up (``StopRequested``: a sync user function that never returns cannot be interrupted);
-  the rest of the grace is for the checkpoint and the teardown.
+  running is read when a message needs it (a manager that does not answer costs the exit nothing).
+  A generate or eval that has not answered ``GIVE_UP * grace`` after the signal is given up
+  (``StopRequested``: a sync user function that never returns cannot be interrupted); the rest of
+  the grace is for the checkpoint and the teardown.
 - the run then writes the checkpoint of the last complete rollout (``--save``) and exits with
-  128 + the signal (``loop/run.py``).
+  128 + the signal (``loop/run.py``; Ctrl-C: 130).
 - a watchdog thread makes sure of the deadline: a run still alive ``--exit-signal-grace-s`` after
   the first signal prints what was running, releases the output lock and ends at once
   (``os._exit``: the local cluster goes with the driver, ``rl_plugin.ray.reaper``); a save cut
@@ -26,7 +28,10 @@ ended in ``SystemError``). The run acts on it where it waits:
   resume point.
 - a second signal ends the run at once the same way (the resume line, the lock released). The same
   signal again within ``REPEAT_WINDOW_S`` of the first is a copy of the first request, not a
-  second one (see there: GNU ``timeout``, Slurm and Kubernetes deliver one request twice).
+  second one (``rl_plugin.errors``: GNU ``timeout``, Slurm and Kubernetes deliver one request twice).
+
+``--no-exit-signal-handler``: the signals keep their own actions during the run (SIGTERM ends the
+process; Ctrl-C raises KeyboardInterrupt, which ends the run at once, unsaved).
 
 ``--exit-duration-in-mins M``: once M minutes have passed since the run started, the loop saves
 and stops the same way between two rollouts, and exits 0 (as Megatron-LM does), so a job chain
