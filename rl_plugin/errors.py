@@ -6,8 +6,10 @@ importing each other.
   the message names the flags, the rule and the fix (``fail``). ``rl-plugin-train`` exits 2.
 - ``LoopError``: the run stopped after start-up; the message says why and how to resume (exit 1).
 - ``WeightSyncError``: the rollout engines' weights differ from the trainer's (``--check-weight-sync``).
-- ``Interrupted``: Ctrl-C ended the run at once; the message names the resume command (exit 130).
-  (A second exit signal ends the process at once from its handler: ``loop/exit_request.py``.)
+- ``Interrupted``: Ctrl-C ended the run at once under ``--no-exit-signal-handler``; the message
+  names the resume command (exit 130). (With the handler, Ctrl-C stops the run as SIGTERM does,
+  ``Stopped``; a second exit signal ends the process at once from its handler:
+  ``loop/exit_request.py``.)
 - ``StopRequested``: an exit signal cut the rollout in progress (a call aborted, stopped early or
   given up); the run catches it, saves the last complete rollout and raises ``Stopped``.
 - ``Stopped``: the loop stopped early on purpose (an exit signal, ``--exit-duration-in-mins``) after
@@ -19,8 +21,18 @@ from __future__ import annotations
 import signal
 
 # The signals that stop a run on purpose (``Stopped``; ``rl_plugin.loop.exit_request``): SIGTERM
-# (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default), SIGHUP.
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+# (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default), SIGHUP, and SIGINT
+# (Ctrl-C: the run saves as on SIGTERM and exits 130).
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+
+# One request to stop often arrives as two copies of the same exit signal: GNU ``timeout`` sends it to
+# its child and then to its whole process group (the child again), Slurm and Kubernetes signal
+# every process of the job step / container, and a wrapper (a shell, ``srun``, ``torchrun``)
+# forwards the copy it got. The copies land within milliseconds of each other (a loaded node:
+# tens); taken as a second signal, the run exited at once with nothing saved. So the same signal
+# again within this window is the same request; a second request by hand (Ctrl-C again, another
+# ``kill``) comes after it, as the first signal's message says.
+REPEAT_WINDOW_S = 1.0
 
 
 class RLArgumentError(ValueError):
@@ -42,7 +54,8 @@ class WeightSyncError(LoopError):
 
 
 class Interrupted(LoopError):
-    """Ctrl-C (SIGINT): the actors are torn down at once; the message names the resume command."""
+    """Ctrl-C (SIGINT) without the exit-signal handler: the actors are torn down at once; the
+    message names the resume command."""
 
     def __init__(self, message: str, exit_code: int = 130):
         super().__init__(message)

@@ -17,7 +17,7 @@ resumes model, optimizer, RNG, step, rollout id and dataset position (``rl_plugi
 
 Exit codes: 0 done (or stopped by ``--exit-duration-in-mins`` after saving); 2 a flag, file or
 checkpoint problem found before training; 1 the run failed (the message names the resume command);
-130 Ctrl-C; 128 + N stopped by exit signal N (SIGTERM: 143) after saving (``loop/exit_request.py``).
+128 + N stopped by exit signal N (SIGTERM: 143, Ctrl-C: 130) after saving (``loop/exit_request.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import List, Optional
 
 
 def _exit_before_start(signum) -> None:
-    """SIGTERM / SIGUSR1 / SIGHUP while the flags are parsed and checked: nothing started, nothing
+    """SIGTERM / SIGUSR1 / SIGHUP / SIGINT while the flags are parsed and checked: nothing started, nothing
     written; one line and 128 + N. The run routes the signals to its own handler (save, then stop)
     next (``rl_plugin.loop.exit_request``)."""
     os.write(2, f"\nstopped by {signal.Signals(signum).name} before training started; nothing was written\n".encode())
@@ -70,11 +70,11 @@ def _main(argv: Optional[List[str]]) -> int:
         return 2
     except (Interrupted, Stopped) as exc:
         print(f"\n{exc}", file=sys.stderr)
-        return exc.exit_code  # 130 for Ctrl-C, 128 + N for signal N, 0 after --exit-duration-in-mins
+        return exc.exit_code  # 128 + N for signal N (Ctrl-C: 130), 0 after --exit-duration-in-mins
     except LoopError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C before the loop started: nothing was written
+    except KeyboardInterrupt:  # Ctrl-C under --no-exit-signal-handler before the loop started
         print("\ninterrupted (Ctrl-C) before training started; nothing was written", file=sys.stderr)
         return 130
     return 0

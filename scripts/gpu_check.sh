@@ -7,6 +7,10 @@
 #
 # Writes OUT_DIR/gpu_check.json (one entry per case) and OUT_DIR/gpu_check.log (every case's
 # output). Exit status 0 when no case failed, errored or timed out (skipped ones do not count).
+# Each case runs in a session of its own (so it can be killed whole at its timeout); when the
+# outer timeout (RL_GPU_CHECK_TIMEOUT_S, default 470 s) or a signal ends the driver, the running
+# case's process group is killed too (by the driver, and here on exit: the file the driver names
+# it in), so no case is left holding the GPU.
 set -uo pipefail
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR [tests.gpu.check options]}"
 shift
@@ -28,4 +32,23 @@ else
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # the driver keeps to its budget; this outer limit only guards against the driver itself hanging
-timeout 470 "$PY" -m tests.gpu.check --out "$OUT" "$@"
+CASE_PGID="$(mktemp "${TMPDIR:-/tmp}/rl_gpu_check_case.XXXXXX")"
+export RL_GPU_CHECK_CASE_PGID_FILE="$CASE_PGID"
+kill_case() {  # the running case's whole process group, if the driver left one
+    local g
+    g="$(cat "$CASE_PGID" 2>/dev/null)"
+    if [ -n "$g" ]; then kill -KILL -- "-$g" 2>/dev/null; fi
+    rm -f "$CASE_PGID"
+}
+stop() {  # a signal to this script: the driver (through timeout, which passes it on) and the case
+    [ -n "${DRIVER:-}" ] && kill -TERM "$DRIVER" 2>/dev/null && wait "$DRIVER"
+    exit "$1"
+}
+trap kill_case EXIT
+trap 'stop 143' TERM
+trap 'stop 130' INT
+trap 'stop 129' HUP
+# in the background, and waited for: a trap runs at once during `wait` (not after the command)
+timeout "${RL_GPU_CHECK_TIMEOUT_S:-470}" "$PY" -m tests.gpu.check --out "$OUT" "$@" &
+DRIVER=$!
+wait "$DRIVER"

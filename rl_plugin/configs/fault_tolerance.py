@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from rl_plugin.errors import fail
+from rl_plugin.errors import REPEAT_WINDOW_S, fail
 from rl_plugin.flags import Declared, flag
 
 GROUP = "fault tolerance"
@@ -35,12 +35,15 @@ class FaultToleranceConfig(Declared):
         default=True,
         group=GROUP,
         help=(
-            "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default) or SIGHUP, abort the "
-            "generation in progress and stop the train call before its next optimizer step, write the checkpoint of "
-            "the last complete rollout when --save is set, print the last checkpoint and the resume command, tear Ray "
-            "down and exit with 128 + the signal, all within --exit-signal-grace-s; a second signal exits at once "
-            "(the last complete checkpoint stays the resume point). Default on (Megatron-LM's flag, which defaults "
-            "to off there); --no-exit-signal-handler leaves the signals' default actions."
+            "On SIGTERM (preemption by Slurm or Kubernetes), SIGUSR1 (Slurm's --signal default), SIGHUP or SIGINT "
+            "(Ctrl-C), stop the train call before its next optimizer step and abort the generation in progress, write "
+            "the checkpoint of the last complete rollout when --save is set, print the last checkpoint and the resume "
+            "command, tear Ray down and exit with 128 + the signal (143, Ctrl-C 130), all within "
+            "--exit-signal-grace-s; a second signal exits at once (the last complete checkpoint stays the resume "
+            f"point). The same signal again within {REPEAT_WINDOW_S:g} s is the same request (GNU timeout, Slurm and Kubernetes "
+            "signal the run and its process group). Default on (Megatron-LM's flag, which defaults to off there); "
+            "--no-exit-signal-handler leaves the signals' default actions (Ctrl-C then ends the run at once, "
+            "unsaved)."
         ),
     )
     exit_signal_grace_s: float = flag(

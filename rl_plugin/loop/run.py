@@ -7,14 +7,16 @@ the first weight sync; then ``RolloutPieces.run_rollout(k)`` for each rollout, s
 rollouts when an exit signal or ``--exit-duration-in-mins`` asks; at the end (or on any failure)
 the actors and the placement go, and Ray with them when this run started it.
 
-An exit signal also cuts the rollout in progress (``exit_request``: the driver's waits poll it;
-the generate aborts, the train call stops before its next optimizer step): the run then saves the
+An exit signal (SIGTERM, SIGUSR1, SIGHUP, Ctrl-C) also cuts the rollout in progress
+(``exit_request``: the driver's waits poll it; the train call stops before its next optimizer
+step, the generate aborts; neither request waits for its answer): the run then saves the
 last complete rollout, with the rollout generated but not trained on (``Schedule.pending``), and
 stops with 128 + N. Every way out releases the output lock, the watchdog's and the second
 signal's exit at once included.
 
-Failures end the run with a ``LoopError`` naming what broke and where to resume from; Ctrl-C ends
-it with one line naming the last checkpoint and the ``--load`` command. The metrics file keeps
+Failures end the run with a ``LoopError`` naming what broke and where to resume from; Ctrl-C under
+``--no-exit-signal-handler`` ends it at once with one line naming the last checkpoint and the
+``--load`` command. The metrics file keeps
 every line already written and the last complete checkpoint stays the resume point
 (``resume.py``).
 """
@@ -31,7 +33,7 @@ from rl_plugin.arguments.setup import check_command_line
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
 from rl_plugin.checkpoint.run_settings import settings_of
-from rl_plugin.configs.async_training import staleness_warning
+from rl_plugin.configs.async_training import stale_drop_warning, staleness_warning
 from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.configs.run import RunConfig, check_world
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
@@ -108,9 +110,9 @@ class TrainingRun:
         if point is not None and is_finished(run, point.next_rollout):
             print(finished_message(run, point.step), flush=True)
             return
-        warning = staleness_warning(run)
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
+        for warning in (staleness_warning(run), stale_drop_warning(run)):
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         self._stop_if_asked(None)  # a signal during the checks: nothing started yet
         lock = RunLock(cfg.output_dir).acquire()
         self.exit.release_lock = lock.release  # an exit at once (a second signal, the grace's end) too
@@ -225,13 +227,15 @@ class TrainingRun:
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
         self.pieces = RolloutPieces(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
-        # the driver's waits poll the exit request; its first poll after a signal aborts the
-        # rollout manager's generation and stops the train ranks before their next step
+        # the waits poll the exit request; its first poll after a signal stops the train ranks
+        # before their next step, then aborts the rollout manager's generation. Neither waits for
+        # an answer, and the ranks come first: a manager that does not answer (its control thread
+        # held by user code) must not cost the grace the checkpoint needs
         self.group.poll = self.exit.poll
         self.exit.actions = [self.group.request_stop]
-        if self.client is not None:
+        if self.client is not None:  # SFT: no rollout manager
             self.client.poll = self.exit.poll
-            self.exit.actions.insert(0, self.client.abort)
+            self.exit.actions.append(self.client.abort)
 
     def _resume(self) -> None:
         cfg = self.cfg

@@ -10,7 +10,8 @@ Generation is seeded by ``seed + k``, so a retried rollout yields the samples th
 
 Its waits poll (``POLL_S``) and call ``poll(can_abandon)`` in between (the run's exit request,
 ``rl_plugin.loop.exit_request``): ``abort`` asks the manager, on its ``control`` thread, to abort
-the rollout in progress; a generate that ends aborted becomes ``StopRequested``.
+the rollout in progress (without waiting for the answer); a generate that ends aborted becomes
+``StopRequested``.
 
 It also keeps the manager's dataset position after the last generate (``dataset_state``), which
 a checkpoint saves. The loop hands it what it reads of the run's settings (the engine's name for
@@ -19,6 +20,8 @@ messages, ``--max-rollout-retries``) and the resume hint its messages end with.
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import ray
@@ -28,6 +31,13 @@ from rl_plugin.ray.rollout_actor import create_rollout_manager, error_line, faul
 from rl_plugin.rollout.sample import RolloutData
 
 POLL_S = 0.2  # a wait's ray.wait timeout, between two calls of ``poll``
+# Test hook: "1" makes ``abort`` occupy the manager's control thread with a call that never returns
+# instead of the abort, as user code holding that thread would: the exit must not wait on it.
+ABORT_HANGS_ENV = "RL_PLUGIN_FAULT_ABORT_HANGS"
+
+
+def _never_answer(manager) -> None:
+    threading.Event().wait()
 
 
 def actor_died(exc: Exception) -> bool:
@@ -60,10 +70,23 @@ class RolloutClient:
             self.poll(can_abandon)
         return ray.get(ref)
 
-    def abort(self) -> Optional[str]:
-        """Abort the rollout in progress (an exit signal); returns what the manager was running."""
-        what = ray.get(self.manager.abort.options(concurrency_group="control").remote(), timeout=10)
-        return f"{what} in the rollout manager" if what else None
+    def abort(self) -> Callable[[], Optional[str]]:
+        """Ask the manager to abort the rollout in progress (an exit signal), without waiting: the
+        exit's grace is for the checkpoint, and a manager whose control thread does not answer
+        must not spend it. Returns what the manager was running, read when a message asks (None
+        until it answered)."""
+        if os.environ.get(ABORT_HANGS_ENV) == "1":  # the test hook: a control thread that never answers
+            ref = self.manager.__ray_call__.options(concurrency_group="control").remote(_never_answer)
+        else:
+            ref = self.manager.abort.options(concurrency_group="control").remote()
+
+        def running() -> Optional[str]:
+            if not ray.wait([ref], timeout=0)[0]:
+                return None
+            what = ray.get(ref)
+            return f"{what} in the rollout manager" if what else None
+
+        return running
 
     def _create(self):
         return create_rollout_manager(self._run, self.placement, hook_args=self._hook_args)

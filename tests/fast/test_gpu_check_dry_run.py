@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,42 @@ def test_a_case_runs_isolated_and_a_budget_skips(tmp_path):
 def test_the_shell_script_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "fetch_gpu_wheels.sh")]).returncode == 0
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("timeout") is None, reason="bash script, GNU timeout")
+def test_the_outer_timeout_kills_the_running_case_and_its_children(tmp_path):
+    """Issue 44 #13: a case runs in a session of its own; when the script's outer timeout ended the
+    driver, the case (and what it started) kept running, holding the GPU. Now it goes too."""
+    from tests.support.gpu_check_cases import PIDS_ENV
+
+    pids_file, outer_s = tmp_path / "pids", 60
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        CUDA_VISIBLE_DEVICES="",
+        RL_GPU_CHECK_TIMEOUT_S=str(outer_s),
+        **{PIDS_ENV: str(pids_file)},
+    )
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / "out"), "--device", "cpu", "--dry-run"]
+    cmd += ["--extra-case", "hang=tests.support.gpu_check_cases:never_returns", "--only", "hang", "--budget-s", "400"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=outer_s + 120)
+    seconds = time.monotonic() - t0
+    assert pids_file.exists(), f"the case never started within {outer_s} s: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+    pids = [int(x) for x in pids_file.read_text().split()]
+    deadline = time.monotonic() + 10  # SIGKILLed: gone at once, reaped by init shortly after
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # never leave them behind, pass or fail
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"left running after the outer timeout ({seconds:.0f} s): {left}"
+    assert proc.returncode != 0 and seconds < outer_s + 60, (proc.returncode, seconds)

@@ -6,12 +6,17 @@ within one time budget, results into one JSON and one log. See ``tests/gpu/READM
 ``DIR/gpu_check.json``: ``{"device", "dry_run", "versions", "total_s", "cases": {name: {"status":
 ok|fail|error|timeout|skipped, "seconds", "result" | "error"}}}``; ``DIR/gpu_check.log``: each
 case's output. A case that hangs is killed at its timeout (its whole process group) and the next one
-runs; a case that would start with less than ``MIN_START_S`` of the budget left is skipped.
+runs; a case that would start with less than ``MIN_START_S`` of the budget left is skipped. A case
+runs in a session of its own, so a signal to the driver's group does not reach it: when the driver
+is stopped (the script's outer ``timeout``, SIGTERM, SIGHUP, Ctrl-C) it kills the running case's
+whole group before it ends, and it names that group in ``CASE_PGID_ENV``'s file, which the script
+kills on its way out too (a driver killed outright).
 
 ``--dry-run`` (with ``--device cpu``): tiny shapes, one step, the same code paths on the CPU
 (``tests/fast/test_gpu_check_dry_run.py`` runs it so it cannot rot). ``--block-imports ray,vllm``
 makes those packages unimportable in every case process, as on the loaned GPU machine.
 ``--in-process``: run the cases in this process one after another (no isolation; the dry-run test).
+``--extra-case name=module:function`` adds a case (the dry-run test's case that never returns).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ CASES = (
 )
 MIN_START_S = 20
 BLOCK_ENV = "RL_GPU_CHECK_BLOCK_IMPORTS"
+CASE_PGID_ENV = "RL_GPU_CHECK_CASE_PGID_FILE"  # the script's file naming the running case's process group
 
 
 class _Hidden:
@@ -107,9 +113,15 @@ def run_case_here(name: str, fn: str, ctx: Ctx) -> dict:
     return getattr(importlib.import_module(module), func)(ctx)
 
 
+def _cases(opts) -> tuple:
+    """CASES, and the ``--extra-case`` ones (timeout: the budget's)."""
+    extra = [spec.split("=", 1) for spec in opts.extra_case]
+    return CASES + tuple((name, fn, opts.budget_s, ()) for name, fn in extra)
+
+
 def _child(opts) -> int:
     ctx = Ctx(opts.device, opts.dry_run, Path(opts.work))
-    fn = dict((n, f) for n, f, _, _ in CASES)[opts.child]
+    fn = dict((n, f) for n, f, _, _ in _cases(opts))[opts.child]
     try:
         result = dict(status=None, result=run_case_here(opts.child, fn, ctx))
         result["status"] = "ok" if result["result"].get("ok") else "fail"
@@ -125,18 +137,44 @@ def _run_isolated(name: str, timeout: float, opts, log) -> dict:
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "tests.gpu.check", "--child", name, "--device", opts.device]
     cmd += ["--work", opts.work, "--result", str(result_file)] + (["--dry-run"] if opts.dry_run else [])
+    cmd += [f"--extra-case={spec}" for spec in opts.extra_case]
     log.write(f"\n===== {name} (timeout {timeout:.0f} s): {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _name_case_group(proc.pid)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the case and every process it started
-        proc.wait()
+        _kill_group(proc)
         return dict(status="timeout", error=f"killed after {timeout:.0f} s")
+    finally:  # the driver stopped (SystemExit from _stop_driver, KeyboardInterrupt): the case goes too
+        if proc.returncode is None:
+            _kill_group(proc)
+        _name_case_group(None)
     if not result_file.exists():
         return dict(status="error", error=f"the case process exited {proc.returncode} without a result (see the log)")
     return json.loads(result_file.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the case and every process it started (its session's group), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _name_case_group(pgid) -> None:
+    """Name the running case's process group (None: none runs) in the script's file."""
+    path = os.environ.get(CASE_PGID_ENV)
+    if path:
+        Path(path).write_text("" if pgid is None else f"{pgid}\n")
+
+
+def _stop_driver(signum, frame) -> None:
+    """SIGTERM / SIGHUP to the driver: unwind, so the running case's group is killed on the way."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> int:
@@ -150,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this many seconds")
     p.add_argument("--block-imports", default="", help="comma-separated packages made unimportable in the cases")
     p.add_argument("--in-process", action="store_true", help="run the cases (and their children) in this process")
+    p.add_argument("--extra-case", action="append", default=[], help=argparse.SUPPRESS)  # name=module:function
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -160,6 +199,8 @@ def main(argv=None) -> int:
         os.environ[IN_PROCESS_ENV] = "1"  # the cases' own child processes too (common.run_child)
     if opts.child:
         return _child(opts)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_driver)
     if opts.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu --dry-run to check the script's logic)")
     if not opts.out:
@@ -167,15 +208,16 @@ def main(argv=None) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     opts.work = opts.work or tempfile.mkdtemp(prefix="rl_gpu_check_")
-    names = [n for n in opts.only.split(",") if n] or [n for n, _, _, _ in CASES]
-    unknown = sorted(set(names) - {n for n, _, _, _ in CASES})
+    cases = _cases(opts)
+    names = [n for n in opts.only.split(",") if n] or [n for n, _, _, _ in cases]
+    unknown = sorted(set(names) - {n for n, _, _, _ in cases})
     if unknown:
-        p.error(f"--only: unknown case(s) {unknown}; choose from {[n for n, _, _, _ in CASES]}")
+        p.error(f"--only: unknown case(s) {unknown}; choose from {[n for n, _, _, _ in cases]}")
     report = dict(device=opts.device, dry_run=opts.dry_run, work=opts.work, cases={})
     t_start = time.perf_counter()
     ctx = Ctx(opts.device, opts.dry_run, Path(opts.work))
     with open(out / "gpu_check.log", "a") as log:
-        for name, fn, timeout, needs in CASES:
+        for name, fn, timeout, needs in cases:
             if name not in names:
                 continue
             left = opts.budget_s - (time.perf_counter() - t_start)

@@ -5,9 +5,15 @@ two corrections. (The loop itself is tested end to end in e2e/test_loop.py.)"""
 import pytest
 
 from rl_plugin.arguments import parse_args
+from rl_plugin.configs.async_training import stale_drop_warning
 from rl_plugin.configs.async_training import staleness_warning as _warning
 from rl_plugin.configs.run import RunConfig
 from tests.support.flag_rules import assert_refused
+
+
+def _run(flags):
+    return RunConfig.from_args(parse_args(flags), load_user_code=False)
+
 
 RULES = [
     ("--max-weight-staleness -1", ["--max-weight-staleness: must be >= 0 (got -1)", "use 0 (synchronous) or 1"]),
@@ -116,3 +122,47 @@ def test_routing_replay_with_fully_async_is_refused():
         run.async_training.check(run)
     msg = str(err.value)
     assert "--use-rollout-routing-replay with --fully-async" in msg and "not implemented" in msg and "Fix:" in msg
+
+
+BATCH = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+
+
+def test_update_interval_2_staleness_2_is_warned_that_groups_are_dropped_and_how_to_keep_them():
+    """Issue 44 #24: ``--update-weights-interval 2 --max-weight-staleness 2`` dropped a whole batch
+    every second rollout with no warning (so did the default K = 1: 8 groups every second
+    rollout on the embedded run). The worker runs 8 buffered + 4 in flight = 12 groups ahead of a
+    batch of 4: a group waits up to 3 rollouts, plus 1 between two publishes; K = 4 (I = 2) and
+    K = 3 (I = 1) dropped none there, and are what the line asks for."""
+    line = stale_drop_warning(
+        _run(["--fully-async", "--max-weight-staleness", "2", "--update-weights-interval", "2", *BATCH])
+    )
+    assert line.startswith(
+        "warning: --fully-async --max-weight-staleness 2: the worker generates up to 12 groups ahead"
+    )
+    assert "(8 buffered: --async-data-buffer-capacity-factor 2 x --rollout-batch-size 4; 4 in flight" in line, line
+    assert "trained up to 4 rollouts behind the trainer's weights, and the groups past 2 are dropped" in line, line
+    assert "async/dropped_stale" in line and "--max-weight-staleness 4, or generate less ahead" in line, line
+    line = stale_drop_warning(_run(["--fully-async", "--max-weight-staleness", "1", *BATCH]))
+    assert "up to 3 rollouts behind" in line and "--max-weight-staleness 3" in line, line
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fully-async", "--max-weight-staleness", "3"],
+        ["--fully-async", "--max-weight-staleness", "4", "--update-weights-interval", "2"],
+        # 1 buffered + 1 in flight (4 samples of 4) of a batch of 4: one rollout ahead at most
+        [
+            "--fully-async",
+            "--max-weight-staleness",
+            "1",
+            "--async-data-buffer-capacity-factor",
+            "0.25",
+            "--async-max-concurrent-samples",
+            "4",
+        ],
+        ["--max-weight-staleness", "1"],  # the overlapped loop generates one rollout ahead, no more
+    ],
+)
+def test_no_drop_warning_when_the_bound_covers_what_is_generated_ahead(flags):
+    assert stale_drop_warning(_run([*flags, *BATCH])) is None

@@ -6,8 +6,9 @@ started in its own session, as a shell starts a job. While it trains:
 - #14: it prints a compact metrics line every --log-interval steps (it used to print nothing);
 - #3: a second run with the same --output-dir is refused, naming A's pid and host (it used to
   rename A's live metrics file);
-- #11: Ctrl-C (SIGINT to A's process group, as a terminal sends it) ends A with one line naming
-  the last checkpoint and the --load command, no traceback, and none of A's processes left;
+- #11: Ctrl-C (SIGINT to A's process group, as a terminal sends it) stops A as SIGTERM does (issue
+  44 #19: it saves, exit 130) with one line naming the last checkpoint and the --load command, no
+  traceback, and none of A's processes left;
 - #12: run C, resumed with that command, is SIGKILLed once its local Ray cluster is up: every
   process of that cluster, the dashboard and runtime-env agents included, must end with it.
 """
@@ -42,12 +43,13 @@ def _terminal_signals():
 
 
 class Proc:
-    """A spawned trainer whose stdout/stderr are drained by threads (a full pipe would block it)."""
+    """A spawned trainer whose stdout/stderr are drained by threads (a full pipe would block it);
+    ``wrap``: a launcher it runs under (``p`` is then the launcher's process)."""
 
-    def __init__(self, argv, cwd, env):
+    def __init__(self, argv, cwd, env, wrap=()):
         cmd = [str(TRAIN)] if TRAIN.exists() else [sys.executable, "-m", "rl_plugin.train"]
         self.p = subprocess.Popen(
-            cmd + argv,
+            [*wrap, *cmd, *argv],  # wrap: a launcher in front (``timeout``)
             cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
@@ -203,7 +205,7 @@ def test_ctrl_c_ends_with_one_line_then_sigkill_takes_the_cluster_down(run_a, en
     err = "".join(a.err)
     last = [ln for ln in err.splitlines() if ln.strip()][-1]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    assert last.startswith("interrupted (Ctrl-C) during rollout"), err[-3000:]
+    assert last.startswith("stopped by SIGINT "), err[-3000:]
     step = latest_step(d / "ckpt")
     assert f"resume with --load {d / 'ckpt'} (last checkpoint: step {step}): rl-plugin-train " in last, last
     left = _gone(tree)

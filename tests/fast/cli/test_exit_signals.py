@@ -158,7 +158,7 @@ def test_the_first_signal_is_recorded_and_runs_the_abort_actions_once():
         assert req.reason() == "stopped by SIGUSR1" and req.exit_code() == 128 + signal.SIGUSR1
         req.poll(can_abandon=True)
         req.poll(can_abandon=True)
-        assert asked == [1, 2] and req.running == ["the reward f (rm(args, sample))"]
+        assert asked == [1, 2] and req.running() == ["the reward f (rm(args, sample))"]
     finally:
         req.restore()  # also cancels the grace watchdog
     assert signal.getsignal(signal.SIGUSR1) == before  # the caller's handler is back

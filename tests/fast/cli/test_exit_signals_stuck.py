@@ -11,7 +11,8 @@ to its whole process group (as Slurm and Kubernetes send it) once stuck:
   can interrupt it; the run gives the generate up after a quarter of the grace, names the reward,
   saves and exits 143 within the grace;
 - D, the same judge, overlapped loop, ``--exit-signal-grace-s 40``, a checkpoint per rollout, a
-  second SIGTERM 0.5 s after the first: the run exits at once with the resume line, before the
+  second SIGTERM 1 s past ``REPEAT_WINDOW_S`` after the first (a copy within the window is the same
+  request: ``test_exit_signal_copies.py``): the run exits at once with the resume line, before the
   first signal's give-up (10 s) (it used to end in ``SystemError`` from Ray's ``check_signals``).
 
 Every run leaves no lock and no process. The bounds on the time to exit are the flag's (with a
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from rl_plugin.checkpoint.layout import latest_step
+from rl_plugin.errors import REPEAT_WINDOW_S
 from tests.fast.cli.test_cli_faults import Proc, _gone, _names
 
 HOOKS = Path(__file__).resolve().parents[2] / "support" / "stuck_hooks.py"
@@ -96,7 +98,7 @@ def stopped(tmp_path_factory):
             tree, t0 = p.tree(), time.monotonic()
             os.killpg(p.p.pid, signal.SIGTERM)
             if name == "second":
-                time.sleep(0.5)
+                time.sleep(REPEAT_WINDOW_S + 1.0)
                 os.killpg(p.p.pid, signal.SIGTERM)
             rc = p.finish(timeout=GRACE_S + 120)
             err = "".join(p.err)
