@@ -259,7 +259,7 @@ class RolloutPieces:
         if cfg.save_due(k):
             self.save(k)
         elif cfg.hf_export_due(k):  # --save-hf without --save: the final model, never dropped
-            self.group.call("save_hf")
+            self.group.save_hf()
         if cfg.eval_due(k):
             self.rows.log_eval(self.progress.step, k, self._evaluate(k))
         self.rows.advance(data, timings, self.progress.step)

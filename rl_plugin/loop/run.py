@@ -254,7 +254,7 @@ class TrainingRun:
         if is_finished(self.config, p.start_rollout):
             return
         if self.client is not None:
-            self.client.call("load_state_dict", extra["rollout_state"])
+            self.client.load_state_dict(extra["rollout_state"])
         else:
             self.sft.load_state_dict(extra["rollout_state"])
         self.pieces.resume(read_pending(cfg, step, p.start_rollout, cfg.rollout_batch_size))

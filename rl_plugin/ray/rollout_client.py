@@ -105,6 +105,10 @@ class RolloutClient:
     def engine_node_ids(self) -> Sequence[str]:
         return self.call("engine_node_ids")
 
+    def load_state_dict(self, state) -> None:
+        """A checkpoint's data position (the manager's ``state_dict`` form) into the manager."""
+        self.call("load_state_dict", state)
+
     def read_dataset_state(self) -> None:
         """The manager's dataset position now (before the run's first generate)."""
         self.dataset_state = self.call("state_dict")

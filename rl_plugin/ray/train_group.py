@@ -132,6 +132,11 @@ class TrainGroup:
         """``TrainActor.save`` on every rank into ``path``: the files each wrote (relative)."""
         return self._submit(TrainActor.save, [(path, step, extra)] * self.world_size).wait()
 
+    def save_hf(self) -> List[None]:
+        """``TrainActor.save_hf`` on every rank (collective: the export gathers): the Hugging Face
+        directory of ``--save-hf`` / ``--save-hf-merged``, written by rank 0."""
+        return self._submit(TrainActor.save_hf, [()] * self.world_size).wait()
+
     def load(self, path: str) -> List[Dict[str, Any]]:
         """``TrainActor.load`` of step directory ``path`` on every rank: each rank's metadata."""
         return self._submit(TrainActor.load, [(path,)] * self.world_size).wait()

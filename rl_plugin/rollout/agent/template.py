@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from rl_plugin.rollout.agent.chat import RequestError, with_tools_in_system
-from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, _as_ids
+from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, as_ids
 
 
 class ChatTemplate:
@@ -67,10 +67,10 @@ class ChatTemplate:
     def template_ids(self, messages: List[Dict[str, Any]], tools=None) -> List[int]:
         """The template's own tokenisation (``apply_chat_template(tokenize=True)``)."""
         out = self.tok.apply_chat_template(tokenize=True, return_dict=False, **self._chat(messages, tools))
-        return _as_ids(out, "the tokenizer's apply_chat_template")
+        return as_ids(out, "the tokenizer's apply_chat_template")
 
     def encode(self, text: str, special: bool = False) -> List[int]:
-        return _as_ids(self.tok(text, add_special_tokens=special)["input_ids"], "the tokenizer")
+        return as_ids(self.tok(text, add_special_tokens=special)["input_ids"], "the tokenizer")
 
     def decode(self, ids: Sequence[int], keep_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=not keep_special)

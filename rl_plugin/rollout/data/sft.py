@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from rl_plugin.rollout.data.dataset import Messages, PromptRecord, check_messages
-from rl_plugin.rollout.data.tokenizer import CharTokenizer, _as_ids
+from rl_plugin.rollout.data.tokenizer import CharTokenizer, as_ids
 
 _IDS, _MASK = attrgetter("ids"), attrgetter("mask")
 
@@ -109,7 +109,7 @@ def chat_example(adapter, messages: Messages, where: str) -> SftExample:
 
     def render(turns, gen: bool) -> List[int]:
         out = tok.apply_chat_template(turns, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw)
-        return _as_ids(out, "the tokenizer's apply_chat_template")
+        return as_ids(out, "the tokenizer's apply_chat_template")
 
     ids = render(msgs, False)
     mask = [0] * len(ids)

@@ -94,7 +94,7 @@ class PromptFormatError(ValueError):
         self.rule, self.fix = rule, fix
 
 
-def _as_ids(out, what: str) -> List[int]:
+def as_ids(out, what: str) -> List[int]:
     """Token ids as a flat list of Python ints, whatever ``apply_chat_template`` / ``__call__``
     returned: transformers 5.x gives a ``BatchEncoding`` from ``apply_chat_template(tokenize=True)``
     unless ``return_dict=False`` (iterating it yields the *keys* ``input_ids``, ``attention_mask``),
@@ -160,7 +160,7 @@ class HFTokenizerAdapter:
             text = self.tok.apply_chat_template(chat, tokenize=False, **self.chat_template_kwargs)
             at = text.rfind(probe) if isinstance(text, str) else -1
             tail = text[at + len(probe) :].rstrip() if at >= 0 else ""
-            ids = _as_ids(self.tok(tail, add_special_tokens=False)["input_ids"], "the tokenizer") if tail else []
+            ids = as_ids(self.tok(tail, add_special_tokens=False)["input_ids"], "the tokenizer") if tail else []
             self._end_of_turn = ids or None
         return self._end_of_turn
 
@@ -173,13 +173,13 @@ class HFTokenizerAdapter:
                 return_dict=False,
                 **self.chat_template_kwargs,
             )
-            return _as_ids(out, "the tokenizer's apply_chat_template")
+            return as_ids(out, "the tokenizer's apply_chat_template")
         if not isinstance(prompt, str):
             raise PromptFormatError(
                 "the prompt is a list of chat messages, which only a chat template turns into tokens",
                 "pass --apply-chat-template (or give the prompt as a string)",
             )
-        return _as_ids(self.tok(prompt, add_special_tokens=True)["input_ids"], "the tokenizer")
+        return as_ids(self.tok(prompt, add_special_tokens=True)["input_ids"], "the tokenizer")
 
     def prompt_text(self, prompt) -> str:
         """The prompt as text after the chat template (a custom generate hook's ``sample.prompt``);

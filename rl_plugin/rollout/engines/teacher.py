@@ -112,9 +112,9 @@ class VLLMTeacher:
         device: str = "cpu",
         memory_share: float = TEACHER_MEMORY_SHARE,
     ):
-        from rl_plugin.rollout.engines.vllm_engine import BLOCK_SIZE, _engine_environment
+        from rl_plugin.rollout.engines.vllm_engine import BLOCK_SIZE, engine_environment
 
-        _engine_environment()  # before ``import vllm``: in-process core, a small CPU KV cache
+        engine_environment()  # before ``import vllm``: in-process core, a small CPU KV cache
         from transformers import AutoConfig
         from vllm import LLM
 

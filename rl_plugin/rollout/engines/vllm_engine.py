@@ -90,7 +90,7 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _engine_environment() -> None:
+def engine_environment() -> None:
     """In-process engine core (no extra vLLM process inside the engine actor) and a small CPU KV
     cache. Must run before ``import vllm``; a value the user set wins."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -130,7 +130,7 @@ class VLLMEngine(RolloutEngine):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
     ):
-        _engine_environment()
+        engine_environment()
         from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform

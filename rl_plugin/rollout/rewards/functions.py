@@ -150,7 +150,7 @@ def _load_custom(spec: str) -> RewardFn:
     return CustomReward(fn, spec, None if file == "?" else file)
 
 
-def _describe(fn: RewardFn) -> str:
+def describe_reward_function(fn: RewardFn) -> str:
     if isinstance(fn, CustomReward):
         return f"--custom-rm-path {fn.spec}"
     name = next((k for k in REWARDS.names() if REWARDS.get(k) is fn), getattr(fn, "__name__", repr(fn)))
@@ -187,7 +187,7 @@ def score_responses(
         source = fn.source if isinstance(fn, CustomReward) else None
         form = "fn(prompt, response, label, metadata=...)" if with_meta else "fn(prompt, response, label)"
         raise RewardFunctionError(
-            f"{_describe(fn)} raised {describe_exception(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
+            f"{describe_reward_function(fn)} raised {describe_exception(exc, source)} on sample {i} of the rollout (prompt {p!r}, response {r!r}, "
             f"label {lab!r}). Fix: make the function return a float for every sample; it is called as {form}"
         ) from None
     return _checked(values, prompts, responses)

@@ -56,7 +56,7 @@ from rl_plugin.rollout.rewards.functions import (
     NOT_A_REWARD,
     CustomReward,
     RewardFunctionError,
-    _describe,
+    describe_reward_function,
     load_reward_fn,
     reward_number,
     score_responses,
@@ -149,7 +149,7 @@ class SampleScorer:
         else:
             self.fn = load_reward_fn(rm_type, custom)
             self.form = reward_form(self.fn, group_rm=self.group_rm, spec=custom or "")
-            self.who = _describe(self.fn)
+            self.who = describe_reward_function(self.fn)
         self.source = self.fn.source if isinstance(self.fn, CustomReward) else None
         self.sync = self.form == PROMPT_RESPONSE_LABEL and not is_async(self.fn)
         # the deadline of a user function's calls (module docstring); None: a built-in, no deadline

@@ -15,7 +15,7 @@ from rl_plugin.arguments import RLArgumentError
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.rollout.data.dataset import read_prompts
 from rl_plugin.rollout.data.prompt_check import check_prompt_file
-from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, _as_ids, load_tokenizer
+from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, as_ids, load_tokenizer
 from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
 from tests.support import real_tokenizer
 
@@ -44,9 +44,9 @@ def test_batch_encoding_from_apply_chat_template_becomes_ids(smollm2_tokenizer_d
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     enc = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True)
     assert list(enc) == ["input_ids", "attention_mask"]  # what the old adapter returned as "token ids"
-    assert _as_ids(enc, "x") == list(enc["input_ids"])
+    assert as_ids(enc, "x") == list(enc["input_ids"])
     with pytest.raises(TypeError, match="'input_ids' \\(str\\) among the token ids"):
-        _as_ids(list(enc), "x")
+        as_ids(list(enc), "x")
 
 
 def test_system_prompt_and_messages(smollm2_tokenizer_dir):
