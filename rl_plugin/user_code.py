@@ -144,6 +144,11 @@ def _origin(source: Optional[str]) -> Optional[str]:
         return None
 
 
+# rl_plugin's own modules that users name in flags and that moved: the old path keeps loading
+# (a flag written against an earlier release must not break on a reorganisation of the package).
+MOVED_MODULES = {"rl_plugin.rollout.filters": "rl_plugin.rollout.dapo.filters"}
+
+
 def load_function(spec: str, flag: str) -> Callable:
     """The callable named by ``spec`` (any of ``FORMS``). ``UserCodeError`` when the user's module
     raises while importing (named at its file:line); ``UserFunctionNotFound`` naming ``flag`` when
@@ -158,7 +163,7 @@ def load_function(spec: str, flag: str) -> Callable:
             source = str(path)
             module = _exec_file(path)
         else:
-            source = target
+            source = target = MOVED_MODULES.get(target, target)
             try:
                 module = importlib.import_module(target)
             except ImportError as exc:

@@ -95,3 +95,16 @@ def test_check_source_runs_no_user_code(tmp_path):
         check_source("no_such_pkg_xyz.mod:f", FLAG)
     with pytest.raises(RLArgumentError, match=r"expected package.module:function"):
         check_source("justaname", FLAG)
+
+
+def test_a_moved_module_of_rl_plugin_still_loads_by_its_old_path():
+    """The built-in DAPO filter moved to ``rl_plugin.rollout.dapo.filters``; a flag written with its
+    earlier path loads the same function (``MOVED_MODULES``)."""
+    from rl_plugin.rollout.dapo.filters import check_reward_nonzero_std
+    from rl_plugin.user_code import load_function
+
+    for spec in (
+        "rl_plugin.rollout.filters.check_reward_nonzero_std",
+        "rl_plugin.rollout.filters:check_reward_nonzero_std",
+    ):
+        assert load_function(spec, "--dynamic-sampling-filter-path") is check_reward_nonzero_std
