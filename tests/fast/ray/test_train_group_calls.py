@@ -57,7 +57,10 @@ def test_train_rollout_publishes_only_when_asked():
     """The actor's one train call takes the publish decision as an argument and says in its answer
     whether it published (``TrainedRollout.handle``)."""
     params = inspect.signature(TrainActor.train_rollout).parameters
-    assert list(params) == ["self", "plan", "publish"] and params["publish"].default is None
+    # ray.remote(TrainActor) in this process (an earlier test) adds Ray's own ``_ray_trace_ctx``
+    # to the class's methods in place: not part of the actor's interface
+    assert [p for p in params if not p.startswith("_ray_")] == ["self", "plan", "publish"]
+    assert params["publish"].default is None
     assert not hasattr(TrainActor, "train_rollout_and_sync")
     from rl_plugin.ray.train_actor import TrainedRollout
 

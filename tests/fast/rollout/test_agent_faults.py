@@ -16,6 +16,7 @@ pytest.importorskip("openai")
 
 from rl_plugin.arguments.embedded import parse_train_flags  # noqa: E402
 from rl_plugin.configs import RolloutConfig  # noqa: E402
+from rl_plugin.configs.run import RunConfig  # noqa: E402
 from rl_plugin.loop.preflight import check_reward_and_data  # noqa: E402
 from rl_plugin.ray.rollout_actor import error_line  # noqa: E402
 from rl_plugin.rollout.agent.rollout import AgentError, AgentRaisedError, AgentTimeoutError  # noqa: E402
@@ -64,7 +65,7 @@ def test_hostile_requests_are_refused_for_that_request_only(setup):  # noqa: F81
     m = manager(setup, "hostile", batch=1, n=2)
     data = m.generate(0)
     out = agents.SEEN["hostile"][0]
-    vocab = m.vocab_size
+    vocab = m.generation.vocab_size
     status, body = out["oov_prompt"]
     assert status == 400 and body["error"]["param"] == "prompt", out["oov_prompt"]
     assert f"token id 1000000 (position 2) is outside the model's vocabulary [0, {vocab})" in body["error"]["message"]
@@ -79,7 +80,7 @@ def test_hostile_requests_are_refused_for_that_request_only(setup):  # noqa: F81
     status, body = out["ok"]
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     assert data.stats["agent/calls"] == 2 and data.rewards.tolist() == [1.0, 1.0]
-    server = m.agent.server
+    server = m.generation.agent.server
     assert server.sock.getsockname()[0] == LOOPBACK == server.host
     assert server.base_url("abc") == f"http://127.0.0.1:{server.port}/{server.token}/sessions/abc"
     assert len(server.token) == 32
@@ -131,7 +132,8 @@ def test_the_agents_reward_needs_no_rm_and_chat_data_no_template_flag(setup, tmp
     template; sample.prompt is that text). Before, both were refused at parse / generate."""
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 2?"}], "label": "3"}) + "\n")
-    check_reward_and_data(_args(setup, "scored", chats))  # the preflight's file checks accept them too
+    run = RunConfig.from_args(_args(setup, "scored", chats), load_user_code=False)
+    check_reward_and_data(run)  # the preflight's file checks accept them too
     data = _manager(setup, "scored", data=chats).generate(0)
     assert data.stats["agent/samples"] == 2 and data.rewards.tolist() == [0.25, 0.25]
     assert agents.SEEN["scored"] == [[{"role": "user", "content": "What is 1 + 2?"}]] * 2  # the messages, as they are
