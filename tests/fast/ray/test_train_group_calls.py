@@ -30,6 +30,7 @@ def test_every_submitted_method_is_an_actor_method():
         "offload_train",
         "plan_docs_steps",
         "save",
+        "save_hf",
         "train_rollout",
     ]
     for name in submitted:
