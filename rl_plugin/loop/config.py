@@ -95,11 +95,6 @@ class LoopConfig:
         """``of`` the tree of parsed flags (for tests and tools; the run builds its tree once)."""
         return cls.of(RunConfig.from_args(args), **given)
 
-    @property
-    def sft(self) -> bool:
-        """The SFT mode: the SFT schedule, its data source instead of a rollout client."""
-        return self.mode is Mode.SFT
-
     def eval_due(self, k: int) -> bool:
         """Whether the eval runs after rollout k (every --eval-interval rollouts, and after the last)."""
         return bool(self.eval_interval) and ((k + 1) % self.eval_interval == 0 or k + 1 == self.num_rollout)

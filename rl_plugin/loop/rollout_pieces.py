@@ -21,8 +21,7 @@ actors, resume, stopping and the run's errors are the run's (``loop/run.py``).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from rl_plugin.checkpoint.commit import remove_partial
 from rl_plugin.checkpoint.disk_space import directory_bytes, disk_full_message
@@ -30,7 +29,7 @@ from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
-from rl_plugin.loop.advantages import rollout_batch, sft_batch
+from rl_plugin.loop.advantages import rollout_batch
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
@@ -39,6 +38,7 @@ from rl_plugin.loop.rows import RowLogger
 from rl_plugin.loop.schedule import Schedule
 from rl_plugin.loop.sft_schedule import SftSchedule
 from rl_plugin.loop.sync_schedule import SyncSchedule
+from rl_plugin.loss import StepBatch
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainGroup
 from rl_plugin.rollout.sample import RolloutData
@@ -46,8 +46,13 @@ from rl_plugin.rollout.sft_source import SftSource
 from rl_plugin.step_plan import RankPlan, plan_global_batch_steps, split_rollout_for_dp
 from rl_plugin.weight_sync import WeightLedger
 
-# the schedule of each generating mode (``rl_plugin.configs.mode``); SFT's takes its data source
-SCHEDULES = {Mode.SYNC: SyncSchedule, Mode.OVERLAPPED: OverlappedSchedule, Mode.FULLY_ASYNC: FullyAsyncSchedule}
+# the schedule of each mode (``rl_plugin.configs.mode``): each mode's order of phases, its own file
+SCHEDULES = {
+    Mode.SYNC: SyncSchedule,
+    Mode.OVERLAPPED: OverlappedSchedule,
+    Mode.FULLY_ASYNC: FullyAsyncSchedule,
+    Mode.SFT: SftSchedule,
+}
 
 
 class RolloutPieces:
@@ -77,10 +82,7 @@ class RolloutPieces:
         if client is not None:
             client.on_fresh_engines = ledger.fresh_engines
             client.on_restart = self.sync_weights
-        if cfg.sft:
-            self.schedule: Schedule = SftSchedule(self, cfg, sft)
-        else:
-            self.schedule = SCHEDULES[cfg.mode](self, cfg)
+        self.schedule: Schedule = SCHEDULES[cfg.mode](self, cfg)
 
     # -- what the run calls ---------------------------------------------------------------------
     def log_to(self, rows: RowLogger) -> None:
@@ -181,12 +183,21 @@ class RolloutPieces:
     def manager_restarts(self) -> int:
         return self.client.restarts
 
-    def train_rollout(self, data: RolloutData, sync: bool = False) -> List[Dict[str, Any]]:
-        """Rollout ``data``'s optimizer steps on every rank; with ``sync``, the ranks then export
-        and rank 0 publishes the new weights in the same call (the ledger gives them to the next
-        manager call). Returns the step reports. A train call that an exit signal stopped before
-        its last step raises ``StopRequested`` (nothing published)."""
-        g, plans = self.group, self._plans(data)
+    def local_source(self) -> Optional[SftSource]:
+        """The mode's rollout source when it runs in this process (SFT's data), else None."""
+        return self.sft
+
+    def train_rollout(
+        self, data: RolloutData, sync: bool = False, batch: Optional[StepBatch] = None
+    ) -> List[Dict[str, Any]]:
+        """Rollout ``data``'s optimizer steps on every rank (``batch``: the step batch the schedule
+        built; default the advantages of ``data``'s rewards, ``advantages.rollout_batch``); with
+        ``sync``, the ranks then export and rank 0 publishes the new weights in the same call (the
+        ledger gives them to the next manager call). Returns the step reports. A train call that an
+        exit signal stopped before its last step raises ``StopRequested`` (nothing published)."""
+        if batch is None:
+            batch = rollout_batch(data, self.cfg.advantage_estimator)
+        g, plans = self.group, self._plans(batch, data.num_groups)
         request = self.ledger.request(self.client.engine_node_ids) if sync else None  # every rank exports
         announced = self.ledger.announce(request) if request is not None else None
         if announced is None:
@@ -217,13 +228,12 @@ class RolloutPieces:
         self.ledger.failed(failed)
         self.client.restart("the weight sync", WeightSyncError(failed.error))
 
-    def _plans(self, data: RolloutData) -> List[RankPlan]:
-        """The advantages, then each rank's plan of optimizer steps (``rl_plugin.step_plan``)."""
+    def _plans(self, batch: StepBatch, num_groups: int) -> List[RankPlan]:
+        """Each rank's plan of optimizer steps of ``batch`` (``rl_plugin.step_plan``)."""
         cfg, g = self.cfg, self.group
-        batch = sft_batch(data) if cfg.sft else rollout_batch(data, cfg.advantage_estimator)
         if cfg.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
-            return g.plan_docs_steps([shares[g.dp_rank(r)] for r in range(g.world_size)], data.num_groups)
+            return g.plan_docs_steps([shares[g.dp_rank(r)] for r in range(g.world_size)], num_groups)
         by_dp = plan_global_batch_steps(
             batch, global_batch_size=cfg.global_batch_size or batch.num_samples, dp_size=g.dp_size
         )
@@ -252,8 +262,10 @@ class RolloutPieces:
         timings: Dict[str, float],
         t0: float,
         staleness: Optional[int] = None,
+        evaluate: Optional[Callable[[int], Dict[str, float]]] = None,
     ) -> None:
-        """Log rollout k's steps, then checkpoint and evaluate when due."""
+        """Log rollout k's steps, then checkpoint and evaluate when due (``evaluate``: the schedule's
+        own eval; default the rollout manager's held-out rollout)."""
         cfg = self.cfg
         self.log_steps(k, data, reports, timings, t0, staleness)
         if cfg.save_due(k):
@@ -261,31 +273,24 @@ class RolloutPieces:
         elif cfg.hf_export_due(k):  # --save-hf without --save: the final model, never dropped
             self.group.save_hf()
         if cfg.eval_due(k):
-            self.rows.log_eval(self.progress.step, k, self._evaluate(k))
+            self.rows.log_eval(self.progress.step, k, (evaluate or self._evaluate)(k))
         self.rows.advance(data, timings, self.progress.step)
 
     def _evaluate(self, k: int) -> Dict[str, float]:
-        """The eval after rollout k, on the weights after its steps (loaded first when not yet);
-        SFT: the held-out NLL, on the train ranks."""
-        if self.cfg.sft:
-            return self._sft_eval()
+        """The eval after rollout k, on the weights after its steps (loaded first when not yet)."""
         self._offload_train()
         ev = self.client.retrying("evaluate", k, lambda: self.client.submit_evaluate(k, self.ledger.give()))
         self.ledger.loaded(ev.pop("weight_load", None))
         return ev
 
-    def _sft_eval(self) -> Dict[str, float]:
-        """``eval/nll`` (token mean over every held-out assistant token), ``eval/ppl``, ``eval/tokens``:
-        each DP rank scores its share with a forward pass (``TrainActor.eval_nll``)."""
-        g, data = self.group, self.sft.eval_data()
-        batch = sft_batch(data)
+    def eval_nll(self, batch: StepBatch) -> Tuple[float, float]:
+        """``batch``'s NLL summed over its trained tokens, and their count: each DP rank scores its
+        share with a forward pass (``TrainActor.eval_nll``)."""
+        g = self.group
         by_dp = plan_global_batch_steps(batch, global_batch_size=batch.num_samples, dp_size=g.dp_size)
         sums = g.eval_nll([by_dp[g.dp_rank(r)].batch for r in range(g.world_size)])
         first = {g.dp_rank(r): r for r in reversed(range(g.world_size))}  # one rank per DP share
-        nll = sum(sums[r][0] for r in first.values())
-        tokens = sum(sums[r][1] for r in first.values())
-        mean = nll / max(tokens, 1.0)
-        return {"eval/nll": mean, "eval/ppl": math.exp(min(mean, 700.0)), "eval/tokens": tokens}
+        return sum(sums[r][0] for r in first.values()), sum(sums[r][1] for r in first.values())
 
 
 def _check_complete(reports: List[Dict[str, Any]], plan: RankPlan) -> None:

@@ -16,9 +16,10 @@ never imports it nor reads its fields. The implementations: ``SyncSchedule``
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
+from rl_plugin.loss import StepBatch
 from rl_plugin.rollout.sample import RolloutData
 
 Reports = List[Dict[str, Any]]  # one report per optimizer step of a rollout (J, metrics, samples, time/*)
@@ -44,8 +45,15 @@ class RolloutLoop(Protocol):
     def manager_restarts(self) -> int:
         """Rollout managers replaced so far (a fresh one holds the trainer's current weights)."""
 
-    def train_rollout(self, data: RolloutData, sync: bool = False) -> Reports:
-        """The rollout's optimizer steps; with ``sync`` rank 0 then publishes the new weights."""
+    def local_source(self) -> Optional[Any]:
+        """The mode's rollout source when it runs in this process (SFT's data), else None."""
+
+    def train_rollout(self, data: RolloutData, sync: bool = False, batch: Optional[StepBatch] = None) -> Reports:
+        """The rollout's optimizer steps (``batch``: the schedule's own step batch; default the
+        advantages of the rollout's rewards); with ``sync`` rank 0 then publishes the new weights."""
+
+    def eval_nll(self, batch: StepBatch) -> Tuple[float, float]:
+        """``batch``'s NLL summed over its trained tokens, and their count (a held-out forward)."""
 
     def sync_timings(self) -> Dict[str, float]:
         """The weight sync's ``time/*`` entries since the last call."""
@@ -69,8 +77,10 @@ class RolloutLoop(Protocol):
         timings: Dict[str, float],
         t0: float,
         staleness: Optional[int] = None,
+        evaluate: Optional[Callable[[int], Dict[str, float]]] = None,
     ) -> None:
-        """Rollout k's rows, then its checkpoint and eval when due."""
+        """Rollout k's rows, then its checkpoint and eval when due (``evaluate``: the schedule's
+        own eval instead of the rollout manager's)."""
 
 
 class Schedule(Protocol):

@@ -15,18 +15,20 @@ its --hf-checkpoint instead). Nothing is generated ahead, so ``pending`` is alwa
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
+from rl_plugin.loop.advantages import sft_batch
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.schedule import RolloutLoop
-from rl_plugin.rollout.source import RolloutSource
 
 
 class SftSchedule:
-    def __init__(self, loop: RolloutLoop, cfg: LoopConfig, source: RolloutSource):
-        self._loop, self._cfg, self._source = loop, cfg, source
+    def __init__(self, loop: RolloutLoop, cfg: LoopConfig):
+        self._loop, self._cfg = loop, cfg
+        self._source = loop.local_source()  # the SFT data, read in this process (no rollout manager)
 
     def pending(self) -> Optional[PendingRollout]:
         return None
@@ -46,6 +48,12 @@ class SftSchedule:
         data = self._source.rollout(k)
         t_data = time.perf_counter() - t0
         t1 = time.perf_counter()
-        reports = loop.train_rollout(data, sync=False)
+        reports = loop.train_rollout(data, sync=False, batch=sft_batch(data))  # the NLL: no advantage
         timings = {"time/sft_batch": t_data, "time/train": time.perf_counter() - t1}
-        loop.finish_rollout(k, data, reports, timings, t0)
+        loop.finish_rollout(k, data, reports, timings, t0, evaluate=self.evaluate)
+
+    def evaluate(self, k: int) -> Dict[str, float]:
+        """``eval/nll`` (token mean over every held-out assistant token), ``eval/ppl``, ``eval/tokens``."""
+        nll, tokens = self._loop.eval_nll(sft_batch(self._source.eval_data()))
+        mean = nll / max(tokens, 1.0)
+        return {"eval/nll": mean, "eval/ppl": math.exp(min(mean, 700.0)), "eval/tokens": tokens}

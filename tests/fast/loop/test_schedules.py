@@ -73,9 +73,15 @@ class FakeLoop:
     def manager_restarts(self):
         return self.restarts
 
-    def train_rollout(self, data, sync=False):
+    def local_source(self):
+        return None
+
+    def train_rollout(self, data, sync=False, batch=None):
         self.calls.append(("train", data.k, sync))
         return [{"samples": 1}]
+
+    def eval_nll(self, batch):
+        return 0.0, 0.0
 
     def sync_timings(self):
         return {}
@@ -83,7 +89,7 @@ class FakeLoop:
     def log_steps(self, k, data, reports, timings, t0, staleness):
         self.calls.append(("log_steps", k, staleness))
 
-    def finish_rollout(self, k, data, reports, timings, t0, staleness=None):
+    def finish_rollout(self, k, data, reports, timings, t0, staleness=None, evaluate=None):
         self.calls.append(("finish", k, staleness))
         self.finished[k] = timings
 
