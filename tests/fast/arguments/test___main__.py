@@ -2,7 +2,7 @@
 process: the resolved settings as JSON and exit 0, a refused combination as one ``error:`` line on
 stderr and exit 2, ``--no-file-checks`` checking the flags alone, the world rules for the planned
 DP size. (The command as a subprocess: ``test_arguments.py``; the setup refusals:
-``test_setup_checks.py``.)"""
+``test_setup.py``.)"""
 
 from __future__ import annotations
 
