@@ -14,13 +14,17 @@ from tests.support.flag_rules import assert_refused
 
 def test_use_wandb_without_the_package_is_refused(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "wandb" else real(name, *a, **k)
+    )
     assert_refused("--use-wandb", ["--use-wandb: the wandb package is not installed", "pip install 'rl-plugin[wandb]'"])
 
 
 def test_use_wandb_with_the_package_passes(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: object() if name == "wandb" else real(name, *a, **k)
+    )
     assert parse_args(["--use-wandb"]).use_wandb is True
 
 
