@@ -35,7 +35,7 @@ import pytest
 from rl_plugin.checkpoint.layout import latest_step
 from rl_plugin.loop.exit_request import REPEAT_WINDOW_S
 from rl_plugin.ray.rollout_client import ABORT_HANGS_ENV
-from rl_plugin.ray.train_actor import SIGNAL_ENV
+from rl_plugin.ray.testing_hooks import SIGNAL_ENV
 from tests.fast.cli.test_cli_faults import Proc, _gone, _names
 
 GRACE_S = 9  # run A: under the 10 s the exit used to wait on the abort before stopping the ranks
