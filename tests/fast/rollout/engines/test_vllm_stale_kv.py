@@ -19,8 +19,8 @@ import shutil
 import pytest
 import torch
 
-from tests.fast.rollout.test_engines import MAX_BOUND, _spawned
-from tests.fast.rollout.test_vllm_partial_rollout import T, _new_weights, _own, _Switch
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, _spawned
+from tests.fast.rollout.engines.test_vllm_pause import T, _new_weights, _own, _Switch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 PROMPT_LEN = 70  # two full 32-token KV blocks and a partial one
