@@ -160,5 +160,5 @@ def test_user_facing_names_are_exported_and_listed_in_the_readme():
     assert rollout.__all__ == ["Sample", "generate_tokens", "get_reward_value", "remote_rm"]
     assert remote_rm.__module__ == "rl_plugin.rollout.rewards.remote_rm"
     assert get_reward_value(Sample(reward={"acc": 0.5}), type("A", (), {"reward_key": "acc"})()) == 0.5
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text()
     assert f"`from rl_plugin.rollout import {', '.join(rollout.__all__)}`" in readme
