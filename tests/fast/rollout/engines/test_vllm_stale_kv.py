@@ -86,7 +86,7 @@ def ckpts(tmp_path_factory):
     same with the perturbed weights the load sends."""
     from safetensors.torch import save_file
 
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_stale_kv")
     tiny = ensure_tiny_model(root)
