@@ -112,10 +112,10 @@ def test_the_deadline_counts_from_the_start_not_from_the_queue():
         return s
 
     async def main():
-        # three 0.15 s calls in a row under a 0.3 s deadline each: the last starts 0.3 s after it was queued
-        return await asyncio.gather(*[worker.acall(slow, 0.15, timeout=0.3, what="x") for _ in range(3)])
+        # four 0.2 s calls in a row under a 0.5 s deadline each: the last starts 0.6 s after it was queued
+        return await asyncio.gather(*[worker.acall(slow, 0.2, timeout=0.5, what="x") for _ in range(4)])
 
-    assert asyncio.run(main()) == [0.15] * 3
+    assert asyncio.run(main()) == [0.2] * 4
 
 
 def test_a_functions_own_timeout_error_is_its_own():
