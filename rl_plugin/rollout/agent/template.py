@@ -7,7 +7,7 @@ when the template reads them, else as a system-message block (``chat.with_tools_
 
 Which templates are append-only (a turn's text starts with the previous turn's text followed by
 the model's answer, ``sessions``), for the families the project supports — pinned by
-``tests/fast/rollout/test_agent_records.py``:
+``tests/fast/rollout/agent/test_records.py``:
 
 - ChatML as SmolLM2 writes it (``<|im_start|>role\\ncontent<|im_end|>\\n``; also the tiny chat
   model's): append-only, including tool turns (``role: tool``) and tools in the system message;

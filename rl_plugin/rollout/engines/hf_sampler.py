@@ -47,7 +47,7 @@ CPU (generate switches its experts kernel for decoding), and sampling values gen
 rejects or treats specially (T not a positive float, top_p outside [0, 1], max_new_tokens < 1),
 so that generate raises its own error for those. Every other combination (any T > 0, top_p in
 [0, 1], one or several eos ids, early stop, any prompt length) runs the lean loop. Tested bitwise
-against ``sample_with_generate`` in ``tests/fast/rollout/test_hf_sampler.py``.
+against ``sample_with_generate`` in ``tests/fast/rollout/engines/test_hf_sampler.py``.
 """
 
 from __future__ import annotations

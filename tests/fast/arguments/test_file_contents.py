@@ -19,7 +19,7 @@ import pytest
 
 from rl_plugin.arguments.__main__ import main as checker
 from rl_plugin.train import main as trainer
-from tests.fast.rollout.test_chat_prompts import _write_chat_data
+from tests.fast.rollout.data.test_tokenizer import _write_chat_data
 from tests.support.real_tokenizer import smollm2_tokenizer_path
 
 CHAT = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]

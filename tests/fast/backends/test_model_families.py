@@ -8,7 +8,7 @@ For each family and each trainer that builds it (Megatron via mbridge: ``support
 FSDP: any ``AutoModelForCausalLM``; Gemma is FSDP-only):
 
 - step-0 agreement: samples of the hf engine and of vLLM, re-scored by the trainer, per token
-  ``|train - engine|`` log-prob within ``rollout/test_engines``' bounds (mean 1e-5, max 1e-4);
+  ``|train - engine|`` log-prob within ``rollout/engines/test_engines``' bounds (mean 1e-5, max 1e-4);
 - the weight sync, bitwise: the trainer's weights moved off the checkpoint (seeded noise, so the
   sync moves every tensor), exported, published (``WeightPublisher``, tied names skipped as the
   train actor does), loaded into the engine (``load_sync``) and compared as ``--check-weight-sync``
@@ -20,7 +20,7 @@ FSDP: any ``AutoModelForCausalLM``; Gemma is FSDP-only):
 One process runs every trainer with the hf engine (the tied Qwen3 first: an mbridge bug made
 every later untied Qwen2/Qwen3 bridge of the process map its output layer onto the embedding,
 ``bridge.py`` workaround 4). vLLM runs one family per vLLM model class (``VLLM_CASES``; Qwen2 is
-``rollout/test_engines``'): one spawned process for them in turn, then a second trainer process
+``rollout/engines/test_engines``'): one spawned process for them in turn, then a second trainer process
 scores vLLM's samples (the trainers are built again: same checkpoint, same seeded noise, so
 bitwise the same weights as the exports vLLM loaded). The step-1 check found vLLM's CPU build
 computing a tied LM head with the pre-sync embedding (``vllm_engine._repack_shared``). The
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fast.rollout.test_engines import MAX_BOUND, MEAN_BOUND, VLLM, _prompts, _spawned, gens_batch
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, MEAN_BOUND, VLLM, _prompts, _spawned, gens_batch
 
 DIMS = dict(
     vocab_size=16,
@@ -60,7 +60,7 @@ CASES = {  # name: (family, extra config); the tied Qwen3 first (see the module 
     "qwen2_moe": ("qwen2_moe", {}),  # plus a gated shared expert
     "mixtral": ("mixtral", {}),
 }
-# vLLM: one family per vLLM model class and the tied head (Qwen2 has rollout/test_engines); the
+# vLLM: one family per vLLM model class and the tied head (Qwen2 has rollout/engines/test_engines); the
 # first engine's start-up (~20-40 s) is most of the cost, each further family a few seconds
 VLLM_CASES = ("qwen3_tied", "llama", "mistral", "gemma", "qwen3_moe", "qwen2_moe", "mixtral")
 SAMPLING_SEED = 5

@@ -1,7 +1,7 @@
 """Bad input refused before any work, naming the file:line or the flag, the rule and the fix
-(the items of the reliability sweep that need neither Ray nor a model; malformed JSON, a
-missing --input-key / --label-key and non-finite rewards are in rollout/test_parts and
-e2e/test_loop, another model's --load in backends/megatron/test_reshard)."""
+(the items of the reliability sweep that need neither Ray nor a model; malformed JSON and a
+missing --input-key / --label-key are in rollout/data/test_dataset, non-finite rewards in
+rollout/rewards/test_functions and e2e/test_loop, another model's --load in backends/megatron/test_reshard)."""
 
 from __future__ import annotations
 

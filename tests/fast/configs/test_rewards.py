@@ -1,5 +1,6 @@
 """The reward flags' rules (``rl_plugin.configs.rewards``): each refused combination names the
-flags, the rule and the fix; slime's --rm-type spellings."""
+flags, the rule and the fix; slime's --rm-type spellings; the remote flags reaching the rollout
+config; ``--group-rm`` with a per-sample function refused by the preflight, before Ray."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import pytest
 
 from rl_plugin.arguments import parse_args
+from rl_plugin.configs import RolloutConfig
 from rl_plugin.configs.rewards import parse_rm_type, url_problem
 from tests.support.flag_rules import assert_refused
 
@@ -32,6 +34,7 @@ RULES = [
     (f"{REMOTE} --rm-timeout 0", ["--rm-timeout: must be a positive number of seconds (got 0.0)"]),
     (f"{REMOTE} --rm-timeout inf", ["--rm-timeout: must be a positive number of seconds (got inf)"]),
     (f"{REMOTE} --rm-max-retries -1", ["--rm-max-retries: must be >= 0 (got -1)"]),
+    ("--rm-type remote_rm --rm-url http://h:99999/", ["--rm-url http://h:99999/", "bad port"]),
 ]
 
 
@@ -71,3 +74,39 @@ def test_url_problem():
     assert url_problem("https://example.com") is None
     assert isinstance(url_problem("ftp://h/r"), str)
     assert isinstance(url_problem("not a url"), str)
+
+
+URL = "http://127.0.0.1:9/reward"
+
+
+def test_remote_flags_reach_the_rollout_config():
+    args = parse_args(["--rm-type", "remote_rm", "--rm-url", URL, "--rm-max-concurrency", "5", "--rm-timeout", "2.5"])
+    cfg = RolloutConfig.from_args(args)
+    assert (cfg.rm_type, cfg.rm_url, cfg.rm_max_concurrency, cfg.rm_timeout, cfg.rm_max_retries) == (
+        "remote_rm",
+        URL,
+        5,
+        2.5,
+        None,
+    )
+    assert RolloutConfig.from_args(
+        parse_args(["--group-rm", "--custom-rm-path", "m:f", "--reward-key", "acc"])
+    ).group_rm
+
+
+def test_group_rm_with_a_per_sample_function_is_refused_before_ray(monkeypatch, tmp_path, capsys):
+    import ray
+
+    from rl_plugin.train import main
+
+    def forbidden(*a, **k):
+        raise AssertionError("the check ran after Ray started")
+
+    monkeypatch.setattr(ray, "init", forbidden)
+    monkeypatch.setenv("RL_PLUGIN_CACHE", str(tmp_path / "cache"))
+    rm = tmp_path / "rm.py"
+    rm.write_text("def reward(prompt, response, label):\n    return 1.0\n")
+    argv = ["--train-backend", "fsdp", "--no-progress-bar", "--num-rollout", "1", "--group-rm"]
+    assert main([*argv, "--custom-rm-path", f"{rm}:reward", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--group-rm with --custom-rm-path {rm}:reward" in err and f"{rm}:1" in err and "Fix:" in err

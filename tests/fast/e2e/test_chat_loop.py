@@ -18,8 +18,8 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.models.smollm2 import tiny_chat_checkpoint  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
-from tests.fast.rollout.test_chat_prompts import _write_chat_data  # noqa: E402
-from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
+from tests.fast.rollout.data.test_tokenizer import _write_chat_data  # noqa: E402
+from tests.fast.rollout.engines.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 from tests.support.real_tokenizer import smollm2_tokenizer_path  # noqa: E402
 

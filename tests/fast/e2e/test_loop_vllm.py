@@ -7,7 +7,7 @@ FSDP's through train rank 0's shared-memory segment (the default on one machine)
 through the object store (``--update-weight-transport object_store``); both are checked bitwise
 (``--check-weight-sync`` raises on a mismatch). Asserted: the run succeeds,
 the reward rises, the step-0 train-inference gap is within the agreement bound of
-``rollout/test_engines``, and rollout 0 (same weights, same per-sample seeds) is the same with one
+``rollout/engines/test_engines``, and rollout 0 (same weights, same per-sample seeds) is the same with one
 engine and two, whichever backend trains.
 """
 
@@ -19,7 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rl_plugin.train import main  # noqa: E402
-from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
+from tests.fast.rollout.engines.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 
 FLAGS = [

@@ -7,7 +7,7 @@ with vLLM (whose CPU experts kernel needs its re-pack after each sync, ``rollout
 
 Asserted: both runs finish their 3 rollouts, log the router losses (finite, positive), and at
 step 0 the engine and the trainer agree on the sampled tokens' log-probs within
-``rollout/test_engines``' bound (routing that differed between engine and trainer would show here).
+``rollout/engines/test_engines``' bound (routing that differed between engine and trainer would show here).
 """
 
 import json
@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.loop.embedded_setup import ensure_tiny_model  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
-from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
+from tests.fast.rollout.engines.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 
 FLAGS = [

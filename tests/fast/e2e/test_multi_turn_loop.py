@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 
 from rl_plugin.ray.rollout_actor import FAULT_ENV as ROLLOUT_FAULT_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
-from tests.fast.rollout.test_engines import MEAN_BOUND  # noqa: E402
+from tests.fast.rollout.engines.test_engines import MEAN_BOUND  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 
 HOOKS = Path(__file__).resolve().parents[2] / "support" / "turn_hooks.py"

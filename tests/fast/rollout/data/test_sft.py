@@ -15,7 +15,7 @@ import pytest
 from rl_plugin.rollout.data.dataset import PromptRecord, read_prompts
 from rl_plugin.rollout.data.sft import example_of, sft_tensors
 from rl_plugin.rollout.data.tokenizer import CharTokenizer, load_tokenizer
-from tests.fast.rollout.test_chat_prompts import _write_chat_data
+from tests.fast.rollout.data.test_tokenizer import _write_chat_data
 from tests.support import real_tokenizer
 
 smollm2_tokenizer_dir = real_tokenizer.smollm2_tokenizer_dir  # the session fixture

@@ -1,6 +1,6 @@
 """Issue 44 items 8, 9, 14, 15 and 23: the agent endpoint against agents that block their event
 loop, hostile requests and concurrent floods, on the hf engine and a tiny random Llama carrying
-SmolLM2's real tokenizer (``test_agent_endpoint``'s setup; the agents are
+SmolLM2's real tokenizer (``agent/test_rollout``'s setup; the agents are
 ``tests.support.agent_programs``)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rl_plugin.ray.rollout_actor import error_line  # noqa: E402
 from rl_plugin.rollout.agent.rollout import AgentError, AgentRaisedError, AgentTimeoutError  # noqa: E402
 from rl_plugin.rollout.agent.server import LOOPBACK, MAX_JSON_DEPTH, MAX_REQUEST_BYTES  # noqa: E402
 from rl_plugin.rollout.manager import RolloutManager  # noqa: E402
-from tests.fast.rollout.test_agent_endpoint import manager, setup  # noqa: E402,F401 - the module's fixture
+from tests.fast.rollout.agent.test_rollout import manager, setup  # noqa: E402,F401 - the module's fixture
 from tests.support import agent_programs as agents  # noqa: E402
 
 
@@ -160,5 +160,5 @@ def test_user_facing_names_are_exported_and_listed_in_the_readme():
     assert rollout.__all__ == ["Sample", "generate_tokens", "get_reward_value", "remote_rm"]
     assert remote_rm.__module__ == "rl_plugin.rollout.rewards.remote_rm"
     assert get_reward_value(Sample(reward={"acc": 0.5}), type("A", (), {"reward_key": "acc"})()) == 0.5
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text()
     assert f"`from rl_plugin.rollout import {', '.join(rollout.__all__)}`" in readme

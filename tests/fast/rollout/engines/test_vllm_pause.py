@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl_plugin.rollout.engines.pause import GenerationGate
-from tests.fast.rollout.test_engines import MAX_BOUND, _spawned
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, _spawned
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 SWITCH_AT = 3

@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.fast.rollout.test_engines import MAX_BOUND, MEAN_BOUND, _spawned
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, MEAN_BOUND, _spawned
 from tests.support.fsdp_common import fsdp_flags, make_step, parse, step_batch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -54,7 +54,7 @@ def engine_side(ckpt, syncs):
 
 def trainer_log_probs(rank, world, ckpt, adapter_dirs, gens_per_sync):
     from rl_plugin.backends.fsdp.backend import FSDPBackend
-    from tests.fast.rollout.test_lora_sync import engine_batch
+    from tests.fast.rollout.engines.test_lora_merge import engine_batch
 
     out = []
     for d, gens in zip(adapter_dirs, gens_per_sync):

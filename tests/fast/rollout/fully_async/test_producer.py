@@ -1,5 +1,5 @@
-"""Fully async (``--fully-async``): the buffer (``rollout.fully_async.buffer``) and the rollout manager's
-background worker (``rollout.fully_async.producer``) on the real embedded model and ``hf`` engine. A
+"""Fully async (``--fully-async``): the rollout manager's background worker
+(``rollout.fully_async.producer``; its buffer alone is ``test_buffer``) on the real embedded model and ``hf`` engine. A
 weight update is what ``take`` does with a handle: the new weights loaded while the worker waits at
 a token boundary, the engine's version set (``_update`` below, with perturbed weights)."""
 
@@ -17,42 +17,11 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.rollout import generate_tokens
-from rl_plugin.rollout.fully_async.buffer import AsyncBuffer, Group
 from rl_plugin.rollout.fully_async.source import take_groups
 from rl_plugin.rollout.manager import RolloutManager
 from rl_plugin.rollout.source import FULLY_ASYNC
 
 HERE = Path(__file__).resolve()
-
-
-def _group(oldest: int, record="r") -> Group:
-    return Group(samples=[], rewards=[], record=record, oldest_version=oldest, partial=0)
-
-
-def test_buffer_drops_groups_staler_than_the_bound_and_retry_requeues_their_prompts():
-    requeued = []
-    buf = AsyncBuffer(capacity=4, max_staleness=1, handler="retry", requeue=requeued.append)
-    for v, rec in [(0, "a"), (1, "b"), (2, "c")]:
-        assert buf.put(_group(v, rec))
-    got = buf.get(version=2)  # a is 2 behind: dropped and re-queued; b is 1 behind: taken
-    assert got.record == "b" and requeued == ["a"]
-    assert buf.metrics() == {"async/buffer_groups": 1.0, "async/dropped_stale": 1.0}
-    assert buf.metrics()["async/dropped_stale"] == 0.0  # counted since the last call
-    drop = AsyncBuffer(capacity=2, max_staleness=0, handler="drop", requeue=requeued.append)
-    drop.put(_group(0))
-    assert drop.get(version=1, timeout=0.05) is None and requeued == ["a"]
-
-
-def test_buffer_put_waits_while_full_and_offer_never_does():
-    buf = AsyncBuffer(capacity=1, max_staleness=5)
-    assert buf.put(_group(0, "x")) and not buf.offer(_group(0, "y"))
-    t = threading.Thread(target=lambda: buf.put(_group(0, "z")))
-    t.start()
-    t.join(0.2)
-    assert t.is_alive()  # blocked: full
-    assert buf.get(0).record == "x"
-    t.join(2)
-    assert not t.is_alive() and buf.records() == ["z"]
 
 
 async def versioned_two_turn(args, sample, sampling_params):

@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.fast.rollout.test_engines import _spawned
+from tests.fast.rollout.engines.test_engines import _spawned
 
 TOTAL, RESP = [9, 7, 12, 5], [4, 3, 6, 1]
 

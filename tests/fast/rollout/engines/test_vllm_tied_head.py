@@ -8,7 +8,7 @@ head, and the read-back reads the head through its own kernel.
 A tiny tied Llama with SmolLM2's vocabulary size (49,152 rows: the head takes the packed GEMM
 path a tiny vocabulary would not) gets a perturbed embedding; then the engine's log-probs must
 match a Hugging Face forward of the tied model with that embedding (the bound of
-``rollout/test_engines``), and the head read back must equal the embedding sent, bitwise.
+``rollout/engines/test_engines``), and the head read back must equal the embedding sent, bitwise.
 """
 
 import importlib.util
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-from tests.fast.rollout.test_engines import MAX_BOUND, _spawned
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, _spawned
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 VOCAB = 49152

@@ -19,8 +19,8 @@ import shutil
 import pytest
 import torch
 
-from tests.fast.rollout.test_engines import MAX_BOUND, _spawned
-from tests.fast.rollout.test_vllm_partial_rollout import T, _new_weights, _own, _Switch
+from tests.fast.rollout.engines.test_engines import MAX_BOUND, _spawned
+from tests.fast.rollout.engines.test_vllm_pause import T, _new_weights, _own, _Switch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 PROMPT_LEN = 70  # two full 32-token KV blocks and a partial one
@@ -86,7 +86,7 @@ def ckpts(tmp_path_factory):
     same with the perturbed weights the load sends."""
     from safetensors.torch import save_file
 
-    from rl_plugin.loop.embedded import ensure_tiny_model
+    from rl_plugin.loop.embedded_setup import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("vllm_stale_kv")
     tiny = ensure_tiny_model(root)

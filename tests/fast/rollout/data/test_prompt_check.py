@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from rl_plugin.errors import RLArgumentError
 from rl_plugin.rollout.data.dataset import read_prompts
 from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter
-from tests.fast.rollout.test_chat_prompts import _check, _write_chat_data
+from tests.fast.rollout.data.test_tokenizer import _check, _write_chat_data
 from tests.support import real_tokenizer
 
 smollm2_tokenizer_dir = real_tokenizer.smollm2_tokenizer_dir  # the session fixture

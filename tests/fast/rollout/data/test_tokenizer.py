@@ -15,7 +15,7 @@ from rl_plugin.arguments import RLArgumentError
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.rollout.data.dataset import read_prompts
 from rl_plugin.rollout.data.prompt_check import check_prompt_file
-from rl_plugin.rollout.data.tokenizer import HFTokenizerAdapter, as_ids, load_tokenizer
+from rl_plugin.rollout.data.tokenizer import CharTokenizer, HFTokenizerAdapter, as_ids, load_tokenizer
 from rl_plugin.rollout.rewards.functions import RewardFunctionError, score_responses
 from tests.support import real_tokenizer
 
@@ -215,3 +215,14 @@ def test_preflight_names_a_prompt_whose_ids_are_not_its_tokens(tmp_path, smollm2
             hf_checkpoint="m",
             vocab_size=100,
         )
+
+
+def test_char_tokenizer_round_trip(tmp_path):
+    tok = CharTokenizer("0123456789")
+    ids = tok.prompt_ids("314=")
+    assert ids == [1, 7, 5, 8, 3]
+    assert tok.decode([7, 5, 2, 9]) == "31"  # stops at <eos>
+    tok.save(tmp_path)
+    assert load_tokenizer(tmp_path).prompt_ids("314=") == ids
+    with pytest.raises(ValueError, match=r"character 'x' at position 1 of '3x'"):
+        tok.encode("3x")

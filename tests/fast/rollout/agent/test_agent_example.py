@@ -18,7 +18,7 @@ from rl_plugin.models.smollm2 import tiny_chat_checkpoint  # noqa: E402
 from rl_plugin.rollout.manager import RolloutManager  # noqa: E402
 from tests.support.real_tokenizer import smollm2_tokenizer_path  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agent_calculator.py"
+EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "agent_calculator.py"
 spec = importlib.util.spec_from_file_location("agent_calculator", EXAMPLE)
 calc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(calc)
