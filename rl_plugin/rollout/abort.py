@@ -83,9 +83,9 @@ def run(coro: Awaitable[Any], what: str) -> Any:
             with _lock:
                 _running.discard(key)
 
-    with phase(what):
-        try:
+    try:
+        with phase(what):  # raises at once when an abort was requested before this call
             return asyncio.run(main())
-        finally:
-            if asyncio.iscoroutine(coro):
-                coro.close()  # never awaited when aborted before it started: no "never awaited" warning
+    finally:
+        if asyncio.iscoroutine(coro):
+            coro.close()  # never awaited when aborted before it started: no "never awaited" warning

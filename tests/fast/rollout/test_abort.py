@@ -80,14 +80,9 @@ def test_a_request_from_another_thread_cancels_a_task_awaiting_forever():
     assert not abort._running
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="abort.run enters phase(), whose check() raises before the try that closes the coroutine: "
-    "a run() after a request leaves it unclosed (Python's 'coroutine ... was never awaited' warning), "
-    "which the finally's comment says it prevents",
-)
-@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_run_after_a_request_never_starts_the_coroutine():
+    """Regression: ``phase`` raised before the ``finally`` that closes the coroutine was entered,
+    so an abort requested before the call left it unawaited (a RuntimeWarning)."""
     ran = []
 
     async def body():
