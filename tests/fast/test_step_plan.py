@@ -1,6 +1,7 @@
 """From a rollout to each rank's optimizer steps (``rl_plugin.step_plan``): the global-batch plan's
 bounds, step-local group ids and group counts, its refusal of a batch size that does not divide
-the rollout, and a ``RankPlan``'s checks, steps and pickling."""
+the rollout, and a ``RankPlan``'s checks, steps and pickling; the same plans of a GRPO rollout
+(``loop.advantages.rollout_batch``) over DP ranks, and the ``--docs-per-step`` plan."""
 
 from __future__ import annotations
 
