@@ -14,7 +14,9 @@ def test_the_sharded_state_is_the_adapters_by_canonical_name(lora_adapter_state)
     assert names == out["spec_names"] and names, names  # the export's names, in its order
     assert all(".lora_A." in n or ".lora_B." in n for n in names), names  # no base weight
     # all-linear on 2 layers: q, k, v, o, gate, up, down, each an A and a B
-    assert len(names) == 2 * 7 * 2 and names[0].startswith("base_model.model.model.layers.0."), names[:2]
+    assert len(names) == 2 * 7 * 2 and all(n.startswith("model.layers.") for n in names), names[:2]
+    projections = {n.split(".")[4] for n in names}  # model.layers.L.<self_attn|mlp>.<proj>.lora_<A|B>.weight
+    assert projections == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert out["keys_match"] and out["shapes_match"] and out["data_is_param"]
 
 
