@@ -18,7 +18,7 @@ def _cfg(*flags, **given):
 
 def test_fields_are_read_off_the_flags(tmp_path):
     cfg = _cfg("--num-rollout", "6", "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "out"))
-    assert cfg.mode is Mode.SYNC and not cfg.sft and cfg.async_settings is None
+    assert cfg.mode is Mode.SYNC and cfg.async_settings is None
     assert (cfg.num_rollout, cfg.rollout_batch_size, cfg.save, cfg.load) == (6, 16, str(tmp_path / "ckpt"), None)
     assert cfg.metrics_file == Path(tmp_path / "out" / "metrics.jsonl") and cfg.run_settings == ()
     assert not cfg.hf_export and cfg.progress_bar

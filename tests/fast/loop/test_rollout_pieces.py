@@ -56,14 +56,14 @@ def test_each_rank_plans_its_dp_ranks_share():
     """TP 2 x DP 2: ranks 0, 1 are DP rank 0, ranks 2, 3 DP rank 1; --global-batch-size 4 of 8 samples."""
     data = _rollout()
     pieces = _pieces(_group([0, 0, 1, 1]), "--global-batch-size", "4", "--n-samples-per-prompt", "4")
-    plans = pieces._plans(data)
+    plans = pieces._plans(rollout_batch(data, "grpo"), data.num_groups)
     want = plan_global_batch_steps(rollout_batch(data, "grpo"), global_batch_size=4, dp_size=2)
     assert len(plans) == 4 and plans[0] is plans[1] and plans[2] is plans[3]
     for rank, dp in enumerate([0, 0, 1, 1]):
         assert plans[rank].step_bounds == want[dp].step_bounds == [(0, 2), (2, 4)]
         assert torch.equal(plans[rank].batch.tokens, want[dp].batch.tokens)
         assert plans[rank].batch.group_ids.tolist() == want[dp].batch.group_ids.tolist()
-    (whole,) = _pieces(_group([0]))._plans(data)
+    (whole,) = _pieces(_group([0]))._plans(rollout_batch(data, "grpo"), data.num_groups)
     assert whole.step_bounds == [(0, 8)]  # no --global-batch-size: one step of the whole rollout
 
 
