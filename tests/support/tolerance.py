@@ -31,7 +31,7 @@ call site: log-probs, advantages, logits), and K a safety factor for the depth o
 
 Checked against other CPUs' kernels on one machine: torch's ``ATEN_CPU_CAPABILITY`` env var forces
 its AVX2 or scalar (``default``) kernels instead of AVX-512, e.g.
-``ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest tests/fast/backends/fsdp/test_parity.py``. The
+``ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest tests/fast/backends/fsdp/test_backend.py``. The
 parity, snapshot and log-prob tests pass under all three; the fixed-tolerance suite before this
 module failed under ``default`` with the same ``ppo_kl`` error another machine's CPU produced.
 

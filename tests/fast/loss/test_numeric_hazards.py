@@ -1,8 +1,8 @@
 """Regression tests of issue 9's numeric hazards, one per bug (each named after it):
 fractional loss masks, an overflowing log-ratio on a masked token, a target id outside the
 vocabulary. (The token-budget plans live in loss/test_micro_batch_plan.py, the TP=2 sequence-parallel head in
-backends/megatron/test_fp32_head.py, dropout in backends/fsdp/test_dropout.py, EOS ids in rollout/engines/test_hf_engine.py,
-the bf16 logits rows in backends/megatron/test_logprobs.py.)"""
+backends/megatron/test_fp32_head.py, dropout in backends/fsdp/test_model.py, EOS ids in rollout/engines/test_hf_engine.py,
+the bf16 logits rows in backends/megatron/test_backend.py.)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Placement follows the Ray cluster, not the driver (``rl_plugin.ray.cluster``,
 ``rl_plugin.ray.bundle_order``, ``rl_plugin.ray.gpu_check``).
 
-The sort and the group check are pure functions over (bundle, node, GPU ids) sites. The real
-test starts a local multi-node Ray cluster (``ray.cluster_utils.Cluster``): a head without GPUs
+The sort and the group check (pure functions over sites) are ``test_bundle_order.py``, the
+bundles that never fit ``test_capacity.py``. The real test starts a local multi-node Ray cluster (``ray.cluster_utils.Cluster``): a head without GPUs
 (the driver's node) and two nodes with two LOGICAL GPUs each. Placement must choose GPU bundles
 from the cluster's resources although the driver has no CUDA, put each TP group on one node in
 GPU order, refuse --actor-num-nodes beyond the alive GPU nodes, and a training actor on such a
@@ -12,89 +12,24 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import ray
 import torch
 
 from rl_plugin.errors import LoopError, RLArgumentError
-from rl_plugin.ray.bundle_order import BundleSite, check_groups_within_nodes, check_node_count, sorted_sites
-from rl_plugin.ray.capacity import check_bundles_fit, shortfall
+from rl_plugin.ray.bundle_order import sorted_sites
 from rl_plugin.ray.cluster import create_placement, placement_uses_gpus
+from tests.support.placement import placement_config
 
 
-def _site(bundle, node, ip, *gpus):
-    return BundleSite(bundle, node, ip, tuple(gpus))
-
-
-def test_bundles_sort_by_node_then_gpu_id():
-    # PACK's order: bundles alternate nodes, GPU ids out of order; ip 10.0.0.10 > 10.0.0.9 numerically
-    table = [
-        _site(0, "nodeB", "10.0.0.10", 1),
-        _site(1, "nodeA", "10.0.0.9", 3),
-        _site(2, "nodeB", "10.0.0.10", 0),
-        _site(3, "nodeA", "10.0.0.9", 2),
-        _site(4, "nodeA", "10.0.0.9", 10),
-        _site(5, "nodeB", "10.0.0.10", 2),
-    ]
-    order = sorted_sites(table)
-    assert [s.bundle for s in order] == [3, 1, 4, 2, 0, 5]
-    assert [s.node_id for s in order] == ["nodeA"] * 3 + ["nodeB"] * 3
-    assert [s.gpu_ids[0] for s in order] == [2, 3, 10, 0, 1, 2]
-    check_groups_within_nodes(order, 3, "a TP x CP")  # 3 + 3: every group of 3 on one node
-    # nodes sharing one ip (a local test cluster): the node id separates them; no GPUs: bundle order
-    same_ip = [_site(0, "n2", "127.0.0.1"), _site(1, "n1", "127.0.0.1"), _site(2, "n2", "127.0.0.1")]
-    assert [s.bundle for s in sorted_sites(same_ip)] == [1, 0, 2]
-
-
-def test_a_group_across_two_nodes_is_refused_naming_ranks_and_nodes():
-    order = sorted_sites(
-        [_site(b, "nodeA" if b < 3 else "nodeB", "10.0.0.1" if b < 3 else "10.0.0.2", b) for b in range(4)]
-    )
-    check_groups_within_nodes(order, 1, "a TP x CP")
-    with pytest.raises(
-        LoopError,
-        match=r"a TP x CP group of ranks 2-3 would span nodes node 10\.0\.0\.1 \(nodeA\) GPUs \[2\], node 10\.0\.0\.2 \(nodeB\) GPUs \[3\].*node 10\.0\.0\.1 \(nodeA\): 3, node 10\.0\.0\.2 \(nodeB\): 1.*multiple of 2",
-    ):
-        check_groups_within_nodes(order, 2, "a TP x CP")
-
-
-def test_device_choice_and_node_count():
+def test_device_choice():
     assert placement_uses_gpus("auto", 4.0) is True
     assert placement_uses_gpus("auto", 0) is False
     assert placement_uses_gpus("cpu", 8.0) is False
     assert placement_uses_gpus("gpu", 1.0) is True
     with pytest.raises(LoopError, match=r"--placement-device gpu: the Ray cluster has no GPUs"):
         placement_uses_gpus("gpu", 0)
-    check_node_count(2, 2, "GPU")
-    with pytest.raises(LoopError, match=r"--actor-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
-        check_node_count(3, 2, "GPU")
-
-
-def _args(**kw):
-    """The run config of the parser's defaults with ``kw`` (flag dests) set, as the run builds it."""
-    from rl_plugin.arguments import build_parser
-    from rl_plugin.configs.run import RunConfig
-
-    base = dict(
-        actor_num_nodes=2,
-        actor_num_gpus_per_node=2,
-        colocate=True,
-        rollout_engine="hf",
-        rollout_num_gpus=None,
-        rollout_num_gpus_per_engine=1,
-        tensor_model_parallel_size=2,
-        context_parallel_size=1,
-        placement_device="auto",
-        update_weight_transport="auto",
-        loss_type="policy_loss",
-        fully_async=False,
-        max_weight_staleness=0,
-        hf_checkpoint=None,
-    )
-    base.update(kw)
-    return RunConfig.from_args(SimpleNamespace(**{**vars(build_parser().parse_args([])), **base}))
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +59,9 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
 
     _, gpu_nodes = logical_gpu_cluster
     with pytest.raises(LoopError, match=r"--actor-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
-        create_placement(_args(actor_num_nodes=3))
+        create_placement(placement_config(actor_num_nodes=3))
 
-    p = create_placement(_args())
+    p = create_placement(placement_config())
     try:
         assert p.gpus  # from ray.cluster_resources(): the driver itself has no CUDA
         sites = p.train_sites
@@ -141,7 +76,7 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert p.threads.train.single and p.threads.rollout.single  # GPUs: one torch thread each
 
         with pytest.raises(TrainActorError) as err:  # the loop's own path: the group's first call fails
-            TrainGroup(_args().train, p)
+            TrainGroup(placement_config().train, p)
         r, text = err.value.rank, str(err.value)
         assert f"GPUPlacementError: train rank {r} was placed on a GPU bundle" in text
         assert f"node id {sites[r].node_id}" in text and "sees no CUDA" in text
@@ -150,7 +85,7 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
 
     # colocated vLLM engines of 2 GPUs (issue 37): engine i on rank 2i's bundle, tensor-parallel over
     # the GPUs of ranks 2i and 2i + 1 (one node), which its actor is told to see
-    tp = create_placement(_args(rollout_engine="vllm", rollout_num_gpus_per_engine=2))
+    tp = create_placement(placement_config(rollout_engine="vllm", rollout_num_gpus_per_engine=2))
     try:
         sites = tp.train_sites
         assert tp.engine_bundles == [tp.train_bundles[0], tp.train_bundles[2]]
@@ -160,9 +95,11 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
     finally:
         tp.remove()
     with pytest.raises(RLArgumentError, match="--colocate with --update-weight-transport distributed on GPUs"):
-        create_placement(_args(update_weight_transport="distributed"))  # refused before any bundle is reserved
+        create_placement(
+            placement_config(update_weight_transport="distributed")
+        )  # refused before any bundle is reserved
 
-    cpu = create_placement(_args(placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=2))
+    cpu = create_placement(placement_config(placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=2))
     try:  # CPU bundles on a GPU cluster when asked: no GPU ids, rank order = bundle order on one node
         assert not cpu.gpus and [s.gpu_ids for s in cpu.train_sites] == [(), ()]
         # colocated: phases in sequence; the two ranks share their node, the hf engine has its own turn
@@ -172,7 +109,7 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         cpu.remove()
     # overlapped, one rank beside the manager's hf engine (PACK: one node): both phases share it
     ahead = create_placement(
-        _args(
+        placement_config(
             placement_device="cpu", actor_num_nodes=1, actor_num_gpus_per_node=1, colocate=False, max_weight_staleness=1
         )
     )
@@ -181,33 +118,6 @@ def test_placement_on_a_multi_node_logical_gpu_cluster(logical_gpu_cluster):
         assert (t.train.busy, t.rollout.busy, t.engine.single) == (2, 2, True)
     finally:
         ahead.remove()
-
-
-def test_bundles_that_never_fit_are_refused_naming_ask_cluster_and_fix():
-    """Issue 37 #14 as numbers: a driver node without GPUs and one node with 2 GPUs; 2 training
-    ranks plus the hf engine inside the rollout manager ask for 3 GPUs."""
-    nodes = [
-        {"NodeID": "head" * 4, "NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 4.0}},
-        {"NodeID": "gpu0" * 4, "NodeManagerAddress": "10.0.0.2", "Alive": True, "Resources": {"CPU": 8.0, "GPU": 2.0}},
-        {"NodeID": "dead" * 4, "NodeManagerAddress": "10.0.0.3", "Alive": False, "Resources": {"CPU": 8.0, "GPU": 8.0}},
-    ]
-    args = _args(actor_num_nodes=1, colocate=False, tensor_model_parallel_size=1)
-    bundles = [{"CPU": 1, "GPU": 1}] * 3
-    assert shortfall(bundles, [n["Resources"] for n in nodes[:2]]) == "they ask for 3 GPUs, the Ray cluster has 2"
-    with pytest.raises(LoopError) as err:
-        check_bundles_fit(args, bundles, nodes, world=2, engines=0, gpus=True)
-    msg = str(err.value)
-    assert "they ask for 3 GPUs, the Ray cluster has 2" in msg, msg  # the dead node's 8 GPUs do not count
-    assert "2 training rank(s) of 1 GPU (--actor-num-nodes 1 x --actor-num-gpus-per-node 2)" in msg, msg
-    assert "the rollout manager holding the hf engine (1 GPU, --rollout-num-gpus)" in msg, msg
-    assert "node 10.0.0.1 (headheadhead): 0 GPUs, 4 CPUs; node 10.0.0.2 (gpu0gpu0gpu0): 2 GPUs, 8 CPUs" in msg, msg
-    assert "Fix: --colocate" in msg and "--placement-device cpu" in msg, msg
-    check_bundles_fit(args, bundles[:2], nodes, world=2, engines=0, gpus=True)  # 2 of 2: fits
-    # enough GPUs in total, but an engine of 4 GPUs spans no single node
-    wide = [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 4}]
-    two_nodes = [{"CPU": 4.0, "GPU": 3.0}, {"CPU": 4.0, "GPU": 3.0}]
-    assert "no node has that much (the most GPUs on one node: 3)" in shortfall(wide, two_nodes)
-    assert shortfall([{"CPU": 1}] * 9, [{"CPU": 8.0}]) == "they ask for 9 CPUs, the Ray cluster has 8"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the driver must have no CUDA (the point of the test)")
@@ -220,7 +130,7 @@ def test_a_gpu_shortfall_fails_in_seconds_and_a_multi_gpu_vllm_engine_follows_th
 
     t0 = time.perf_counter()
     with pytest.raises(LoopError) as err:
-        create_placement(_args(colocate=False))
+        create_placement(placement_config(colocate=False))
     took = time.perf_counter() - t0
     print(f"refused in {took:.2f} s")  # ~0.01 s here; the placement wait was 300 s
     msg = str(err.value)
@@ -231,7 +141,7 @@ def test_a_gpu_shortfall_fails_in_seconds_and_a_multi_gpu_vllm_engine_follows_th
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )  # nothing reserved
 
-    vllm = _args(colocate=False, actor_num_nodes=1, rollout_engine="vllm", rollout_num_gpus_per_engine=2)
+    vllm = placement_config(colocate=False, actor_num_nodes=1, rollout_engine="vllm", rollout_num_gpus_per_engine=2)
     p = create_placement(vllm)
     try:
         assert p.gpus and p.num_engines == 1 and p.gpus_per_engine == 2

@@ -39,3 +39,14 @@ def test_compare_names_the_first_differing_or_missing_tensor():
         compare_fingerprints(trainer, {**trainer, "b": "f" * 64, "c": "e" * 64})
     with pytest.raises(WeightSyncError, match=r"has no tensor 'a' that the trainer exports"):
         compare_fingerprints(trainer, {"b": "2" * 64, "c": "3" * 64})
+
+
+def test_weight_sync_check_names_the_tensor():
+    sd = {"a.weight": torch.ones(3), "b.weight": torch.zeros(2)}
+    fp = weights_fingerprint(sd)
+    compare_fingerprints(fp, dict(fp))  # equal: no error
+    bad = weights_fingerprint({"a.weight": torch.ones(3), "b.weight": torch.tensor([0.0, 1e-30])})
+    with pytest.raises(WeightSyncError, match=r"rollout weights differ from the trainer's at 'b.weight'"):
+        compare_fingerprints(fp, bad)
+    with pytest.raises(WeightSyncError, match=r"has no tensor 'c'"):
+        compare_fingerprints({**fp, "c": "x"}, fp)
