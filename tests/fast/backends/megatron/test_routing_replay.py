@@ -3,7 +3,7 @@ megatron-core ``TopKRouter`` modules and their ``RouterReplay`` objects (no mode
 no process group: the routers' top-k call is made directly, with the scores a forward would give):
 the replay routes to the targets (an ``UNROUTED`` row by the router's own top-k) and counts the
 agreement, the record stacks the layers' own top-k, both leave the routers as they found them,
-and the refusals name what is wrong. (Token order: ``tests/fast/routing/test_router_order.py``;
+and the refusals name what is wrong. (Token order: ``tests/fast/backends/megatron/test_router_order.py``;
 the passes in a real forward: ``tests/fast/routing/test_replay_padding.py``.)"""
 
 from __future__ import annotations
