@@ -106,21 +106,12 @@ def check_lora_resume(run, directory: str) -> None:
 def check_sft_data(run) -> None:
     """Every conversation of ``--prompt-data`` / ``--eval-prompt-data`` (module docstring, 2)."""
     from rl_plugin.rollout.data.prompt_check import check_sft_file, model_context_length
-    from rl_plugin.rollout.data.tokenizer import load_tokenizer
 
     cfg, hf_checkpoint = run.rollout, run.train.model.hf_checkpoint
     files = [(f, p) for f, p in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)) if p]
     if not files:
         return
-    try:
-        tokenizer = load_tokenizer(
-            hf_checkpoint,
-            apply_chat_template=cfg.apply_chat_template,
-            chat_template_kwargs=cfg.apply_chat_template_kwargs,
-            system_prompt=cfg.system_prompt,
-        )
-    except ValueError as exc:
-        fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+    tokenizer = run_tokenizer(run)
     context = model_context_length(hf_checkpoint)
     for flag, path in files:
         check_sft_file(
@@ -132,3 +123,15 @@ def check_sft_data(run) -> None:
             context_len=context,
             hf_checkpoint=hf_checkpoint,
         )
+
+
+def run_tokenizer(run):
+    """The run's tokenizer as the rollout side templates with it (``rollout_tokenizer``), or a
+    refusal naming ``--hf-checkpoint`` when its directory has no tokenizer."""
+    from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
+
+    hf_checkpoint = run.train.model.hf_checkpoint
+    try:
+        return rollout_tokenizer(run.rollout, hf_checkpoint)
+    except ValueError as exc:
+        fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")

@@ -40,6 +40,7 @@ from rl_plugin.arguments.file_contents import (  # noqa: F401 - check_progress, 
     check_file_contents,
     check_progress,
     check_resume_point,
+    run_tokenizer,
 )
 from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import resume_note
@@ -65,7 +66,6 @@ def finished_message(run: RunConfig, step: int) -> str:
 
 def check_reward_and_data(run: RunConfig) -> None:
     from rl_plugin.rollout.data.prompt_check import check_prompt_file, model_context_length, model_vocab_size
-    from rl_plugin.rollout.data.tokenizer import load_tokenizer
     from rl_plugin.rollout.rewards.functions import RewardFunctionError
     from rl_plugin.rollout.rewards.scorer import SampleScorer
 
@@ -82,15 +82,7 @@ def check_reward_and_data(run: RunConfig) -> None:
         )
     if cfg.rm_url is not None:  # remote_rm, or a --custom-rm-path rm that calls remote_rm(args, sample)
         check_reward_server(cfg.rm_url)
-    try:
-        tokenizer = load_tokenizer(
-            hf_checkpoint,
-            apply_chat_template=cfg.apply_chat_template,
-            chat_template_kwargs=cfg.apply_chat_template_kwargs,
-            system_prompt=cfg.system_prompt,
-        )
-    except ValueError as exc:
-        fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+    tokenizer = run_tokenizer(run)
     if run.custom_generation.custom_agent_function_path and hasattr(tokenizer, "tok"):
         from rl_plugin.rollout.agent.template import AgentPrompts
 

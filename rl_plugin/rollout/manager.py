@@ -27,7 +27,7 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.data.dataset import PromptDataset
 from rl_plugin.rollout.data.prompt_queue import PromptQueue
-from rl_plugin.rollout.data.tokenizer import load_tokenizer
+from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
 from rl_plugin.rollout.engines.base import make_engine
 from rl_plugin.rollout.fleet import EngineFleet
 from rl_plugin.rollout.generation.source import GenerationSource
@@ -58,12 +58,7 @@ class RolloutManager:
         # the hf engine's threads when it lives here (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(ROLLOUT_THREADS_ENV)).apply()
         self.config = cfg = config
-        tokenizer = load_tokenizer(
-            checkpoint_dir,
-            apply_chat_template=cfg.apply_chat_template,
-            chat_template_kwargs=cfg.apply_chat_template_kwargs,
-            system_prompt=cfg.system_prompt,
-        )
+        tokenizer = rollout_tokenizer(cfg, checkpoint_dir)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         actors = list(engines or [])  # empty: the engine lives here
         engine = None if actors else make_engine(cfg.engine, checkpoint_dir, device=device)

@@ -24,7 +24,7 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout.data.dataset import PromptDataset, PromptRecord, read_prompts
 from rl_plugin.rollout.data.prompt_queue import PromptQueue
 from rl_plugin.rollout.data.sft import SftExample, example_of, sft_tensors
-from rl_plugin.rollout.data.tokenizer import load_tokenizer
+from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
 from rl_plugin.rollout.sample import RolloutData
 
 
@@ -40,12 +40,7 @@ class SftSource:
     def __init__(self, config: RolloutConfig, checkpoint_dir: str):
         cfg = config
         self.batch_size = cfg.rollout_batch_size
-        self.tokenizer = load_tokenizer(
-            checkpoint_dir,
-            apply_chat_template=cfg.apply_chat_template,
-            chat_template_kwargs=cfg.apply_chat_template_kwargs,
-            system_prompt=cfg.system_prompt,
-        )
+        self.tokenizer = rollout_tokenizer(cfg, checkpoint_dir)
         train = PromptDataset(read_sft_records(cfg.prompt_data, cfg), shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.prompts = PromptQueue(train)
         self.eval = PromptDataset(read_sft_records(cfg.eval_prompt_data, cfg)) if cfg.eval_prompt_data else None

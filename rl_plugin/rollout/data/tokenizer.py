@@ -223,3 +223,15 @@ def load_tokenizer(
             "drop the flag, or add a chat_template.jinja to the checkpoint"
         )
     return HFTokenizerAdapter(tok, apply_chat_template, chat_template_kwargs, system_prompt)
+
+
+def rollout_tokenizer(config, checkpoint_dir):
+    """``checkpoint_dir``'s tokenizer with the rollout config's chat-template settings
+    (``--apply-chat-template``, ``--apply-chat-template-kwargs``, ``--system-prompt``): the one the
+    rollout side, the SFT data and the preflight's file checks all template with."""
+    return load_tokenizer(
+        checkpoint_dir,
+        apply_chat_template=config.apply_chat_template,
+        chat_template_kwargs=config.apply_chat_template_kwargs,
+        system_prompt=config.system_prompt,
+    )
