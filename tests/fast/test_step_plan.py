@@ -14,8 +14,8 @@ from rl_plugin.errors import RLArgumentError
 from rl_plugin.loop.advantages import rollout_batch
 from rl_plugin.loss import StepBatch
 from rl_plugin.loss.micro_batch_plan import micro_batches_by_count
-from rl_plugin.rollout.sample import RolloutData
 from rl_plugin.step_plan import RankPlan, plan_docs_steps, plan_global_batch_steps, split_rollout_for_dp
+from tests.support.rollouts import random_rollout
 
 
 def _rollout(n=8, group=2):
@@ -74,24 +74,8 @@ def test_rank_plan_checks_its_lists_and_pickles_its_micro_batches():
     assert torch.equal(back.batch.tokens, plan.batch.tokens)
 
 
-def _grpo_rollout(num_groups=3, n=4):
-    g = torch.Generator().manual_seed(0)
-    s = num_groups * n
-    rl = torch.randint(1, 5, (s,), generator=g)
-    tl = rl + 3
-    return RolloutData(
-        tokens=torch.randint(0, 16, (int(tl.sum()),), generator=g),
-        total_lengths=tl,
-        response_lengths=rl,
-        rollout_log_probs=-torch.rand(int(rl.sum()), generator=g),
-        rewards=torch.rand(s, generator=g),
-        group_ids=torch.arange(num_groups).repeat_interleave(n),
-        num_groups=num_groups,
-    )
-
-
 def test_global_batch_steps_split_over_dp_with_step_local_groups():
-    b = rollout_batch(_grpo_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    b = rollout_batch(random_rollout(num_groups=3, n=4), "grpo")  # 12 samples
     plans = plan_global_batch_steps(b, global_batch_size=6, dp_size=2)  # 2 steps, 3 + 3 per rank
     assert [p.step_bounds for p in plans] == [[(0, 3), (3, 6)], [(0, 3), (3, 6)]]
     assert plans[0].step_num_groups == [2, 2]  # step 0: groups 0,1; step 1: groups 1,2
@@ -111,7 +95,7 @@ def test_global_batch_steps_split_over_dp_with_step_local_groups():
 def test_one_dp_rank_plans_the_whole_rollout_without_a_gather():
     """DP = 1: the rank's batch is the rollout's (the steps in order cover it), only the group ids
     renumbered per step; the same tensors the select path gives."""
-    b = rollout_batch(_grpo_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    b = rollout_batch(random_rollout(num_groups=3, n=4), "grpo")  # 12 samples
     (plan,) = plan_global_batch_steps(b, global_batch_size=6, dp_size=1)  # 2 steps: groups 0-1 and 1-2
     ref = b.select(torch.arange(12))
     for name in ("tokens", "total_lengths", "response_lengths", "loss_mask", "advantages", "rollout_log_probs"):
@@ -129,7 +113,7 @@ def test_one_dp_rank_plans_the_whole_rollout_without_a_gather():
 
 
 def test_global_batch_must_divide_the_rollout():
-    b = rollout_batch(_grpo_rollout(num_groups=3, n=4), "grpo")
+    b = rollout_batch(random_rollout(num_groups=3, n=4), "grpo")
     with pytest.raises(
         RLArgumentError,
         match=r"--global-batch-size 5: a rollout of --rollout-batch-size x --n-samples-per-prompt = 12 samples",
@@ -138,7 +122,7 @@ def test_global_batch_must_divide_the_rollout():
 
 
 def test_rank_plan_steps_are_slices_of_the_batch_with_their_micro_batches():
-    b = rollout_batch(_grpo_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    b = rollout_batch(random_rollout(num_groups=3, n=4), "grpo")  # 12 samples
     plans = plan_global_batch_steps(b, global_batch_size=6, dp_size=2)
     steps = list(plans[1].steps())
     assert [(s.num_samples, g, m) for s, g, m in steps] == [(3, 2, None), (3, 2, None)]  # micro-batches: the step's own
@@ -152,7 +136,7 @@ def test_rank_plan_steps_are_slices_of_the_batch_with_their_micro_batches():
 def test_docs_per_step_plan_on_one_rank():
     """Micro-batches of 2 samples, steps of >= 5 documents: 3 micro-batches per step, the last
     step keeps the short tail; micro-batch indices are relative to the step's start."""
-    b = rollout_batch(_grpo_rollout(num_groups=3, n=4), "grpo")  # 12 samples
+    b = rollout_batch(random_rollout(num_groups=3, n=4), "grpo")  # 12 samples
     plan = plan_docs_steps(b, micro_batches_by_count(12, 2), num_groups=3, docs_per_step=5)
     assert plan.step_bounds == [(0, 6), (6, 12)] and plan.step_num_groups == [3, 3]
     assert [[m.tolist() for m in step] for step in plan.step_micro_batches] == [[[0, 1], [2, 3], [4, 5]]] * 2
@@ -165,7 +149,7 @@ def test_docs_per_step_plan_on_one_rank():
 
 
 def test_docs_per_step_split_is_contiguous():
-    b = rollout_batch(_grpo_rollout(num_groups=2, n=3), "grpo")
+    b = rollout_batch(random_rollout(num_groups=2, n=3), "grpo")
     parts = split_rollout_for_dp(b, 4)
     assert [p.num_samples for p in parts] == [2, 2, 1, 1]
     assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)

@@ -6,28 +6,12 @@ from __future__ import annotations
 import torch
 
 from rl_plugin.loop.advantages import rollout_batch
-from rl_plugin.rollout.sample import RolloutData
+from tests.support.rollouts import random_rollout
 from tests.support.tolerance import FP32_LOSS_CORE, tensor_within
 
 
-def _rollout(num_groups=3, n=4):
-    g = torch.Generator().manual_seed(0)
-    s = num_groups * n
-    rl = torch.randint(1, 5, (s,), generator=g)
-    tl = rl + 3
-    return RolloutData(
-        tokens=torch.randint(0, 16, (int(tl.sum()),), generator=g),
-        total_lengths=tl,
-        response_lengths=rl,
-        rollout_log_probs=-torch.rand(int(rl.sum()), generator=g),
-        rewards=torch.rand(s, generator=g),
-        group_ids=torch.arange(num_groups).repeat_interleave(n),
-        num_groups=num_groups,
-    )
-
-
 def test_rollout_batch_advantages_over_whole_groups():
-    data = _rollout()
+    data = random_rollout()
     b = rollout_batch(data, "grpo")
     per_sample = b.advantages[torch.cumsum(b.response_lengths, 0) - 1]  # last token of each sample
     for gid in range(3):
