@@ -5,7 +5,10 @@ importing each other.
 - ``RLArgumentError``: a flag, file or input that would train the wrong objective or cannot run;
   the message names the flags, the rule and the fix (``fail``). ``rl-plugin-train`` exits 2.
 - ``LoopError``: the run stopped after start-up; the message says why and how to resume (exit 1).
-- ``WeightSyncError``: the rollout engines' weights differ from the trainer's (``--check-weight-sync``).
+- ``WeightSyncError``: the rollout engines' weights differ from the trainer's (``--check-weight-sync``,
+  ``--ci-test``).
+- ``CiCheckFailed``: a ``--ci-test`` check failed at a rollout (``rl_plugin.loop.ci_checks``); the
+  message is one line naming the check, the rollout and the values (exit 1).
 - ``Interrupted``: Ctrl-C ended the run at once under ``--no-exit-signal-handler``; the message
   names the resume command (exit 130). (With the handler, Ctrl-C stops the run as SIGTERM does,
   ``Stopped``; a second exit signal ends the process at once from its handler:
@@ -51,6 +54,11 @@ class LoopError(RuntimeError):
 
 class WeightSyncError(LoopError):
     """The weights an engine holds differ from the ones the trainer published."""
+
+
+class CiCheckFailed(LoopError):
+    """A ``--ci-test`` check failed at a rollout; the message is one line naming the check, the
+    rollout, the worst token and both values."""
 
 
 class Interrupted(LoopError):

@@ -16,10 +16,12 @@ the run's ``mode`` derived once (``rl_plugin.configs.mode``).
       fault_tolerance    FaultToleranceConfig
       logging            LoggingConfig
       async_training     AsyncConfig
+      ci                 CiChecks: slime's in-loop checks (--ci-test)
       embedded           the run takes the embedded task (the loop decides it on the flags as given)
 
 ``RunConfig.from_args(args)`` builds it; what the mode decides for a part below the configs is
-given to that part as a field once, here (``LossConfig.is_sft``: the loss core imports no config;
+given to that part as a field once, here (``LossConfig.is_sft``, ``LossConfig.report_worst_token``:
+the loss core imports no config;
 ``SyncSettings.slots``). ``check(run)`` runs every config's rules (``Declared``: instance methods
 ``check(run)`` reading their own fields and the others' through the tree, never each other's
 writes, so their order is free) after the declared ranges (``flags.check_bounds``);
@@ -42,6 +44,7 @@ from typing import Any, Dict, Iterator, List
 
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig
+from rl_plugin.configs.ci_checks import CiChecks
 from rl_plugin.configs.cluster import ClusterConfig
 from rl_plugin.configs.custom_generation import CustomGenerationConfig
 from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
@@ -71,6 +74,7 @@ class RunConfig(Declared):
     fault_tolerance: FaultToleranceConfig = nested(FaultToleranceConfig)
     logging: LoggingConfig = nested(LoggingConfig)
     async_training: AsyncConfig = nested(AsyncConfig)
+    ci: CiChecks = nested(CiChecks)
     # the embedded default (rl_plugin.loop.embedded): decided on the flags as given, before the loop
     # fills in its model and data; it picks the output directory's default
     embedded: bool = runtime(False)
@@ -80,7 +84,12 @@ class RunConfig(Declared):
         """The tree of ``args`` (validated, or to be: ``load_user_code=False`` builds it for the
         rules without loading the user functions the flags name)."""
         run = from_args(cls, args, load_user_code=load_user_code, **given)
-        train = replace(run.train, loss=replace(run.train.loss, is_sft=run.mode.trains_nll))
+        loss = replace(
+            run.train.loss,
+            is_sft=run.mode.trains_nll,
+            report_worst_token=run.ci.ci_test and run.ci.logprob_abs_diff_threshold is not None,
+        )
+        train = replace(run.train, loss=loss)
         return replace(run, train=train, sync=replace(run.sync, slots=2 if run.mode.generates_ahead else 1))
 
     def with_user_functions(self) -> "RunConfig":

@@ -28,6 +28,7 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
         rollout_log_probs=data.rollout_log_probs,
         routed_experts=data.routed_experts,
         teacher_log_probs=data.teacher_log_probs,  # --use-opd with an engine-served teacher; else the actors'
+        sample_index=torch.arange(data.total_lengths.numel()),  # a report names the rollout's sample
     ).validate()
 
 

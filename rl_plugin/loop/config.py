@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from rl_plugin.configs.async_training import AsyncConfig
+from rl_plugin.configs.ci_checks import CiChecks
 from rl_plugin.configs.custom_generation import steps_global_batch_size
 from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.run import RunConfig
@@ -37,6 +38,7 @@ class LoopConfig:
     async_settings: Optional[AsyncConfig]
     update_weights_interval: int
     sync: SyncSettings
+    ci: CiChecks  # --ci-test: the checks at each rollout (loop/ci_checks.py)
     save: Optional[str]
     save_interval: Optional[int]
     load: Optional[str]
@@ -72,6 +74,7 @@ class LoopConfig:
             async_settings=run.async_training if run.mode is Mode.FULLY_ASYNC else None,
             update_weights_interval=run.async_training.update_weights_interval,
             sync=run.sync,
+            ci=run.ci,
             save=ckpt.save,
             save_interval=ckpt.save_interval,
             load=ckpt.load,

@@ -30,6 +30,7 @@ from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
 from rl_plugin.loop.advantages import rollout_batch
+from rl_plugin.loop.ci_checks import check_logprobs, sync_failure
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
@@ -167,17 +168,24 @@ class RolloutPieces:
         a fresh manager when the actor died; its dataset position kept, its weight load checked."""
         data = self.client.retrying("generate", k, lambda: self.submit_generate(k), first=in_flight)
         self.client.answered(data)
-        load, data.weight_load = data.weight_load, None
-        self.ledger.loaded(load)
+        self._check_load(k, data)
         return data
+
+    def _check_load(self, k: int, data: RolloutData) -> None:
+        """The weight load rollout k's generate did first, checked by the ledger (fingerprints
+        under --check-weight-sync / --ci-test: a mismatch names the rollout)."""
+        load, data.weight_load = data.weight_load, None
+        try:
+            self.ledger.loaded(load)
+        except WeightSyncError as exc:
+            raise sync_failure(k, exc, self.cfg.ci.ci_test) from None
 
     def take(self, k: int) -> RolloutData:
         """Fully async: rollout k from the rollout manager's buffer (the newest published weights
         loaded first); a manager that died is replaced and its worker restarted by the retry."""
         data = self.client.retrying("take", k, lambda: self.client.submit_generate(k, self.ledger.give()))
         self.client.answered(data)
-        load, data.weight_load = data.weight_load, None
-        self.ledger.loaded(load)
+        self._check_load(k, data)
         return data
 
     def manager_restarts(self) -> int:
@@ -253,6 +261,7 @@ class RolloutPieces:
     ) -> None:
         self.rows.log_steps(self.progress, k, data, reports, timings, t0, staleness)
         self.last_trained = k
+        check_logprobs(k, reports, self.cfg.ci.logprob_abs_diff_threshold)  # --ci-test: after the rows are written
 
     def finish_rollout(
         self,

@@ -43,6 +43,9 @@ class StepBatch:
     rollout_log_probs: Optional[torch.Tensor] = None
     teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd: the teacher's log-prob of each response token
     routed_experts: Optional[torch.Tensor] = None
+    # each sample's index in its rollout (``loop.advantages.rollout_batch``), carried through the
+    # steps' and ranks' selections so that a report can name a sample of the rollout
+    sample_index: Optional[torch.Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -66,7 +69,7 @@ class StepBatch:
         *global* step is rejected by the step counts.
         """
         s = self.num_samples
-        for name in ("response_lengths", "group_ids"):
+        for name in ("response_lengths", "group_ids") + (() if self.sample_index is None else ("sample_index",)):
             if getattr(self, name).numel() != s:
                 raise BadBatchError(f"{name} has {getattr(self, name).numel()} entries for {s} samples (total_lengths)")
         neg = torch.nonzero(self.response_lengths < 0).flatten()

@@ -64,6 +64,7 @@ from rl_plugin.loss.step_metrics import (
     union_over_group,
     with_counts_and_aliases,
 )
+from rl_plugin.loss.worst_token import reduce_worst, worst_token
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState
 
@@ -112,6 +113,7 @@ class StepContext:
             self.advantages = self._opd_advantages(batch, counts)
         self.policy_loss = get_policy_loss("sft_nll" if cfg.is_sft else cfg.policy_loss)
         self.custom_tis_names: List[str] = []
+        self.worst: Optional[torch.Tensor] = None  # --ci-test: this rank's worst token (``worst_token``)
         self.grad_scale = 1.0 / counts.num_samples if cfg.deepspeed_grad_scale else 1.0
         self.old_from_forward = old_from_forward
         if old_from_forward:
@@ -151,6 +153,9 @@ class StepContext:
             self.metrics,
             self.ps.cp_rank,
         )
+        if self.cfg.report_worst_token and self.measure_mismatch:
+            b = self.batch
+            self.worst = worst_token(old, self.rollout_log_probs, self.loss_mask, b.response_lengths, b.sample_index)
         return w
 
     # -- micro-batches ----------------------------------------------------------------------
@@ -301,6 +306,8 @@ class StepContext:
         )
         names_sum, names_max, names_min = step_metric_names(cfg, self.measure_mismatch, custom_names)
         out = self.metrics.reduce(self.ps, names_sum, names_max, names_min)
+        if cfg.report_worst_token and self.measure_mismatch:
+            out.update(reduce_worst(self.worst, self.ps.dp_cp_group))
         return with_counts_and_aliases(out, cfg, self.counts, self.measure_mismatch)
 
 

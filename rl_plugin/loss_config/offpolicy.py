@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import derived, flag
+from rl_plugin.flags import derived, flag, runtime
 from rl_plugin.registries import TIS_LEVELS, TIS_MODES
 from rl_plugin.user_code import check_importable, load_function
 
@@ -100,6 +100,10 @@ class OffPolicySettings:
         help="Also log the policy-gradient metrics under DeepSpeed's names (ratio_new_old, ratio_new_old_sum, ratio_new_old_squared_sum, kl_new_old, clipped_ratio_fraction, advantage, max_advantage, min_advantage, num_tokens, entropy, old_logprobs) besides the slime-style ones. (Under --docs-per-step the loop always logs num_documents / documents_seen per step.)",
         group=GROUP,
     )
+
+    # --ci-test with --ci-train-rollout-logprob-abs-diff-threshold (rl_plugin.configs.ci_checks): each step
+    # reports its worst token |old - rollout| (rl_plugin.loss.worst_token); given by the run config
+    report_worst_token: bool = runtime(False)
 
     def check(self, run) -> None:
         _check_tis(self, run)

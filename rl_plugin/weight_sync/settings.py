@@ -48,9 +48,12 @@ class SyncSettings(Declared):
         group=GROUP,
         help="After every weight sync, verify that every rollout engine's weights are bitwise equal to the trainer's export (sha256 per tensor, read back from the engine: vLLM's repacked CPU linears through their own kernel); raises on a mismatch. For debugging a new backend or engine. slime spells it --check-weight-update-equal; both are accepted.",
     )
-    # fingerprint both sides of every sync: --check-weight-sync, or --check-lora-weight-equal (declared with
-    # LoRA's flags): with LoRA what travels, and so what is compared, is the adapters
-    fingerprint: bool = derived(lambda args: bool(args.check_weight_sync or args.check_lora_weight_equal), False)
+    # fingerprint both sides of every sync: --check-weight-sync, --ci-test (slime's in-loop checks,
+    # rl_plugin.configs.ci_checks), or --check-lora-weight-equal (declared with LoRA's flags): with LoRA
+    # what travels, and so what is compared, is the adapters
+    fingerprint: bool = derived(
+        lambda args: bool(args.check_weight_sync or args.ci_test or args.check_lora_weight_equal), False
+    )
     # 2 when the run's mode generates ahead of training (a load of v - 1 may run while v is published);
     # given by the run config from its mode (rl_plugin.configs.run)
     slots: int = runtime(1)

@@ -21,7 +21,7 @@ CONFIGS = config_classes(RunConfig)  # every config of the run, from the tree (L
 RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
-    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft"},
+    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
 }
 
 

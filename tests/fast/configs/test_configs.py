@@ -21,6 +21,7 @@ ONE_MODULE_EACH = {
     "async_training": "AsyncConfig",
     "batching": "BatchingConfig",
     "checkpointing": "CheckpointConfig",
+    "ci_checks": "CiChecks",
     "cluster": "ClusterConfig",
     "colocation": "ColocationConfig",
     "custom_generation": "CustomGenerationConfig",
