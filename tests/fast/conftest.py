@@ -9,6 +9,9 @@
 - ``tiny_checkpoint``: ``tiny_checkpoint(family="qwen2", **config)`` -> the path of a seeded tiny
   Hugging Face checkpoint, written once per session (``rl_plugin.models.tiny``); read only.
 - ``tiny_qwen2``: the default tiny Qwen2 checkpoint (``tiny_checkpoint()``).
+- ``own_signal_mask`` (autouse): each test starts and ends with the signal mask the session had,
+  so a test of the exit signals that blocks them (``loop.exit_request``) cannot leak the block into
+  the next test's subprocesses (a child inherits it: a SIGTERM to it would then never arrive).
 
 The flags of exact SGD are ``tests.support.flags.EXACT_SGD`` (``exact_sgd(lr=...)``), a constant
 rather than a fixture: the workers ``run_world`` spawns use them, and fixtures do not reach them.
@@ -17,6 +20,8 @@ The helpers themselves live in ``tests/support`` (a package: imported as ``tests
 """
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -35,6 +40,14 @@ FORKSERVER_PRELOAD = [
     "tests.support.megatron_common",
 ]
 harness.use_forkserver(FORKSERVER_PRELOAD)
+SESSION_MASK = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask the suite started with
+
+
+@pytest.fixture(autouse=True)
+def own_signal_mask():
+    signal.pthread_sigmask(signal.SIG_SETMASK, SESSION_MASK)
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, SESSION_MASK)
 
 
 @pytest.fixture(scope="session")
