@@ -16,7 +16,7 @@ one-line message (issue 44 item 25). After ``validate_paths`` (the files exist),
 3. the ``--use-opd`` teacher (``opd_teacher.check_opd``).
 
 The data and the LoRA base need the model's directory: the flag checker on the embedded model
-(built by the run, ``loop.embedded``) skips them; the trainer builds it first and checks all.
+(built by the run, ``loop.embedded_setup``) skips them; the trainer builds it first and checks all.
 The RL prompts are checked by the trainer's preflight only (``check_reward_and_data``: with the
 reward function's import and the ``--rm-url`` probe, which need the user's code and the server).
 """

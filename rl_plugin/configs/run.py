@@ -75,7 +75,7 @@ class RunConfig(Declared):
     logging: LoggingConfig = nested(LoggingConfig)
     async_training: AsyncConfig = nested(AsyncConfig)
     ci: CiChecks = nested(CiChecks)
-    # the embedded default (rl_plugin.loop.embedded): decided on the flags as given, before the loop
+    # the embedded default (rl_plugin.loop.embedded_setup): decided on the flags as given, before the loop
     # fills in its model and data; it picks the output directory's default
     embedded: bool = runtime(False)
 
@@ -99,7 +99,7 @@ class RunConfig(Declared):
 
     def with_model_and_data(self, hf_checkpoint: str, prompt_data: str, eval_prompt_data) -> "RunConfig":
         """This tree with another ``--hf-checkpoint`` / ``--prompt-data`` / ``--eval-prompt-data``
-        (the embedded run's, filled in by the loop: ``rl_plugin.loop.embedded``)."""
+        (the embedded run's, filled in by the loop: ``rl_plugin.loop.embedded_setup``)."""
         model = replace(self.train.model, hf_checkpoint=hf_checkpoint)
         rollout = replace(self.rollout, prompt_data=prompt_data, eval_prompt_data=eval_prompt_data)
         return replace(self, train=replace(self.train, model=model), rollout=rollout)

@@ -24,7 +24,7 @@ from rl_plugin.weight_sync import SyncSettings
 class LoopConfig:
     """Every field is read off the run config by ``of`` (no default of its own: one per setting)."""
 
-    mode: Mode  # which schedule runs (``Driver``) and what it needs
+    mode: Mode  # which schedule runs (``rollout_pieces.SCHEDULES``) and what it needs
     num_rollout: Optional[int]
     rollout_batch_size: Optional[int]  # prompt groups per rollout
     train_backend: str

@@ -35,13 +35,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from rl_plugin.arguments.file_contents import (  # noqa: F401 - check_progress, check_resume_point: the run's
-    ResumePoint,
-    check_file_contents,
-    check_progress,
-    check_resume_point,
-    run_tokenizer,
-)
+from rl_plugin.arguments.file_contents import ResumePoint, check_file_contents, run_tokenizer
 from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import resume_note
 from rl_plugin.configs.run import RunConfig

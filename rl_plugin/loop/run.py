@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from rl_plugin.arguments.embedded import is_embedded
+from rl_plugin.arguments.file_contents import check_progress
 from rl_plugin.arguments.setup import check_command_line
 from rl_plugin.checkpoint.commit import move_checkpoints_aside
 from rl_plugin.checkpoint.layout import resume_step, step_dir
@@ -41,7 +42,7 @@ from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
-from rl_plugin.loop.preflight import check_progress, finished_message, is_finished, preflight
+from rl_plugin.loop.preflight import finished_message, is_finished, preflight
 from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
 from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.rows import RowLogger, keep_previous

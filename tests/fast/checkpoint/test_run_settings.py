@@ -6,11 +6,12 @@ group that writes no files (the settings are the driver's, not a rank's)."""
 from __future__ import annotations
 
 from rl_plugin.arguments.embedded import parse_train_flags
+from rl_plugin.arguments.file_contents import check_resume_point
 from rl_plugin.checkpoint.layout import read_loop_state
 from rl_plugin.checkpoint.run_settings import settings_of
 from rl_plugin.configs.run import RunConfig
 from rl_plugin.loop.config import LoopConfig
-from rl_plugin.loop.preflight import check_resume_point, note_changed_settings
+from rl_plugin.loop.preflight import note_changed_settings
 from rl_plugin.loop.resume import Progress, save_checkpoint
 
 

@@ -233,7 +233,7 @@ def test_the_first_take_after_a_resumed_start_labels_tokens_with_the_weights_the
     try:
         weights = {k: v.clone() for k, v in m.fleet.engine.weights().items()}  # the trainer's: version 3
         handle = pub.publish(weights, SyncRequest(buffer_bytes=1 << 20, transport="shared_memory"))
-        m.update_weights(handle, 3)  # the run's start-up sync (``Driver.sync_weights``)
+        m.update_weights(handle, 3)  # the run's start-up sync (``RolloutPieces.sync_weights``)
         data = m.generate(4)
     finally:
         pub.close()
