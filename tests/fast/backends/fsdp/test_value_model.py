@@ -17,7 +17,14 @@ import json
 import pytest
 import torch
 
-from tests.support.critic import VALUE_CLIP, alone_values, value_backend, value_flags, value_step_data
+from tests.support.critic import (
+    VALUE_CLIP,
+    alone_values,
+    value_backend,
+    value_checkpoint,
+    value_flags,
+    value_step_data,
+)
 from tests.support.fsdp_common import step_batch
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
@@ -126,3 +133,29 @@ def test_the_policy_and_value_passes_refuse_the_other_kind(run, run_world):
     assert all("is a value model (TrainConfig.value_head); it has no LM head" in e for e in out["errors"])
     msg = run_world(_policy_worker, 1, lm_dir)[0]
     assert msg.startswith("compute_values: this FSDPBackend is a policy (TrainConfig.value_head is False)")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_packed_form_reads_the_values_at_the_predicting_positions(tiny_qwen2, tmp_path, attn):
+    """thd as the padded grid and as one row under the block-diagonal mask, and padded bshd rows:
+    the values of every response token equal each sample's own forward at the position before it."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.backends.fsdp.value_model import micro_batch_values
+    from rl_plugin.loss import MicroBatchInputs
+
+    model = load_hf_model(value_checkpoint(tmp_path, tiny_qwen2), attn_implementation=attn, value_head=True).eval()
+    batch = step_batch(value_step_data(0))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = alone_values(model, batch)
+        forms = {
+            "thd grid": micro_batch_values(model, MicroBatchInputs.build(batch), attn, cpu, padded_grid=True),
+            "thd row": micro_batch_values(model, MicroBatchInputs.build(batch), attn, cpu, padded_grid=False),
+            "bshd": micro_batch_values(
+                model, MicroBatchInputs.build(batch, qkv_format="bshd", max_seq_len=16), attn, cpu
+            ),
+        }
+    assert float(want.abs().max()) > 0.1
+    for name, got in forms.items():
+        assert got.shape == (want.numel(), 1) and got.dtype == torch.float32, name
+        assert tensor_within(got[:, 0], want, rtol=FP32_MODEL), (name, float((got[:, 0] - want).abs().max()))
