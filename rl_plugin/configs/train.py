@@ -40,6 +40,8 @@ class TrainConfig(RoutingReplaySettings, Declared):
     # the critic's process (``RunConfig.critic_train``): the actor's architecture with a scalar value
     # head instead of the LM head; no flag (the run config sets it for the critic group only)
     value_head: bool = runtime(False)
+    # true on-policy mode (issue 45): the backend's model and log-probs through rl_plugin.invariant
+    true_on_policy: bool = runtime(False)  # no flag here: the run config sets it (--true-on-policy-mode)
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
