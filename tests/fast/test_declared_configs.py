@@ -21,10 +21,10 @@ CONFIGS = config_classes(RunConfig)  # every config of the run, from the tree (L
 RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
-    TrainConfig: {"value_head"},  # the critic's TrainConfig sets it (RunConfig.critic_train)
+    # value_head: the critic's TrainConfig sets it (RunConfig.critic_train); true_on_policy: the run
+    # config sets it from --true-on-policy-mode (issue 45)
+    TrainConfig: {"value_head", "true_on_policy"},
     next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
-    # issue 45's true on-policy mode: set by the run config from --true-on-policy-mode
-    next(c for c in CONFIGS if c.__name__ == "TrainConfig"): {"true_on_policy"},
     EngineConfig: {"true_on_policy"},
 }
 
