@@ -37,6 +37,7 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
+    value_head: bool = False  # the critic's value model (issue 47), set by run.critic_train
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
