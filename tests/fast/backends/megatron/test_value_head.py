@@ -11,7 +11,6 @@ same values bitwise; a head of another shape and LoRA are refused by name.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -97,8 +96,11 @@ def test_export_loads_into_hf_token_classification(case):
     expected = {k: v for k, v in causal.items() if k != "lm_head.weight"} | {"score.weight": (1, hidden)}
     assert got["state"] == expected
     assert got["specs"] == expected and got["stream_equal"]
-    config = json.loads((Path(out_dir) / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["num_labels"] == 1
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(out_dir)
+    assert config.architectures == ["Qwen2ForTokenClassification"] and config.num_labels == 1
+    assert config.token_classification_bias is False
     batch, _ = synthetic_batch(seed=3)
     ref = hf_values(out_dir, batch)
     values = got["values"][:, 0] if got["values"].dim() == 2 else got["values"]
@@ -117,15 +119,3 @@ def test_bad_head_and_lora_are_refused(case):
     assert got["bad_error"] is not None and "score.weight has shape (2, 32)" in got["bad_error"]
     assert "(1, 32)" in got["bad_error"] and "num_labels=1" in got["bad_error"]
     assert got["lora_error"] is not None and "--lora-rank" in got["lora_error"] and "LoRA off" in got["lora_error"]
-
-
-def test_token_classification_config(tiny_qwen2):
-    from rl_plugin.backends.megatron.value_head import token_classification_config
-
-    cfg = token_classification_config(str(tiny_qwen2))
-    causal = json.loads((Path(tiny_qwen2) / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForTokenClassification"]
-    assert cfg["num_labels"] == 1 and cfg["token_classification_bias"] is False
-    assert {k: v for k, v in cfg.items() if k in causal and k != "architectures"} == {
-        k: v for k, v in causal.items() if k != "architectures"
-    }
