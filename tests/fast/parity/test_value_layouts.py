@@ -103,6 +103,12 @@ def layout_worker(rank, world, tp, pp, layout, hf_dir, ckpt_dir, role):
     box = [tempfile.mkdtemp(prefix="mgt_value_") if rank == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     w0 = backend.export_hf_state_dict()
+    streamed = dict(backend.stream_hf_weights())  # the weight sync's path (pipelined: through rank 0)
+    if rank == 0:
+        assert sorted(streamed) == sorted(w0) and all(torch.equal(streamed[k], w0[k]) for k in w0)
+        assert {k: tuple(t.shape) for k, t in backend.hf_weight_specs().items()} == {
+            k: tuple(t.shape) for k, t in w0.items()
+        }
     start = None
     if world == 1:
         start = f"{box[0]}_hf"
