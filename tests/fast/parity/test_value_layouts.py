@@ -1,6 +1,6 @@
 """The Megatron value model (issue 47): the value step applies exactly dJ/dtheta on every layout.
 
-One spawn per layout (TP1, TP2, DP2, PP2, PP2 x VPP2) of a TIED 4-layer model (the value model unties the
+One spawn per layout (TP1, TP2, DP2, PP2, PP2 x VPP2, TP2 with padded ``bshd`` rows) of a TIED 4-layer model (the value model unties the
 embedding from the head: a missed untie would all-reduce the embedding's gradient with the head's
 over the pipeline's embedding group). Inside it each ``--loss-aggregation`` mode runs from the
 same checkpointed start with a seeded head (a fresh head is zeros), several micro-batches, the old
@@ -29,6 +29,7 @@ from tests.support.flags import EXACT_SGD
 from tests.support.tolerance import FP32_MODEL, within
 
 VPP = ("--num-layers-per-virtual-pipeline-stage", "1")
+BSHD = ("--qkv-format", "bshd", "--seq-length", "16")  # padded rows: the longest sample has 13 tokens
 # name: (tp, pp, world, more layout flags)
 LAYOUTS = {
     "tp1": (1, 1, 1, ()),
@@ -36,6 +37,7 @@ LAYOUTS = {
     "dp2": (1, 1, 2, ()),
     "pp2": (1, 2, 2, ()),
     "vpp2": (1, 2, 2, VPP),
+    "tp2_bshd": (2, 1, 2, BSHD),
 }
 MODES = [("sample_mean",), ("token_mean",), ("prompt_mean",), ("constant", "--loss-aggregation-divisor", "8")]
 CLIP = 0.2
@@ -188,9 +190,9 @@ def tied_model(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def results(run_world, tied_model, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("value_ckpt") / "iter_0000001")
-    roles = {"tp2": "save", "tp1": "load", "pp2": "load", "vpp2": "load", "dp2": ""}
+    roles = {"tp2": "save", "tp1": "load", "pp2": "load", "vpp2": "load", "dp2": "", "tp2_bshd": ""}
     out = {}
-    for name in ("tp2", "tp1", "pp2", "vpp2", "dp2"):  # the saving layout first
+    for name in ("tp2", "tp1", "pp2", "vpp2", "dp2", "tp2_bshd"):  # the saving layout first
         tp, pp, world, layout = LAYOUTS[name]
         out[name] = run_world(layout_worker, world, tp, pp, layout, tied_model, ckpt, roles[name])[0]
     return out
