@@ -149,8 +149,8 @@ def micro_batch_forward(
     pipeline stage before the last, the stage's output activations (``forward.stage_output``);
     ``idle_passes`` (EP > 1, one pipeline stage): an empty micro-batch runs ``idle_forward``;
     ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely; an
-    idle pass always does)."""
-    values = options.values
+    idle pass always does; ``options`` may be None for an empty micro-batch, a log-prob pass)."""
+    values = options is not None and options.values
     if inputs.layout.num_samples == 0 and idle_passes:
         layout = inputs.layout
         return idle_forward(
