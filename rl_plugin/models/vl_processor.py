@@ -36,6 +36,15 @@ def is_vl_checkpoint(checkpoint_dir) -> bool:
     return checkpoint_model_type(checkpoint_dir) in VL_MODEL_TYPES
 
 
+def auto_model_class(checkpoint_dir):
+    """The transformers auto class that builds the checkpoint's model: ``AutoModelForImageTextToText``
+    for a vision-language one (``VL_MODEL_TYPES``), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    vl = is_vl_checkpoint(checkpoint_dir)
+    return transformers.AutoModelForImageTextToText if vl else transformers.AutoModelForCausalLM
+
+
 def load_vl_processor(checkpoint_dir, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None):
     """The checkpoint's processor (module docstring), with the pixel bounds applied."""
     from transformers import AutoProcessor

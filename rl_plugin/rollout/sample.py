@@ -19,6 +19,11 @@ A custom generate hook (``--custom-generate-function-path``), a whole-rollout fu
   num_moe_layers, top_k]`` int, the experts the engine routed each token it ran to (every token but
   the last, which is never run; slime's and SGLang's layout, ``rl_plugin.routing``); ``None`` when
   the engine did not record them;
+- ``multimodal_inputs`` / ``multimodal_train_inputs`` (slime's names; ``--multimodal-keys``): the
+  prompt's images (``{"image": [PIL.Image, ...]}``, what a reward reads) and what the processor
+  made of them (``{"pixel_values": [patches, C*T*P*P], "image_grid_thw": [images, 3]}``, what the
+  engine and the trainer read); ``tokens`` then holds the processor's expanded ids (one
+  ``<|image_pad|>`` per image token); None for a text sample;
 - ``weight_versions`` (one int per response token, or None): the trainer weight version that
   produced each token (the engine's version when it generated it, beside that version's
   ``rollout_log_probs``); under fully asynchronous training with partial rollouts one sample can
@@ -80,6 +85,8 @@ class Sample:
     rollout_log_probs: Optional[List[float]] = None
     rollout_routed_experts: Optional[Any] = None
     weight_versions: Optional[List[int]] = None
+    multimodal_inputs: Optional[Dict[str, Any]] = None  # slime's: {"image": [PIL images]} of the prompt
+    multimodal_train_inputs: Optional[Dict[str, torch.Tensor]] = None  # pixel_values, image_grid_thw
     metadata: Dict[str, Any] = field(default_factory=dict)
     status: "Sample.Status" = Status.PENDING
 

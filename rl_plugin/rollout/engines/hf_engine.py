@@ -48,12 +48,14 @@ class HFEngine(RolloutEngine):
         record_routed_experts: bool = False,
         lora_scaling: Optional[float] = None,
     ):
-        from transformers import AutoModelForCausalLM
+        from rl_plugin.models.vl_processor import auto_model_class
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
+        self.model = (
+            auto_model_class(checkpoint_dir).from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
+        )
         self.model.eval()
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config()  # a VL model: its language model's
         self.eos_token_ids = eos_token_ids(checkpoint_dir)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
         # why the lean sampler cannot stand in for model.generate with this model (None: it does)
@@ -95,6 +97,8 @@ class HFEngine(RolloutEngine):
         eos = torch.tensor(stop_ids, device=self.device)
         blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
         sampler = sample_with_generate if blocker else partial(sample, share_prompt_prefill=self.share_prompt_prefill)
+        if any(getattr(p, "pixel_values", None) is not None for p in prompts):
+            blocker, sampler = "images", sample_with_generate  # generate's multimodal prefill (hf_sampler)
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):
@@ -118,6 +122,7 @@ class HFEngine(RolloutEngine):
                         eos_token_ids=stop_ids,
                         pad_token_id=self.pad_token_id,
                         **pausable,
+                        **image_inputs(bucket, self.device),
                     )
             finally:
                 if gate is not None and blocker:
@@ -196,6 +201,21 @@ class HFEngine(RolloutEngine):
         if self.lora is not None:  # the adapters it holds and merges from
             state.update(self.lora.adapters)
         return state
+
+
+def image_inputs(bucket: Sequence[List[int]], device) -> Dict[str, torch.Tensor]:
+    """A bucket's images for generate: every row's ``pixel_values`` and ``image_grid_thw``
+    (``rollout.data.vl_prompt.ImagePrompt``) concatenated in row order, as the model's
+    ``get_image_features`` splits them back; ``{}`` for text prompts."""
+    rows = [p for p in bucket if getattr(p, "pixel_values", None) is not None]
+    if not rows:
+        return {}
+    if len(rows) != len(bucket):
+        raise ValueError("a bucket mixes prompts with and without images: give every record of the data its images")
+    return {
+        "pixel_values": torch.cat([p.pixel_values for p in rows]).to(device),
+        "image_grid_thw": torch.cat([p.image_grid_thw for p in rows]).to(device),
+    }
 
 
 def bucket_generations(
