@@ -58,6 +58,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
+from rl_plugin.loss import select_images
 from rl_plugin.tensor_pickle import reduce_dataclass
 
 Messages = List[Dict[str, Any]]
@@ -125,6 +126,9 @@ class RolloutData:
     routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
     loss_mask: Optional[torch.Tensor] = None
     teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd with an engine-served teacher, [sum R_i]
+    pixel_values: Optional[torch.Tensor] = None  # images: StepBatch's layout (``loss.batch``); None for text
+    image_grid_thw: Optional[torch.Tensor] = None
+    image_counts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -148,6 +152,10 @@ class RolloutData:
         ``0..len(groups)-1``; stats and examples are left to the caller."""
         groups = torch.as_tensor(groups, dtype=torch.long)
         idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
+        images = {}
+        if self.image_counts is not None:
+            picked = select_images(self.pixel_values, self.image_grid_thw, self.image_counts, idx)
+            images = dict(zip(("pixel_values", "image_grid_thw", "image_counts"), picked))
         tl, rl = self.total_lengths, self.response_lengths
         resp = expand_runs(exclusive_cumsum(rl)[idx], rl[idx])
         token_idx = expand_runs(exclusive_cumsum(tl)[idx], tl[idx])
@@ -162,6 +170,7 @@ class RolloutData:
             loss_mask=self.loss_mask[resp],
             routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
             teacher_log_probs=None if self.teacher_log_probs is None else self.teacher_log_probs[resp],
+            **images,
         )
 
 
@@ -176,4 +185,7 @@ RolloutData.TENSOR_FIELDS = (
     "loss_mask",
     "routed_experts",
     "teacher_log_probs",
+    "pixel_values",
+    "image_grid_thw",
+    "image_counts",
 )

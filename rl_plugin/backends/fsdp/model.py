@@ -57,13 +57,16 @@ def disable_dropout(config) -> List[str]:
 
 
 def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
-    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, dropout
-    off (module docstring), no embedding ``padding_idx`` (see below)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """``AutoModelForCausalLM`` from an HF directory (a vision-language one:
+    ``AutoModelForImageTextToText``, ``models.vl_processor.auto_model_class``), fp32 master
+    weights, training mode, dropout off (module docstring), no embedding ``padding_idx`` (see below)."""
+    from transformers import AutoConfig
+
+    from rl_plugin.models.vl_processor import auto_model_class
 
     config = AutoConfig.from_pretrained(path)
     changed = disable_dropout(config)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto_model_class(path).from_pretrained(
         path, config=config, dtype=torch.float32, attn_implementation=attn_implementation
     )
     for name, module in model.named_modules():

@@ -15,7 +15,8 @@ image placeholder per image and lets the processor expand it:
 The number of places must equal the number of images (a ``PromptFormatError`` otherwise: the
 preflight names the record's ``file:line``). The result is an ``ImagePrompt``: the processor's
 expanded ids (a ``list``: every path that takes a prompt's ids takes it), with ``pixel_values``
-``[patches, C*T*P*P]`` and ``image_grid_thw`` ``[images, 3]`` attached, and the opened ``images``.
+``[patches, C*T*P*P]``, ``image_grid_thw`` ``[images, 3]`` and ``mm_token_type_ids`` (1 at an image
+token) attached, and the opened ``images``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class ImagePrompt(list):
     ``image_grid_thw`` and the opened ``images`` (what a reward receives in
     ``sample.multimodal_inputs``). Pickles with its attributes (Ray's transport to engine actors)."""
 
-    def __init__(self, ids, pixel_values, image_grid_thw, images):
+    def __init__(self, ids, pixel_values, image_grid_thw, images, image_token_id: int):
         super().__init__(ids)
         self.pixel_values, self.image_grid_thw, self.images = pixel_values, image_grid_thw, images
+        self.mm_token_type_ids = [int(i == image_token_id) for i in ids]  # 1 at an image token
 
 
 class VLPrompts(HFTokenizerAdapter):
@@ -83,7 +85,7 @@ class VLPrompts(HFTokenizerAdapter):
                 "mark each image once, in order (or no marker in a text prompt: the images go first)",
             )
         ids, pixels, grid = encode(self.processor, text, images)
-        return ImagePrompt(ids, pixels, grid, images)
+        return ImagePrompt(ids, pixels, grid, images, self.processor.image_token_id)
 
 
 def _parts(content) -> List[Dict[str, Any]]:

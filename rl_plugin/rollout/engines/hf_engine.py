@@ -206,7 +206,9 @@ class HFEngine(RolloutEngine):
 def image_inputs(bucket: Sequence[List[int]], device) -> Dict[str, torch.Tensor]:
     """A bucket's images for generate: every row's ``pixel_values`` and ``image_grid_thw``
     (``rollout.data.vl_prompt.ImagePrompt``) concatenated in row order, as the model's
-    ``get_image_features`` splits them back; ``{}`` for text prompts."""
+    ``get_image_features`` splits them back, and each row's ``mm_token_type_ids`` (1 at its image
+    tokens: generate's prefill then takes M-RoPE positions, its decode their offset); ``{}`` for
+    text prompts."""
     rows = [p for p in bucket if getattr(p, "pixel_values", None) is not None]
     if not rows:
         return {}
@@ -215,6 +217,8 @@ def image_inputs(bucket: Sequence[List[int]], device) -> Dict[str, torch.Tensor]
     return {
         "pixel_values": torch.cat([p.pixel_values for p in rows]).to(device),
         "image_grid_thw": torch.cat([p.image_grid_thw for p in rows]).to(device),
+        # which prompt tokens are image tokens: what the model's 3-D rope index (M-RoPE) reads
+        "mm_token_type_ids": torch.tensor([p.mm_token_type_ids for p in rows], device=device),
     }
 
 

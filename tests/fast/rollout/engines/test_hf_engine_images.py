@@ -24,9 +24,12 @@ def setup(tmp_path_factory):
     return HFEngine(str(ckpt)), rollout_prompts(vl_rollout_config(apply_chat_template=True), ckpt)
 
 
-def _model_log_probs(model, prompt, response_ids):
+def _model_log_probs(model, prompt, response_ids, mrope=True):
     ids = torch.tensor([list(prompt) + response_ids])
-    logits = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw).logits
+    kinds = torch.tensor([prompt.mm_token_type_ids + [0] * len(response_ids)])  # M-RoPE: the image tokens
+    kinds = kinds if mrope else None  # None: 1-D positions (a model that never sees the image grid)
+    grid = prompt.image_grid_thw
+    logits = model(input_ids=ids, pixel_values=prompt.pixel_values, image_grid_thw=grid, mm_token_type_ids=kinds).logits
     start = len(prompt) - 1
     return logits[0, start : start + len(response_ids)].log_softmax(-1).gather(-1, torch.tensor(response_ids)[:, None])
 
@@ -43,6 +46,9 @@ def test_log_probs_are_the_models_on_each_prompts_own_image(setup):
         assert g.prompt_ids == list(prompt) and len(g.response_ids) >= 1
         want = _model_log_probs(engine.model, prompt, g.response_ids).squeeze(-1)
         torch.testing.assert_close(torch.tensor(g.log_probs), want, atol=2e-5, rtol=0)
+    # the positions are M-RoPE's (the image's 2-D grid), not 1-D
+    flat = _model_log_probs(engine.model, blue, gens[2].response_ids, mrope=False).squeeze(-1)
+    assert (flat - torch.tensor(gens[2].log_probs)).abs().max() > 1e-4
     # the image is in the prefill: the same text with the other image scores the same response otherwise
     swapped = prompts.image_prompt("Colour? <image>", [Image.new("RGB", (56, 56), (0, 255, 0))])
     other = _model_log_probs(engine.model, swapped, gens[0].response_ids).squeeze(-1)
