@@ -29,18 +29,26 @@ reduce-scatter like every rank's. Context parallelism is refused for images (``c
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Optional
 
 import torch
 
 
+_FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its vision module (or None)
+
+
 def vision_model(model):
     """The module holding the rope index and the placeholder mask (``Qwen2_5_VLModel``), or None
-    for a text model."""
-    for module in model.modules():
-        if hasattr(type(module), "get_rope_index") and hasattr(type(module), "get_placeholder_mask"):
-            return module
-    return None
+    for a text model (looked up once per model: every micro-batch asks)."""
+    if model not in _FOUND:
+        found = (
+            m
+            for m in model.modules()
+            if hasattr(type(m), "get_rope_index") and hasattr(type(m), "get_placeholder_mask")
+        )
+        _FOUND[model] = next(found, None)
+    return _FOUND[model]
 
 
 def check_images(layout) -> None:

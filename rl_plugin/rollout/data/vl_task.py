@@ -15,7 +15,9 @@ signal exists without any pretraining). Only the image tells the label apart, so
 (``sample.multimodal_inputs``): it checks that the reward receives the images too.
 
 ``write_colour_task(dir)`` writes ``images/*.png``, ``train.jsonl`` and ``eval.jsonl`` (image paths
-relative to the file; eval images from another seed) for ``--multimodal-keys '{"image": "images"}'``.
+relative to the file; eval images from another seed) for ``--multimodal-keys '{"image": "images"}'``;
+``python -m rl_plugin.rollout.data.vl_task DIR [NUM_COLOURS]`` does it from the shell
+(``examples/vl_colours_cpu.sh``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import sys
 from pathlib import Path
 from typing import List, Tuple
 
@@ -87,3 +90,10 @@ async def colour_reward(args, sample) -> float:
     first = sample.tokens[len(sample.tokens) - sample.response_length]
     k = _num_colours(str(Path(args.prompt_data).with_name("num_colours")))
     return float(answer_class(first, k) == int(sample.label))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m rl_plugin.rollout.data.vl_task DIR [NUM_COLOURS]")
+    colours = int(sys.argv[2]) if len(sys.argv) == 3 else 2
+    print(*write_colour_task(sys.argv[1], num_colours=colours), sep="\n")
