@@ -90,9 +90,33 @@ class MultimodalConfig(Declared):
                     "it sizes images, and no images are read",
                     'add --multimodal-keys \'{"image": "images"}\', or drop the flag',
                 )
+        if keys:
+            self._check_paths_built(run)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             fail(
                 f"--min-pixels {self.min_pixels} with --max-pixels {self.max_pixels}",
                 "the smallest size is above the largest",
                 "make --min-pixels <= --max-pixels",
             )
+
+    def _check_paths_built(self, run) -> None:
+        """Images reach the model only on the paths built and tested (docs/design.md "Images"):
+        any other would drop them silently, so it is refused."""
+        cg = run.custom_generation
+        unbuilt = (
+            ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
+            ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
+            ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
+            ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
+            ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
+            ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),
+            ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
+        )
+        for name, on, fix in unbuilt:
+            if on:
+                fail(
+                    f"--multimodal-keys with {name}",
+                    "images reach the model only through the hf engine, the default generation and FSDP "
+                    "full-model RL; this path would drop them",
+                    f"use {fix}, or drop --multimodal-keys",
+                )

@@ -8,9 +8,23 @@ import pytest
 from rl_plugin.arguments import parse_args, run_config_of
 from tests.support.flag_rules import assert_refused
 
-KEYS = '--multimodal-keys {"image":"images"}'
+KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
+
+UNBUILT = [
+    ("--rollout-engine vllm", "use --rollout-engine hf"),
+    ("--train-backend megatron", "use --train-backend fsdp"),
+    ("--loss-type sft_loss", "SFT on images is not built"),
+    ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
+    ("--rollout-function-path m:f", "use the default generation"),
+    ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
+    ("--lora-rank 8", "LoRA on a VL model is untested"),
+]
 
 RULES = [
+    *[
+        (f"{KEYS} {flags}", [f"--multimodal-keys with {flags.split()[0]}", "this path would drop them", fix])
+        for flags, fix in UNBUILT
+    ],
     (
         '--multimodal-keys {"video":"clips"}',
         ["--multimodal-keys", "media type video is not read (rl_plugin reads image)", "map only images"],
