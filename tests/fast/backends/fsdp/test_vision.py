@@ -115,3 +115,35 @@ def test_trainer_log_probs_equal_the_hf_forward(run_world, ckpt, world):
         known = ~torch.isnan(want)
         assert int(known.sum()) == int(rl.sum()) - 3 and bool(torch.isfinite(got).all()), name
         assert rel_err(got[known], want[known]) < 2e-5, (name, rel_err(got[known], want[known]))
+
+
+def train_then_save(rank, world, ckpt, step, out):
+    """One optimizer step on the VL batch (advantages +-1: the weights move, vision tower included),
+    then ``save_hf``; the trainer's log-probs after the step and its exported weights."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+
+    batch = StepBatch(**step).validate()
+    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", "--lr", "0.05")))
+    before = {k: v.clone() for k, v in backend.export_hf_state_dict().items()}
+    backend.train_step(batch, num_groups=3)
+    backend.save_hf(out)
+    return before, backend.export_hf_state_dict(), backend.compute_log_probs(batch).detach()
+
+
+def test_save_hf_writes_a_vl_checkpoint_transformers_and_the_processor_load(run_world, ckpt, tmp_path):
+    from rl_plugin.models.vl_processor import load_vl_processor
+
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)  # sample 4's tail: any value
+    out = str(tmp_path / "hf")
+    before, after, trained = run_world(train_then_save, 1, ckpt, step, out)[0]
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    assert any(k.startswith("model.visual.") for k in moved) and any("language_model" in k for k in moved)
+    # the saved directory: the model class, every weight as trained, the processor's files
+    assert load_vl_processor(out).image_processor.size["longest_edge"] == 28 * 28 * 16
+    want = hf_log_probs(out, step)
+    known = ~torch.isnan(want)
+    assert rel_err(trained.double()[known], want[known]) < 2e-5
