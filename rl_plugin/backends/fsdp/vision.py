@@ -34,7 +34,6 @@ from typing import Dict, Optional
 
 import torch
 
-
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its vision module (or None)
 
 
