@@ -147,3 +147,25 @@ def test_save_hf_writes_a_vl_checkpoint_transformers_and_the_processor_load(run_
     want = hf_log_probs(out, step)
     known = ~torch.isnan(want)
     assert rel_err(trained.double()[known], want[known]) < 2e-5
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_thd_as_one_row_with_the_block_mask_equals_the_padded_grid(ckpt, attn):
+    """thd's two forms (``packing`` module docstring) give a VL micro-batch the same response logits:
+    the 3-D positions and the image mask are laid out like the tokens in both."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.backends.fsdp.packing import head_sees_rows, images_placed, model_inputs
+    from rl_plugin.backends.fsdp.vision import image_inputs
+    from rl_plugin.loss import MicroBatchInputs, StepBatch
+
+    model = load_hf_model(ckpt, attn_implementation=attn).eval()
+    mb = MicroBatchInputs.build(StepBatch(**vl_step(ckpt)).validate(), qkv_format="thd")
+    rows = {}
+    for grid in (True, False):
+        vision = image_inputs(model, mb)
+        kwargs, row_index = model_inputs(mb, attn, torch.device("cpu"), padded_grid=grid, vision=vision)
+        assert kwargs["position_ids"].shape[0] == 3 and ("logits_to_keep" in kwargs) != grid
+        with torch.no_grad(), head_sees_rows(model, row_index), images_placed(model, vision):
+            rows[grid] = model(**kwargs).logits.reshape(-1, model.config.text_config.vocab_size)
+    assert rows[True].shape[0] == int(mb.layout.num_local_tokens)
+    torch.testing.assert_close(rows[False], rows[True], atol=2e-5, rtol=0)
