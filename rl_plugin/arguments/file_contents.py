@@ -14,6 +14,8 @@ one-line message (issue 44 item 25). After ``validate_paths`` (the files exist),
    ``--eval-prompt-data``: it reads, templates and fits the model's context
    (``rollout.data.prompt_check.check_sft_file``);
 3. the ``--use-opd`` teacher (``opd_teacher.check_opd``).
+4. with ``--multimodal-keys``: the checkpoint has a vision tower, and every record of the data
+   files: its images open and its image tokens fit the context (``check_image_data``).
 
 The data and the LoRA base need the model's directory: the flag checker on the embedded model
 (built by the run, ``loop.embedded_setup``) skips them; the trainer builds it first and checks all.
@@ -43,6 +45,8 @@ def check_file_contents(run) -> Optional[ResumePoint]:
     if run.mode.trains_nll and run.train.model.hf_checkpoint is not None:
         check_sft_data(run)
     check_opd(run)
+    if run.rollout.multimodal.image_key is not None:
+        check_image_data(run)
     return point
 
 
@@ -126,12 +130,41 @@ def check_sft_data(run) -> None:
 
 
 def run_tokenizer(run):
-    """The run's tokenizer as the rollout side templates with it (``rollout_tokenizer``), or a
+    """The run's tokenizer as the rollout side templates with it (``rollout_prompts``), or a
     refusal naming ``--hf-checkpoint`` when its directory has no tokenizer."""
-    from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
+    from rl_plugin.rollout.data.vl_prompt import rollout_prompts
 
     hf_checkpoint = run.train.model.hf_checkpoint
+    if run.rollout.multimodal.image_key is not None:
+        from rl_plugin.rollout.data.image_check import check_vl_checkpoint
+
+        check_vl_checkpoint(hf_checkpoint)  # named by its flag, before the processor is looked for
     try:
-        return rollout_tokenizer(run.rollout, hf_checkpoint)
+        return rollout_prompts(run.rollout, hf_checkpoint)
     except ValueError as exc:
         fail(f"--hf-checkpoint {hf_checkpoint}", str(exc), "point it at a model directory with its tokenizer files")
+
+
+def check_image_data(run) -> None:
+    """A ``--multimodal-keys`` run (module docstring, 4; ``rollout.data.image_check``)."""
+    from rl_plugin.rollout.data.image_check import check_image_prompt_file, check_vl_checkpoint
+    from rl_plugin.rollout.data.prompt_check import model_context_length
+
+    cfg, hf_checkpoint = run.rollout, run.train.model.hf_checkpoint
+    check_vl_checkpoint(hf_checkpoint)
+    prompts = run_tokenizer(run)
+    context = cfg.engine.max_context_len or model_context_length(hf_checkpoint)
+    for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
+        if path is not None:
+            check_image_prompt_file(
+                flag,
+                path,
+                prompts,
+                input_key=cfg.input_key,
+                label_key=cfg.label_key,
+                metadata_key=cfg.metadata_key,
+                image_key=cfg.multimodal.image_key,
+                max_response_len=cfg.rollout_max_response_len or 0,
+                context_len=context,
+                rm_type=cfg.rm_type,
+            )

@@ -12,7 +12,8 @@ second and a message, not a crash inside a train actor.
   are refused naming the model type, the architecture and the supported types. Mistral with a sliding window shorter than its
   context is refused (megatron's attention here is full attention).
 - ``--train-backend fsdp``: any ``model_type`` transformers' ``AutoModelForCausalLM`` maps (or
-  a remote-code ``auto_map`` entry for it).
+  a remote-code ``auto_map`` entry for it), and the vision-language Qwen2-VL / Qwen2.5-VL
+  (``VL_MODEL_TYPES``, built by ``AutoModelForImageTextToText``; ``backends/fsdp/vision.py``).
 
 The tables are not mbridge's registry, so this check imports neither mbridge nor megatron
 (seconds); ``tests/fast/backends/test_model_families.py`` fails if they and mbridge's text bridges
@@ -23,6 +24,8 @@ supported type (and Gemma on FSDP) through both backends and both engines.
 from __future__ import annotations
 
 from typing import Dict, Optional
+
+from rl_plugin.models.vl_processor import VL_MODEL_TYPES
 
 # dense, and the mixture-of-experts models megatron-core builds here with sequential experts
 # (``rl_plugin.backends.megatron.moe``; tested on both backends, with expert parallelism)
@@ -77,7 +80,10 @@ def fsdp_unsupported_reason(hf_config: Dict) -> Optional[str]:
     """Why ``AutoModelForCausalLM`` cannot build this model, or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if hf_config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if (
+        hf_config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or hf_config.get("model_type") in VL_MODEL_TYPES
+    ):
         return None
     if "AutoModelForCausalLM" in (hf_config.get("auto_map") or {}):
         return None

@@ -17,6 +17,7 @@ from rl_plugin.configs.custom_generation import CustomGenerationConfig
 from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig as Dyn
 from rl_plugin.configs.engine import EngineConfig
 from rl_plugin.configs.model import ModelConfig
+from rl_plugin.configs.multimodal import MultimodalConfig
 from rl_plugin.configs.rewards import RewardConfig
 from rl_plugin.errors import fail
 from rl_plugin.flags import Declared, derived, flag, nested, same_as
@@ -59,6 +60,7 @@ class RolloutConfig(Declared):
     ``fn(args, samples)``; they receive this object (it carries slime's names)."""
 
     engine: EngineConfig = nested(EngineConfig)
+    multimodal: MultimodalConfig = nested(MultimodalConfig)  # --multimodal-keys, --min/max-pixels
     prompt_data: Optional[str] = flag(
         "--prompt-data",
         type=str,

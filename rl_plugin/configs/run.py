@@ -7,7 +7,7 @@ the run's ``mode`` derived once (``rl_plugin.configs.mode``).
       mode               Mode.SYNC | OVERLAPPED | FULLY_ASYNC | SFT  (configs/mode.py, the one derivation)
       train              TrainConfig: model (moe), batching, loss, optimizer, lora, routing replay
       cluster            ClusterConfig (the world size, once: ``cluster.world_size``)
-      rollout            RolloutConfig: engine (colocation); carries the fields of the three below
+      rollout            RolloutConfig: engine (colocation), multimodal; carries the fields of the three below
       rewards            RewardConfig
       custom_generation  CustomGenerationConfig
       dynamic_sampling   DynamicSamplingConfig

@@ -29,6 +29,9 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
         routed_experts=data.routed_experts,
         teacher_log_probs=data.teacher_log_probs,  # --use-opd with an engine-served teacher; else the actors'
         sample_index=torch.arange(data.total_lengths.numel()),  # a report names the rollout's sample
+        pixel_values=data.pixel_values,  # images: model inputs only (None for text)
+        image_grid_thw=data.image_grid_thw,
+        image_counts=data.image_counts,
     ).validate()
 
 

@@ -84,7 +84,7 @@ def check_reward_and_data(run: RunConfig) -> None:
     context = model_context_length(hf_checkpoint)
     vocab = model_vocab_size(hf_checkpoint)
     for flag, path in (("--prompt-data", cfg.prompt_data), ("--eval-prompt-data", cfg.eval_prompt_data)):
-        if path is not None:
+        if path is not None and cfg.multimodal.image_key is None:  # with images: file_contents.check_image_data
             check_prompt_file(
                 flag,
                 path,

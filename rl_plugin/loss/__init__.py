@@ -9,7 +9,7 @@ interface: a backend imports the core only from here (``tests/fast/test_layers.p
 from rl_plugin.loss.advantages import compute_advantages, to_tokens
 from rl_plugin.loss.aggregation import AGGREGATION_MODES, aggregate, load_custom_reducer, token_weights
 from rl_plugin.loss.backend_api import ForwardFn, ForwardOptions, LossFn, MicroBatch, MicroBatchInputs, StepBackend
-from rl_plugin.loss.batch import StepBatch
+from rl_plugin.loss.batch import StepBatch, select_images
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
@@ -38,6 +38,7 @@ __all__ = [
     "MicroBatchLoss",
     "StepBackend",
     "StepBatch",
+    "select_images",
     "StepContext",
     "StepCounts",
     "StepRunner",

@@ -73,6 +73,8 @@ class MicroBatchInputs:
     routed_experts: Optional[torch.Tensor] = None
     # R2's record pass: the backend's forward writes the routing it computed here, same order
     recorded_routing: Optional[torch.Tensor] = None
+    # the micro-batch's samples (a backend reads their images, ``StepBatch.pixel_values``; model inputs only)
+    batch: Optional[StepBatch] = None
 
     @classmethod
     def build(
@@ -98,6 +100,7 @@ class MicroBatchInputs:
             position_ids=layout.local_position_ids(),
             targets=layout.targets(sub_batch.tokens),
             routed_experts=local_routed_experts(layout.input_index, sub_batch.routed_experts),
+            batch=sub_batch,
         )
 
 

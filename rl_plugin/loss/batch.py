@@ -7,7 +7,11 @@ the responses only (``[sum R_i]``). ``group_ids`` are step-local prompt-group id
 straddle DP ranks. ``routed_experts`` (routing replay, ``rl_plugin.routing``) is per token of
 ``tokens``: ``[sum T_i, num_moe_layers, top_k]`` int. ``teacher_log_probs`` (``--use-opd``) is
 per response token, like the reference log-probs; so are the critic's ``values`` (its
-predictions before the update) and ``returns`` (GAE targets) of a value step.
+predictions before the update) and ``returns`` (GAE targets) of a value step. Images (a vision-language model,
+``--multimodal-keys``): ``image_counts`` ``[S]`` images per sample, ``image_grid_thw``
+``[sum images, 3]`` their patch grids and ``pixel_values`` ``[sum patches, C*T*P*P]`` (an image's
+patches: ``prod(grid)``; a sample's images in order, samples in order); None for a text batch. They
+are model inputs only: no loss term reads them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class StepBatch:
     # the GAE returns (its targets), fp32 per response token
     values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    pixel_values: Optional[torch.Tensor] = None  # images (module docstring)
+    image_grid_thw: Optional[torch.Tensor] = None
+    image_counts: Optional[torch.Tensor] = None
 
     @property
     def num_samples(self) -> int:
@@ -116,6 +123,8 @@ class StepBatch:
                     i = int(self.response_sample_ids()[tok])
                     j = tok - int(exclusive_cumsum(self.response_lengths.long())[i])
                     raise BadBatchError(f"sample {i}: {name}[{j}] = {value[tok].item()} is not a finite valid value")
+        if self.image_counts is not None:
+            check_images(self.pixel_values, self.image_grid_thw, self.image_counts, s)
         if self.group_ids.numel() and int(self.group_ids.min()) < 0:
             i = int(torch.nonzero(self.group_ids < 0).flatten()[0])
             raise BadBatchError(f"sample {i}: group_id {int(self.group_ids[i])} < 0")
@@ -135,8 +144,16 @@ class StepBatch:
         tok_idx = expand_runs(exclusive_cumsum(tl)[sample_index], tl[sample_index])
         resp_idx = expand_runs(exclusive_cumsum(rl)[sample_index], rl[sample_index])
         out = {}
+        if self.image_counts is not None:
+            out.update(
+                zip(
+                    IMAGE_FIELDS, select_images(self.pixel_values, self.image_grid_thw, self.image_counts, sample_index)
+                )
+            )
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in out:
+                continue
             if v is None:
                 out[f.name] = None
             elif f.name in ("tokens", "routed_experts"):
@@ -149,3 +166,27 @@ class StepBatch:
 
 
 StepBatch.TENSOR_FIELDS = tuple(f.name for f in fields(StepBatch))  # all of them (``reduce_dataclass``)
+
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_counts")
+
+
+def select_images(pixel_values, image_grid_thw, image_counts, sample_index):
+    """``(pixel_values, image_grid_thw, image_counts)`` of the samples ``sample_index`` (in that
+    order): their images' grids and patch rows gathered, as ``StepBatch.select`` gathers tokens."""
+    counts = image_counts.long()
+    images = expand_runs(exclusive_cumsum(counts)[sample_index], counts[sample_index])
+    patches = image_grid_thw.long().prod(-1)
+    rows = expand_runs(exclusive_cumsum(patches)[images], patches[images])
+    return pixel_values[rows], image_grid_thw[images], image_counts[sample_index]
+
+
+def check_images(pixel_values, image_grid_thw, image_counts, num_samples: int) -> None:
+    """``BadBatchError`` unless the image tensors agree: a count per sample, a grid per image, a
+    pixel row per patch."""
+    if pixel_values is None or image_grid_thw is None or image_counts.numel() != num_samples:
+        raise BadBatchError(f"images: image_counts needs {num_samples} entries with pixel_values and image_grid_thw")
+    images, patches = int(image_counts.sum()), int(image_grid_thw.long().prod(-1).sum())
+    if image_grid_thw.shape[0] != images or pixel_values.shape[0] != patches:
+        raise BadBatchError(
+            f"images: {image_grid_thw.shape[0]} grids for {images} images, {pixel_values.shape[0]} pixel rows for {patches} patches"
+        )

@@ -29,11 +29,16 @@ class FlatSamples:
     loss_mask: torch.Tensor
     truncated_frac: float  # the fraction of samples that hit the length limit (status TRUNCATED)
     routed_experts: Optional[torch.Tensor] = None  # [sum T_i, layers, top_k] when the engine recorded them
+    # images (``Sample.multimodal_train_inputs``; ``StepBatch``'s layout): None for text samples
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    image_counts: Optional[torch.Tensor] = None
 
 
 _TOKENS, _RLEN = attrgetter("tokens"), attrgetter("response_length")
 _MASK, _ROLLOUT_LP = attrgetter("loss_mask"), attrgetter("rollout_log_probs")
 _STATUS_NAME, _ROUTED = attrgetter("status.name"), attrgetter("rollout_routed_experts")
+_IMAGES = attrgetter("multimodal_train_inputs")
 
 
 def flatten_samples(samples: Sequence[Any]) -> FlatSamples:
@@ -65,7 +70,23 @@ def flatten_samples(samples: Sequence[Any]) -> FlatSamples:
         loss_mask=torch.from_numpy(mask),
         truncated_frac=float(truncated / max(n, 1)),
         routed_experts=flat_routed_experts(list(map(_ROUTED, samples))),
+        **flat_images(list(map(_IMAGES, samples))),
     )
+
+
+def flat_images(inputs: Sequence[Optional[Dict[str, torch.Tensor]]]) -> Dict[str, Optional[torch.Tensor]]:
+    """The samples' images in ``StepBatch``'s layout: ``pixel_values`` / ``image_grid_thw`` of
+    every sample's images back to back (one ``torch.cat`` each), ``image_counts`` per sample (0 for
+    a sample without images); all None when no sample has any."""
+    if all(i is None for i in inputs):
+        return {}
+    grids = [i["image_grid_thw"] if i is not None else torch.zeros(0, 3, dtype=torch.long) for i in inputs]
+    pixels = [i["pixel_values"] for i in inputs if i is not None]
+    return {
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.cat(grids),
+        "image_counts": torch.tensor([g.shape[0] for g in grids], dtype=torch.long),
+    }
 
 
 def flat_routed_experts(routed: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
@@ -100,6 +121,11 @@ def concat_rollouts(parts: List[RolloutData], group_size: int) -> RolloutData:
         teacher_log_probs=None
         if parts[0].teacher_log_probs is None
         else torch.cat([p.teacher_log_probs for p in parts]),
+        **{
+            name: torch.cat([getattr(p, name) for p in parts])
+            for name in ("pixel_values", "image_grid_thw", "image_counts")
+            if parts[0].image_counts is not None
+        },
     )
 
 

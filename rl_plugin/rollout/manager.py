@@ -27,7 +27,7 @@ from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout import abort
 from rl_plugin.rollout.data.dataset import PromptDataset
 from rl_plugin.rollout.data.prompt_queue import PromptQueue
-from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
+from rl_plugin.rollout.data.vl_prompt import rollout_prompts
 from rl_plugin.rollout.engines.base import make_engine
 from rl_plugin.rollout.fleet import EngineFleet
 from rl_plugin.rollout.generation.source import GenerationSource
@@ -58,7 +58,7 @@ class RolloutManager:
         # the hf engine's threads when it lives here (``rl_plugin.threads``; 1 without a plan)
         (threads or ThreadShare(ROLLOUT_THREADS_ENV)).apply()
         self.config = cfg = config
-        tokenizer = rollout_tokenizer(cfg, checkpoint_dir)
+        tokenizer = rollout_prompts(cfg, checkpoint_dir)  # a run with images: the processor's
         device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes the actor's GPU (if any) as device 0
         actors = list(engines or [])  # empty: the engine lives here
         engine = None if actors else make_engine(cfg.engine, checkpoint_dir, device=device)
@@ -72,8 +72,9 @@ class RolloutManager:
         self.fleet = EngineFleet(engine, actors, colocated=cfg.engine.colocation.colocate)
         self.fleet.sleep()  # colocated: the training ranks start beside sleeping engines
         keys = (cfg.input_key, cfg.label_key, cfg.metadata_key)
-        train = PromptDataset.from_file(train_data, *keys, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
-        held_out = PromptDataset.from_file(eval_data, *keys) if eval_data else None
+        images = cfg.multimodal.image_key  # --multimodal-keys
+        train = PromptDataset.from_file(train_data, *keys, image_key=images, shuffle=cfg.rollout_shuffle, seed=cfg.seed)
+        held_out = PromptDataset.from_file(eval_data, *keys, image_key=images) if eval_data else None
         self.generation = GenerationSource(
             cfg,
             checkpoint_dir,

@@ -19,6 +19,11 @@ A custom generate hook (``--custom-generate-function-path``), a whole-rollout fu
   num_moe_layers, top_k]`` int, the experts the engine routed each token it ran to (every token but
   the last, which is never run; slime's and SGLang's layout, ``rl_plugin.routing``); ``None`` when
   the engine did not record them;
+- ``multimodal_inputs`` / ``multimodal_train_inputs`` (slime's names; ``--multimodal-keys``): the
+  prompt's images (``{"image": [PIL.Image, ...]}``, what a reward reads) and what the processor
+  made of them (``{"pixel_values": [patches, C*T*P*P], "image_grid_thw": [images, 3]}``, what the
+  engine and the trainer read); ``tokens`` then holds the processor's expanded ids (one
+  ``<|image_pad|>`` per image token); None for a text sample;
 - ``weight_versions`` (one int per response token, or None): the trainer weight version that
   produced each token (the engine's version when it generated it, beside that version's
   ``rollout_log_probs``); under fully asynchronous training with partial rollouts one sample can
@@ -53,6 +58,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from rl_plugin.cp import exclusive_cumsum, expand_runs, segment_ids
+from rl_plugin.loss import select_images
 from rl_plugin.tensor_pickle import reduce_dataclass
 
 Messages = List[Dict[str, Any]]
@@ -80,6 +86,8 @@ class Sample:
     rollout_log_probs: Optional[List[float]] = None
     rollout_routed_experts: Optional[Any] = None
     weight_versions: Optional[List[int]] = None
+    multimodal_inputs: Optional[Dict[str, Any]] = None  # slime's: {"image": [PIL images]} of the prompt
+    multimodal_train_inputs: Optional[Dict[str, torch.Tensor]] = None  # pixel_values, image_grid_thw
     metadata: Dict[str, Any] = field(default_factory=dict)
     status: "Sample.Status" = Status.PENDING
 
@@ -118,6 +126,9 @@ class RolloutData:
     routed_experts: Optional[torch.Tensor] = None  # [sum T_i, num_moe_layers, top_k] int16 (routing replay)
     loss_mask: Optional[torch.Tensor] = None
     teacher_log_probs: Optional[torch.Tensor] = None  # --use-opd with an engine-served teacher, [sum R_i]
+    pixel_values: Optional[torch.Tensor] = None  # images: StepBatch's layout (``loss.batch``); None for text
+    image_grid_thw: Optional[torch.Tensor] = None
+    image_counts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -141,6 +152,10 @@ class RolloutData:
         ``0..len(groups)-1``; stats and examples are left to the caller."""
         groups = torch.as_tensor(groups, dtype=torch.long)
         idx = expand_runs(groups * group_size, torch.full_like(groups, group_size))
+        images = {}
+        if self.image_counts is not None:
+            picked = select_images(self.pixel_values, self.image_grid_thw, self.image_counts, idx)
+            images = dict(zip(("pixel_values", "image_grid_thw", "image_counts"), picked))
         tl, rl = self.total_lengths, self.response_lengths
         resp = expand_runs(exclusive_cumsum(rl)[idx], rl[idx])
         token_idx = expand_runs(exclusive_cumsum(tl)[idx], tl[idx])
@@ -155,6 +170,7 @@ class RolloutData:
             loss_mask=self.loss_mask[resp],
             routed_experts=None if self.routed_experts is None else self.routed_experts[token_idx],
             teacher_log_probs=None if self.teacher_log_probs is None else self.teacher_log_probs[resp],
+            **images,
         )
 
 
@@ -169,4 +185,7 @@ RolloutData.TENSOR_FIELDS = (
     "loss_mask",
     "routed_experts",
     "teacher_log_probs",
+    "pixel_values",
+    "image_grid_thw",
+    "image_counts",
 )

@@ -59,6 +59,7 @@ from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_ro
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
 from rl_plugin.backends.fsdp.value_model import idle_values, micro_batch_values
 from rl_plugin.backends.fsdp.true_on_policy import invariant_log_probs
+from rl_plugin.backends.fsdp.vision import image_inputs, placeholders
 from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
 from rl_plugin.invariant.hf_patch import make_invariant
@@ -276,8 +277,12 @@ class FSDPBackend(TrainBackend):
             # An idle pass: one token through the model so this rank joins FSDP's collectives;
             # its output, times 0, carries the graph so the backward joins them too.
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            logits = model(input_ids=ids, use_cache=False).logits
-            return (logits.float().sum() * 0.0).expand(0, 2)
+            blank = image_inputs(model, inputs) or {}  # a vision-language model runs its tower too (vision.py)
+            with placeholders(model, None) if blank else contextlib.nullcontext() as seen:
+                images = {k: v.to(self.device) for k, v in blank.items() if k in ("pixel_values", "image_grid_thw")}
+                logits = model(input_ids=ids, use_cache=False, **images).logits
+            out = seen.touch(logits.float()) if blank else logits.float()
+            return (out.sum() * 0.0).expand(0, 2)
         router = self.router_losses if model is self.model and model.training and torch.is_grad_enabled() else None
         if router is not None:
             router.capture, router.rows = True, real_token_rows(inputs, self.attn_implementation, self.device)

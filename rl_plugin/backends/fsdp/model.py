@@ -58,19 +58,22 @@ def disable_dropout(config) -> List[str]:
 
 
 def load_hf_model(path: str, *, attn_implementation: str = "sdpa", value_head: bool = False) -> nn.Module:
-    """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, dropout
-    off (module docstring), no embedding ``padding_idx`` (see below). ``value_head``: the critic,
-    ``AutoModelForTokenClassification`` with one label (``rl_plugin.models.value_head``): the
-    backbone of a causal-LM checkpoint with the scalar head ``score`` at zero, or a value
-    checkpoint's own head."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    """``AutoModelForCausalLM`` from an HF directory (a vision-language one:
+    ``AutoModelForImageTextToText``, ``models.vl_processor.auto_model_class``), fp32 master
+    weights, training mode, dropout off (module docstring), no embedding ``padding_idx`` (see
+    below). ``value_head``: the critic, ``AutoModelForTokenClassification`` with one label
+    (``rl_plugin.models.value_head``): the backbone of a causal-LM checkpoint with the scalar head
+    ``score`` at zero, or a value checkpoint's own head."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from rl_plugin.models.vl_processor import auto_model_class
 
     config = AutoConfig.from_pretrained(path)
     stored_head = value_head and is_value_config(config)
     if value_head:
         config = value_config(config)
     changed = disable_dropout(config)
-    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    auto = AutoModelForTokenClassification if value_head else auto_model_class(path)
     model = auto.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation=attn_implementation)
     if value_head and not stored_head:
         with torch.no_grad():

@@ -47,6 +47,7 @@ from typing import Optional, Tuple
 import torch
 
 from rl_plugin.backends.attention_mask import block_causal_mask
+from rl_plugin.backends.fsdp.vision import VisionTouch, image_inputs, placeholders
 from rl_plugin.cp import padded_attention_is_cheaper, segment_grid
 from rl_plugin.loss import ForwardOptions, log_probs_and_entropy
 
@@ -76,35 +77,44 @@ def thd_as_padded_grid(layout, attn_implementation: str) -> bool:
 
 
 def model_inputs(
-    mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None
+    mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None, vision=None
 ) -> Tuple[dict, Optional[torch.Tensor]]:
     """``(kwargs, row_index)`` of the HF model's forward for one ``rl_plugin.loss.MicroBatchInputs`` (or ``MicroBatch``)
     (module docstring). ``padded_grid``: force thd's padded-grid (True) or single-row (False)
-    form; default ``thd_as_padded_grid``."""
+    form; default ``thd_as_padded_grid``. ``vision`` (a vision-language model, ``vision.image_inputs``):
+    its M-RoPE positions replace the 1-D ones, its image mask is laid out the same way (in place),
+    its images join the kwargs."""
     layout = mb.layout
     row_index = None
+    positions, place = mb.position_ids, lambda t: t  # the 1-D positions; place: the layout of this form
+    if vision is not None:
+        positions = vision.pop("positions")
     if layout.qkv_format == "thd":
         if padded_grid is None:
             padded_grid = thd_as_padded_grid(layout, attn_implementation)
         if padded_grid:
             gather, valid = segment_grid(layout.local_cu_seqlens)
-            kwargs = dict(
-                input_ids=mb.input_ids[gather], position_ids=mb.position_ids[gather], attention_mask=valid.long()
-            )
+            place = lambda t: t[..., gather]  # noqa: E731
+            kwargs = dict(input_ids=mb.input_ids[gather], position_ids=place(positions), attention_mask=valid.long())
             # Real cells in row-major order are the packed stream in order (segments contiguous).
             row_index = valid.flatten().nonzero().squeeze(1)[layout.logit_index]
         else:
-            kwargs = dict(input_ids=mb.input_ids.view(1, -1), position_ids=mb.position_ids.view(1, -1))
+            place = lambda t: t.unsqueeze(-2)  # noqa: E731 - [n] -> [1, n]; [3, n] -> [3, 1, n]
+            kwargs = dict(input_ids=mb.input_ids.view(1, -1), position_ids=place(positions))
             if attn_implementation not in FLASH_IMPLEMENTATIONS:
                 kwargs["attention_mask"] = packed_causal_mask(layout.local_cu_seqlens, attn_implementation)
             kwargs["logits_to_keep"] = layout.logit_index
     else:
         kwargs = dict(
             input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
+            position_ids=positions,
             attention_mask=(layout.input_index >= 0).view(layout.num_samples, -1).long(),
         )
         row_index = layout.logit_index
+    if vision is not None:
+        if vision.get("image_mask") is not None:
+            vision["image_mask"] = place(vision["image_mask"])
+        kwargs.update(pixel_values=vision["pixel_values"], image_grid_thw=vision["image_grid_thw"])
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
     kwargs["use_cache"] = False
     return kwargs, None if row_index is None else row_index.to(device)
@@ -142,10 +152,21 @@ def head_sees_rows(model, row_index: Optional[torch.Tensor]):
 
 def micro_batch_logits(model, mb, attn_implementation: str, device: torch.device) -> torch.Tensor:
     """Logits rows ``[n_local, V]`` aligned with ``mb.targets`` (see module docstring)."""
-    kwargs, row_index = model_inputs(mb, attn_implementation, device)
-    with head_sees_rows(model, row_index):
+    vision = image_inputs(model, mb)
+    kwargs, row_index = model_inputs(mb, attn_implementation, device, vision=vision)
+    with head_sees_rows(model, row_index), images_placed(model, vision) as seen:
         logits = model(**kwargs).logits
-    return logits.view(-1, logits.shape[-1])  # only the kept rows, in index order
+    return seen.touch(logits.view(-1, logits.shape[-1]))  # only the kept rows, in index order
+
+
+@contextlib.contextmanager
+def images_placed(model, vision):
+    """``vision.placeholders`` for a vision-language model's call, nothing for a text model."""
+    if vision is None:
+        yield VisionTouch()
+        return
+    with placeholders(model, vision.get("image_mask")) as seen:
+        yield seen
 
 
 def micro_batch_log_probs(model, mb, options: ForwardOptions, attn_implementation: str, device: torch.device):
@@ -163,9 +184,10 @@ def micro_batch_log_probs(model, mb, options: ForwardOptions, attn_implementatio
             chunk_size=options.chunk_size,
             with_entropy=options.with_entropy,
         )
-    kwargs, row_index = model_inputs(mb, attn_implementation, device)
+    vision = image_inputs(model, mb)
+    kwargs, row_index = model_inputs(mb, attn_implementation, device, vision=vision)
     request = FusedRequest(targets=targets, options=options, row_index=row_index)
-    with head.fused(request):
+    with head.fused(request), images_placed(model, vision) as seen:
         out = model(**kwargs).logits  # [1, n, 2]
-    logp, ent = out.view(-1, 2).unbind(1)
+    logp, ent = seen.touch(out.view(-1, 2)).unbind(1)
     return logp, ent

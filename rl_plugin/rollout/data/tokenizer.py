@@ -228,7 +228,8 @@ def load_tokenizer(
 def rollout_tokenizer(config, checkpoint_dir):
     """``checkpoint_dir``'s tokenizer with the rollout config's chat-template settings
     (``--apply-chat-template``, ``--apply-chat-template-kwargs``, ``--system-prompt``): the one the
-    rollout side, the SFT data and the preflight's file checks all template with."""
+    rollout side, the SFT data and the preflight's file checks all template with (a run with
+    images: ``vl_prompt.rollout_prompts``)."""
     return load_tokenizer(
         checkpoint_dir,
         apply_chat_template=config.apply_chat_template,

@@ -56,12 +56,14 @@ class HFEngine(RolloutEngine):
         lora_scaling: Optional[float] = None,
         true_on_policy: bool = False,
     ):
-        from transformers import AutoModelForCausalLM
+        from rl_plugin.models.vl_processor import auto_model_class
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
+        self.model = (
+            auto_model_class(checkpoint_dir).from_pretrained(str(checkpoint_dir), dtype=torch.float32).to(self.device)
+        )
         self.model.eval()
-        cfg = self.model.config
+        cfg = self.model.config.get_text_config()  # a VL model: its language model's
         self.eos_token_ids = eos_token_ids(checkpoint_dir)
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_token_ids[0]
         # why the lean sampler cannot stand in for model.generate with this model (None: it does)
@@ -114,6 +116,8 @@ class HFEngine(RolloutEngine):
         stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         eos = torch.tensor(stop_ids, device=self.device)
         blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
+        if any(getattr(p, "pixel_values", None) is not None for p in prompts):
+            blocker = "images"  # generate's multimodal prefill (hf_sampler)
         if self.true_on_policy:
             check_true_on_policy_sampling(params, blocker)
         sampler = (
@@ -144,6 +148,7 @@ class HFEngine(RolloutEngine):
                         eos_token_ids=stop_ids,
                         pad_token_id=self.pad_token_id,
                         **pausable,
+                        **image_inputs(bucket, self.device),
                     )
             finally:
                 if gate is not None and blocker:
@@ -234,6 +239,25 @@ def check_true_on_policy_sampling(params: SamplingParams, blocker: Optional[str]
         )
     if blocker:
         raise ValueError(f"true on-policy mode needs the hf engine's lean sampler: {blocker}")
+
+
+def image_inputs(bucket: Sequence[List[int]], device) -> Dict[str, torch.Tensor]:
+    """A bucket's images for generate: every row's ``pixel_values`` and ``image_grid_thw``
+    (``rollout.data.vl_prompt.ImagePrompt``) concatenated in row order, as the model's
+    ``get_image_features`` splits them back, and each row's ``mm_token_type_ids`` (1 at its image
+    tokens: generate's prefill then takes M-RoPE positions, its decode their offset); ``{}`` for
+    text prompts."""
+    rows = [p for p in bucket if getattr(p, "pixel_values", None) is not None]
+    if not rows:
+        return {}
+    if len(rows) != len(bucket):
+        raise ValueError("a bucket mixes prompts with and without images: give every record of the data its images")
+    return {
+        "pixel_values": torch.cat([p.pixel_values for p in rows]).to(device),
+        "image_grid_thw": torch.cat([p.image_grid_thw for p in rows]).to(device),
+        # which prompt tokens are image tokens: what the model's 3-D rope index (M-RoPE) reads
+        "mm_token_type_ids": torch.tensor([p.mm_token_type_ids for p in rows], device=device),
+    }
 
 
 def bucket_generations(

@@ -339,9 +339,14 @@ def sample_with_generate(
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    **images,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The same (tokens, log_probs) through ``model.generate`` (the reference and the fallback)."""
+    """The same (tokens, log_probs) through ``model.generate`` (the reference and the fallback).
+    ``images``: a vision-language model's ``pixel_values`` / ``image_grid_thw`` of the rows'
+    images (``hf_engine.image_inputs``): generate's own multimodal prefill (the vision tower,
+    the image embeddings placed at the image tokens, M-RoPE positions with their decode offset)."""
     res = model.generate(
+        **images,
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
         do_sample=True,

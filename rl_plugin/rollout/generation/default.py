@@ -70,6 +70,26 @@ def build_samples(
     ]
 
 
+def record_prompt(tokenizer, rec) -> List[int]:
+    """A record's prompt ids: ``tokenizer.prompt_ids``, or with images (``--multimodal-keys``) the
+    processor's ``ImagePrompt`` (``rollout.data.vl_prompt``: the ids carry the pixel values)."""
+    if rec.images is None:
+        return tokenizer.prompt_ids(rec.prompt)
+    from rl_plugin.rollout.data.images import open_images
+
+    return tokenizer.image_prompt(rec.prompt, open_images(rec.where, "images", rec.images))
+
+
+def attach_images(samples: Sequence[Sample], prompts: Sequence[List[int]], n: int) -> None:
+    """Each sample of group ``g`` gets ``prompts[g]``'s images (``Sample.multimodal_inputs``) and
+    processed tensors (``multimodal_train_inputs``; shared by the group, never written)."""
+    for i, s in enumerate(samples):
+        p = prompts[i // n]
+        if getattr(p, "pixel_values", None) is not None:
+            s.multimodal_inputs = {"image": p.images}
+            s.multimodal_train_inputs = {"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw}
+
+
 def check_responses(samples: Sequence[Sample]) -> None:
     """An engine's empty response is a setting error (``--rollout-max-response-len`` 0), not a sample."""
     lengths = list(map(_RESPONSE_LENGTH, samples))  # one C-level pass, no Python loop over samples
@@ -101,9 +121,11 @@ class DefaultGenerate:
         self.on_generations_done: Optional[Callable[[List[int], List[Generation]], None]] = None
 
     def __call__(self, recs: Sequence, n: int, seed: int) -> List[Sample]:
-        prompt_ids = [self.tokenizer.prompt_ids(r.prompt) for r in recs]
+        prompt_ids = [record_prompt(self.tokenizer, r) for r in recs]
         gens = self.generations([p for p in prompt_ids for _ in range(n)], n, seed=seed)
-        return self.samples(recs, gens, n)
+        samples = self.samples(recs, gens, n)
+        attach_images(samples, prompt_ids, n)
+        return samples
 
     def samples(self, recs: Sequence, gens: Sequence[Generation], n: int, first_group: int = 0) -> List[Sample]:
         """Groups ``first_group ..`` of a call: records ``recs``' ``Sample``s from their

@@ -280,6 +280,9 @@ class GenerationSource:
             group_ids=torch.arange(num_groups).repeat_interleave(group_size),
             num_groups=num_groups,
             routed_experts=flat.routed_experts,
+            pixel_values=flat.pixel_values,  # images (--multimodal-keys), None for text
+            image_grid_thw=flat.image_grid_thw,
+            image_counts=flat.image_counts,
             stats=stats,
             examples=[
                 {"prompt": s.prompt, "response": s.response, "reward": float(r)} for s, r in zip(samples[:2], rewards)

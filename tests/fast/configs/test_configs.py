@@ -30,6 +30,7 @@ ONE_MODULE_EACH = {
     "engine": "EngineConfig",
     "fault_tolerance": "FaultToleranceConfig",
     "logging": "LoggingConfig",
+    "multimodal": "MultimodalConfig",
     "lora": "LoraConfig",
     "optimizer": "OptimizerConfig",
     "rewards": "RewardConfig",

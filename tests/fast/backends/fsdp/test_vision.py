@@ -1,0 +1,171 @@
+"""Issue 46: the FSDP backend's log-probs of vision-language samples equal a plain Hugging Face forward
+of the same checkpoint (each sample alone, its images, the model's own M-RoPE index), on 1 rank and
+DP2, packed (thd) and padded (bshd); a response holding a sampled image token is an ordinary token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.support.fsdp_common import fsdp_flags, parse, rel_err
+from tests.support.tiny_vl import tiny_vl_dir, vl_rollout_config
+
+SIZES = [(56, 56), (112, 56), (56, 84), (84, 84), (56, 56), (140, 56)]
+
+
+def vl_step(ckpt) -> dict:
+    """6 samples (3 groups of 2) with one image each (4..15 image tokens), responses of 1..6 byte
+    tokens; sample 4's response holds an <|image_pad|> (what a random engine may sample)."""
+    from rl_plugin.models.tiny_vl import IMAGE_ID
+    from rl_plugin.rollout.data.vl_prompt import rollout_prompts
+
+    prompts = rollout_prompts(vl_rollout_config(apply_chat_template=True), ckpt)
+    g = torch.Generator().manual_seed(0)
+    tokens, total, resp, pixels, grids = [], [], [], [], []
+    for i, size in enumerate(SIZES):
+        rgb = tuple(int(c) for c in torch.randint(0, 256, (3,), generator=g))
+        p = prompts.image_prompt("Colour <image> please?", [Image.new("RGB", size, rgb)])
+        r = torch.randint(0, 256, (1 + i,), generator=g).tolist()
+        if i == 4:
+            r[2] = IMAGE_ID
+        tokens += list(p) + r
+        total.append(len(p) + len(r))
+        resp.append(len(r))
+        pixels.append(p.pixel_values)
+        grids.append(p.image_grid_thw)
+    n = int(sum(resp))
+    return dict(
+        tokens=torch.tensor(tokens),
+        total_lengths=torch.tensor(total),
+        response_lengths=torch.tensor(resp),
+        loss_mask=torch.ones(n),
+        advantages=torch.zeros(n),
+        group_ids=torch.arange(6) // 2,
+        pixel_values=torch.cat(pixels),
+        image_grid_thw=torch.cat(grids),
+        image_counts=torch.ones(6, dtype=torch.long),
+    )
+
+
+def hf_log_probs(ckpt, step) -> torch.Tensor:
+    """Each sample alone through the HF model (input ids, its image, ``mm_token_type_ids`` for the
+    rope index); sample 4 up to its sampled image token (the model would take it for an image place)."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.models.tiny_vl import IMAGE_ID
+
+    model = load_hf_model(ckpt, attn_implementation="eager").eval()
+    out, start, patch = [], 0, 0
+    for i, (t, r) in enumerate(zip(step["total_lengths"].tolist(), step["response_lengths"].tolist())):
+        ids = step["tokens"][start : start + t]
+        grid = step["image_grid_thw"][i : i + 1]
+        pv = step["pixel_values"][patch : patch + int(grid.prod())]
+        start, patch = start + t, patch + int(grid.prod())
+        keep = t if i != 4 else t - r + 2  # sample 4: the response before its image token
+        kinds = (ids[:keep] == IMAGE_ID).long().view(1, -1)
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids[:keep].view(1, -1), pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=kinds
+            ).logits[0]
+        rows = logits[t - r - 1 : keep - 1].double().log_softmax(-1)
+        lp = rows.gather(1, ids[t - r : keep].view(-1, 1)).squeeze(1)
+        out.append(torch.cat([lp, torch.full((r - lp.numel(),), float("nan"), dtype=torch.float64)]))
+    return torch.cat(out)
+
+
+def worker(rank, world, ckpt, step, layouts):
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+
+    local = StepBatch(**step).validate().select(split_samples_for_dp(6, world)[rank])
+    out = {}
+    for name, flags in layouts.items():
+        backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", *flags)))
+        out[name] = backend.compute_log_probs(local).detach()
+    return local.sample_index if local.sample_index is not None else None, out
+
+
+LAYOUTS = {
+    "thd": ["--qkv-format", "thd", "--micro-batch-size", "4"],
+    "bshd": ["--qkv-format", "bshd", "--micro-batch-size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(tiny_vl_dir(tmp_path_factory.mktemp("vl")))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_log_probs_equal_the_hf_forward(run_world, ckpt, world):
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+
+    step = vl_step(ckpt)
+    want = hf_log_probs(ckpt, step)
+    per_rank = run_world(worker, world, ckpt, step, LAYOUTS)
+    rl = step["response_lengths"]
+    starts = torch.cumsum(rl, 0) - rl
+    for name in LAYOUTS:
+        got = torch.full_like(want, float("nan"))
+        for rank in range(world):
+            idx = split_samples_for_dp(6, world)[rank]
+            rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + rl[i])) for i in idx])
+            got[rows] = per_rank[rank][1][name].double()
+        known = ~torch.isnan(want)
+        assert int(known.sum()) == int(rl.sum()) - 3 and bool(torch.isfinite(got).all()), name
+        assert rel_err(got[known], want[known]) < 2e-5, (name, rel_err(got[known], want[known]))
+
+
+def train_then_save(rank, world, ckpt, step, out):
+    """One optimizer step on the VL batch (advantages +-1: the weights move, vision tower included),
+    then ``save_hf``; the trainer's log-probs after the step and its exported weights."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+
+    batch = StepBatch(**step).validate()
+    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", "--lr", "0.05")))
+    before = {k: v.clone() for k, v in backend.export_hf_state_dict().items()}
+    backend.train_step(batch, num_groups=3)
+    backend.save_hf(out)
+    return before, backend.export_hf_state_dict(), backend.compute_log_probs(batch).detach()
+
+
+def test_save_hf_writes_a_vl_checkpoint_transformers_and_the_processor_load(run_world, ckpt, tmp_path):
+    from rl_plugin.models.vl_processor import load_vl_processor
+
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)  # sample 4's tail: any value
+    out = str(tmp_path / "hf")
+    before, after, trained = run_world(train_then_save, 1, ckpt, step, out)[0]
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    assert any(k.startswith("model.visual.") for k in moved) and any("language_model" in k for k in moved)
+    # the saved directory: the model class, every weight as trained, the processor's files
+    assert load_vl_processor(out).image_processor.size["longest_edge"] == 28 * 28 * 16
+    want = hf_log_probs(out, step)
+    known = ~torch.isnan(want)
+    assert rel_err(trained.double()[known], want[known]) < 2e-5
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_thd_as_one_row_with_the_block_mask_equals_the_padded_grid(ckpt, attn):
+    """thd's two forms (``packing`` module docstring) give a VL micro-batch the same response logits:
+    the 3-D positions and the image mask are laid out like the tokens in both."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.backends.fsdp.packing import head_sees_rows, images_placed, model_inputs
+    from rl_plugin.backends.fsdp.vision import image_inputs
+    from rl_plugin.loss import MicroBatchInputs, StepBatch
+
+    model = load_hf_model(ckpt, attn_implementation=attn).eval()
+    mb = MicroBatchInputs.build(StepBatch(**vl_step(ckpt)).validate(), qkv_format="thd")
+    rows = {}
+    for grid in (True, False):
+        vision = image_inputs(model, mb)
+        kwargs, row_index = model_inputs(mb, attn, torch.device("cpu"), padded_grid=grid, vision=vision)
+        assert kwargs["position_ids"].shape[0] == 3 and ("logits_to_keep" in kwargs) != grid
+        with torch.no_grad(), head_sees_rows(model, row_index), images_placed(model, vision):
+            rows[grid] = model(**kwargs).logits.reshape(-1, model.config.text_config.vocab_size)
+    assert rows[True].shape[0] == int(mb.layout.num_local_tokens)
+    torch.testing.assert_close(rows[False], rows[True], atol=2e-5, rtol=0)

@@ -1,0 +1,58 @@
+"""The image flags' own rules (``rl_plugin.configs.multimodal``): --multimodal-keys' JSON, which media
+are read, the pixel bounds (positive, ordered, only with images)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_plugin.arguments import parse_args, run_config_of
+from tests.support.flag_rules import assert_refused
+
+KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
+
+UNBUILT = [
+    ("--rollout-engine vllm", "use --rollout-engine hf"),
+    ("--train-backend megatron", "use --train-backend fsdp"),
+    ("--loss-type sft_loss", "SFT on images is not built"),
+    ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
+    ("--rollout-function-path m:f", "use the default generation"),
+    ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
+    ("--lora-rank 8", "LoRA on a VL model is untested"),
+]
+
+RULES = [
+    *[
+        (f"{KEYS} {flags}", [f"--multimodal-keys with {flags.split()[0]}", "this path would drop them", fix])
+        for flags, fix in UNBUILT
+    ],
+    (
+        '--multimodal-keys {"video":"clips"}',
+        ["--multimodal-keys", "media type video is not read (rl_plugin reads image)", "map only images"],
+    ),
+    (f"{KEYS} --max-pixels 0", ["--max-pixels: must be >= 1 (got 0)"]),
+    ("--max-pixels 3136", ["--max-pixels without --multimodal-keys", "no images are read", "add --multimodal-keys"]),
+    ("--min-pixels 3136", ["--min-pixels without --multimodal-keys"]),
+    (
+        f"{KEYS} --min-pixels 12544 --max-pixels 3136",
+        ["--min-pixels 12544 with --max-pixels 3136", "make --min-pixels <= --max-pixels"],
+    ),
+]
+
+
+@pytest.mark.parametrize("flags, fragments", RULES, ids=[r[0] for r in RULES])
+def test_rule_refused_with_its_message(flags, fragments):
+    assert_refused(flags, fragments)
+
+
+@pytest.mark.parametrize("value", ["notjson", "[1]", "{}", '{"image":""}'])
+def test_keys_must_be_a_json_object_of_record_keys(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--multimodal-keys", value])
+    assert "--multimodal-keys" in capsys.readouterr().err
+
+
+def test_the_run_config_carries_the_image_key_and_pixel_bounds():
+    args = parse_args([*KEYS.split(), "--min-pixels", "3136", "--max-pixels", "12544"])
+    mm = run_config_of(args).rollout.multimodal
+    assert (mm.image_key, mm.min_pixels, mm.max_pixels) == ("images", 3136, 12544)
+    assert run_config_of(parse_args([])).rollout.multimodal.image_key is None
