@@ -19,7 +19,16 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.configs import TrainConfig
-from rl_plugin.loss import ForwardFn, ForwardOptions, LossConfig, LossFn, MicroBatchInputs, StepBatch, StepRunner
+from rl_plugin.loss import (
+    DEFAULT_VALUE_CLIP,
+    ForwardFn,
+    ForwardOptions,
+    LossConfig,
+    LossFn,
+    MicroBatchInputs,
+    StepBatch,
+    StepRunner,
+)
 from rl_plugin.parallel import ParallelState
 from rl_plugin.routing.passes import agreement_metrics, assemble_recorded, routing_action
 
@@ -27,7 +36,8 @@ from rl_plugin.routing.passes import agreement_metrics, assemble_recorded, routi
 class TrainBackend(abc.ABC):
     """A backend: the runner's ``StepBackend`` (``forward``, ``schedule``, ``optimizer_step``,
     ``loss_device``; see ``rl_plugin.loss.StepBackend``), weights export and checkpoints. The step
-    itself is the core's: ``compute_log_probs`` and ``train_step`` delegate to ``self.runner``."""
+    itself is the core's: ``compute_log_probs`` and ``train_step`` delegate to ``self.runner``, as
+    do a value model's (``config.value_head``) ``compute_values`` and ``value_train_step``."""
 
     parallel_state: ParallelState
     loss_device: torch.device
@@ -51,7 +61,8 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, model, inputs: MicroBatchInputs, options: ForwardOptions) -> torch.Tensor:
         """``[n_local, 2]`` (log-prob, entropy) of one micro-batch's local response tokens, on
-        ``loss_device``; a micro-batch with no sample gives ``[0, 2]``."""
+        ``loss_device``; a micro-batch with no sample gives ``[0, 2]``. With ``options.values``
+        (a value model): ``[n_local, 1]`` fp32 values (``[0, 1]`` for no sample)."""
 
     @abc.abstractmethod
     def schedule(self, model, num_micro_batches: int, forward: ForwardFn, loss: LossFn, *, forward_only: bool) -> int:
@@ -64,7 +75,8 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def model_for(self, role: str):
-        """The ``actor`` model or the frozen ``ref`` model (the ``--hf-checkpoint`` weights)."""
+        """The ``actor`` model or the frozen ``ref`` model (the ``--hf-checkpoint`` weights); on a
+        value model (``config.value_head``), the ``critic``."""
 
     # -- what the loop calls --------------------------------------------------------------------
     def compute_log_probs(
@@ -75,6 +87,7 @@ class TrainBackend(abc.ABC):
         (``--use-opd --opd-type megatron``: ``--opd-teacher-load``, forward only)."""
         if role not in ("actor", "ref", "teacher"):
             raise ValueError(f"compute_log_probs: role must be 'actor', 'ref' or 'teacher', got {role!r}")
+        self._policy_only("compute_log_probs")
         action = routing_action(self.config.routing_replay, batch.routed_experts, role=role, training=False)
         records = [] if action == "record" else None
         with self._routing(action):
@@ -97,6 +110,7 @@ class TrainBackend(abc.ABC):
         loop's plan (``--docs-per-step``); None plans with the runner's one planner.
         ``old_from_forward``: the old log-probs are this step's detached training log-probs
         (``runner.old_log_probs_rule`` says when that is exact)."""
+        self._policy_only("train_step")
         action = routing_action(self.config.routing_replay, batch.routed_experts, role="actor", training=True)
         with self._routing(action) as routing:
             report = self.runner.train_step(
@@ -109,6 +123,48 @@ class TrainBackend(abc.ABC):
         if routing is not None and routing.action == "replay":
             report.update(agreement_metrics(routing.agreement, self.parallel_state.dp_cp_group))
         return report
+
+    # -- the value model (TrainConfig.value_head; rl_plugin.loss.value_step) -----------------------
+    def compute_values(self, batch: StepBatch, *, micro_batches: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Forward only: the value model's V(s_t) of every response token, ``[sum R_i]`` (fp32,
+        CPU, full responses, batch order): the critic's "old values" of a rollout."""
+        model = self._value_model("compute_values")
+        return self.runner.values(model, batch, micro_batches)
+
+    def value_train_step(
+        self,
+        batch: StepBatch,
+        *,
+        num_groups: int,
+        micro_batches: Optional[List[torch.Tensor]] = None,
+        value_clip: float = DEFAULT_VALUE_CLIP,
+    ) -> Dict[str, Any]:
+        """One optimizer step of the value model on ``batch`` (its ``values`` and ``returns`` set):
+        ``value_loss``, ``vf_clipfrac``, ``values_mean``, ``grad_norm``, ``lr``,
+        ``num_micro_batches``, identical on every rank. ``value_clip``: ``--value-clip``."""
+        model = self._value_model("value_train_step")
+        return self.runner.value_step(
+            model,
+            batch,
+            num_groups=num_groups,
+            micro_batches=micro_batches,
+            value_clip=value_clip,
+        )
+
+    def _value_model(self, what: str):
+        if not self.config.value_head:
+            raise ValueError(
+                f"{what}: this {type(self).__name__} is a policy (TrainConfig.value_head is False); "
+                "the critic's backend is built from run.critic_train"
+            )
+        return self.model_for("critic")
+
+    def _policy_only(self, what: str) -> None:
+        if self.config.value_head:
+            raise ValueError(
+                f"{what}: this {type(self).__name__} is a value model (TrainConfig.value_head); it has no LM head. "
+                "Use compute_values / value_train_step"
+            )
 
     # -- routing replay (rl_plugin.routing.passes) ---------------------------------------------
     routing_pass = None  # the RoutingPass of the pass running now; ``forward`` enters its context

@@ -37,6 +37,10 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
+    # Not a flag: True builds the VALUE model (the critic of PPO with a critic; ``run.critic_train``
+    # sets it): the architecture with a scalar head ``score`` instead of the LM head, its own
+    # optimizer, no reference model (``TrainBackend.compute_values`` / ``value_train_step``).
+    value_head: bool = False
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""

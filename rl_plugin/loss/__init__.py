@@ -22,10 +22,12 @@ from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, reg
 from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
 from rl_plugin.loss.value import value_loss
+from rl_plugin.loss.value_step import DEFAULT_VALUE_CLIP, ValueStepContext, prepare_value_step
 from rl_plugin.loss_config import LossConfig
 
 __all__ = [
     "AGGREGATION_MODES",
+    "DEFAULT_VALUE_CLIP",
     "BadBatchError",
     "ForwardFn",
     "ForwardOptions",
@@ -57,10 +59,12 @@ __all__ = [
     "plan_steps_by_docs",
     "ppo_clip_loss",
     "prepare_step",
+    "prepare_value_step",
     "register_policy_loss",
     "split_samples_for_dp",
     "to_tokens",
     "value_loss",
+    "ValueStepContext",
     "token_weights",
     "TIS_LEVELS",
     "TIS_MODES",

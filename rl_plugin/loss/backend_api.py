@@ -13,7 +13,8 @@ A backend imports these from the package (``rl_plugin.loss``), never from a modu
   model-input fields plus the loss-side per-token slices on the loss device. A backend's forward
   reads only the four model-input fields, so it takes either.
 - ``ForwardOptions``: how the forward turns rows into log-probs (temperature, vocab chunk,
-  whether to compute the entropy); the runner builds it once per pass from the ``LossConfig``
+  whether to compute the entropy), or, with ``values``, that the value model's scalar head gives
+  the rows instead (``value_step``); the runner builds it once per pass from the ``LossConfig``
   and it travels unchanged through every hop of a backend's forward.
 - ``StepBackend``: what the step runner calls (``forward``, ``schedule``, ``optimizer_step``,
   ``loss_device``); the contract of each is in ``runner``'s module docstring. ``ForwardFn`` and
@@ -43,16 +44,23 @@ class ForwardOptions:
     """``temperature``: logits are divided by it before the log-softmax (the sampler's
     ``--rollout-temperature``); ``chunk_size``: rows per chunk of the vocab-parallel log-softmax
     (``--log-probs-chunk-size``; a fused head may lower it to its own bound); ``with_entropy``:
-    compute the entropy column (zeros otherwise)."""
+    compute the entropy column (zeros otherwise); ``values``: the pass runs a VALUE model (a
+    backend built with ``TrainConfig.value_head``) and the forward returns ``[n_local, 1]`` fp32
+    values V(s_t), one per local response token t, from the scalar head on the hidden state of
+    the position that predicts t (the row whose logits give t's log-prob); temperature, chunk
+    and entropy do not apply to it."""
 
     temperature: float
     chunk_size: int
     with_entropy: bool
+    values: bool = False
 
     @classmethod
-    def of(cls, cfg: LossConfig, *, with_entropy: bool) -> "ForwardOptions":
-        """The options of the loss config ``cfg`` (``with_entropy``: the pass's choice)."""
-        return cls(temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy)
+    def of(cls, cfg: LossConfig, *, with_entropy: bool, values: bool = False) -> "ForwardOptions":
+        """The options of the loss config ``cfg`` (``with_entropy``, ``values``: the pass's choice)."""
+        return cls(
+            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy, values=values
+        )
 
 
 @dataclass

@@ -6,7 +6,8 @@ the responses only (``[sum R_i]``). ``group_ids`` are step-local prompt-group id
 ``[0, num_groups)``, the same id on every DP rank for samples of the same prompt, so a group may
 straddle DP ranks. ``routed_experts`` (routing replay, ``rl_plugin.routing``) is per token of
 ``tokens``: ``[sum T_i, num_moe_layers, top_k]`` int. ``teacher_log_probs`` (``--use-opd``) is
-per response token, like the reference log-probs.
+per response token, like the reference log-probs; so are the critic's ``values`` (its
+predictions before the update) and ``returns`` (GAE targets) of a value step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ PER_TOKEN_FIELDS = (
     "ref_log_probs",
     "rollout_log_probs",
     "teacher_log_probs",
+    "values",
+    "returns",
 )
 
 
@@ -46,6 +49,10 @@ class StepBatch:
     # each sample's index in its rollout (``loop.advantages.rollout_batch``), carried through the
     # steps' and ranks' selections so that a report can name a sample of the rollout
     sample_index: Optional[torch.Tensor] = None
+    # PPO with a critic (``value_step``): the critic's values before its update ("old values") and
+    # the GAE returns (its targets), fp32 per response token
+    values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
 
     @property
     def num_samples(self) -> int:

@@ -3,6 +3,8 @@
     runner = StepRunner(backend, micro_batch_size=b, max_tokens_per_gpu=budget)   # cfg: backend.loss_config
     old    = runner.log_probs(model, batch)                   # forward only: old or ref policy
     report = runner.train_step(model, batch, num_groups=P)    # one optimizer step, exactly dJ/dtheta
+    values = runner.values(critic, batch)                     # the value model's passes
+    report = runner.value_step(critic, batch, num_groups=P)   #   (``value_step.py``)
 
 A train step::
 
@@ -80,6 +82,7 @@ from rl_plugin.loss.comm import gather_micro_batch_responses
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches
 from rl_plugin.loss.off_policy_step import old_from_forward_unsupported
 from rl_plugin.loss.step import prepare_step
+from rl_plugin.loss.value_step import ValueSteps
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState, broadcast_from_last_stage, broadcast_object_from_last_stage
 
@@ -118,8 +121,9 @@ def old_log_probs_rule(
     return old_from_forward_unsupported(cfg, ps.cp_size, has_rollout_log_probs)
 
 
-class StepRunner:
-    """The train step and the forward-only pass of one backend (module docstring)."""
+class StepRunner(ValueSteps):
+    """The train step and the forward-only pass of one backend (module docstring); the critic's
+    ``values`` and ``value_step`` come from ``value_step.ValueSteps``."""
 
     def __init__(self, backend: StepBackend, *, micro_batch_size: int, max_tokens_per_gpu: Optional[int] = None):
         self.backend = backend
@@ -203,6 +207,21 @@ class StepRunner:
         ``model`` at the sampler's temperature: the train step's forward without backward.
         ``routing_sink`` (R2's record pass): receives ``(step token index, experts)`` of every real
         input position whose routing the backend recorded (``MicroBatchInputs.recorded_routing``)."""
+        options = ForwardOptions.of(self.cfg, with_entropy=False)
+        return self.forward_only(model, batch, micro_batches, options, routing_sink=routing_sink)
+
+    def forward_only(
+        self,
+        model,
+        batch: StepBatch,
+        micro_batches: Optional[Sequence[torch.Tensor]],
+        options: ForwardOptions,
+        *,
+        routing_sink: Optional[list] = None,
+    ) -> torch.Tensor:
+        """Column 0 of ``backend.forward(model, mb, options)`` for every response token, ``[sum
+        R_i]`` fp32, full responses (each micro-batch's CP chunks gathered), batch order, on the
+        CPU: the log-probs (``log_probs``) or, with ``options.values``, the values (``values``)."""
         backend, cfg, ps = self.backend, self.cfg, self.ps
         batch.validate()
         plan = self.plan(batch, micro_batches)
@@ -213,7 +232,6 @@ class StepRunner:
         device = backend.loss_device
         result = torch.zeros(int(rl.sum()), dtype=torch.float32, device=device)
         pending = {}
-        options = ForwardOptions.of(cfg, with_entropy=False)
         last = ps.is_last_stage
 
         def forward(i: int) -> torch.Tensor:

@@ -47,17 +47,28 @@ def value_loss(
             "value_loss: vpreds, returns, values and response_mask must all be [batch, response_len]; got "
             f"{tuple(vpreds.shape)}, {tuple(returns.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
         )
+    per_token, hit = value_loss_terms(vpreds, returns, values, cliprange_value)
+    batch, length = vpreds.shape
+    mask = response_mask.to(per_token.dtype).reshape(-1)
+    loss = aggregate(per_token.reshape(-1), mask, [length] * batch, aggregation, group_ids=group_ids, divisor=divisor)
+    trained = mask.sum()
+    clipfrac = (hit.to(per_token.dtype).reshape(-1) * mask).sum().detach() / trained.clamp_min(1)
+    return loss, clipfrac
+
+
+def value_loss_terms(
+    vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, cliprange_value: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(l, clipped)`` per token, any (equal) shape: l_t = 0.5 * max((v'_t - R_t)^2, (v_clip_t -
+    R_t)^2) and the bool ``clipped`` = [(v_clip_t - R_t)^2 > (v'_t - R_t)^2] (module docstring),
+    counted only where |v'_t - v_t| > c: inside the range v_clip_t is v'_t up to the rounding of
+    v_t + (v'_t - v_t), which must not count. Gradient through ``vpreds`` only. The distributed
+    value step (``value_step``) weighs the same terms with the step's global token weights."""
     if not cliprange_value > 0:
         raise ValueError(f"value_loss: cliprange_value must be > 0 (--value-clip), got {cliprange_value}")
     returns, values = returns.detach(), values.detach()
     clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     unclipped_err = (vpreds - returns) ** 2
     clipped_err = (clipped - returns) ** 2
-    per_token = 0.5 * torch.maximum(unclipped_err, clipped_err)
-    batch, length = vpreds.shape
-    mask = response_mask.to(per_token.dtype).reshape(-1)
-    loss = aggregate(per_token.reshape(-1), mask, [length] * batch, aggregation, group_ids=group_ids, divisor=divisor)
-    trained = mask.sum()
-    hit = (clipped_err > unclipped_err).to(per_token.dtype).reshape(-1)
-    clipfrac = (hit * mask).sum().detach() / trained.clamp_min(1)
-    return loss, clipfrac
+    outside = (vpreds.detach() - values).abs() > cliprange_value
+    return 0.5 * torch.maximum(unclipped_err, clipped_err), outside & (clipped_err > unclipped_err)

@@ -127,3 +127,18 @@ def test_state_tensors_are_the_models_and_the_optimizers():
     assert ids == [id(t) for t in (m.weight, m.weight.grad, m.bias, m.bias.grad, m.scale, m.weight, m.bias, *momentum)]
     backend._ref_model = torch.nn.Linear(1, 1, bias=False)  # the frozen reference model follows the actor's
     assert id(backend._ref_model.weight) in [id(t) for t in backend.state_tensors()]
+
+
+def test_policy_and_value_passes_are_refused_on_the_other_kind_of_model():
+    """A policy backend has no value head; a value backend (``value_head``) has no LM head."""
+    policy = PlainBackend(_train_config())
+    with pytest.raises(ValueError, match=r"^compute_values: this PlainBackend is a policy \(TrainConfig.value_head"):
+        policy.compute_values(_batch())
+    with pytest.raises(ValueError, match=r"^value_train_step: this PlainBackend is a policy"):
+        policy.value_train_step(_batch(), num_groups=1)
+    critic = PlainBackend(replace(_train_config(), value_head=True))
+    with pytest.raises(ValueError, match=r"^compute_log_probs: this PlainBackend is a value model .*compute_values"):
+        critic.compute_log_probs(_batch())
+    with pytest.raises(ValueError, match=r"^train_step: this PlainBackend is a value model"):
+        critic.train_step(_batch(), num_groups=1)
+    assert _train_config().value_head is False  # a plain field, never set by a flag

@@ -80,3 +80,13 @@ def test_value_loss_refuses_bad_shapes_and_clip():
         value_loss(vpreds, returns[:, :-1], values, mask, 0.2, "sample_mean")
     with pytest.raises(ValueError, match="--value-clip"):
         value_loss(vpreds, returns, values, mask, 0.0, "sample_mean")
+
+
+def test_clipfrac_ignores_rounding_inside_the_clip_range():
+    """Inside the range v + (v' - v) is v' only up to rounding; a wide clip clips nothing."""
+    vpreds, returns, values, mask = _inputs(seed=5, batch=16, length=32)
+    loss, clipfrac = value_loss(vpreds, returns, values, mask, 1e6, "token_mean")
+    assert float(clipfrac) == 0.0
+    tight, _ = value_loss(vpreds, returns, values, mask, 1e-12, "token_mean")
+    assert float(loss) == pytest.approx(float(value_loss(vpreds, returns, vpreds, mask, 1.0, "token_mean")[0]))
+    assert float(tight) >= float(loss)  # max(unclipped, clipped) >= unclipped
