@@ -5,7 +5,8 @@ module imports no torch: the flag layer (``rl_plugin.arguments``) reads ``names(
 ``choices``, and the code that runs a piece resolves it with ``get(name)``.
 
 - ``POLICY_LOSSES``: chosen by ``--advantage-estimator`` (gspo -> gspo, else ppo_clip; ``--loss-type sft_loss`` -> sft_nll); ``rl_plugin.loss.policy``
-- ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages``
+- ``ADVANTAGE_ESTIMATORS``: ``--advantage-estimator``; ``rl_plugin.loss.advantages`` (``ppo``: a
+  placeholder, see ``per_token_estimator``)
 - ``LOSS_AGGREGATIONS``: ``--loss-aggregation``; ``rl_plugin.loss.aggregation``
 - ``KL_ESTIMATORS``: ``--kl-loss-type``; ``rl_plugin.loss.kl``
 - ``REWARDS``: ``--rm-type``; ``rl_plugin.rollout.rewards.functions``, ``rl_plugin.rollout.rewards.remote_rm``
@@ -18,7 +19,7 @@ code, ``REGISTRY.register(name, obj)`` before the parser is built), and the flag
 
 from __future__ import annotations
 
-from rl_plugin.registry_base import Registry
+from rl_plugin.registry_base import Registry, RegistryError
 
 # --update-weight-transport: how the weights reach the engines (``rl_plugin.weight_sync``); auto
 # composes shared memory and the object store; nccl is the distributed transport's other name
@@ -38,6 +39,21 @@ ADVANTAGE_ESTIMATORS.register_lazy("rloo", "rl_plugin.loss.advantages:rloo_advan
 ADVANTAGE_ESTIMATORS.register_lazy(
     "reinforce_plus_plus_baseline", "rl_plugin.loss.advantages:reinforce_pp_baseline_advantages"
 )
+
+
+def per_token_estimator(*_, **__):
+    """``--advantage-estimator ppo``'s entry: its advantages are not a function of the group's
+    rewards but per token, GAE over the critic's values (``rl_plugin.loss.gae.gae``), computed by
+    the loop's critic step; the loop never asks the registry for them, and a caller that does is
+    told so."""
+    raise RegistryError(
+        "--advantage-estimator ppo: PPO's advantages are per token, GAE over the critic's values "
+        "(rl_plugin.loss.gae.gae, computed by the loop's critic step), not a function of the group's rewards; "
+        "the group estimators are " + ", ".join(n for n in ADVANTAGE_ESTIMATORS.names() if n != "ppo")
+    )
+
+
+ADVANTAGE_ESTIMATORS.register("ppo", per_token_estimator)  # the critic (rl_plugin.configs.critic)
 
 LOSS_AGGREGATIONS = Registry("loss aggregation", "--loss-aggregation")
 LOSS_AGGREGATIONS.register_lazy("sample_mean", "rl_plugin.loss.aggregation:sample_mean_weights")

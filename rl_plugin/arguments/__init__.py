@@ -46,6 +46,10 @@ GROUPS = (
     ),
     ("batching", "How rollouts become optimizer steps and micro-batches."),
     ("policy loss", "Advantage estimator, clipping, KL and entropy terms."),
+    (
+        "critic",
+        "PPO with a learned value model (--advantage-estimator ppo): GAE advantages, the critic's size, learning rate and checkpoints.",
+    ),
     ("sft and distillation", "Supervised fine-tuning (--loss-type sft_loss) and on-policy distillation (--use-opd)."),
     ("loss aggregation", "How per-token policy losses become the step objective J."),
     ("off-policy correction", "Importance sampling between the rollout engine and the trainer; DeepSpeed parity."),

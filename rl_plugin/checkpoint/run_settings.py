@@ -5,7 +5,9 @@ A resumed run may change them on purpose (a larger batch, a new data file), so a
 refused; but it changes what the next steps train on, so the resume names what changed:
 ``--prompt-data`` (the dataset position is kept, in the new file), ``--rollout-batch-size``,
 ``--n-samples-per-prompt``, ``--global-batch-size``, ``--loss-aggregation`` (resolved),
-``--advantage-estimator``. Read off the run config's declared fields (each flag's name is its
+``--advantage-estimator``, and PPO's critic settings that change the advantages and the value
+targets (``--gamma``, ``--lambd``, ``--value-clip``, ``--kl-coef``, ``--normalize-advantages``,
+``--critic-lr``). Read off the run config's declared fields (each flag's name is its
 field's: ``rl_plugin.flags.flag_of``); a checkpoint written before the settings were recorded
 gives no note.
 """
@@ -24,6 +26,12 @@ RESUME_SETTINGS: Tuple[Tuple[str, Optional[str]], ...] = (
     ("train.batching.global_batch_size", None),
     ("train.loss.loss_aggregation", "loss_aggregation_flag"),  # the resolved mode, under --loss-aggregation
     ("train.loss.advantage_estimator", None),
+    ("critic.gamma", None),
+    ("critic.lambd", None),
+    ("critic.value_clip", None),
+    ("critic.kl_coef", None),
+    ("critic.normalize_advantages", None),
+    ("critic.critic_lr", None),
 )
 
 

@@ -20,6 +20,8 @@ the namespace below the CLI); a value derived from several flags is computed her
 - ``RolloutConfig``: the rollout manager: data, group sizes, evaluation; it carries the fields of
   ``RewardConfig`` (``rewards.py``), ``CustomGenerationConfig`` (``custom_generation.py``) and
   ``DynamicSamplingConfig`` (``dynamic_sampling.py``, with the over-long shaping), which declare them
+- ``CriticConfig`` (``critic.py``): PPO's value model (``--advantage-estimator ppo``, slime's critic flags),
+  nested as ``run.critic``; ``RunConfig.critic_train`` is the critic group's ``TrainConfig``
 - the loop's flags, read by ``rl_plugin.loop.config.LoopConfig``: ``ClusterConfig`` (``cluster.py``),
   ``CheckpointConfig`` (``checkpointing.py``), ``FaultToleranceConfig`` (``fault_tolerance.py``),
   ``LoggingConfig`` (``logging.py``), ``AsyncConfig`` (``async_training.py``), ``CiChecks``

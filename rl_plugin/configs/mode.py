@@ -14,7 +14,9 @@ config holds the result (``RunConfig.mode``) and the code below reads the mode's
 (``mode.generates``, ``mode.generates_ahead``, ``mode.trains_nll``) or compares modes
 (``run.mode is Mode.SFT``), never the flags. A new mode (a critic, images) is one more value here
 with its traits, and one more file where it differs (its schedule, its rollout source), not another
-set of ``if``s over the flags.
+set of ``if``s over the flags. PPO's critic (``--advantage-estimator ppo``) is no mode: it runs beside
+the synchronous or the one-step-off schedule alike, so the run reads ``run.critic.enabled``
+(``configs/critic.py``, which refuses it with ``FULLY_ASYNC`` and ``SFT``).
 """
 
 from __future__ import annotations

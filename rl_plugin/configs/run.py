@@ -17,6 +17,7 @@ the run's ``mode`` derived once (``rl_plugin.configs.mode``).
       logging            LoggingConfig
       async_training     AsyncConfig
       ci                 CiChecks: slime's in-loop checks (--ci-test)
+      critic             CriticConfig: PPO's value model (--advantage-estimator ppo); ``critic_train`` its TrainConfig
       embedded           the run takes the embedded task (the loop decides it on the flags as given)
 
 ``RunConfig.from_args(args)`` builds it; what the mode decides for a part below the configs is
@@ -40,12 +41,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig
 from rl_plugin.configs.ci_checks import CiChecks
 from rl_plugin.configs.cluster import ClusterConfig
+from rl_plugin.configs.critic import CriticConfig
 from rl_plugin.configs.custom_generation import CustomGenerationConfig
 from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
 from rl_plugin.configs.fault_tolerance import FaultToleranceConfig
@@ -75,6 +77,7 @@ class RunConfig(Declared):
     logging: LoggingConfig = nested(LoggingConfig)
     async_training: AsyncConfig = nested(AsyncConfig)
     ci: CiChecks = nested(CiChecks)
+    critic: CriticConfig = nested(CriticConfig)
     # the embedded default (rl_plugin.loop.embedded_setup): decided on the flags as given, before the loop
     # fills in its model and data; it picks the output directory's default
     embedded: bool = runtime(False)
@@ -103,6 +106,12 @@ class RunConfig(Declared):
         model = replace(self.train.model, hf_checkpoint=hf_checkpoint)
         rollout = replace(self.rollout, prompt_data=prompt_data, eval_prompt_data=eval_prompt_data)
         return replace(self, train=replace(self.train, model=model), rollout=rollout)
+
+    @property
+    def critic_train(self) -> Optional[TrainConfig]:
+        """The critic group's ``TrainConfig`` (``CriticConfig.train_config``: the actor's with
+        ``value_head=True``), None when the run trains no critic."""
+        return self.critic.train_config(self) if self.critic.enabled else None
 
     @property
     def output_dir(self) -> Path:

@@ -10,7 +10,7 @@ from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, flag, nested
+from rl_plugin.flags import Declared, flag, nested, runtime
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import TRAIN_BACKENDS
 
@@ -37,10 +37,9 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
-    # Not a flag: True builds the VALUE model (the critic of PPO with a critic; ``run.critic_train``
-    # sets it): the architecture with a scalar head ``score`` instead of the LM head, its own
-    # optimizer, no reference model (``TrainBackend.compute_values`` / ``value_train_step``).
-    value_head: bool = False
+    # the critic's process (``RunConfig.critic_train``): the actor's architecture with a scalar value
+    # head instead of the LM head; no flag (the run config sets it for the critic group only)
+    value_head: bool = runtime(False)
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""

@@ -28,7 +28,10 @@ class PolicySettings:
             "use for MoE or long responses where token ratios are noisy. "
             "dr_grpo: group mean subtracted, no std division (Liu et al. 2025, Dr.GRPO); pair with --loss-aggregation constant. "
             "rloo: leave-one-out baseline (Ahmadian et al. 2024); needs --n-samples-per-prompt >= 2. "
-            "reinforce_plus_plus_baseline: group mean subtracted, then whitened over the batch (Hu 2025, REINFORCE++)."
+            "reinforce_plus_plus_baseline: group mean subtracted, then whitened over the batch (Hu 2025, REINFORCE++). "
+            "ppo: PPO with a learned critic (Schulman et al. 2017): per-token GAE advantages over the critic's values "
+            "(Schulman et al. 2016), the critic trained beside the actor (its flags: the critic section); works with "
+            "one sample per prompt and long multi-turn episodes."
         ),
         group=GROUP,
     )

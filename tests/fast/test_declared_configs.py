@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rl_plugin.arguments import RLArgumentError, build_parser, parse_args
-from rl_plugin.configs import EngineConfig, RolloutConfig
+from rl_plugin.configs import EngineConfig, RolloutConfig, TrainConfig
 from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.rewards import RewardConfig
 from rl_plugin.configs.run import RunConfig, config_classes, configs_of
@@ -21,6 +21,7 @@ CONFIGS = config_classes(RunConfig)  # every config of the run, from the tree (L
 RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
+    TrainConfig: {"value_head"},  # the critic's TrainConfig sets it (RunConfig.critic_train)
     next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
 }
 

@@ -46,3 +46,27 @@ def test_resume_with_other_settings_names_each_change(tmp_path, capsys):
     assert err.startswith(f"note: --load {tmp_path / 'ckpt'} (step 2) was trained with other settings"), err
     assert "--rollout-batch-size 16 -> 8; --loss-aggregation sample_mean -> token_mean." in err, err
     assert err.count("\n") == 1
+
+
+def test_a_change_of_the_critics_settings_is_named(tmp_path, capsys):
+    """PPO's discount and lambda change the advantages and the critic's targets (issue 47)."""
+    first = _args(tmp_path, "--advantage-estimator", "ppo")
+    (tmp_path / "ckpt").mkdir()
+    save_checkpoint(
+        LoopConfig.of(first, run_settings=settings_of(first)), _NoFilesGroup(), Progress(step=2), 1, {}, None
+    )
+    saved = read_loop_state(str(tmp_path / "ckpt"), 2)["settings"]
+    assert (saved["--gamma"], saved["--lambd"], saved["--value-clip"], saved["--critic-lr"]) == (1.0, 1.0, 0.2, None)
+
+    other = _args(tmp_path, "--advantage-estimator", "ppo", "--gamma", "0.99", "--critic-lr", "1e-5")
+    note_changed_settings(other, check_resume_point(other))
+    err = capsys.readouterr().err
+    assert "--gamma 1.0 -> 0.99; --critic-lr None -> 1e-05." in err, err
+
+
+def test_a_record_without_the_critics_settings_gives_no_note_for_them():
+    run = RunConfig.from_args(parse_train_flags(["--advantage-estimator", "ppo", "--gamma", "0.5"]))
+    old = {flag: value for flag, value in settings_of(run) if flag != "--gamma"}  # written before --gamma existed
+    from rl_plugin.checkpoint.run_settings import changed_settings
+
+    assert changed_settings(old, run) == []

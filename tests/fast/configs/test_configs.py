@@ -24,6 +24,7 @@ ONE_MODULE_EACH = {
     "ci_checks": "CiChecks",
     "cluster": "ClusterConfig",
     "colocation": "ColocationConfig",
+    "critic": "CriticConfig",
     "custom_generation": "CustomGenerationConfig",
     "dynamic_sampling": "DynamicSamplingConfig",
     "engine": "EngineConfig",
