@@ -13,6 +13,12 @@ the adapters (canonical PEFT names, full fp32), ``stream_hf_weights`` / ``export
 ``save_hf`` the merged weights ``W + (alpha/r) B A`` (the full-model sync's fallback); checkpoints
 hold the adapters and their optimizer state only (``lora_checkpoint.py``).
 
+With ``TrainConfig.value_head`` it is the VALUE MODEL (``value_head.py``, issue 47): the actor's
+GPTModel with a scalar head ``score.weight`` instead of the LM head, its own optimizer;
+``forward`` with ``options.values`` gives ``[n, 1]`` values, ``model_for("critic")`` the model,
+exports name it as HF's ``<Family>ForTokenClassification`` (``model.*``, ``score.weight``), and
+``--save-hf`` writes a directory ``AutoModelForTokenClassification`` loads.
+
 See ``setup.py`` (start-up), ``step.py`` (forward, schedule, optimizer step; why the step
 applies exactly dJ/dtheta),
 ``forward.py`` (inputs and logits, ``--fp32-lm-head``), ``bridge.py`` (mbridge),
@@ -60,7 +66,8 @@ class MegatronBackend(TrainBackend):
         self.hf_dir = hf_dir
         self.loss_config = config.loss
         self.fp32_lm_head = config.model.fp32_lm_head
-        self.fused_lm_head = use_fused_head(config.model, chunks_of(model)[-1])  # the head's chunk
+        self.value_head = config.value_head  # the value model: no LM head to fuse
+        self.fused_lm_head = not self.value_head and use_fused_head(config.model, chunks_of(model)[-1])
         self._ref_model = None
         self._teacher_model = None  # --use-opd --opd-type megatron, built on first use
         self._pipeline_specs = None  # pipelined: every stage's export layout, asked once
@@ -93,6 +100,11 @@ class MegatronBackend(TrainBackend):
         apply_cpu_shim()  # what this machine needs: nothing on a GPU with transformer-engine
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
+        if config.value_head and config.lora.enabled:
+            raise setup.MegatronSetupError(
+                "the value model (--advantage-estimator ppo's critic) with --lora-rank: the critic trains every "
+                "parameter and has no adapters. Fix: the critic's TrainConfig (run.critic_train) with LoRA off"
+            )
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
         if config.lora.enabled:
             from rl_plugin.models.experts import checkpoint_num_experts
@@ -105,6 +117,7 @@ class MegatronBackend(TrainBackend):
             use_distributed_optimizer=opt.use_distributed_optimizer,
             routing_replay=bool(config.routing_replay),
             lora=config.lora,
+            value_head=config.value_head,
         )
         if config.lora.enabled and config.lora.lora_adapter_path:  # before the optimizer copies its main params
             lora_model.load_adapters(model, read_peft_adapters(config.lora.lora_adapter_path))
@@ -171,6 +184,10 @@ class MegatronBackend(TrainBackend):
         return step.optimizer_step(self.optimizer, self.scheduler)
 
     def model_for(self, role: str):
+        if self.value_head:
+            if role not in ("critic", "actor"):
+                raise ValueError(f"the value model has no {role!r} model (only 'critic')")
+            return self.model
         if role == "teacher":
             return self._teacher()
         if role == "actor" or self.lora:  # LoRA: the reference is the actor with its adapters off
@@ -298,7 +315,16 @@ class MegatronBackend(TrainBackend):
     def save_hf(self, path: Optional[str]) -> None:
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad).
-        With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there)."""
+        With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there).
+        The value model: ``value_head.write_value_model`` (a token-classification directory)."""
+        if self.value_head:
+            from rl_plugin.backends.megatron.value_head import write_value_model
+
+            state = self.export_hf_state_dict()  # collective
+            if dist.get_rank() == 0:
+                write_value_model(path, state, self.hf_dir)
+            dist.barrier()
+            return
         if self.lora:
             from rl_plugin.lora.peft_dir import write_run_adapters
 

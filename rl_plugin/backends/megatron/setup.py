@@ -196,13 +196,17 @@ def build_model(
     use_distributed_optimizer: bool = False,
     routing_replay: bool = False,
     lora=None,
+    value_head: bool = False,
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
     (``moe_enable_routing_replay``; ``rl_plugin.backends.megatron.routing_replay``).
     ``lora`` (a ``LoraConfig``, enabled): the local layer spec (megatron-core's own linears), the
     base frozen and the adapters added after the HF weights load and before DDP wraps the model
-    (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters."""
+    (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters.
+    ``value_head``: the value model (``value_head.py``): the output layer replaced by the scalar
+    head before the weights load, the backbone loaded by mbridge, the head from ``hf_dir``'s
+    ``score.weight`` if it has one (zeros otherwise), the bridge naming it ``score.weight``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -229,7 +233,16 @@ def build_model(
     if torch.cuda.is_available():
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
-    bridge.load_weights(chunks, hf_dir)
+    if value_head:
+        from rl_plugin.backends.megatron import value_head as vh
+
+        vh.attach_value_heads(chunks)
+        with vh.heads_detached(chunks):
+            bridge.load_weights(chunks, hf_dir)
+        vh.load_score(chunks, hf_dir)
+        vh.value_bridge(bridge)
+    else:
+        bridge.load_weights(chunks, hf_dir)
     if use_lora:
         from rl_plugin.backends.megatron.lora_model import apply_lora
 

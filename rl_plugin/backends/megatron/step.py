@@ -4,6 +4,8 @@ The step is the core's (``rl_plugin.loss.runner.StepRunner``); this module suppl
 
     forward(model, mb, opts)  -> [n, 2] (logp, entropy)   forward.response_log_probs (fused head,
                                                           or logits + log_probs_and_entropy)
+                              -> [n, 1] values            value_head.response_values (opts.values:
+                                                          the value model, issue 47)
     schedule(model, M, forward, loss)                     get_forward_backward_func() over the M
         forward_step: out = forward(i); loss_func: return loss(i, out) * CANCEL, {}
     optimizer_step()          -> (grad_norm, lr)          optimizer.step(); scheduler.step()
@@ -67,6 +69,7 @@ import torch
 
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.forward import (
+    hidden_states_only,
     idle_inputs,
     model_inputs,
     response_log_probs,
@@ -74,6 +77,7 @@ from rl_plugin.backends.megatron.forward import (
     stage_output,
     unwrap,
 )
+from rl_plugin.backends.megatron.value_head import response_values
 from rl_plugin.loss import ForwardOptions, MicroBatchInputs
 from rl_plugin.parallel import ParallelState
 
@@ -95,9 +99,12 @@ class PassScale:
         return scaled if self.w == 1.0 else scaled * self.w
 
 
-def idle_forward(model, device: torch.device, *, cp_rank: int = 0, cp_size: int = 1, qkv_format: str = "thd"):
+def idle_forward(
+    model, device: torch.device, *, cp_rank: int = 0, cp_size: int = 1, qkv_format: str = "thd", values: bool = False
+):
     """An idle pass (EP > 1, module docstring): pad tokens through the model so this rank joins its
-    EP peers' all-to-alls; ``[0, 2]``, carrying the graph so the backward joins them too.
+    EP peers' all-to-alls; ``[0, 2]`` (``values``: ``[0, 1]``, the value model's hidden states, its
+    head being no vocabulary projection), carrying the graph so the backward joins them too.
 
     The input is ``forward.idle_inputs`` in the run's layout, not one bare token: under
     ``--sequence-parallel`` (which MoE needs at TP > 1) megatron-core scatters the sequence over
@@ -110,9 +117,10 @@ def idle_forward(model, device: torch.device, *, cp_rank: int = 0, cp_size: int 
         cp_rank=cp_rank, cp_size=cp_size, qkv_format=qkv_format, sp_size=sequence_parallel_size(unwrap(model))
     )
     ids, pos, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(unwrap(model)), device=device)
-    with untracked():  # its router losses are no sample's: not logged (their gradient: w = 0)
+    with untracked(), hidden_states_only(unwrap(model)) if values else contextlib.nullcontext():
+        # its router losses are no sample's: not logged (their gradient: w = 0)
         logits = model(ids, pos, None, packed_seq_params=psp)
-    return (logits.float().sum() * 0.0).expand(0, 2)
+    return (logits.float().sum() * 0.0).expand(0, 1 if values else 2)
 
 
 def passes_over(num_micro_batches: int, ps: ParallelState) -> int:
@@ -136,14 +144,18 @@ def micro_batch_forward(
     idle_passes: bool = False,
     routing=None,
 ) -> torch.Tensor:
-    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's); on a
+    """``[n_local, 2]`` (log-prob, entropy) of one micro-batch on ``device`` (the model's), or
+    ``[n_local, 1]`` values with ``options.values`` (the value model); on a
     pipeline stage before the last, the stage's output activations (``forward.stage_output``);
     ``idle_passes`` (EP > 1, one pipeline stage): an empty micro-batch runs ``idle_forward``;
     ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely; an
     idle pass always does)."""
+    values = bool(getattr(options, "values", False))
     if inputs.layout.num_samples == 0 and idle_passes:
         layout = inputs.layout
-        return idle_forward(model, device, cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format)
+        return idle_forward(
+            model, device, cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format, values=values
+        )
     if ps.pp_size > 1:
         head = ps.is_last_stage
         if isinstance(model, ModelChunks):  # interleaved: the chunk the schedule runs; the head on the last
@@ -156,8 +168,10 @@ def micro_batch_forward(
     if inputs.layout.num_samples == 0:
         # A DP rank with no sample this step runs one empty micro-batch (peers may run more: the
         # cancel factor is per rank). A zero leaf keeps the schedule's backward valid.
-        return torch.zeros((0, 2), device=device, requires_grad=torch.is_grad_enabled())
+        return torch.zeros((0, 1 if values else 2), device=device, requires_grad=torch.is_grad_enabled())
     with routing.context(model, inputs, qkv_format) if routing is not None else contextlib.nullcontext():
+        if values:
+            return response_values(model, inputs, qkv_format)
         logp, ent = response_log_probs(
             model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
         )
@@ -176,10 +190,13 @@ def _pipelined_forward(model, inputs, options, ps, *, head, qkv_format, fp32_lm_
         inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format, sp_size=sp_size)
     if not head:  # a stage (a model chunk) before the last
         return stage_output(model, inputs, qkv_format)
-    logp, ent = response_log_probs(
-        model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
-    )
-    out = torch.stack([logp, ent], 1)
+    if getattr(options, "values", False):
+        out = response_values(model, inputs, qkv_format)
+    else:
+        logp, ent = response_log_probs(
+            model, inputs, options, ps, qkv_format=qkv_format, fp32_lm_head=fp32_lm_head, fused=fused
+        )
+        out = torch.stack([logp, ent], 1)
     return out[:0] if idle else out
 
 
