@@ -77,7 +77,10 @@ def step_samples(group: TrainGroup, plans: Sequence[RankPlan]) -> List[float]:
     """Each planned step's samples over all DP ranks (one rank per DP share)."""
     first = {group.dp_rank(r): r for r in reversed(range(group.world_size))}
     steps = len(plans[0].step_bounds)
-    return [float(sum(plans[r].step_bounds[j][1] - plans[r].step_bounds[j][0] for r in first.values())) for j in range(steps)]
+    return [
+        float(sum(plans[r].step_bounds[j][1] - plans[r].step_bounds[j][0] for r in first.values()))
+        for j in range(steps)
+    ]
 
 
 class CriticPieces:
