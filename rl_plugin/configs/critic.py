@@ -313,6 +313,17 @@ class CriticConfig(Declared):
                 f"use a critic world that is a multiple of {model_parallel}",
             )
 
+        batching = run.train.batching
+        gbs, mbs, dp = batching.global_batch_size, batching.micro_batch_size, max(1, world // model_parallel)
+        if gbs is not None and not batching.use_dynamic_batch_size and gbs % (mbs * dp) != 0:
+            fail(
+                f"--global-batch-size {gbs} with --micro-batch-size {mbs} on the critic's {dp} data-parallel ranks",
+                "the critic trains the actor's steps, so each of its data-parallel ranks must run a whole number of "
+                "micro-batches per step too",
+                f"make --global-batch-size a multiple of micro-batch-size x the critic's DP = {mbs * dp}, or change "
+                "--critic-num-gpus-per-node",
+            )
+
     def _check_dirs(self, run) -> None:
         for name, critic, actor_name, actor in (
             ("--critic-save", self.save_dir(run), "--save", run.checkpoint.save),

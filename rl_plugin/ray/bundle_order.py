@@ -15,7 +15,8 @@ ranks TP first, then CP, then DP (``initialize_model_parallel``'s ``tp-cp-ep-dp-
    training bundles that is not a multiple of ``TP * CP``).
 
 The node count is checked first (``check_node_count``): ``--actor-num-nodes N`` needs N alive
-nodes with the bundles' device, else the run is refused with both numbers.
+nodes with the bundles' device, else the run is refused with both numbers. PPO's critic
+(``--critic-num-nodes``) has its own bundles, ordered and checked the same way (``role="critic"``).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def sorted_sites(sites: Sequence[BundleSite]) -> List[BundleSite]:
     return sorted(sites, key=site_key)
 
 
-def check_groups_within_nodes(ordered: Sequence[BundleSite], group_size: int, what: str) -> None:
+def check_groups_within_nodes(ordered: Sequence[BundleSite], group_size: int, what: str, role: str = "actor") -> None:
     """Raise ``LoopError`` when a run of ``group_size`` consecutive ranks of ``ordered`` (rank
-    order) spans more than one node, naming the ranks, their nodes and the bundles per node."""
+    order) spans more than one node, naming the ranks, their nodes and the bundles per node;
+    ``role``: whose ranks (``actor`` or ``critic``: the flags the fix names)."""
     if group_size <= 1:
         return
     for start in range(0, len(ordered), group_size):
@@ -82,21 +84,22 @@ def check_groups_within_nodes(ordered: Sequence[BundleSite], group_size: int, wh
             ranks = f"ranks {start}-{start + len(group) - 1}"
             raise LoopError(
                 f"{what} group of {ranks} would span nodes "
-                f"{', '.join(s.where() for s in group)}: Ray placed the training bundles {spread} "
+                f"{', '.join(s.where() for s in group)}: Ray placed the {role}'s training bundles {spread} "
                 f"(each node needs a multiple of {group_size}). Fix: give every node the same number of "
-                "free GPUs for training (--actor-num-gpus-per-node, a multiple of TP x CP), or move the "
+                f"free GPUs for training (--{role}-num-gpus-per-node, a multiple of TP x CP), or move the "
                 "rollout engines off the training nodes"
             )
 
 
-def check_node_count(asked: int, alive: int, device: str) -> None:
-    """``--actor-num-nodes asked`` on a cluster with ``alive`` alive nodes that have ``device``."""
+def check_node_count(asked: int, alive: int, device: str, role: str = "actor") -> None:
+    """``--<role>-num-nodes asked`` (``actor``, or ``critic``: PPO's value model) on a cluster with
+    ``alive`` alive nodes that have ``device``."""
     if asked > alive:
         raise LoopError(
-            f"--actor-num-nodes {asked}: the Ray cluster has {alive} alive node(s) with {device}s, fewer "
+            f"--{role}-num-nodes {asked}: the Ray cluster has {alive} alive node(s) with {device}s, fewer "
             f"than the {asked} asked for (the ranks would silently share fewer nodes). Fix: start the "
-            f"missing node(s) (`ray start --address=<head>` on each), or use --actor-num-nodes {alive} "
-            "with more --actor-num-gpus-per-node; `ray status` lists the nodes"
+            f"missing node(s) (`ray start --address=<head>` on each), or use --{role}-num-nodes {alive} "
+            f"with more --{role}-num-gpus-per-node; `ray status` lists the nodes"
         )
 
 

@@ -14,6 +14,9 @@ Two necessary conditions, so a run that could be placed is never refused:
 2. each bundle fits on one node (a bundle never spans nodes: an engine of
    ``--rollout-num-gpus-per-engine N`` needs N GPUs on one node).
 
+The ask is named in the flags' terms (``describe_ask``): the training ranks, PPO's critic (its own
+ranks, or the actor's bundles with ``--colocate``), the rollout manager and the engines.
+
 Resources that exist but are held by other jobs are Ray's to wait for (``placement_timeout``).
 """
 
@@ -56,6 +59,7 @@ def describe_ask(run, world: int, engines: int, gpus: bool) -> str:
         f"{world} training rank(s) of 1 {dev} (--actor-num-nodes {cluster.actor_num_nodes} x "
         f"--actor-num-gpus-per-node {cluster.actor_num_gpus_per_node})"
     ]
+    parts += _critic_ask(run, dev)
     if cluster.colocate:
         parts.append("the rollout engines on the training bundles (--colocate)")
     elif engines:
@@ -69,6 +73,20 @@ def describe_ask(run, world: int, engines: int, gpus: bool) -> str:
         n = (cluster.rollout_num_gpus or engine.tensor_parallel_size) if gpus else 1
         parts.append(f"the rollout manager holding the {engine.engine} engine ({_n(n)} {dev}, --rollout-num-gpus)")
     return ", ".join(parts)
+
+
+def _critic_ask(run, dev: str) -> List[str]:
+    """PPO's critic (``--advantage-estimator ppo``): its bundles of its own, or the actor's."""
+    critic = run.critic
+    if not critic.enabled:
+        return []
+    n = critic.world_size(run)
+    if run.cluster.colocate:
+        return [f"the critic's {n} rank(s) on the training bundles (--colocate)"]
+    return [
+        f"the critic: {n} training rank(s) of 1 {dev} (--critic-num-nodes {critic.num_nodes(run)} x "
+        f"--critic-num-gpus-per-node {critic.gpus_per_node(run)})"
+    ]
 
 
 def describe_nodes(nodes: Sequence[Mapping], key: str = "Resources") -> str:
@@ -87,12 +105,17 @@ def fixes(run, gpus: bool) -> str:
     if not gpus:
         return (
             "give the cluster more CPUs (--ray-num-cpus for the local cluster, `ray start --num-cpus N` on a node), "
-            "or fewer processes (--actor-num-gpus-per-node, --rollout-num-gpus)"
+            "or fewer processes (--actor-num-gpus-per-node, --rollout-num-gpus"
+            + (", --critic-num-gpus-per-node)" if run.critic.enabled else ")")
         )
     out = []
+    critic = run.critic.enabled
     if not run.cluster.colocate:
-        out.append("--colocate (the rollout engines share the training GPUs)")
+        shares = "the critic and the rollout engines share" if critic else "the rollout engines share"
+        out.append(f"--colocate ({shares} the training GPUs)")
         out.append("fewer rollout GPUs (--rollout-num-gpus, --rollout-num-gpus-per-engine)")
+        if critic:
+            out.append("a smaller critic (--critic-num-nodes, --critic-num-gpus-per-node)")
     out.append("fewer training ranks (--actor-num-nodes, --actor-num-gpus-per-node)")
     out.append("more GPU nodes (`ray start --address=<head> --num-gpus N` on each)")
     out.append("--placement-device cpu (CPU processes, gloo)")

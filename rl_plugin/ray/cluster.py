@@ -26,7 +26,12 @@ time-shared); a colocated engine of N GPUs runs tensor-parallel over the GPUs of
 told not to narrow to the one GPU of its bundle). Colocated on GPUs, the weights cannot travel over
 NCCL (train rank 0 and engine 0 share a GPU): ``--update-weight-transport distributed`` is refused.
 The ``hf`` engine with a single engine runs inside the manager (it then holds the rollout GPUs).
-Engine bundles are in (node, GPU id) order too. Bundles the cluster can never hold (more GPUs or
+Engine bundles are in (node, GPU id) order too. PPO's critic (``--advantage-estimator ppo``) gets
+``--critic-num-nodes x --critic-num-gpus-per-node`` bundles of its own (after the engines', GPU or
+CPU as the actor's), in (node, GPU id) order with the same TP x CP rule; with ``--colocate`` it
+shares the actor's bundles instead (actor, critic and engines time-share them, as in slime), each
+training process then taking half of the training share. ``Placement.for_critic()`` is the
+critic group's view (``rl_plugin.ray.critic_group.make_critic_group``). Bundles the cluster can never hold (more GPUs or
 CPUs than it has, a bundle larger than any node) are refused before Ray is asked, in seconds,
 naming the ask, the nodes and the flags that change it (``rl_plugin.ray.capacity``); a multi-GPU
 vLLM engine on CPU bundles is refused there too (``configs.engine.check_engine_device``).
@@ -39,7 +44,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 import ray
@@ -226,13 +231,32 @@ class Placement:
     engine_devices: List[str] = field(default_factory=list)  # colocated TP engines: CUDA_VISIBLE_DEVICES each
     train_sites: List[BundleSite] = field(default_factory=list)  # in rank order
     threads: ThreadPlan = field(default_factory=ThreadPlan.default)  # each role's torch threads
+    critic_bundles: List[int] = field(default_factory=list)  # critic rank r's bundle; empty: no critic
+    critic_sites: List[BundleSite] = field(default_factory=list)  # in critic rank order
+
+    def for_critic(self) -> "Placement":
+        """The critic group's view: its ranks on ``critic_bundles`` (its own, or the actor's when
+        colocated), for ``TrainGroup(run.critic_train, placement.for_critic())``."""
+        if not self.critic_bundles:
+            raise ValueError("this placement holds no critic (the run is not --advantage-estimator ppo)")
+        return replace(
+            self, world_size=len(self.critic_bundles), train_bundles=self.critic_bundles, train_sites=self.critic_sites
+        )
+
+    @property
+    def train_share(self) -> float:
+        """A training process's share of its bundle: all of it disaggregated; colocated,
+        ``COLOCATED_TRAIN_SHARE``, halved when the critic's process shares the bundle too."""
+        if not self.colocate:
+            return 1.0
+        return COLOCATED_TRAIN_SHARE / (2 if self.critic_bundles else 1)
 
     @property
     def num_engines(self) -> int:
         return len(self.engine_bundles)
 
     def train_options(self, rank: int) -> Dict[str, Any]:
-        share = COLOCATED_TRAIN_SHARE if self.colocate else 1.0
+        share = self.train_share
         opts = dict(num_cpus=share, num_gpus=share if self.gpus else 0)
         bundle = self.train_bundles[rank] if self.train_bundles else rank
         return {
@@ -276,8 +300,15 @@ class Placement:
         remove_placement_group(self.pg)
 
 
+def own_critic_ranks(run: RunConfig) -> int:
+    """The critic's ranks on bundles of their own: its world disaggregated; 0 colocated (it shares
+    the actor's) or without a critic."""
+    return run.critic.world_size(run) if run.critic.enabled and not run.cluster.colocate else 0
+
+
 def required_cpus(run: RunConfig) -> int:
-    return run.cluster.world_size + (0 if run.cluster.colocate else 1 + engine_processes(run))
+    extra = 0 if run.cluster.colocate else 1 + engine_processes(run) + own_critic_ranks(run)
+    return run.cluster.world_size + extra
 
 
 def create_placement(run: RunConfig) -> Placement:
@@ -292,7 +323,10 @@ def create_placement(run: RunConfig) -> Placement:
     if cluster.colocate and gpus and run.sync.transport in DISTRIBUTED_TRANSPORTS:
         refuse_colocated_nccl(run.sync.transport)
     device = "GPU" if gpus else "CPU"
-    check_node_count(cluster.actor_num_nodes, alive_nodes_with(device), device)
+    alive = alive_nodes_with(device)
+    check_node_count(cluster.actor_num_nodes, alive, device)
+    if run.critic.enabled:
+        check_node_count(run.critic.num_nodes(run), alive, device, role="critic")
     world = cluster.world_size
     bundles: List[Dict[str, float]] = [{"CPU": 1, "GPU": 1} if gpus else {"CPU": 1} for _ in range(world)]
     rollout_bundle, engines = 0, engine_processes(run)
@@ -303,6 +337,8 @@ def create_placement(run: RunConfig) -> Placement:
         rollout_bundle = world
         engine_bundles = list(range(world + 1, world + 1 + engines))
         bundles += [{"CPU": 1, "GPU": per_engine} if gpus else {"CPU": 1} for _ in range(engines)]
+    critic_bundles = list(range(len(bundles), len(bundles) + own_critic_ranks(run)))  # after the others'
+    bundles += [{"CPU": 1, "GPU": 1} if gpus else {"CPU": 1} for _ in critic_bundles]
     check_bundles_fit(run, bundles, ray.nodes(), world, engines, gpus)  # never fits: fail now, not after the wait
     pg = placement_group(bundles, strategy="PACK")
     try:
@@ -331,7 +367,11 @@ def create_placement(run: RunConfig) -> Placement:
         elif engine_bundles:
             sites = bundle_sites(pg, engine_bundles, [per_engine if gpus else 0] * len(engine_bundles))
             engine_bundles = [s.bundle for s in sorted_sites(sites)]
-        threads = thread_plan(run, pg, train_bundles, rollout_bundle, engine_bundles, gpus)
+        critic_sites: List[BundleSite] = []
+        if run.critic.enabled:  # its own bundles in (node, GPU id) order, or colocated the actor's
+            critic_sites = train_sites if cluster.colocate else critic_order(pg, critic_bundles, gpus, group)
+        critic_bundles = [s.bundle for s in critic_sites]
+        threads = thread_plan(run, pg, train_bundles + critic_bundles, rollout_bundle, engine_bundles, gpus)
     except BaseException:
         remove_placement_group(pg)
         raise
@@ -347,11 +387,22 @@ def create_placement(run: RunConfig) -> Placement:
         train_sites=train_sites,
         engine_devices=engine_devices,
         threads=threads,
+        critic_bundles=critic_bundles,
+        critic_sites=critic_sites,
     )
 
 
+def critic_order(pg, bundles: List[int], gpus: bool, group: int) -> List[BundleSite]:
+    """The critic's own ``bundles`` of ``pg`` in rank order (node, GPU id), each TP x CP group of
+    its ranks (``group``: the actor's TP x CP) on one node."""
+    sites = sorted_sites(bundle_sites(pg, bundles, [1 if gpus else 0] * len(bundles)))
+    check_groups_within_nodes(sites, group, "the critic's TP x CP", role="critic")
+    return sites
+
+
 def thread_plan(run: RunConfig, pg, train_bundles, rollout_bundle: int, engine_bundles, gpus: bool) -> ThreadPlan:
-    """Each role's torch threads (``rl_plugin.threads``) from the bundles' nodes and the mode:
+    """Each role's torch threads (``rl_plugin.threads``) from the bundles' nodes (``train_bundles``:
+    one per training process, the critic's included, twice a bundle both share) and the mode:
     training and generation at once when it generates ahead (overlapped, fully async; never
     colocated); the manager generates only with the ``hf`` engine in it; SFT generates nothing."""
     node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]

@@ -80,6 +80,14 @@ RULES = [
         f"{PPO} --actor-num-gpus-per-node 2 --tensor-model-parallel-size 2 --critic-num-gpus-per-node 3",
         ["--critic-num-nodes 1 x --critic-num-gpus-per-node 3 = 3 critic ranks", "multiple of TP x CP x PP = 2"],
     ),
+    (
+        f"{PPO} --global-batch-size 4 --rollout-batch-size 4 --n-samples-per-prompt 2 --critic-num-gpus-per-node 3",
+        [
+            "--global-batch-size 4 with --micro-batch-size 1 on the critic's 3 data-parallel ranks",
+            "a whole number of micro-batches per step",
+            "the critic's DP = 3",
+        ],
+    ),
     (f"{PPO} --critic-num-nodes 0", ["--critic-num-nodes: must be >= 1 (got 0)"]),
     (f"{PPO} --critic-lr -1", ["--critic-lr: must be >= 0.0 (got -1.0)"]),
     (f"{PPO} --critic-lr-warmup-iters -3", ["--critic-lr-warmup-iters: must be >= 0 (got -3)"]),
@@ -106,6 +114,8 @@ def test_rule_refused_with_its_message(flags, fragments):
         f"{PPO} --num-critic-only-steps 4 --num-rollout 5",
         f"{PPO} --colocate --critic-num-nodes 1 --critic-num-gpus-per-node 1",
         f"{PPO} --critic-num-nodes 2 --critic-num-gpus-per-node 4 --critic-lr 1e-5 --critic-lr-warmup-iters 3",
+        f"{PPO} --global-batch-size 4 --rollout-batch-size 4 --n-samples-per-prompt 2 --critic-num-gpus-per-node 2",
+        f"{PPO} --global-batch-size 4 --critic-num-gpus-per-node 3 --use-dynamic-batch-size --max-tokens-per-gpu 64",
     ],
 )
 def test_valid_combinations_pass(flags):

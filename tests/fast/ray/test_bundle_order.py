@@ -49,3 +49,18 @@ def test_node_count_beyond_the_alive_nodes_is_refused():
     check_node_count(2, 2, "GPU")
     with pytest.raises(LoopError, match=r"--actor-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
         check_node_count(3, 2, "GPU")
+
+
+def test_the_critics_checks_name_the_critics_flags():
+    """PPO's critic (issue 47) has bundles of its own: its refusals name --critic-num-*."""
+    with pytest.raises(LoopError) as err:
+        check_node_count(3, 2, "GPU", role="critic")
+    msg = str(err.value)
+    assert msg.startswith("--critic-num-nodes 3: the Ray cluster has 2 alive node(s) with GPUs"), msg
+    assert "use --critic-num-nodes 2 with more --critic-num-gpus-per-node" in msg, msg
+    order = sorted_sites([_site(b, f"node{b}", f"10.0.0.{b + 1}", 0) for b in range(2)])
+    with pytest.raises(LoopError) as err:
+        check_groups_within_nodes(order, 2, "the critic's TP x CP", role="critic")
+    msg = str(err.value)
+    assert "the critic's TP x CP group of ranks 0-1 would span nodes" in msg, msg
+    assert "Ray placed the critic's training bundles" in msg and "(--critic-num-gpus-per-node, a multiple" in msg, msg

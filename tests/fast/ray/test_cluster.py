@@ -80,3 +80,35 @@ def test_run_starts_its_own_cluster_beside_a_ray_start_head(free_port):
     finally:
         _stop(head)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_critics_processes_and_shares():
+    """PPO's critic (issue 47): its own ranks count towards the local cluster's CPUs when
+    disaggregated; colocated, the actor's and the critic's process split the training share of a
+    bundle, so a bundle's four processes still sum to one."""
+    from rl_plugin.ray.bundle_order import BundleSite
+    from rl_plugin.ray.cluster import COLOCATED_TRAIN_SHARE, Placement, own_critic_ranks, required_cpus
+    from tests.support.placement import placement_config
+
+    apart = dict(actor_num_nodes=1, colocate=False, advantage_estimator="ppo")
+    assert required_cpus(placement_config(actor_num_nodes=1, colocate=False)) == 2 + 1  # ranks + the manager
+    assert own_critic_ranks(placement_config(**apart)) == 2  # the actor's size by default
+    assert required_cpus(placement_config(**apart, critic_num_gpus_per_node=3)) == 2 + 1 + 3
+    together = placement_config(advantage_estimator="ppo")
+    assert own_critic_ranks(together) == 0 and required_cpus(together) == 4  # on the actor's bundles
+
+    sites = [BundleSite(b, f"n{b // 2}", "127.0.0.1") for b in (1, 0, 3, 2)]
+    p = Placement(None, 4, True, True, 1, [1, 3], train_bundles=[1, 0, 3, 2], train_sites=sites)
+    assert p.train_share == COLOCATED_TRAIN_SHARE and p.train_options(0)["num_gpus"] == COLOCATED_TRAIN_SHARE
+    with pytest.raises(ValueError, match="holds no critic"):
+        p.for_critic()
+    p.critic_bundles, p.critic_sites = list(p.train_bundles), list(sites)  # colocated: the actor's bundles
+    critic = p.for_critic()
+    assert (critic.world_size, critic.train_bundles, critic.train_sites) == (4, [1, 0, 3, 2], sites)
+    half = COLOCATED_TRAIN_SHARE / 2
+    assert p.train_share == critic.train_share == half
+    manager, engine = p.rollout_options(1)["num_gpus"], p.engine_options(0)["num_gpus"]
+    assert 2 * half + manager + engine == 1.0  # rank 0's bundle: actor, critic, manager, engine
+    own = Placement(None, 2, True, False, 2, train_bundles=[0, 1], critic_bundles=[4, 3], critic_sites=sites[:2])
+    assert own.for_critic().train_options(1)["num_gpus"] == 1.0  # a bundle of its own: all of it
+    assert own.for_critic().train_options(1)["scheduling_strategy"].placement_group_bundle_index == 3

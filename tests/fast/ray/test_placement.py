@@ -150,3 +150,62 @@ def test_a_gpu_shortfall_fails_in_seconds_and_a_multi_gpu_vllm_engine_follows_th
         p.remove()
     with pytest.raises(RLArgumentError, match=r"--rollout-num-gpus-per-engine 2 with --placement-device cpu on a Ray"):
         create_placement(replace(vllm, cluster=replace(vllm.cluster, placement_device="cpu")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the driver must have no CUDA (the point of the test)")
+def test_the_critic_gets_bundles_of_its_own_or_the_actors(logical_gpu_cluster):
+    """PPO's critic (issue 47) on the two nodes of 2 logical GPUs: disaggregated, 2 critic bundles of
+    its own beside the actor's rank and the hf engine's GPU (4 of 4 GPUs), in (node, GPU id) order,
+    no GPU shared with the actor or the engine, and its group's actors on them (they fail loud, as
+    the actor's do: no CUDA here, naming the critic bundle's node); colocated, the actor's bundles;
+    a critic the cluster cannot hold is refused in seconds naming its flags."""
+    import time
+
+    from rl_plugin.ray.bundle_order import bundle_sites
+    from rl_plugin.ray.critic_group import make_critic_group
+    from rl_plugin.ray.train_group import TrainActorError
+
+    _, gpu_nodes = logical_gpu_cluster
+    apart = dict(actor_num_nodes=1, colocate=False, advantage_estimator="ppo")
+    run = placement_config(**apart, actor_num_gpus_per_node=1, tensor_model_parallel_size=1, critic_num_gpus_per_node=2)
+    p = create_placement(run)
+    try:
+        sites = p.critic_sites
+        assert sorted(p.critic_bundles) == [2, 3] and [s.bundle for s in sites] == p.critic_bundles  # after the others'
+        assert sites == sorted_sites(sites) and {s.node_id for s in sites} <= gpu_nodes  # never the head
+        (engine,) = bundle_sites(p.pg, [p.rollout_bundle], [1])  # the hf engine in the manager holds 1 GPU
+        held = [(s.node_id, s.gpu_ids) for s in [*p.train_sites, *sites, engine]]
+        assert len(set(held)) == 4 and all(len(g) == 1 for _, g in held), held  # one GPU each, none shared
+        assert p.for_critic().world_size == 2 and p.train_options(0)["num_gpus"] == 1.0
+        with pytest.raises(TrainActorError) as err:  # the loop's path: the critic group's first call fails
+            make_critic_group(run, p)
+        r, text = err.value.rank, str(err.value)
+        assert f"GPUPlacementError: train rank {r} was placed on a GPU bundle" in text
+        assert f"node id {sites[r].node_id}" in text, text
+    finally:
+        p.remove()
+
+    together = create_placement(placement_config(advantage_estimator="ppo"))  # 2 x 2 ranks, TP 2, colocated
+    try:
+        assert together.critic_bundles == together.train_bundles and together.critic_sites == together.train_sites
+        assert together.for_critic().train_options(3)["num_gpus"] == together.train_options(3)["num_gpus"] == 0.375
+    finally:
+        together.remove()
+
+    cpu = create_placement(placement_config(**apart, placement_device="cpu", actor_num_gpus_per_node=1))
+    try:  # CPU bundles as the actor's: one CPU each, no GPU ids
+        assert cpu.critic_bundles == [2] and cpu.critic_sites[0].gpu_ids == () and not cpu.gpus
+        assert cpu.for_critic().train_options(0)["num_gpus"] == 0
+    finally:
+        cpu.remove()
+
+    t0 = time.perf_counter()
+    with pytest.raises(LoopError) as err:  # 2 actor ranks + 2 critic ranks + the engine's GPU = 5 > 4
+        create_placement(placement_config(**apart))
+    took, msg = time.perf_counter() - t0, str(err.value)
+    assert "they ask for 5 GPUs, the Ray cluster has 4" in msg, msg
+    assert "the critic: 2 training rank(s) of 1 GPU (--critic-num-nodes 1 x --critic-num-gpus-per-node 2)" in msg, msg
+    assert took < 60  # a hang guard: far below the 300 s placement wait
+    with pytest.raises(LoopError, match=r"--critic-num-nodes 3: the Ray cluster has 2 alive node\(s\) with GPUs"):
+        create_placement(placement_config(**apart, critic_num_nodes=3))
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing left held
