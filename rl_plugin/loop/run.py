@@ -56,6 +56,7 @@ from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
+from rl_plugin.ray.critic_group import make_critic_group
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
@@ -238,8 +239,8 @@ class TrainingRun:
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
         critic = None
-        if run.critic.enabled:  # PPO: the critic's own ranks (its bundles, or the actor's when colocated)
-            self.critic = _critic_group(run, self.placement)
+        self.critic = make_critic_group(run, self.placement)  # PPO: its own bundles, or the actor's when colocated
+        if self.critic is not None:
             self.critic.poll = self.exit.poll  # its calls are not cut (critic_pieces): the waits only poll
             critic = CriticPieces(run.critic, self.critic, self.group)
         self.pieces = RolloutPieces(
@@ -299,19 +300,3 @@ class TrainingRun:
         finally:
             if self.owns_ray:
                 shutdown_ray()  # it resets SIGTERM's disposition: exit_request's signal thread takes them
-
-
-class _SharedBundles:
-    """INTERIM (until critic-cfg's placement lands): the critic's ranks on the actor's bundles,
-    asking for no resource of their own (CPU runs only)."""
-
-    def __init__(self, placement, world_size: int):
-        self.placement, self.world_size, self.threads = placement, world_size, placement.threads
-
-    def train_options(self, rank: int):
-        opts = self.placement.train_options(rank % self.placement.world_size)
-        return {**opts, "num_cpus": 0, "num_gpus": 0}
-
-
-def _critic_group(run: RunConfig, placement) -> TrainGroup:
-    return TrainGroup(run.critic_train, _SharedBundles(placement, run.critic.world_size(run)))
