@@ -25,6 +25,10 @@ train; the reference policy is the same model with its adapters disabled (PEFT's
 ``disable_adapter``); a weight sync streams the adapters only (``stream_lora_adapters``); the
 checkpoint holds the adapters, their optimizer state and the base's identity; ``--save-hf``
 writes a PEFT adapter directory (``--save-hf-merged``: also the merged HF model).
+
+The value model (``config.value_head``, the critic; ``value_model.py``): the HF model as
+``<Family>ForTokenClassification`` with one label, ``forward`` with ``options.values`` returns
+``[n, 1]`` values; checkpoints as the policy's, ``--save-hf`` in the token-classification form.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import logging
 import math
 import random
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -52,6 +57,7 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
+from rl_plugin.backends.fsdp.value_model import idle_values, micro_batch_values
 from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
 from rl_plugin.lora.peft_dir import write_run_adapters
@@ -59,6 +65,7 @@ from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.moe_names import model_to_checkpoint, to_checkpoint
 from rl_plugin.models.tiny import default_tiny_checkpoint
+from rl_plugin.models.value_head import write_value_hf_dir
 from rl_plugin.parallel import ParallelState, all_reduce, cpu_group
 
 logger = logging.getLogger(__name__)
@@ -129,6 +136,10 @@ class FSDPBackend(TrainBackend):
             raise RuntimeError("FSDPBackend needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         from torch.distributed.device_mesh import init_device_mesh
 
+        if config.value_head and config.lora.enabled:
+            # the critic trains all its weights; --lora-rank is the actor's (value_model.py)
+            logger.info("value model: --lora-rank %d applies to the actor only", config.lora.lora_rank)
+            config = replace(config, lora=replace(config.lora, lora_rank=0))
         self.config = config
         self.hf_dir = config.model.hf_checkpoint or default_tiny_checkpoint()
         self.device = _device()
@@ -176,8 +187,11 @@ class FSDPBackend(TrainBackend):
             return shard_model(model, self.mesh, bf16=self.config.model.bf16)
         dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
-        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
-        if self._use_fused_head(model):
+        value_head = self.config.value_head and not frozen
+        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation, value_head=value_head)
+        if value_head:
+            pass  # the critic: the scalar head as it is, no LM head to replace (value_model.py)
+        elif self._use_fused_head(model):
             install_fused_head(model, fp32=self.config.model.fp32_lm_head)
         elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
@@ -214,6 +228,11 @@ class FSDPBackend(TrainBackend):
         return self._teacher_model
 
     def model_for(self, role: str):
+        if (role == "critic") != self.config.value_head:
+            kind = "a value model (value_head)" if self.config.value_head else "a policy"
+            raise ValueError(f"model_for({role!r}): this FSDPBackend is {kind}")
+        if role == "critic":
+            return self.model
         if role == "teacher":
             return self._teacher()
         if role == "actor" or self.lora_enabled:  # LoRA: the reference is self.model, adapters off
@@ -238,6 +257,10 @@ class FSDPBackend(TrainBackend):
 
     # -- the runner's backend interface (rl_plugin.loss.StepBackend) -----------------------------
     def forward(self, model, inputs, options: ForwardOptions) -> torch.Tensor:
+        if options.values:  # the critic: [n, 1] values (value_model.py)
+            if inputs.layout.num_samples == 0:
+                return idle_values(model, self.device)
+            return micro_batch_values(model, inputs, self.attn_implementation, self.device)
         if inputs.layout.num_samples == 0:
             # An idle pass: one token through the model so this rank joins FSDP's collectives;
             # its output, times 0, carries the graph so the backward joins them too.
@@ -362,6 +385,11 @@ class FSDPBackend(TrainBackend):
                 return
             out_dir = cfg.save_hf_merged
         state = self.export_hf_state_dict()
+        if self.config.value_head:  # <Family>ForTokenClassification, one label (models.value_head)
+            if dist.get_rank() == 0:
+                write_value_hf_dir(out_dir, state, self.model.config, source_dir=self.hf_dir, dtype=self.hf_dtype)
+            dist.barrier()
+            return
         ckpt.write_hf_dir(
             out_dir, state, self.model.config, source_dir=self.hf_dir, tied_keys=self.tied_names, dtype=self.hf_dtype
         )

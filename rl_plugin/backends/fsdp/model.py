@@ -29,6 +29,7 @@ from torch import nn
 
 from rl_plugin.loss import ForwardOptions, default_chunk_rows, fp32_output_projection, fused_log_probs_and_entropy
 from rl_plugin.models.hf_head import fused_head_unsupported
+from rl_plugin.models.value_head import is_value_config, value_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +57,24 @@ def disable_dropout(config) -> List[str]:
     return changed
 
 
-def load_hf_model(path: str, *, attn_implementation: str = "sdpa") -> nn.Module:
+def load_hf_model(path: str, *, attn_implementation: str = "sdpa", value_head: bool = False) -> nn.Module:
     """``AutoModelForCausalLM`` from an HF directory, fp32 master weights, training mode, dropout
-    off (module docstring), no embedding ``padding_idx`` (see below)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    off (module docstring), no embedding ``padding_idx`` (see below). ``value_head``: the critic,
+    ``AutoModelForTokenClassification`` with one label (``rl_plugin.models.value_head``): the
+    backbone of a causal-LM checkpoint with the scalar head ``score`` at zero, or a value
+    checkpoint's own head."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(path)
+    stored_head = value_head and is_value_config(config)
+    if value_head:
+        config = value_config(config)
     changed = disable_dropout(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    model = auto.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation=attn_implementation)
+    if value_head and not stored_head:
+        with torch.no_grad():
+            model.score.weight.zero_()  # V = 0 everywhere until the critic learns
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p != 0:
             module.p = 0.0
