@@ -2,13 +2,14 @@
 train groups, HF generate, the embedded default with ``--advantage-estimator ppo`` (its own
 settings: ``rl_plugin.arguments.embedded.PPO_EMBEDDED_DEFAULTS``, 3 critic-only rollouts).
 
-Per backend, run P: ``NUM_ROLLOUT`` rollouts, a checkpoint after every one. Then:
+Per backend, run P: ``NUM_ROLLOUT`` rollouts; run C: 5 rollouts, a checkpoint after every one. Then:
 
-- it learns: the reward, the critic's explained variance rise; during the critic-only rollouts
-  (the policy fixed, so the returns' distribution too) the value loss falls;
+- it learns: the reward and the critic's explained variance rise, the critic's values reach the
+  returns' level (numbers in ``test_ppo_learns_and_the_critic_fits``);
 - the critic-only rollouts leave the actor bitwise unchanged: its checkpoints after rollouts 0..2
-  hold the same weights, bit for bit, and an optimizer that never stepped (Adam's first moments
-  all zero); after rollout 3 (its first step) they differ;
+  hold the same weights, bit for bit (FSDP: the initial Hugging Face weights themselves), and an
+  optimizer that never stepped (Adam's first moments all zero); after rollout 3 (its first step)
+  every weight differs;
 - every checkpoint of the actor has the critic's of the same step beside it (``<save>/critic``).
 
 FSDP, in processes of their own (``test_sigterm_saves_actor_and_critic_and_the_printed_command_resumes_both``):
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 from pathlib import Path
 
@@ -35,9 +37,9 @@ from rl_plugin.ray.testing_hooks import SIGNAL_ENV  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
 
-NUM_ROLLOUT = 24
+NUM_ROLLOUT = 100  # ~0.1 s a rollout here: the Ray and model start-up dominate
 CRITIC_ONLY = 3  # PPO_EMBEDDED_DEFAULTS["num_critic_only_steps"]
-WINDOW = 6  # rollouts averaged at each end of the run
+WINDOW = 20  # rollouts averaged at each end of the run
 
 
 @pytest.fixture(scope="module")
@@ -46,29 +48,42 @@ def ray_cluster(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module", params=["fsdp", "megatron"])
-def run_p(request, ray_cluster, tmp_path_factory):
-    backend = request.param
-    out = tmp_path_factory.mktemp(f"ppo_{backend}")
+def _ppo_run(backend, out, *extra):
     main(
         [
             "--train-backend",
             backend,
             "--advantage-estimator",
             "ppo",
-            "--num-rollout",
-            str(NUM_ROLLOUT),
             "--output-dir",
             str(out),
             "--save",
             str(out / "ckpt"),
-            "--save-interval",
-            "1",
             "--no-progress-bar",
+            *extra,
         ]
     )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {"backend": backend, "out": out, "rows": [r for r in rows if "step_in_rollout" in r]}
+
+
+@pytest.fixture(scope="module", params=["fsdp", "megatron"])
+def backend(request, ray_cluster):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def run_p(backend, tmp_path_factory):
+    """The embedded PPO default, NUM_ROLLOUT rollouts (checkpoints at the half and the end)."""
+    out = tmp_path_factory.mktemp(f"ppo_{backend}")
+    return _ppo_run(backend, out, "--num-rollout", str(NUM_ROLLOUT), "--save-interval", str(NUM_ROLLOUT // 2))
+
+
+@pytest.fixture(scope="module")
+def run_c(backend, tmp_path_factory):
+    """The same, 5 rollouts, a checkpoint after every one (3 critic-only, then 2 actor steps)."""
+    out = tmp_path_factory.mktemp(f"ppo_ckpt_{backend}")
+    return _ppo_run(backend, out, "--num-rollout", "5", "--save-interval", "1")
 
 
 def _mean(rows, key):
@@ -76,15 +91,22 @@ def _mean(rows, key):
 
 
 def test_ppo_learns_and_the_critic_fits(run_p):
+    """Measured here (deterministic on this machine), first / last 20 rollouts: FSDP reward 0.139
+    -> 0.282, explained variance 0.147 -> 0.336, value loss 0.0132 -> 0.0095; Megatron: see
+    docs/benchmarks.md "PPO with a critic" (same run)."""
     rows = run_p["rows"]
     assert [r["rollout_id"] for r in rows] == list(range(NUM_ROLLOUT))  # one step per rollout
     first, last = rows[:WINDOW], rows[-WINDOW:]
     reward = (_mean(first, "reward_mean"), _mean(last, "reward_mean"))
     ev = (_mean(first, "critic/explained_variance"), _mean(last, "critic/explained_variance"))
+    loss = (_mean(first, "critic/value_loss"), _mean(last, "critic/value_loss"))
     assert reward[1] > reward[0] + 0.08, (run_p["backend"], reward)
-    assert ev[1] > ev[0] + 0.15 and ev[1] > 0.2, (run_p["backend"], ev)
-    critic_only = [r["critic/value_loss"] for r in rows[:CRITIC_ONLY]]
-    assert critic_only[-1] < 0.8 * critic_only[0], (run_p["backend"], critic_only)
+    assert ev[1] > ev[0] + 0.1 and ev[1] > 0.2, (run_p["backend"], ev)
+    assert loss[1] < 0.85 * loss[0], (run_p["backend"], loss)
+    # the zero-initialised head (values 0 at rollout 0) learns the returns' level
+    assert rows[0]["critic/values_mean"] == 0.0 < rows[0]["critic/returns_mean"]
+    gap = _mean([{"g": abs(r["critic/values_mean"] - r["critic/returns_mean"])} for r in last], "g")
+    assert gap < 0.3 * _mean(last, "critic/returns_mean"), (run_p["backend"], gap)
     for r in rows:
         for key in (
             "value_loss",
@@ -124,15 +146,13 @@ def _model_and_moments(path):
     return model, moments
 
 
-def test_critic_only_rollouts_leave_the_actor_bitwise_unchanged(run_p, tmp_path):
-    ckpt = run_p["out"] / "ckpt"
+def test_critic_only_rollouts_leave_the_actor_bitwise_unchanged(run_c, tmp_path):
+    ckpt = run_c["out"] / "ckpt"
     steps = complete_steps(ckpt)
-    assert steps[: CRITIC_ONLY + 1] == [1, 2, 3, 4], steps
+    assert steps == [1, 2, 3, 4, 5], steps
     snaps = []
     for step in (1, 2, 3, 4):
         copy = tmp_path / f"iter_{step}"
-        import shutil
-
         shutil.copytree(step_dir(ckpt, step), copy)
         snaps.append(_model_and_moments(copy))
     (m1, a1), (m2, a2), (m3, a3), (m4, _) = snaps
@@ -142,15 +162,30 @@ def test_critic_only_rollouts_leave_the_actor_bitwise_unchanged(run_p, tmp_path)
         assert all(torch.equal(m[k], m1[k]) for k in m1), [k for k in m1 if not torch.equal(m[k], m1[k])]
     for a in (a1, a2, a3):  # never stepped: Adam's first moments are zero (or not created yet)
         assert all(not v.any() for v in a.values()), [k for k, v in a.items() if v.any()]
+    if run_c["backend"] == "fsdp":  # HF names ("model." + the HF key): the initial weights, bit for bit
+        from safetensors.torch import load_file
+
+        from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
+
+        hf = {}
+        for f in sorted(ensure_tiny_model(cache_root()).glob("*.safetensors")):
+            hf.update(load_file(f))
+        names = {k: k.removeprefix("model.") for k in m1}
+        assert set(names.values()) <= set(hf), sorted(set(names.values()) - set(hf))
+        assert all(torch.equal(m1[k], hf[n]) for k, n in names.items())
     changed = [k for k in m1 if not torch.equal(m4[k], m1[k])]
     assert len(changed) == len(m1), sorted(set(m1) - set(changed))  # the first actor step moves every weight
 
 
-def test_every_checkpoint_holds_the_critic_of_its_step(run_p):
-    ckpt = run_p["out"] / "ckpt"
-    assert complete_steps(ckpt / "critic") == complete_steps(ckpt) == list(range(1, NUM_ROLLOUT + 1))
-    state = json.loads((Path(step_dir(ckpt / "critic", NUM_ROLLOUT)) / "loop_state.json").read_text())
-    assert (state["role"], state["next_rollout"]) == ("critic", NUM_ROLLOUT)
+def test_every_checkpoint_holds_the_critic_of_its_step(run_c, run_p):
+    ckpt = run_c["out"] / "ckpt"
+    assert complete_steps(ckpt / "critic") == complete_steps(ckpt) == [1, 2, 3, 4, 5]
+    state = json.loads((Path(step_dir(ckpt / "critic", 5)) / "loop_state.json").read_text())
+    assert (state["role"], state["next_rollout"]) == ("critic", 5)
+    half = NUM_ROLLOUT // 2
+    assert (
+        complete_steps(run_p["out"] / "ckpt" / "critic") == complete_steps(run_p["out"] / "ckpt") == [half, NUM_ROLLOUT]
+    )
 
 
 # -- SIGTERM mid-run (FSDP; real processes) ----------------------------------------------------------
