@@ -83,3 +83,31 @@ def test_explained_variance():
     ref = 1 - float(((r - v) - (r - v).mean()).pow(2).mean() / (r - r.mean()).pow(2).mean())
     assert explained_variance(ret, val, mask) == pytest.approx(ref, rel=1e-9)
     assert math.isnan(explained_variance(torch.ones(13), val, mask))  # constant returns: nothing to explain
+
+
+def test_ppo_batch_runs_gae_per_sample_and_whitens_over_trained_tokens():
+    from rl_plugin.loop.advantages import ppo_base_batch
+    from rl_plugin.loop.ppo_advantages import ppo_batch
+    from rl_plugin.loss import gae
+    from tests.support.rollouts import random_rollout
+
+    data = random_rollout()
+    data.loss_mask[3] = 0.0  # a masked (tool) token inside sample 1's response
+    base = ppo_base_batch(data)
+    n = int(base.response_lengths.sum())
+    values = torch.linspace(0.1, 0.9, n)
+    batch, stats = ppo_batch(base, data.rewards, values, gamma=0.9, lambd=0.8, normalize_advantages=False)
+    start, advs, rets = 0, [], []
+    for i, length in enumerate(base.response_lengths.tolist()):  # reference: one sample at a time
+        m = base.loss_mask[start : start + length]
+        r = token_level_rewards(data.rewards[i : i + 1], torch.tensor([length]), m)
+        a, ret = gae(r[None], values[start : start + length][None], m[None], 0.9, 0.8)
+        advs.append(a[0])
+        rets.append(ret[0])
+        start += length
+    assert torch.allclose(batch.advantages, torch.cat(advs), atol=1e-6)
+    assert torch.allclose(batch.returns, torch.cat(rets), atol=1e-6)
+    assert torch.equal(batch.values, values) and batch.old_log_probs is None
+    assert stats["critic/explained_variance"] == explained_variance(batch.returns, values, base.loss_mask)
+    whitened, _ = ppo_batch(base, data.rewards, values, gamma=0.9, lambd=0.8, normalize_advantages=True)
+    assert torch.allclose(whitened.advantages, masked_whiten(batch.advantages, base.loss_mask), atol=1e-6)
