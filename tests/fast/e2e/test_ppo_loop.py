@@ -190,6 +190,27 @@ def test_every_checkpoint_holds_the_critic_of_its_step(run_c, run_p):
     )
 
 
+def test_kl_coef_folds_the_actors_kl_into_the_rewards(ray_cluster, tmp_path):
+    """--kl-coef 0.1 (FSDP): the actor's old and reference log-probs, computed while the critic's
+    values are, enter the token rewards: zero penalty on the first rollout (the actor is the
+    reference), a nonzero mean old - ref on every rollout after the actor's first step."""
+    run = _ppo_run(
+        "fsdp",
+        tmp_path / "kl",
+        "--num-rollout",
+        "4",
+        "--num-critic-only-steps",
+        "0",
+        "--kl-coef",
+        "0.1",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0",
+    )
+    kl = [r["critic/kl_penalty_mean"] for r in run["rows"]]
+    assert kl[0] == 0.0 and all(k != 0.0 for k in kl[1:]), kl
+
+
 # -- SIGTERM mid-run (FSDP; real processes) ----------------------------------------------------------
 SIG_ROLLOUTS = 8
 
