@@ -211,6 +211,19 @@ def test_kl_coef_folds_the_actors_kl_into_the_rewards(ray_cluster, tmp_path):
     assert kl[0] == 0.0 and all(k != 0.0 for k in kl[1:]), kl
 
 
+def test_the_one_step_off_loop_trains_the_critic_too(ray_cluster, tmp_path):
+    """--max-weight-staleness 1 (Megatron): rollout k+1 is generated while the actor and the critic
+    train on rollout k; every row carries the critic's metrics and the staleness, the first actor
+    step comes after the critic-only rollouts, and the critic is checkpointed with the actor."""
+    run = _ppo_run("megatron", tmp_path / "ovl", "--num-rollout", "6", "--max-weight-staleness", "1")
+    rows = run["rows"]
+    assert [r["rollout_id"] for r in rows] == list(range(6))
+    assert [r["weight_staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert all("critic/value_loss" in r and "critic/explained_variance" in r for r in rows)
+    assert [("pg_loss" in r) for r in rows] == [False] * CRITIC_ONLY + [True] * (6 - CRITIC_ONLY)
+    assert complete_steps(run["out"] / "ckpt" / "critic") == complete_steps(run["out"] / "ckpt") == [6]
+
+
 # -- SIGTERM mid-run (FSDP; real processes) ----------------------------------------------------------
 SIG_ROLLOUTS = 8
 
