@@ -224,6 +224,16 @@ def test_the_one_step_off_loop_trains_the_critic_too(ray_cluster, tmp_path):
     assert complete_steps(run["out"] / "ckpt" / "critic") == complete_steps(run["out"] / "ckpt") == [6]
 
 
+def test_colocated_with_offload_the_critic_shares_the_actors_bundles(ray_cluster, tmp_path):
+    """--colocate --offload-train (FSDP): the critic's ranks on the actor's bundles, offloaded with the
+    actor's before each generation and brought back by their next call; the run trains both."""
+    run = _ppo_run("fsdp", tmp_path / "colo", "--num-rollout", "5", "--colocate", "--offload-train")
+    rows = run["rows"]
+    assert [("pg_loss" in r) for r in rows] == [False] * CRITIC_ONLY + [True] * (5 - CRITIC_ONLY)
+    assert all(r["critic/values_mean"] != 0.0 for r in rows[1:])  # the critic trained and came back
+    assert complete_steps(run["out"] / "ckpt" / "critic") == [5]
+
+
 # -- SIGTERM mid-run (FSDP; real processes) ----------------------------------------------------------
 SIG_ROLLOUTS = 8
 
