@@ -196,13 +196,17 @@ class ResponseLayout:
         out = torch.full(self.input_index.shape, pad_id, dtype=tokens_flat.dtype, device=tokens_flat.device)
         out[valid] = tokens_flat[self.input_index[valid]]
         if self.qkv_format == "bshd":
-            return out.view(self.num_samples, -1)
+            return self._rows(out)
         return out
 
     def local_position_ids(self) -> torch.Tensor:
         if self.qkv_format == "bshd":
-            return self.position_ids.view(self.num_samples, -1)
+            return self._rows(self.position_ids)
         return self.position_ids
+
+    def _rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """bshd: ``[S, local_seq_len]`` (``[0, 0]`` for a micro-batch with no sample)."""
+        return flat.view(self.num_samples, -1) if self.num_samples else flat.view(0, 0)
 
     def targets(self, tokens_flat: torch.Tensor) -> torch.Tensor:
         """Token ids predicted at each local response position."""

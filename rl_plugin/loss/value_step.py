@@ -29,10 +29,15 @@ averaging, so the applied gradient is dJ/dtheta. ``--deepspeed-grad-scale``, TIS
 and the custom policy reducer belong to the policy objective and do not apply here.
 
 Report (identical on every rank; the last pipeline stage's, broadcast): ``value_loss`` = J,
-``vf_clipfrac`` = the token mean over trained tokens of [the clipped error is the larger],
+``vf_clipfrac`` = the token mean over trained tokens of [|v' - v| > c and the clipped error is
+the larger],
 ``values_mean`` = the token mean of v' over trained tokens (the training forward's predictions),
 ``grad_norm`` and ``lr`` (``backend.optimizer_step``), ``num_micro_batches`` (passes per rank).
 The token means are over the step's global trained-token total (sum of m), whatever the mode.
+
+The clip c reaches the step as ``value_step(..., value_clip=c)`` (``TrainBackend.value_train_step``
+likewise): ``--value-clip`` is the run's critic setting, not a field of the backend's configs, so
+its caller passes it; the default is the flag's default (0.2).
 """
 
 from __future__ import annotations

@@ -93,3 +93,14 @@ def test_bad_layout_inputs_name_the_sample():
 def test_expand_runs():
     assert expand_runs(torch.tensor([5, 0, 9]), torch.tensor([2, 3, 0])).tolist() == [5, 6, 0, 1, 2]
     assert expand_runs(torch.tensor([3]), torch.tensor([0])).numel() == 0
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_an_empty_micro_batch_has_empty_inputs(fmt):
+    """A DP rank past its own micro-batch count runs an empty one (FSDP's idle pass): bshd's
+    ``[S, L]`` view of zero samples is ``[0, 0]``, not a reshape error."""
+    empty = torch.zeros(0, dtype=torch.long)
+    lay = build_response_layout(empty, empty, qkv_format=fmt, max_seq_len=16 if fmt == "bshd" else None)
+    want = (0, 0) if fmt == "bshd" else (0,)
+    assert tuple(lay.local_inputs(empty).shape) == want and tuple(lay.local_position_ids().shape) == want
+    assert lay.num_local_tokens == 0

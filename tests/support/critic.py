@@ -7,6 +7,7 @@ comparison reuse ``value_worker`` with ``backend="megatron"``).
     ckpt = value_checkpoint(tmp_root, tiny_ckpt)       # the tiny LM as a critic, random head
     per_rank = run_world(value_worker, dp, "fsdp", ckpt, data, cases)   # cases: {name: flags}
     j, grad_norm, values = reference_value_step(ckpt, data, mode)        # unsharded HF, per sample
+    data = around_predictions(data, values)            # old values near a model's predictions
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def value_step_data(seed: int = 0) -> dict:
     step["returns"] = returns
     step["values"] = returns + 0.3 * torch.randn(returns.shape, generator=g)
     return step
+
+
+def around_predictions(data: dict, predictions: torch.Tensor, seed: int = 2) -> dict:
+    """``data`` with old values within about the clip range of a model's ``predictions`` (within
+    it or just past it) and returns further off (fp32), so both branches of the clipped loss occur."""
+    g = torch.Generator().manual_seed(seed)
+    v = predictions.detach().double()
+    out = dict(data)
+    out["values"] = (v + 0.2 * torch.randn(v.shape, generator=g, dtype=torch.float64)).float()
+    out["returns"] = (v + torch.randn(v.shape, generator=g, dtype=torch.float64)).float()
+    return out
 
 
 def value_checkpoint(root, lm_dir: str, seed: int = 5) -> str:

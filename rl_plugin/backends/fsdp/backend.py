@@ -187,11 +187,10 @@ class FSDPBackend(TrainBackend):
             return shard_model(model, self.mesh, bf16=self.config.model.bf16)
         dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
-        value_head = self.config.value_head and not frozen
-        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation, value_head=value_head)
-        if value_head:
-            pass  # the critic: the scalar head as it is, no LM head to replace (value_model.py)
-        elif self._use_fused_head(model):
+        if self.config.value_head and not frozen:
+            return self._build_value_model()
+        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
+        if self._use_fused_head(model):
             install_fused_head(model, fp32=self.config.model.fp32_lm_head)
         elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
@@ -205,6 +204,12 @@ class FSDPBackend(TrainBackend):
             model.requires_grad_(False).eval()
         model.to(self.device)
         return shard_model(model, self.mesh, bf16=self.config.model.bf16)
+
+    def _build_value_model(self):
+        """The critic (``value_model.py``): the scalar head as it is, no LM head to replace, no LoRA."""
+        model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation, value_head=True)
+        self.tied_names = []
+        return shard_model(model.to(self.device), self.mesh, bf16=self.config.model.bf16)
 
     def _use_fused_head(self, model) -> bool:
         """The fused head + log-probs unless ``--disable-fused-lm-head`` or the model needs its logits."""

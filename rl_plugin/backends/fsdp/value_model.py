@@ -16,14 +16,19 @@ position and the rows are selected after it (``logits_to_keep`` is a causal-LM a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rl_plugin.backends.fsdp.packing import model_inputs
 
 
-def micro_batch_values(model, mb, attn_implementation: str, device: torch.device) -> torch.Tensor:
-    """``[n_local, 1]`` fp32 values of one micro-batch's local response tokens (module docstring)."""
-    kwargs, row_index = model_inputs(mb, attn_implementation, device)
+def micro_batch_values(
+    model, mb, attn_implementation: str, device: torch.device, padded_grid: Optional[bool] = None
+) -> torch.Tensor:
+    """``[n_local, 1]`` fp32 values of one micro-batch's local response tokens (module docstring);
+    ``padded_grid`` as ``packing.model_inputs``'s (thd's form; default: the cheaper one)."""
+    kwargs, row_index = model_inputs(mb, attn_implementation, device, padded_grid)
     keep = kwargs.pop("logits_to_keep", None)  # thd as one row: the kept positions are the rows
     rows = row_index if row_index is not None else keep
     scores = model(**kwargs).logits  # [S, L, 1] (or [1, t, 1])

@@ -4,7 +4,8 @@ real FSDP2 on gloo, tiny Qwen2, fp32.
 From a causal-LM checkpoint the critic is the backbone with a ZERO scalar head ``score`` (every
 value 0, the LM head gone); one value step then moves only the head (the backbone's gradient is
 ``score`` times something: 0). Its AdamW state and step counter are checkpointed: reloading the
-step-1 checkpoint and repeating step 2 gives the same report and weights, bit for bit. ``--save-hf``
+step-1 checkpoint and repeating step 2 gives the same report and weights, bit for bit, and a DP2
+checkpoint resumes on DP1 with the same weights and next step. ``--save-hf``
 writes a ``Qwen2ForTokenClassification`` directory with one label whose values, each sample run
 alone through transformers, equal the backend's packed values. A value model refuses the policy's
 passes and a policy the critic's.
@@ -17,7 +18,14 @@ import json
 import pytest
 import torch
 
-from tests.support.critic import VALUE_CLIP, alone_values, value_backend, value_flags, value_step_data
+from tests.support.critic import (
+    VALUE_CLIP,
+    alone_values,
+    value_backend,
+    value_checkpoint,
+    value_flags,
+    value_step_data,
+)
 from tests.support.fsdp_common import step_batch
 from tests.support.tolerance import FP32_MODEL, tensor_within
 
@@ -126,3 +134,64 @@ def test_the_policy_and_value_passes_refuse_the_other_kind(run, run_world):
     assert all("is a value model (TrainConfig.value_head); it has no LM head" in e for e in out["errors"])
     msg = run_world(_policy_worker, 1, lm_dir)[0]
     assert msg.startswith("compute_values: this FSDPBackend is a policy (TrainConfig.value_head is False)")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_packed_form_reads_the_values_at_the_predicting_positions(tiny_qwen2, tmp_path, attn):
+    """thd as the padded grid and as one row under the block-diagonal mask, and padded bshd rows:
+    the values of every response token equal each sample's own forward at the position before it."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.backends.fsdp.value_model import micro_batch_values
+    from rl_plugin.loss import MicroBatchInputs
+
+    model = load_hf_model(value_checkpoint(tmp_path, tiny_qwen2), attn_implementation=attn, value_head=True).eval()
+    batch = step_batch(value_step_data(0))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = alone_values(model, batch)
+        forms = {
+            "thd grid": micro_batch_values(model, MicroBatchInputs.build(batch), attn, cpu, padded_grid=True),
+            "thd row": micro_batch_values(model, MicroBatchInputs.build(batch), attn, cpu, padded_grid=False),
+            "bshd": micro_batch_values(
+                model, MicroBatchInputs.build(batch, qkv_format="bshd", max_seq_len=16), attn, cpu
+            ),
+        }
+    assert float(want.abs().max()) > 0.1
+    for name, got in forms.items():
+        assert got.shape == (want.numel(), 1) and got.dtype == torch.float32, name
+        assert tensor_within(got[:, 0], want, rtol=FP32_MODEL), (name, float((got[:, 0] - want).abs().max()))
+
+
+def _save_worker(rank, world, lm_dir, path):
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+
+    b = value_backend(value_flags(lm_dir, *ADAM))
+    data = value_step_data(0)
+    local = step_batch(data).select(split_samples_for_dp(data["total_lengths"].numel(), world)[rank])
+    b.value_train_step(local, num_groups=3, value_clip=VALUE_CLIP)
+    b.value_train_step(local, num_groups=3, value_clip=VALUE_CLIP)
+    b.save_checkpoint(path, step=2)
+    weights = b.export_hf_state_dict()
+    report = b.value_train_step(local, num_groups=3, value_clip=VALUE_CLIP)
+    return dict(weights=weights, report=report)
+
+
+def _load_worker(rank, world, lm_dir, path):
+    b = value_backend(value_flags(lm_dir, *ADAM))
+    meta = b.load_checkpoint(path)
+    weights = b.export_hf_state_dict()
+    report = b.value_train_step(step_batch(value_step_data(0)), num_groups=3, value_clip=VALUE_CLIP)
+    return dict(weights=weights, step=meta["step"], report=report)
+
+
+def test_a_dp2_checkpoint_resumes_on_dp1(run_world, tiny_qwen2, tmp_path):
+    """DCP reshards the critic (weights and AdamW state): the DP1 run resumes with the DP2 run's
+    exact weights, and its next step is the DP2 run's next step (same J, grad norm, lr)."""
+    saved = run_world(_save_worker, 2, tiny_qwen2, str(tmp_path / "iter_2"))[0]
+    loaded = run_world(_load_worker, 1, tiny_qwen2, str(tmp_path / "iter_2"))[0]
+    assert loaded["step"] == 2
+    assert all(torch.equal(loaded["weights"][k], v) for k, v in saved["weights"].items())
+    for key in ("value_loss", "vf_clipfrac", "values_mean", "grad_norm", "lr"):
+        assert abs(loaded["report"][key] - saved["report"][key]) <= FP32_MODEL * max(1.0, abs(saved["report"][key])), (
+            key
+        )
