@@ -316,13 +316,13 @@ class MegatronBackend(TrainBackend):
         """``--save-hf``: a Hugging Face directory (safetensors + config), written by rank 0;
         collective (TP shards are gathered; pipeline stages broadcast theirs, under no_grad).
         With LoRA: a PEFT adapter directory (``--save-hf-merged DIR``: also the merged model there).
-        The value model: ``value_head.write_value_model`` (a token-classification directory)."""
+        The value model: ``models.value_head.write_value_hf_dir`` (a token-classification directory)."""
         if self.value_head:
-            from rl_plugin.backends.megatron.value_head import write_value_model
+            from rl_plugin.models.value_head import write_value_hf_dir
 
             state = self.export_hf_state_dict()  # collective
             if dist.get_rank() == 0:
-                write_value_model(path, state, self.hf_dir)
+                write_value_hf_dir(path, state, self.bridge.hf_config, source_dir=self.hf_dir)
             dist.barrier()
             return
         if self.lora:

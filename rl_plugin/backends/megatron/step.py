@@ -150,7 +150,7 @@ def micro_batch_forward(
     ``idle_passes`` (EP > 1, one pipeline stage): an empty micro-batch runs ``idle_forward``;
     ``routing``: the pass's ``routing_replay.RoutingPass`` (None: the routers route freely; an
     idle pass always does)."""
-    values = bool(getattr(options, "values", False))
+    values = options.values
     if inputs.layout.num_samples == 0 and idle_passes:
         layout = inputs.layout
         return idle_forward(
@@ -190,7 +190,7 @@ def _pipelined_forward(model, inputs, options, ps, *, head, qkv_format, fp32_lm_
         inputs = idle_inputs(cp_rank=layout.cp_rank, cp_size=layout.cp_size, qkv_format=qkv_format, sp_size=sp_size)
     if not head:  # a stage (a model chunk) before the last
         return stage_output(model, inputs, qkv_format)
-    if getattr(options, "values", False):
+    if options.values:
         out = response_values(model, inputs, qkv_format)
     else:
         logp, ent = response_log_probs(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -45,8 +45,9 @@ from rl_plugin.backends.megatron.forward import (
     unwrap,
 )
 from rl_plugin.loss import MicroBatchInputs
+from rl_plugin.models.value_head import HEAD
 
-SCORE = "score.weight"  # HF <Family>ForTokenClassification's head
+SCORE = HEAD  # "score.weight": HF <Family>ForTokenClassification's head
 
 
 class ValueHead(torch.nn.Module):
@@ -140,30 +141,3 @@ def response_values(model, mb: MicroBatchInputs, qkv_format: str) -> torch.Tenso
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[padded_logit_index(mb, input_ids).to(device)]
     return gpt.output_layer(rows)
-
-
-def token_classification_config(hf_dir: str) -> Dict:
-    """The config.json of the exported value model: the actor's, as ``<Family>ForTokenClassification``
-    with one label and no head bias (what ``AutoModelForTokenClassification`` builds the head from)."""
-    import json
-
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-    family = "".join(cfg.get("architectures", ["Model"])[0].rsplit("ForCausalLM", 1))
-    # no bias: transformers' GenericForTokenClassification reads token_classification_bias (default True)
-    cfg.update(architectures=[f"{family}ForTokenClassification"], num_labels=1, token_classification_bias=False)
-    cfg.pop("id2label", None)
-    cfg.pop("label2id", None)
-    return cfg
-
-
-def write_value_model(path: str, state: Dict[str, torch.Tensor], hf_dir: str) -> None:
-    """A directory ``AutoModelForTokenClassification.from_pretrained`` loads: ``state`` (HF
-    names, ``score.weight`` included) as safetensors and ``token_classification_config``."""
-    import json
-
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(token_classification_config(hf_dir), indent=2))

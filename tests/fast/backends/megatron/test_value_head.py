@@ -6,12 +6,11 @@ by transformers' ``AutoModelForTokenClassification`` (num_labels=1, no head bias
 names are the causal LM's with ``lm_head.weight`` replaced by ``score.weight`` ``[1, H]`` (a tied
 model's embedding stays one tensor), the weight sync's stream and specs give the same; a value
 model built from the export (``--critic-load`` of an HF directory) loads its head and gives the
-same values bitwise; a head of another shape and LoRA are refused by name.
+same values bitwise; a head of another shape, LoRA and loading an actor's checkpoint are refused by name.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -24,12 +23,23 @@ from tests.support.tolerance import FP32_MODEL
 def export_worker(rank, world, tp, hf_dir, out_dir):
     from safetensors.torch import load_file, save_file
 
+    from rl_plugin.backends.megatron.backend import MegatronBackend
     from rl_plugin.backends.megatron.setup import MegatronSetupError
-    from tests.support.megatron_common import synthetic_batch
+    from rl_plugin.checkpoint.compat import CheckpointMismatchError
+    from tests.support.megatron_common import make_args, synthetic_batch
     from tests.support.megatron_value import seeded_head, value_backend
 
     flags = ("--tensor-model-parallel-size", str(tp))
+    actor_ckpt = f"{out_dir}_actor/iter_0000001"
+    MegatronBackend.from_args(make_args("--hf-checkpoint", hf_dir, *flags, world_size=world)).save_checkpoint(
+        actor_ckpt, step=1
+    )
     backend = value_backend(hf_dir, *flags, world_size=world)
+    try:
+        backend.load_checkpoint(actor_ckpt)
+        actor_error = None
+    except CheckpointMismatchError as e:
+        actor_error = str(e)
     batch, _ = synthetic_batch(seed=3)
     fresh = backend.compute_values(batch)
     seeded_head(backend, seed=0)
@@ -67,6 +77,7 @@ def export_worker(rank, world, tp, hf_dir, out_dir):
         stream_equal=sorted(streamed) == sorted(state) and all(torch.equal(streamed[k], state[k]) for k in state),
         bad_error=bad_error,
         lora_error=lora_error,
+        actor_error=actor_error,
     )
 
 
@@ -97,8 +108,11 @@ def test_export_loads_into_hf_token_classification(case):
     expected = {k: v for k, v in causal.items() if k != "lm_head.weight"} | {"score.weight": (1, hidden)}
     assert got["state"] == expected
     assert got["specs"] == expected and got["stream_equal"]
-    config = json.loads((Path(out_dir) / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["num_labels"] == 1
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(out_dir)
+    assert config.architectures == ["Qwen2ForTokenClassification"] and config.num_labels == 1
+    assert config.token_classification_bias is False
     batch, _ = synthetic_batch(seed=3)
     ref = hf_values(out_dir, batch)
     values = got["values"][:, 0] if got["values"].dim() == 2 else got["values"]
@@ -112,20 +126,10 @@ def test_value_model_from_its_export_loads_the_head(case):
     assert torch.equal(got["again"], got["values"])
 
 
-def test_bad_head_and_lora_are_refused(case):
+def test_bad_head_lora_and_an_actor_checkpoint_are_refused(case):
     _, _, got = case
+    # the actor's checkpoint: the vocabulary head (untied) or no head at all (tied) where the critic's is [1, H]
+    assert got["actor_error"] is not None and "output_layer.weight" in got["actor_error"], got["actor_error"]
     assert got["bad_error"] is not None and "score.weight has shape (2, 32)" in got["bad_error"]
     assert "(1, 32)" in got["bad_error"] and "num_labels=1" in got["bad_error"]
     assert got["lora_error"] is not None and "--lora-rank" in got["lora_error"] and "LoRA off" in got["lora_error"]
-
-
-def test_token_classification_config(tiny_qwen2):
-    from rl_plugin.backends.megatron.value_head import token_classification_config
-
-    cfg = token_classification_config(str(tiny_qwen2))
-    causal = json.loads((Path(tiny_qwen2) / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen2ForTokenClassification"]
-    assert cfg["num_labels"] == 1 and cfg["token_classification_bias"] is False
-    assert {k: v for k, v in cfg.items() if k in causal and k != "architectures"} == {
-        k: v for k, v in causal.items() if k != "architectures"
-    }
