@@ -213,7 +213,9 @@ class RolloutPieces:
         built; default the advantages of ``data``'s rewards, ``advantages.rollout_batch``); with
         ``sync``, the ranks then export and rank 0 publishes the new weights in the same call (the
         ledger gives them to the next manager call). Returns the step reports. A train call that an
-        exit signal stopped before its last step raises ``StopRequested`` (nothing published)."""
+        exit signal stopped before its last step raises ``StopRequested`` (nothing published).
+        PPO (a critic; SFT, the one schedule that builds its own batch, is refused with it): the
+        critic's advantages (``_train_ppo``)."""
         if self.critic is not None:
             return self._train_ppo(data, sync)
         if batch is None:
