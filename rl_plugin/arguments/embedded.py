@@ -46,6 +46,12 @@ EMBEDDED_DEFAULTS = dict(
 # the policy within ~10 rollouts (reward flat at ~0.1), 5/3x (lr 5e-3) learns (0.11 -> 0.61).
 LORA_LR_FACTOR = 5.0 / 3.0
 
+# --advantage-estimator ppo on the embedded run: PPO's own settings over the defaults above (a learned
+# critic instead of the group baseline). Measured on the embedded task (docs/benchmarks.md, "PPO with a
+# critic"): whitened GAE advantages learn as fast as GRPO's; a few critic-only rollouts first let the
+# zero-initialised value head fit the initial policy's returns before it becomes the baseline.
+PPO_EMBEDDED_DEFAULTS = dict(normalize_advantages=True, num_critic_only_steps=3)
+
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"  # rollout.data.tokenizer.FILENAME: the embedded family's tokenizer
 
 
@@ -103,6 +109,8 @@ def parse_train_flags(argv: Optional[List[str]] = None, *, prog: str = "rl-plugi
             defaults.pop("rm_type")  # the user's reward replaces the built-in one
         if first.lora_rank > 0:  # LoRA's learning rate (LORA_LR_FACTOR)
             defaults["lr"] = LORA_LR_FACTOR * EMBEDDED_DEFAULTS["lr"]
+        if first.advantage_estimator == "ppo":  # PPO with a critic: its own settings (PPO_EMBEDDED_DEFAULTS)
+            defaults.update(PPO_EMBEDDED_DEFAULTS)
         parser.set_defaults(**defaults)
         first = parser.parse_args(argv)
     first = with_loss_type_defaults(parser, first, argv)

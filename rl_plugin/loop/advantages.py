@@ -18,12 +18,23 @@ def rollout_batch(data: RolloutData, estimator: str) -> StepBatch:
     adv = compute_advantages(
         estimator, data.rewards, data.group_ids, response_lengths=data.response_lengths, loss_mask=loss_mask
     )
+    return _rollout_step_batch(data, loss_mask, to_tokens(adv.float(), data.response_lengths))
+
+
+def ppo_base_batch(data: RolloutData) -> StepBatch:
+    """The rollout as ``rollout_batch`` lays it out, advantages zero: PPO's come from the critic
+    (``loop.ppo_advantages.ppo_batch`` sets them, with the values and returns)."""
+    loss_mask = data.loss_mask.float()
+    return _rollout_step_batch(data, loss_mask, torch.zeros_like(loss_mask))
+
+
+def _rollout_step_batch(data: RolloutData, loss_mask: torch.Tensor, advantages: torch.Tensor) -> StepBatch:
     return StepBatch(
         tokens=data.tokens,
         total_lengths=data.total_lengths,
         response_lengths=data.response_lengths,
         loss_mask=loss_mask,
-        advantages=to_tokens(adv.float(), data.response_lengths),
+        advantages=advantages,
         group_ids=data.group_ids.clone(),
         rollout_log_probs=data.rollout_log_probs,
         routed_experts=data.routed_experts,

@@ -54,6 +54,10 @@ class LoopConfig:
     max_rollout_retries: int
     output_dir: Path
     metrics_file: Path
+    # --advantage-estimator ppo: the run's CriticConfig (loop/critic_pieces.py) and its checkpoint dirs; else None
+    critic: Optional[Any]
+    critic_save: Optional[str]
+    critic_load: Optional[str]
     # loop_state.json's "settings" (rl_plugin.checkpoint.run_settings.settings_of), passed by the run
     run_settings: Tuple[Tuple[str, Any], ...] = ()
 
@@ -89,6 +93,9 @@ class LoopConfig:
             max_rollout_retries=run.fault_tolerance.max_rollout_retries,
             output_dir=run.output_dir,
             metrics_file=run.metrics_file,
+            critic=run.critic if run.critic.enabled else None,
+            critic_save=run.critic.save_dir(run) if run.critic.enabled else None,
+            critic_load=run.critic.load_dir(run) if run.critic.enabled else None,
         )
         values.update(given)
         return cls(**values)

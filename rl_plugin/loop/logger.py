@@ -125,6 +125,8 @@ SUMMARY_KEYS = (
     ("grad_norm", "grad_norm", "{:.3g}"),
     ("response_len_mean", "resp_len", "{:.1f}"),
     ("lr", "lr", "{:.3g}"),
+    ("critic/value_loss", "value_loss", "{:.4g}"),  # PPO's critic (absent otherwise: the line as it was)
+    ("critic/explained_variance", "expl_var", "{:.3f}"),
 )
 SUMMARY_TIMES = (
     ("time/rollout_generate", "gen"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from rl_plugin.checkpoint.commit import begin_save, commit_save, retain
@@ -38,21 +39,24 @@ class Progress:
     samples_seen: int = 0  # samples consumed by optimizer steps so far (global, all DP ranks)
 
 
-def resume_command(argv: Sequence[str], load_dir: str) -> str:
+def resume_command(argv: Sequence[str], load_dir: str, critic_load: Optional[str] = None) -> str:
     """The command line that resumes this run: ``argv`` with ``--load load_dir`` (replacing any
-    ``--load`` and dropping ``--overwrite-save``)."""
+    ``--load`` and dropping ``--overwrite-save``); given ``critic_load`` (PPO's ``--critic-save``),
+    ``--critic-load critic_load`` too, replacing any, so the critic resumes with the actor."""
+    replaced = ("--load", "--critic-load") if critic_load else ("--load",)
     out, skip = [], False
     for tok in argv:
         if skip:
             skip = False
             continue
-        if tok == "--load":
+        if tok in replaced:
             skip = True
             continue
-        if tok.startswith("--load=") or tok == "--overwrite-save":
+        if tok.startswith(tuple(f"{name}=" for name in replaced)) or tok == "--overwrite-save":
             continue
         out.append(tok)
-    return shlex.join(["rl-plugin-train", *out, "--load", str(load_dir)])
+    tail = ["--critic-load", str(critic_load)] if critic_load else []
+    return shlex.join(["rl-plugin-train", *out, "--load", str(load_dir), *tail])
 
 
 def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
@@ -62,7 +66,7 @@ def resume_hint(cfg: LoopConfig, argv: Sequence[str]) -> str:
     if cfg.save and latest_step(cfg.save) is not None:
         return (
             f"{steps}; resume with --load {cfg.save} (last checkpoint: step {latest_step(cfg.save)}): "
-            f"{resume_command(argv, cfg.save)}"
+            f"{resume_command(argv, cfg.save, cfg.critic_save)}"
         )
     if cfg.save:
         return f"{steps}; no checkpoint was written yet, so a new run starts from the beginning"
@@ -147,3 +151,44 @@ def save_checkpoint(
     deleted = retain(cfg.save, cfg.save_retain, cfg.save_retain_interval)  # only once the new one is complete
     if deleted:
         print(f"--save-retain {cfg.save_retain}: deleted the checkpoints of steps {deleted}", flush=True)
+
+
+def save_critic_checkpoint(
+    root: str,
+    critic: TrainGroup,
+    progress: Progress,
+    rollout_id: int,
+    keep_last: Optional[int],
+    keep_every: Optional[int],
+) -> None:
+    """PPO's critic after rollout ``rollout_id`` into ``root`` (``--critic-save``), at the actor's
+    step number and with the same layout, written before the actor's checkpoint (whose commit is
+    the resume point: a critic step without its actor's is never loaded); ``--save-retain`` as the
+    actor's."""
+    extra = {"rollout_id": rollout_id + 1, "role": "critic"}
+    staging = begin_save(root, progress.step)
+    written = critic.save(str(staging), progress.step, extra)
+    state = {"step": progress.step, "next_rollout": rollout_id + 1, "role": "critic"}
+    commit_save(root, progress.step, state, written, [i["ip"] for i in critic.info])
+    retain(root, keep_last, keep_every)
+
+
+def load_critic_state(critic: TrainGroup, load_dir: str, step: Optional[int]) -> Optional[int]:
+    """PPO's critic from ``load_dir`` (``--critic-load``, default ``<--load>/critic``): the step
+    the actor resumed (``step``), or, for an actor starting fresh (``step`` None), the directory's
+    latest checkpoint if it has one. Returns the step loaded (None: none, a fresh value head). An
+    actor step the critic's directory lacks is an argument error naming both and the fix."""
+    latest = latest_step(load_dir)
+    if step is None:
+        if latest is None:
+            return None
+        step = latest
+    elif not Path(step_dir(load_dir, step)).is_dir():
+        raise RLArgumentError(
+            f"--load resumes the actor at step {step}, but the critic's checkpoint directory {load_dir} holds no "
+            f"step {step} (latest: {latest}): the actor and the critic must resume from the same rollout. Fix: pass "
+            f"--critic-load DIR with the critic saved with that checkpoint (--critic-save), or --ckpt-step the "
+            f"step both hold"
+        )
+    load_train_state(critic, load_dir, step)
+    return step

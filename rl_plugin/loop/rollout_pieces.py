@@ -12,6 +12,7 @@ row logger, and runs one schedule (``loop/schedule.py``) over them: ``SyncSchedu
 
     data    = generate(k)                  # the manager loads the newest published weights first
     reports = train_rollout(data, sync)    # advantages, the plan of steps, the steps; rank 0 publishes
+                                           # (PPO: the critic's values first, its value steps after)
     finish_rollout(k, ...)                 # rows, checkpoint, eval when due
 
 The weight sync rides on those calls (``rl_plugin.weight_sync``): only the first sync of a run
@@ -29,12 +30,13 @@ from rl_plugin.checkpoint.layout import latest_step, partial_dir, step_dir
 from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
-from rl_plugin.loop.advantages import rollout_batch
+from rl_plugin.loop.advantages import ppo_base_batch, rollout_batch
 from rl_plugin.loop.ci_checks import check_logprobs, sync_failure
 from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.critic_pieces import CriticPieces, merge_reports, step_samples
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
 from rl_plugin.loop.overlapped_schedule import OverlappedSchedule
-from rl_plugin.loop.resume import Progress, save_checkpoint
+from rl_plugin.loop.resume import Progress, save_checkpoint, save_critic_checkpoint
 from rl_plugin.loop.rows import RowLogger
 from rl_plugin.loop.schedule import Schedule
 from rl_plugin.loop.sft_schedule import SftSchedule
@@ -69,9 +71,12 @@ class RolloutPieces:
         progress: Progress,
         resume_hint: Callable[[], str],
         sft: Optional[SftSource] = None,
+        critic: Optional[CriticPieces] = None,
     ):
-        """``client``: the rollout manager's (None under SFT, whose ``sft`` source runs here)."""
+        """``client``: the rollout manager's (None under SFT, whose ``sft`` source runs here);
+        ``critic``: PPO's critic (``--advantage-estimator ppo``; ``loop/critic_pieces.py``)."""
         self.cfg, self.group, self.client, self.ledger, self.sft = cfg, group, client, ledger, sft
+        self.critic = critic
         self.progress = progress  # shared with the run: resume sets it, the rows advance it
         self.resume_hint = resume_hint
         self.rows: Optional[RowLogger] = None  # opened once the first sync is done (``log_to``)
@@ -102,6 +107,10 @@ class RolloutPieces:
         point), so the disk keeps the space it had."""
         cfg, step = self.cfg, self.progress.step
         try:
+            if self.critic is not None and cfg.critic_save:  # first: the actor's commit is the resume point
+                save_critic_checkpoint(
+                    cfg.critic_save, self.critic.critic, self.progress, k, cfg.save_retain, cfg.save_retain_interval
+                )
             save_checkpoint(cfg, self.group, self.progress, k, self.dataset_state(), self.schedule.pending())
         except (OSError, RuntimeError) as exc:  # a rank that raised (TrainActorError), the driver's own writes
             staging, last = partial_dir(cfg.save, step), latest_step(cfg.save)
@@ -162,6 +171,8 @@ class RolloutPieces:
         Once per generation, a no-op on ranks already offloaded."""
         if self.cfg.offload_train:
             self.group.offload_train()
+            if self.critic is not None:  # colocated, the critic's ranks share the engines' devices too
+                self.critic.critic.offload_train()
 
     def wait_generate(self, k: int, in_flight) -> RolloutData:
         """The answer of ``in_flight`` (or of a generate submitted now, when None), resubmitted to
@@ -202,9 +213,32 @@ class RolloutPieces:
         built; default the advantages of ``data``'s rewards, ``advantages.rollout_batch``); with
         ``sync``, the ranks then export and rank 0 publishes the new weights in the same call (the
         ledger gives them to the next manager call). Returns the step reports. A train call that an
-        exit signal stopped before its last step raises ``StopRequested`` (nothing published)."""
+        exit signal stopped before its last step raises ``StopRequested`` (nothing published).
+        PPO (a critic; SFT, the one schedule that builds its own batch, is refused with it): the
+        critic's advantages (``_train_ppo``)."""
+        if self.critic is not None:
+            return self._train_ppo(data, sync)
         if batch is None:
             batch = rollout_batch(data, self.cfg.advantage_estimator)
+        return self._train_actor(data, sync, batch)
+
+    def _train_ppo(self, data: RolloutData, sync: bool) -> List[Dict[str, Any]]:
+        """PPO (``loop/critic_pieces.py``): the critic's values (and, with --kl-coef, the actor's
+        old / reference log-probs) first, the advantages, the actor's steps on them (none during
+        the first --num-critic-only-steps rollouts: the actor's weights, optimizer and engines stay
+        as they are), then the critic's value steps over the same plan. One row per step."""
+        c, k = self.critic, self.weights_version()  # the rollout's index: one train call per rollout
+        batch, stats = c.advantages(ppo_base_batch(data), data.rewards)
+        actor_reports: List[Dict[str, Any]] = []
+        if c.actor_trains(k):
+            actor_reports = self._train_actor(data, sync, batch)
+        else:
+            self.trained += 1  # the version counts rollouts (resume's start rollout counts this one too)
+        plans = self._plans(batch, data.num_groups, c.critic)
+        return merge_reports(actor_reports, c.train(plans), stats, step_samples(c.critic, plans))
+
+    def _train_actor(self, data: RolloutData, sync: bool, batch: StepBatch) -> List[Dict[str, Any]]:
+        """The actor's steps on ``batch`` (``train_rollout``), then the publish when ``sync``."""
         g, plans = self.group, self._plans(batch, data.num_groups)
         request = self.ledger.request(self.client.engine_node_ids) if sync else None  # every rank exports
         announced = self.ledger.announce(request) if request is not None else None
@@ -236,9 +270,10 @@ class RolloutPieces:
         self.ledger.failed(failed)
         self.client.restart("the weight sync", WeightSyncError(failed.error))
 
-    def _plans(self, batch: StepBatch, num_groups: int) -> List[RankPlan]:
-        """Each rank's plan of optimizer steps of ``batch`` (``rl_plugin.step_plan``)."""
-        cfg, g = self.cfg, self.group
+    def _plans(self, batch: StepBatch, num_groups: int, group: Optional[TrainGroup] = None) -> List[RankPlan]:
+        """Each rank's plan of optimizer steps of ``batch`` (``rl_plugin.step_plan``) on ``group``
+        (default: the actor's; PPO's critic steps over the same global batches on its own ranks)."""
+        cfg, g = self.cfg, group or self.group
         if cfg.docs_per_step is not None:  # planned by the ranks: collective over DP
             shares = split_rollout_for_dp(batch, g.dp_size)
             return g.plan_docs_steps([shares[g.dp_rank(r)] for r in range(g.world_size)], num_groups)

@@ -39,15 +39,24 @@ from rl_plugin.configs.engine import validate_engine_installed
 from rl_plugin.configs.run import RunConfig, check_world
 from rl_plugin.errors import Interrupted, LoopError, Stopped, StopRequested, fail
 from rl_plugin.loop.config import LoopConfig
+from rl_plugin.loop.critic_pieces import CriticPieces
 from rl_plugin.loop.embedded_setup import prepare_embedded
 from rl_plugin.loop.exit_request import ExitRequest
 from rl_plugin.loop.plot import plot_reward_curve
 from rl_plugin.loop.preflight import finished_message, is_finished, preflight
-from rl_plugin.loop.resume import Progress, load_train_state, read_pending, resume_hint, supersede_metrics
+from rl_plugin.loop.resume import (
+    Progress,
+    load_critic_state,
+    load_train_state,
+    read_pending,
+    resume_hint,
+    supersede_metrics,
+)
 from rl_plugin.loop.rollout_pieces import RolloutPieces
 from rl_plugin.loop.rows import RowLogger, keep_previous
 from rl_plugin.loop.run_lock import RunLock
 from rl_plugin.ray.cluster import create_placement, init_ray, required_cpus, shutdown_ray
+from rl_plugin.ray.critic_group import make_critic_group
 from rl_plugin.ray.rollout_actor import RolloutSetupError
 from rl_plugin.ray.rollout_client import RolloutClient
 from rl_plugin.ray.train_group import TrainActorError, TrainGroup
@@ -74,6 +83,7 @@ class TrainingRun:
         self.client: Optional[RolloutClient] = None  # None under SFT: its source runs here (``self.sft``)
         self.sft = None
         self.group: Optional[TrainGroup] = None
+        self.critic: Optional[TrainGroup] = None  # --advantage-estimator ppo: the critic's ranks
         self.pieces: Optional[RolloutPieces] = None
         self.rows: Optional[RowLogger] = None
 
@@ -125,9 +135,10 @@ class TrainingRun:
         torch.set_num_threads(1)
         try:
             if cfg.overwrite_save:
-                moved = move_checkpoints_aside(cfg.save)
-                if moved is not None:
-                    print(f"--overwrite-save: the earlier checkpoints of {cfg.save} were moved to {moved}", flush=True)
+                for root in (cfg.save, cfg.critic_save):  # PPO: the critic's with the actor's
+                    moved = move_checkpoints_aside(root) if root else None
+                    if moved is not None:
+                        print(f"--overwrite-save: the earlier checkpoints of {root} were moved to {moved}", flush=True)
             self._run_loop()
         finally:
             torch.set_num_threads(threads)
@@ -227,7 +238,14 @@ class TrainingRun:
         check_world(run, dp_size=self.group.dp_size)
         if ledger.distributed:  # train rank 0 hosts the weight group's store
             ledger.rendezvous = self.group.rendezvous_address()
-        self.pieces = RolloutPieces(cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft)
+        critic = None
+        self.critic = make_critic_group(run, self.placement)  # PPO: its own bundles, or the actor's when colocated
+        if self.critic is not None:
+            self.critic.poll = self.exit.poll  # its calls are not cut (critic_pieces): the waits only poll
+            critic = CriticPieces(run.critic, self.critic, self.group)
+        self.pieces = RolloutPieces(
+            cfg, self.group, self.client, ledger, self.progress, self.resume_hint, sft=self.sft, critic=critic
+        )
         # the waits poll the exit request; its first poll after a signal stops the train ranks
         # before their next step, then aborts the rollout manager's generation. Neither waits for
         # an answer, and the ranks come first: a manager that does not answer (its control thread
@@ -240,9 +258,13 @@ class TrainingRun:
 
     def _resume(self) -> None:
         cfg = self.cfg
+        step = resume_step(cfg.load, cfg.ckpt_step) if cfg.load else None
+        if self.critic is not None and cfg.critic_load:  # the actor's step, or a given critic's latest
+            loaded = load_critic_state(self.critic, cfg.critic_load, step)
+            if loaded is not None:
+                print(f"critic: loaded {step_dir(cfg.critic_load, loaded)}", flush=True)
         if not cfg.load:
             return
-        step = resume_step(cfg.load, cfg.ckpt_step)
         if step is None:
             print(f"--load {cfg.load}: the directory holds no checkpoint yet, starting from scratch", flush=True)
             return
@@ -266,8 +288,9 @@ class TrainingRun:
         """Kill this run's actors and free its placement (the Ray cluster may outlive the run).
         Best effort: after Ctrl-C the cluster's processes may already be gone."""
         try:
-            if self.group is not None:
-                self.group.kill()
+            for group in (self.group, self.critic):
+                if group is not None:
+                    group.kill()
             if self.client is not None:
                 self.client.kill()
             if self.placement is not None:

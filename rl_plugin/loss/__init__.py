@@ -6,7 +6,7 @@ sees, and ``step.py`` for the per-step loss protocol. This package is the core's
 interface: a backend imports the core only from here (``tests/fast/test_layers.py``).
 """
 
-from rl_plugin.loss.advantages import compute_advantages, to_tokens
+from rl_plugin.loss.advantages import compute_advantages, gae, to_tokens
 from rl_plugin.loss.aggregation import AGGREGATION_MODES, aggregate, load_custom_reducer, token_weights
 from rl_plugin.loss.backend_api import ForwardFn, ForwardOptions, LossFn, MicroBatch, MicroBatchInputs, StepBackend
 from rl_plugin.loss.batch import StepBatch, select_images
@@ -49,6 +49,7 @@ __all__ = [
     "default_chunk_rows",
     "fp32_output_projection",
     "fused_log_probs_and_entropy",
+    "gae",
     "get_policy_loss",
     "gspo_loss",
     "kl_estimate",

@@ -205,6 +205,40 @@ class TrainActor:
             reports.append(report)
         return reports
 
+    # -- the critic (``--advantage-estimator ppo``: a group built from ``run.critic_train``) -------
+    def compute_values(self, batch: StepBatch) -> torch.Tensor:
+        """The value model's forward on ``batch`` (this rank's share): ``[sum R_i]`` fp32 CPU,
+        the "old" values of the rollout, before any update (``TrainBackend.compute_values``)."""
+        self._onload()
+        return self.backend.compute_values(batch)
+
+    def log_probs(self, batch: StepBatch, role: str) -> torch.Tensor:
+        """``role``'s (``actor`` / ``ref``) log-probs of ``batch``'s response tokens, forward only:
+        the driver's per-token KL penalty of PPO's rewards (``--kl-coef``)."""
+        self._onload()
+        return self.backend.compute_log_probs(batch, role=role)
+
+    def train_values_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
+        """The value model's steps over the rollout's plan (the actor's step plan, this rank's
+        share; ``plan.batch`` carries ``values`` and ``returns``): one ``value_train_step`` per
+        step, each report's keys under ``critic/``. Not cut by a stop request:
+        a rollout's value steps finish, so a checkpoint holds the actor and the critic of the same
+        rollout (the loop trains the critic after the actor's call returned complete)."""
+        from rl_plugin.phases import record
+
+        self._onload()
+        record(f"train{self.rank}.value_train")
+        reports = []
+        for sub, num_groups, micro_batches in plan.steps():
+            t1 = time.perf_counter()
+            kwargs = {} if micro_batches is None else {"micro_batches": micro_batches}
+            report = self.backend.value_train_step(sub, num_groups=num_groups, **kwargs)
+            self.step += 1
+            out = {f"critic/{key}": _plain(v) for key, v in report.items()}
+            out["time/critic_train_step"] = time.perf_counter() - t1
+            reports.append(out)
+        return reports
+
     def eval_nll(self, batch: StepBatch) -> Tuple[float, float]:
         """SFT's held-out loss on this rank's share: ``(sum_t m_t * -log p_t, sum_t m_t)``
         (a forward pass, no step)."""

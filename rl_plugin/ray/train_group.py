@@ -2,7 +2,8 @@
 
 ``TrainGroup`` is the loop's typed proxy of the ranks: one method per ``TrainActor`` method the
 loop calls (``train_rollout``, ``export_weight_buckets``, ``plan_docs_steps``, ``eval_nll``,
-``offload_train``, ``save``, ``load``), each naming the actor's method it submits, taking what
+``offload_train``, ``save``, ``load``; a critic group's ``compute_values`` and
+``train_values_rollout``, and the actor's ``log_probs`` for PPO's KL penalty), each naming the actor's method it submits, taking what
 every rank receives (one value for all, or one per rank: ``per_rank[r]`` goes to rank r) and
 returning every rank's answer in rank order. The ``submit_*`` variants return an ``InFlight``
 (the ranks' ObjectRefs, waited for later) so the driver can overlap the call with another.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Tuple, TypeVar
 
 import ray
+import torch
 
 from rl_plugin.configs import TrainConfig
 from rl_plugin.loss import StepBatch
@@ -123,6 +125,20 @@ class TrainGroup:
     def eval_nll(self, batches: Sequence[StepBatch]) -> List[Tuple[float, float]]:
         """``TrainActor.eval_nll``: rank r scores ``batches[r]``; its ``(NLL sum, token count)``."""
         return self._submit(TrainActor.eval_nll, [(batch,) for batch in batches]).wait()
+
+    def submit_compute_values(self, batches: Sequence[StepBatch]) -> InFlight[torch.Tensor]:
+        """``TrainActor.compute_values``: the value model's forward on ``batches[r]`` on rank r (a
+        critic group); each rank's ``[sum R_i]`` values. Not waited for."""
+        return self._submit(TrainActor.compute_values, [(batch,) for batch in batches])
+
+    def submit_log_probs(self, batches: Sequence[StepBatch], role: str) -> InFlight[torch.Tensor]:
+        """``TrainActor.log_probs``: ``role``'s log-probs of ``batches[r]`` on rank r. Not waited for."""
+        return self._submit(TrainActor.log_probs, [(batch, role) for batch in batches])
+
+    def submit_train_values_rollout(self, plans: Sequence[RankPlan]) -> InFlight[List[Dict[str, Any]]]:
+        """``TrainActor.train_values_rollout``: rank r runs the value steps of ``plans[r]`` (a
+        critic group); each rank's step reports (``critic/*``). Not waited for."""
+        return self._submit(TrainActor.train_values_rollout, [(plan,) for plan in plans])
 
     def offload_train(self) -> List[int]:
         """``TrainActor.offload_train`` on every rank: the bytes each moved to host memory."""

@@ -13,6 +13,7 @@ from rl_plugin.arguments.embedded import (
     CHAR_TOKENIZER_FILE,
     EMBEDDED_DEFAULTS,
     LORA_LR_FACTOR,
+    PPO_EMBEDDED_DEFAULTS,
     check_model_and_data,
     is_embedded,
     is_embedded_family,
@@ -58,6 +59,21 @@ def test_lora_scales_the_embedded_learning_rate():
     args = parse_train_flags(["--train-backend", "fsdp", "--lora-rank", "8"])
     assert args.lr == pytest.approx(LORA_LR_FACTOR * EMBEDDED_DEFAULTS["lr"]) == pytest.approx(5e-3)
     assert parse_train_flags(["--train-backend", "fsdp", "--lora-rank", "8", "--lr", "1e-3"]).lr == 1e-3
+
+
+def test_ppo_takes_its_own_embedded_settings():
+    args = parse_train_flags(["--advantage-estimator", "ppo"])
+    assert (args.normalize_advantages, args.num_critic_only_steps) == (True, 3) == tuple(PPO_EMBEDDED_DEFAULTS.values())
+    assert args.lr == EMBEDDED_DEFAULTS["lr"] and args.critic_lr is None  # the critic's lr: the actor's
+    assert (
+        parse_train_flags(["--advantage-estimator", "ppo", "--num-critic-only-steps", "0"]).num_critic_only_steps == 0
+    )
+    grpo = parse_train_flags([])  # the group estimators keep the embedded defaults as they were
+    assert (grpo.normalize_advantages, grpo.num_critic_only_steps) == (False, 0)
+    custom = (
+        "--prompt-data p.jsonl --rollout-batch-size 4 --rollout-max-response-len 8 --num-rollout 2 --rm-type math_exact"
+    )
+    assert not parse_train_flags([*custom.split(), "--advantage-estimator", "ppo"]).normalize_advantages
 
 
 def test_a_user_reward_replaces_the_built_in_one():

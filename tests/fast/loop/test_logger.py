@@ -27,3 +27,11 @@ def test_metrics_are_appended_never_truncated_and_plotted(tmp_path):
     assert reward_by_rollout(path) == ({0: 0.1, 1: 0.4}, {1: 0.3})
     png = plot_reward_curve(path, tmp_path / "curve.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_line_names_the_critic_when_there_is_one():
+    from rl_plugin.loop.logger import summary_line
+
+    row = {"rollout_id": 2, "reward_mean": 0.25, "critic/value_loss": 0.01234, "critic/explained_variance": 0.4567}
+    assert summary_line(3, row, {}) == "step 3 | rollout 2 | reward 0.250 | value_loss 0.01234 | expl_var 0.457"
+    assert "value_loss" not in summary_line(3, {"rollout_id": 2, "reward_mean": 0.25}, {})

@@ -152,3 +152,31 @@ def test_metrics_past_the_checkpoint_are_moved_aside(tmp_path, capsys):
     )
     supersede_metrics(cfg, 2)  # nothing past step 2 any more: no line printed
     assert capsys.readouterr().out == ""
+
+
+def test_ppo_resume_command_names_the_critics_checkpoints_too():
+    argv = ["--advantage-estimator", "ppo", "--critic-load", "/init", "--load=/old"]
+    cmd = resume_command(argv, "/ckpt", "/ckpt/critic")
+    assert cmd == "rl-plugin-train --advantage-estimator ppo --load /ckpt --critic-load /ckpt/critic"
+
+
+def test_ppo_saves_the_critic_beside_the_actor_and_resumes_it_at_the_actors_step(tmp_path):
+    from rl_plugin.loop.resume import load_critic_state, save_critic_checkpoint
+
+    save = tmp_path / "ckpt"
+    cfg = _cfg(tmp_path, "--advantage-estimator", "ppo", "--save", str(save), "--num-rollout", "9")
+    assert cfg.critic_save == str(save / "critic") and cfg.critic is not None
+    assert _cfg(tmp_path).critic is None and _cfg(tmp_path).critic_save is None  # no PPO: no critic
+    save_critic_checkpoint(cfg.critic_save, OneRankGroup(), Progress(step=4), 3, None, None)
+    assert read_loop_state(cfg.critic_save, 4)["role"] == "critic"
+    # a critic step alone is no resume point: the actor's commit is
+    assert resume_hint(cfg, []).endswith("no checkpoint was written yet, so a new run starts from the beginning")
+    assert load_critic_state(OneRankGroup(), cfg.critic_save, 4) == 4
+    assert load_critic_state(OneRankGroup(), cfg.critic_save, None) == 4  # a given critic's latest
+    assert load_critic_state(OneRankGroup(), str(tmp_path / "none"), None) is None  # a fresh head
+    with pytest.raises(RLArgumentError) as err:
+        load_critic_state(OneRankGroup(), cfg.critic_save, 6)
+    assert str(err.value).startswith(
+        f"--load resumes the actor at step 6, but the critic's checkpoint directory {cfg.critic_save} holds no "
+        "step 6 (latest: 4): the actor and the critic must resume from the same rollout. Fix: "
+    )

@@ -23,15 +23,18 @@ def test_every_submitted_method_is_an_actor_method():
     source = inspect.getsource(train_group)
     submitted = re.findall(r"_submit\(TrainActor\.(\w+)", source)
     assert sorted(set(submitted)) == [
+        "compute_values",
         "eval_nll",
         "export_weight_buckets",
         "init",
         "load",
+        "log_probs",
         "offload_train",
         "plan_docs_steps",
         "save",
         "save_hf",
         "train_rollout",
+        "train_values_rollout",
     ]
     for name in submitted:
         assert inspect.isfunction(getattr(TrainActor, name, None)) and not name.startswith("_"), name
