@@ -85,7 +85,7 @@ def step_samples(group: TrainGroup, plans: Sequence[RankPlan]) -> List[float]:
 
 class CriticPieces:
     """``settings``: the run's ``CriticConfig`` (gamma, lambd, normalize_advantages, kl_coef,
-    num_critic_only_steps); ``critic``: the critic's train group; ``actor``: the actor's."""
+    num_critic_only_steps, value_clip); ``critic``: the critic's train group; ``actor``: the actor's."""
 
     def __init__(self, settings, critic: TrainGroup, actor: TrainGroup):
         self.settings, self.critic, self.actor = settings, critic, actor
@@ -121,4 +121,4 @@ class CriticPieces:
 
     def train(self, plans: Sequence[RankPlan]) -> List[Dict[str, Any]]:
         """The critic's value steps over ``plans`` (one per critic rank); rank 0's reports."""
-        return self.critic.submit_train_values_rollout(plans).wait()[0]
+        return self.critic.submit_train_values_rollout(plans, self.settings.value_clip).wait()[0]

@@ -218,10 +218,10 @@ class TrainActor:
         self._onload()
         return self.backend.compute_log_probs(batch, role=role)
 
-    def train_values_rollout(self, plan: RankPlan) -> List[Dict[str, Any]]:
+    def train_values_rollout(self, plan: RankPlan, value_clip: float) -> List[Dict[str, Any]]:
         """The value model's steps over the rollout's plan (the actor's step plan, this rank's
         share; ``plan.batch`` carries ``values`` and ``returns``): one ``value_train_step`` per
-        step, each report's keys under ``critic/``. Not cut by a stop request:
+        step with the clip ``value_clip`` (``--value-clip``), each report's keys under ``critic/``. Not cut by a stop request:
         a rollout's value steps finish, so a checkpoint holds the actor and the critic of the same
         rollout (the loop trains the critic after the actor's call returned complete)."""
         from rl_plugin.phases import record
@@ -232,7 +232,7 @@ class TrainActor:
         for sub, num_groups, micro_batches in plan.steps():
             t1 = time.perf_counter()
             kwargs = {} if micro_batches is None else {"micro_batches": micro_batches}
-            report = self.backend.value_train_step(sub, num_groups=num_groups, **kwargs)
+            report = self.backend.value_train_step(sub, num_groups=num_groups, value_clip=value_clip, **kwargs)
             self.step += 1
             out = {f"critic/{key}": _plain(v) for key, v in report.items()}
             out["time/critic_train_step"] = time.perf_counter() - t1

@@ -135,10 +135,12 @@ class TrainGroup:
         """``TrainActor.log_probs``: ``role``'s log-probs of ``batches[r]`` on rank r. Not waited for."""
         return self._submit(TrainActor.log_probs, [(batch, role) for batch in batches])
 
-    def submit_train_values_rollout(self, plans: Sequence[RankPlan]) -> InFlight[List[Dict[str, Any]]]:
+    def submit_train_values_rollout(
+        self, plans: Sequence[RankPlan], value_clip: float
+    ) -> InFlight[List[Dict[str, Any]]]:
         """``TrainActor.train_values_rollout``: rank r runs the value steps of ``plans[r]`` (a
-        critic group); each rank's step reports (``critic/*``). Not waited for."""
-        return self._submit(TrainActor.train_values_rollout, [(plan,) for plan in plans])
+        critic group) clipped at ``value_clip``; each rank's step reports (``critic/*``). Not waited for."""
+        return self._submit(TrainActor.train_values_rollout, [(plan, value_clip) for plan in plans])
 
     def offload_train(self) -> List[int]:
         """``TrainActor.offload_train`` on every rank: the bytes each moved to host memory."""

@@ -211,6 +211,37 @@ def test_kl_coef_folds_the_actors_kl_into_the_rewards(ray_cluster, tmp_path):
     assert kl[0] == 0.0 and all(k != 0.0 for k in kl[1:]), kl
 
 
+def test_value_clip_reaches_the_critics_steps(ray_cluster, tmp_path):
+    """Two value steps a rollout (--global-batch-size 64 of 128 samples), --value-clip 1e-6 vs the
+    default 0.2: the second step's predictions moved from the rollout's old values by far more than
+    1e-6 and far less than 0.2, so the tiny clip binds on a good share of the tokens (where the
+    clipped error is the larger, measured 0.15 and 0.31) and the default on none. Before the clip
+    was handed to the critic's ranks, both runs clipped at 0.2 and reported 0.0."""
+
+    def clipfracs(clip):
+        run = _ppo_run(
+            "fsdp",
+            tmp_path / clip,
+            "--num-rollout",
+            "2",
+            "--num-critic-only-steps",
+            "0",
+            "--global-batch-size",
+            "64",
+            "--micro-batch-size",
+            "64",
+            "--value-clip",
+            clip,
+        )
+        assert [r["step_in_rollout"] for r in run["rows"]] == [0, 1, 0, 1]
+        return [r["critic/vf_clipfrac"] for r in run["rows"]]
+
+    tiny, default = clipfracs("1e-6"), clipfracs("0.2")
+    assert tiny[0] == tiny[2] == 0.0  # a rollout's first step predicts the old values themselves
+    assert tiny[1] > 0.1 and tiny[3] > 0.1, tiny
+    assert default == [0.0] * 4, default
+
+
 def test_the_one_step_off_loop_trains_the_critic_too(ray_cluster, tmp_path):
     """--max-weight-staleness 1 (Megatron): rollout k+1 is generated while the actor and the critic
     train on rollout k; every row carries the critic's metrics and the staleness, the first actor
