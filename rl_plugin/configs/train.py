@@ -37,6 +37,9 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
+    # True on-policy (issue 45): the backends compute through rl_plugin.invariant (set from the run's
+    # true-on-policy config; not a flag of its own)
+    true_on_policy: bool = False
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
