@@ -5,7 +5,7 @@ rank's output-weight shard ``W [V_local, H]`` (vocab ids ``[vocab_start, vocab_s
 
     logits = inv.linear(h, W)                       column split: each logit has its TP1 bits
     logp_v = inv.log_softmax(logits, T)             TP1
-             inv.vocab_parallel_log_softmax(...)    TP > 1: per-block partials gathered over TP,
+             vocab_parallel_log_softmax(...)        TP > 1: the block partials gathered over TP,
                                                     combined in vocab order (the TP1 bits)
     logp   = logp_target                            (the one shard holding the target; the others
                                                      add exact zeros over TP)
@@ -47,6 +47,39 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _SumOverGroup.apply(x, group)
 
 
+class _GatherLast(torch.autograd.Function):
+    """All-gather along the last dim in rank order; backward: this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = dist.get_rank(ctx.group)
+        return grad[..., r * ctx.n : (r + 1) * ctx.n].contiguous(), None
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor, temperature: float, tp_group) -> torch.Tensor:
+    """This rank's ``[rows, V_local]`` slice of ``inv.log_softmax`` over the whole vocabulary (TP1's
+    bits), from equal vocab shards in rank order. Shards of whole ``VOCAB_BLOCK`` blocks: only the
+    block partials ``(m, s) [rows, blocks]`` cross TP (``inv.log_softmax_combine``); other shard
+    sizes (a vocabulary under 128 per rank) gather the logits themselves (the blocks straddle ranks)."""
+    from rl_plugin import invariant as inv
+
+    n = logits.shape[-1]
+    if n % inv.VOCAB_BLOCK == 0:
+        scaled = inv.scale_logits(logits, temperature)
+        m, s = inv.log_softmax_partials(scaled)
+        lse = inv.log_softmax_combine(_GatherLast.apply(m, tp_group), _GatherLast.apply(s, tp_group))
+        return scaled - lse[:, None]
+    r = dist.get_rank(tp_group)
+    return inv.log_softmax(_GatherLast.apply(logits, tp_group), temperature)[:, r * n : (r + 1) * n]
+
+
 def invariant_log_probs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -75,7 +108,7 @@ def invariant_log_probs_and_entropy(
     if tp_group is None:
         logp_all = inv.log_softmax(logits, temperature)
     else:
-        logp_all = inv.vocab_parallel_log_softmax(logits, temperature, tp_group)
+        logp_all = vocab_parallel_log_softmax(logits, temperature, tp_group)
     local_t, in_shard = shard_targets(targets, vocab_start, v_local)
     picked = logp_all.gather(1, local_t.unsqueeze(1)).squeeze(1)
     logp = _sum_over(torch.where(in_shard, picked, torch.zeros_like(picked)), tp_group)

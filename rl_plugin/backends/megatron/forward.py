@@ -46,7 +46,6 @@ from rl_plugin.loss import (
     log_probs_and_entropy,
 )
 
-
 # set on a GPTModel whose modules compute through rl_plugin.invariant (invariant_spec.apply)
 TRUE_ON_POLICY = "rl_true_on_policy"
 

@@ -78,11 +78,14 @@ def gather_chunks(x: torch.Tensor, group) -> torch.Tensor:
     return x if _tp_size(group) == 1 else _GatherChunks.apply(x, group)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
-    """``x @ W^T`` where this rank holds the K shard ``x [..., K/tp]``, ``W [N, K/tp]``: TP1's bits."""
-    if _tp_size(group) == 1:
-        return inv.linear(x, weight)
-    return inv.combine_partials(gather_chunks(inv.linear_partials(x, weight), group))
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group, bias=None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` where this rank holds the K shard ``x [..., K/tp]``, ``W [N, K/tp]``: TP1's
+    bits (``inv.linear``'s ``K_PARTS`` chunks, ``K_PARTS / tp`` of them on each rank)."""
+    tp = _tp_size(group)
+    if tp == 1:
+        return inv.linear(x, weight, bias)
+    partials = inv.linear_partials(x, weight, parts=inv.K_PARTS // tp)
+    return inv.combine_partials(gather_chunks(partials, group), bias)
 
 
 class InvariantColumnParallelLinear(ColumnParallelLinear):
@@ -99,10 +102,9 @@ class InvariantColumnParallelLinear(ColumnParallelLinear):
 class InvariantRowParallelLinear(RowParallelLinear):
     def forward(self, input_):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        out = row_parallel_linear(x, self.weight, self.tp_group)
-        if self.skip_bias_add:
-            return out, self.bias
-        return (out if self.bias is None else out + self.bias), None
+        if self.skip_bias_add:  # the bias-dropout-add adds it: (y + b) + residual, HF's order
+            return row_parallel_linear(x, self.weight, self.tp_group), self.bias
+        return row_parallel_linear(x, self.weight, self.tp_group, self.bias), None
 
 
 class InvariantRMSNorm(torch.nn.RMSNorm):
@@ -115,13 +117,6 @@ class NoRotaryEmbedding(RotaryEmbedding):
 
     def forward(self, *args, **kwargs):
         return None
-
-
-def sample_positions(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """The position of every packed token within its sample, ``[total]`` (0 at each ``cu`` start)."""
-    cu = cu.long()
-    lengths = cu[1:] - cu[:-1]
-    return torch.arange(total, device=cu.device) - torch.repeat_interleave(cu[:-1], lengths, output_size=total)
 
 
 class InvariantCoreAttention(DotProductAttention):
@@ -146,9 +141,10 @@ class InvariantCoreAttention(DotProductAttention):
             q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
             cu = torch.arange(0, (b + 1) * s, s, device=query.device)
         t = q.shape[0]
-        cos, sin = rope_tables(sample_positions(cu.to(q.device), t), self.inv_freq, q.dtype)
+        key_start, q_pos = inv.packed_positions(cu.to(q.device).long(), t)
+        cos, sin = rope_tables(q_pos, self.inv_freq, q.dtype)  # [t, 1, dim]
         q, k = inv.apply_rope(q, cos, sin), inv.apply_rope(k, cos, sin)
-        out = inv.attention(q, k, v, cu_seqlens=cu.to(q.device), scale=self.scale)  # [t, heads, dim]
+        out = inv.attention(q, k, v, key_start, q_pos, self.scale)  # [t, heads, dim]
         if thd:
             return out.reshape(t, -1)
         return out.reshape(b, s, -1).transpose(0, 1)
@@ -163,8 +159,8 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype):
         (pos, freq, dt), cos, sin = _ROPE[0]
         if freq is inv_freq and dt == dtype and pos.shape == positions.shape and torch.equal(pos, positions):
             return cos, sin
-    cos, sin = inv.rope_cos_sin(positions, inv_freq)
-    cos, sin = cos.to(dtype), sin.to(dtype)
+    cos, sin = inv.rope_cos_sin(positions, inv_freq)  # attention_scaling 1 (default RoPE, checked at start-up)
+    cos, sin = cos.to(dtype)[:, None], sin.to(dtype)[:, None]
     _ROPE[:] = [((positions, inv_freq, dtype), cos, sin)]
     return cos, sin
 
