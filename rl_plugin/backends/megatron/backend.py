@@ -93,9 +93,9 @@ class MegatronBackend(TrainBackend):
         apply_cpu_shim()  # what this machine needs: nothing on a GPU with transformer-engine
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
-        if config.true_on_policy:
-            setup.check_true_on_policy(config)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        if config.true_on_policy:
+            setup.check_true_on_policy(config, hf_dir)
         if config.lora.enabled:
             from rl_plugin.models.experts import checkpoint_num_experts
 

@@ -350,7 +350,7 @@ def _invariant_log_probs(model, mb: MicroBatchInputs, options: ForwardOptions, p
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     weight = output_weight(gpt)
     return invariant_log_probs_and_entropy(
-        rows,
+        rows.to(weight.dtype),  # under --bf16 the rows were upcast exactly: the head runs in bf16, as HF's
         weight,
         mb.targets.to(rows.device),
         temperature=options.temperature,

@@ -84,15 +84,29 @@ def check_supported(cfg: ModelConfig) -> None:
         )
 
 
-def check_true_on_policy(config) -> None:
+def check_true_on_policy(config, hf_dir: str) -> None:
     """What true on-policy mode (``TrainConfig.true_on_policy``, ``invariant_spec``) does not cover on
     this backend: it swaps the local layer spec's dense modules onto the op library, so MoE layers,
-    LoRA adapters and the transformer-engine-only layouts (sequence / context parallelism) would
-    leave ops outside it."""
+    LoRA adapters, the transformer-engine-only layouts (sequence / context parallelism), a TP size
+    that does not divide the library's K chunks (row-parallel layers) and scaled RoPE would leave
+    ops outside it or give other bits."""
+    from transformers import AutoConfig
+
+    from rl_plugin.invariant import K_PARTS
+
     m = config.model
+    tp = m.tensor_model_parallel_size
+    rope = dict(getattr(AutoConfig.from_pretrained(hf_dir), "rope_parameters", None) or {})
     why = None
-    if checkpoint_num_experts(m.hf_checkpoint):
-        why = f"the mixture-of-experts model {m.hf_checkpoint} (its router and experts are not on the op library)"
+    if checkpoint_num_experts(hf_dir):
+        why = f"the mixture-of-experts model {hf_dir} (its router and experts are not on the op library)"
+    elif K_PARTS % tp:
+        why = (
+            f"--tensor-model-parallel-size {tp} (a row-parallel layer splits K into rl_plugin.invariant.K_PARTS = "
+            f"{K_PARTS} chunks; TP must divide it)"
+        )
+    elif rope.get("rope_type", "default") != "default":
+        why = f"the RoPE type {rope['rope_type']!r} of {hf_dir} (megatron-core scales RoPE its own way; default only)"
     elif config.lora.enabled:
         why = "--lora-rank (the adapters' matmuls are not on the op library)"
     elif m.sequence_parallel:
