@@ -13,7 +13,7 @@ from rl_plugin.configs.lora import LoraConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag, nested, same_as
+from rl_plugin.flags import Bounds, Declared, flag, nested, runtime, same_as
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
@@ -88,6 +88,8 @@ class EngineConfig(Declared):
     lora_alpha: float = same_as(LoraConfig, "lora_alpha")
     # --use-rollout-routing-replay (R3): the engine records each token's experts
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
+    # true on-policy mode (issue 45): the hf engine computes and samples through rl_plugin.invariant
+    true_on_policy: bool = runtime(False)  # no flag here: the run config sets it (--true-on-policy-mode)
     debug_routing_flip: float = flag(
         "--debug-engine-routing-flip",
         type=float,

@@ -22,6 +22,9 @@ RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
     next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
+    # issue 45's true on-policy mode: set by the run config from --true-on-policy-mode
+    next(c for c in CONFIGS if c.__name__ == "TrainConfig"): {"true_on_policy"},
+    EngineConfig: {"true_on_policy"},
 }
 
 
