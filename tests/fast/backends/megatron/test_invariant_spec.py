@@ -193,9 +193,14 @@ def _train_config(*flags: str, ckpt: str, world: int = 1):
 @pytest.mark.parametrize(
     "flags, family, world, message",
     [
-        (("--lora-rank", "4"), "qwen2", 1, "--lora-rank"),
-        ((), "qwen3_moe", 1, "mixture-of-experts"),
-        (("--tensor-model-parallel-size", "4"), "qwen2", 4, "K_PARTS = 2"),
+        (("--lora-rank", "4"), "qwen2", 1, "Fix: drop --lora-rank"),
+        ((), "qwen3_moe", 1, "Fix: a dense model"),
+        (
+            ("--tensor-model-parallel-size", "4"),
+            "qwen2",
+            4,
+            "K_PARTS = 2 chunks; TP must divide it). Fix: --tensor-model-parallel-size 1 or 2",
+        ),
     ],
 )
 def test_start_up_refuses_what_the_mode_does_not_cover(tiny_checkpoint, flags, family, world, message):
