@@ -89,7 +89,7 @@ def check_true_on_policy(config, hf_dir: str) -> None:
     this backend: it swaps the local layer spec's dense modules onto the op library, so MoE layers,
     LoRA adapters, the transformer-engine-only layouts (sequence / context parallelism), a TP size
     that does not divide the library's K chunks (row-parallel layers) and scaled RoPE would leave
-    ops outside it or give other bits."""
+    ops outside it or give other bits; pipeline parallelism is not verified under the mode."""
     from transformers import AutoConfig
 
     from rl_plugin.invariant import K_PARTS
@@ -113,6 +113,11 @@ def check_true_on_policy(config, hf_dir: str) -> None:
             rope.get("rope_type", "default") != "default",
             f"the RoPE type {rope.get('rope_type')!r} of {hf_dir} (megatron-core scales RoPE its own way)",
             "a model with default RoPE",
+        ),
+        (
+            m.pipeline_model_parallel_size > 1,
+            f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size} (not verified bitwise under the mode)",
+            "--pipeline-model-parallel-size 1",
         ),
         (config.lora.enabled, "--lora-rank (the adapters' matmuls are not on the op library)", "drop --lora-rank"),
         (m.sequence_parallel, "--sequence-parallel (the local layer spec runs without it)", "drop it"),
