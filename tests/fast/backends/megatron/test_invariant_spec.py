@@ -195,6 +195,7 @@ def _train_config(*flags: str, ckpt: str, world: int = 1):
     [
         (("--lora-rank", "4"), "qwen2", 1, "Fix: drop --lora-rank"),
         ((), "qwen3_moe", 1, "Fix: a dense model"),
+        (("--pipeline-model-parallel-size", "2"), "qwen2", 2, "Fix: --pipeline-model-parallel-size 1"),
         (
             ("--tensor-model-parallel-size", "4"),
             "qwen2",
