@@ -84,6 +84,57 @@ def check_supported(cfg: ModelConfig) -> None:
         )
 
 
+def check_true_on_policy(config, hf_dir: str) -> None:
+    """What true on-policy mode (``TrainConfig.true_on_policy``, ``invariant_spec``) does not cover on
+    this backend: it swaps the local layer spec's dense modules onto the op library, so MoE layers,
+    LoRA adapters, the transformer-engine-only layouts (sequence / context parallelism), a TP size
+    that does not divide the library's K chunks (row-parallel layers) and scaled RoPE would leave
+    ops outside it or give other bits; pipeline parallelism is not verified under the mode."""
+    from transformers import AutoConfig
+
+    from rl_plugin.invariant import K_PARTS
+
+    m = config.model
+    tp = m.tensor_model_parallel_size
+    rope = dict(getattr(AutoConfig.from_pretrained(hf_dir), "rope_parameters", None) or {})
+    refusals = (
+        (
+            checkpoint_num_experts(hf_dir),
+            f"the mixture-of-experts model {hf_dir} (its router and experts are not on the op library)",
+            "a dense model (Llama, Qwen2, Qwen3, Mistral)",
+        ),
+        (
+            K_PARTS % tp,
+            f"--tensor-model-parallel-size {tp} (a row-parallel layer splits K into rl_plugin.invariant.K_PARTS = "
+            f"{K_PARTS} chunks; TP must divide it)",
+            f"--tensor-model-parallel-size {' or '.join(str(t) for t in range(1, K_PARTS + 1) if K_PARTS % t == 0)}",
+        ),
+        (
+            rope.get("rope_type", "default") != "default",
+            f"the RoPE type {rope.get('rope_type')!r} of {hf_dir} (megatron-core scales RoPE its own way)",
+            "a model with default RoPE",
+        ),
+        (
+            m.pipeline_model_parallel_size > 1,
+            f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size} (not verified bitwise under the mode)",
+            "--pipeline-model-parallel-size 1",
+        ),
+        (config.lora.enabled, "--lora-rank (the adapters' matmuls are not on the op library)", "drop --lora-rank"),
+        (m.sequence_parallel, "--sequence-parallel (the local layer spec runs without it)", "drop it"),
+        (
+            m.context_parallel_size > 1,
+            f"--context-parallel-size {m.context_parallel_size} (the local layer spec runs without it)",
+            "--context-parallel-size 1",
+        ),
+    )
+    for refused, why, fix in refusals:
+        if refused:
+            raise MegatronSetupError(
+                f"--true-on-policy-mode with {why}: the Megatron backend computes a dense model's local layer "
+                f"spec through rl_plugin.invariant only. Fix: {fix}, or drop --true-on-policy-mode."
+            )
+
+
 def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:
     if world % (tp * cp * pp):
         raise MegatronSetupError(
@@ -197,6 +248,7 @@ def build_model(
     routing_replay: bool = False,
     lora=None,
     value_head: bool = False,
+    true_on_policy: bool = False,
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
@@ -206,7 +258,9 @@ def build_model(
     (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters.
     ``value_head``: the value model (``value_head.py``): the output layer replaced by the scalar
     head before the weights load, the backbone loaded by mbridge, the head from ``hf_dir``'s
-    ``score.weight`` if it has one (zeros otherwise), the bridge naming it ``score.weight``."""
+    ``score.weight`` if it has one (zeros otherwise), the bridge naming it ``score.weight``.
+    ``true_on_policy``: the local layer spec, its modules swapped onto the op library after the
+    weights load (``invariant_spec.apply``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -226,7 +280,7 @@ def build_model(
         dtype=torch.bfloat16 if bf16 else torch.float32,
         extra_config=overrides,
         moe=cfg.moe,
-        use_te=False if use_lora else None,
+        use_te=False if use_lora or true_on_policy else None,
     )
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     chunks = build_gpt_chunks(bridge)
@@ -243,6 +297,10 @@ def build_model(
         vh.value_bridge(bridge)
     else:
         bridge.load_weights(chunks, hf_dir)
+    if true_on_policy:
+        from rl_plugin.backends.megatron import invariant_spec
+
+        invariant_spec.apply(chunks)
     if use_lora:
         from rl_plugin.backends.megatron.lora_model import apply_lora
 
