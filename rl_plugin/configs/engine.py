@@ -13,7 +13,7 @@ from rl_plugin.configs.lora import LoraConfig
 from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Bounds, Declared, flag, nested, same_as
+from rl_plugin.flags import Bounds, Declared, flag, nested, runtime, same_as
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import INSTALL_HINTS, ROLLOUT_ENGINES
 
@@ -100,6 +100,8 @@ class EngineConfig(Declared):
             "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
         ),
     )
+    # --true-on-policy-mode (rl_plugin.configs.true_on_policy): the hf engine computes and samples through the invariant ops
+    true_on_policy: bool = runtime(False)
 
     def check(self, run) -> None:
         positive("--rollout-max-response-len", self.max_response_len)

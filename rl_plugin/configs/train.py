@@ -10,7 +10,7 @@ from rl_plugin.configs.model import ModelConfig
 from rl_plugin.configs.optimizer import OptimizerConfig
 from rl_plugin.configs.routing_replay import RoutingReplaySettings
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, flag, nested
+from rl_plugin.flags import Declared, flag, nested, runtime
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.registries import TRAIN_BACKENDS
 
@@ -37,6 +37,8 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
+    # --true-on-policy-mode (rl_plugin.configs.true_on_policy): the backends compute through the invariant ops
+    true_on_policy: bool = runtime(False)
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""

@@ -22,6 +22,8 @@ RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
     next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
+    next(c for c in CONFIGS if c.__name__ == "TrainConfig"): {"true_on_policy"},  # --true-on-policy-mode
+    EngineConfig: {"true_on_policy"},
 }
 
 
