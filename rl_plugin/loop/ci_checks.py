@@ -8,10 +8,11 @@ each rollout; a failed check raises ``CiCheckFailed`` (one line) and ends the ru
   forward), so every step's tokens are compared. Each step reports its worst token
   (``rl_plugin.loss.worst_token``: the sample's index in the rollout, the token's position in its
   response and both values); the worst over the steps is named.
-- ``sync_failure``: the weight-sync fingerprint check (``--ci-test`` turns on what
-  ``--check-weight-sync`` does, ``rl_plugin.weight_sync.fingerprint``): a load whose fingerprint
-  differs from the trainer's export is re-raised naming the check and the rollout whose generate
-  loaded it.
+- ``sync_failure``: the weight-sync checks (``--ci-test`` turns on what ``--check-weight-sync``
+  does): the engines' weight version equals the trainer's after each sync (the sync version each
+  engine's receiver holds against the handle's, ``WeightVersionError``), then their weights'
+  fingerprints equal the trainer's export (``rl_plugin.weight_sync.fingerprint``). A failed load is
+  re-raised naming the check and the rollout whose generate loaded it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from rl_plugin.configs.ci_checks import THRESHOLD
-from rl_plugin.errors import CiCheckFailed, WeightSyncError
+from rl_plugin.errors import CiCheckFailed, WeightSyncError, WeightVersionError
 
 
 def check_logprobs(k: int, reports: List[Dict[str, Any]], threshold: Optional[float]) -> None:
@@ -50,7 +51,8 @@ def check_logprobs(k: int, reports: List[Dict[str, Any]], threshold: Optional[fl
 
 
 def sync_failure(k: int, exc: WeightSyncError, ci_test: bool) -> WeightSyncError:
-    """The fingerprint check's error ``exc`` naming the rollout ``k`` whose generate loaded the
-    weights (and ``--ci-test`` when that flag turned the check on)."""
-    check = "ci-test: weight-sync fingerprint" if ci_test else "weight-sync fingerprint"
-    return WeightSyncError(f"{check}: rollout {k}: {exc}")
+    """The weight-sync check's error ``exc`` (the version's or the fingerprint's) naming the rollout
+    ``k`` whose generate loaded the weights (and ``--ci-test`` when that flag turned the check on)."""
+    check = "weight version" if isinstance(exc, WeightVersionError) else "weight-sync fingerprint"
+    check = f"ci-test: {check}" if ci_test else check
+    return type(exc)(f"{check}: rollout {k}: {exc}")

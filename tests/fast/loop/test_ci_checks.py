@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
-from rl_plugin.errors import CiCheckFailed, LoopError, WeightSyncError
+from rl_plugin.errors import CiCheckFailed, LoopError, WeightSyncError, WeightVersionError
 from rl_plugin.loop.ci_checks import check_logprobs
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.resume import Progress
@@ -55,10 +55,12 @@ def test_a_rollout_within_the_threshold_passes_and_no_threshold_checks_nothing()
 
 class _StaleEngines:
     """A rollout client whose engines answer every load with the fingerprint of the weights they
-    held before it: a weight sync that left them on the old weights."""
+    held before it: a weight sync that left them on the old weights (``version``: the sync version
+    they answer, the one given them when only the weights stayed behind)."""
 
-    def __init__(self, old_weights):
+    def __init__(self, old_weights, version=4):
         self.old = weights_fingerprint(old_weights)
+        self.version = version
 
     def retrying(self, method, k, submit, first=None):
         data = RolloutData(
@@ -70,7 +72,7 @@ class _StaleEngines:
             group_ids=torch.zeros(1, dtype=torch.long),
             num_groups=1,
         )
-        data.weight_load = {"seconds": 0.0, "fingerprints": [self.old]}
+        data.weight_load = {"seconds": 0.0, "versions": [self.version], "fingerprints": [self.old]}
         return data
 
     def answered(self, data):
@@ -92,4 +94,22 @@ def test_an_engine_left_on_the_old_weights_stops_the_run_at_that_rollout(flag, c
         pieces.wait_generate(4, None)
     assert str(err.value).startswith(
         f"{check}: rollout 4: rollout engine 0: --check-weight-sync: rollout weights differ"
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, check", [("--ci-test", "ci-test: weight version"), ("--check-weight-sync", "weight version")]
+)
+def test_an_engine_still_on_the_previous_version_stops_the_run_naming_both_versions(flag, check):
+    old, new = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    cfg = LoopConfig.from_args(parse_train_flags([flag]))
+    ledger = WeightLedger(cfg.sync)
+    pieces = RolloutPieces(cfg, None, _StaleEngines(old, version=3), ledger, Progress(), lambda: "hint")
+    ledger.published(SyncHandle(version=4, node_id="n0", buffer_bytes=512, fingerprint=weights_fingerprint(new)))
+    ledger.give()
+    with pytest.raises(WeightVersionError) as err:
+        pieces.wait_generate(4, None)
+    assert str(err.value) == (
+        f"{check}: rollout 4: rollout engine 0 holds weight version 3, the trainer's is 4: the engine did not load "
+        "the sync"
     )
