@@ -21,7 +21,8 @@ the run's ``mode`` derived once (``rl_plugin.configs.mode``).
       embedded           the run takes the embedded task (the loop decides it on the flags as given)
 
 ``RunConfig.from_args(args)`` builds it; what the mode decides for a part below the configs is
-given to that part as a field once, here (``LossConfig.is_sft``, ``LossConfig.report_worst_token``:
+given to that part as a field once, here (``LossConfig.is_sft``, ``LossConfig.report_worst_token``,
+``report_actor_ref`` and ``CiChecks.actor_ref_tolerance``:
 the loss core imports no config; ``TrainConfig.true_on_policy`` and ``EngineConfig.true_on_policy``;
 ``SyncSettings.slots``). ``check(run)`` runs every config's rules (``Declared``: instance methods
 ``check(run)`` reading their own fields and the others' through the tree, never each other's
@@ -45,7 +46,7 @@ from typing import Any, Dict, Iterator, List
 
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig
-from rl_plugin.configs.ci_checks import CiChecks
+from rl_plugin.configs.ci_checks import CiChecks, actor_ref_tolerance
 from rl_plugin.configs.cluster import ClusterConfig
 from rl_plugin.configs.custom_generation import CustomGenerationConfig
 from rl_plugin.configs.dynamic_sampling import DynamicSamplingConfig
@@ -87,16 +88,18 @@ class RunConfig(Declared):
         """The tree of ``args`` (validated, or to be: ``load_user_code=False`` builds it for the
         rules without loading the user functions the flags name)."""
         run = from_args(cls, args, load_user_code=load_user_code, **given)
+        ci = replace(run.ci, actor_ref_tolerance=actor_ref_tolerance(run))
         loss = replace(
             run.train.loss,
             is_sft=run.mode.trains_nll,
             report_worst_token=run.ci.ci_test and run.ci.logprob_abs_diff_threshold is not None,
+            report_actor_ref=ci.actor_ref_tolerance is not None,
         )
         on_policy = run.true_on_policy.mode  # --true-on-policy-mode: the backends' and the hf engine's field
         train = replace(run.train, loss=loss, true_on_policy=on_policy)
         rollout = replace(run.rollout, engine=replace(run.rollout.engine, true_on_policy=on_policy))
         sync = replace(run.sync, slots=2 if run.mode.generates_ahead else 1)
-        return replace(run, train=train, rollout=rollout, sync=sync)
+        return replace(run, train=train, rollout=rollout, sync=sync, ci=ci)
 
     def with_user_functions(self) -> "RunConfig":
         """This tree with the loss's user functions loaded (a tree built with ``load_user_code=False``

@@ -22,9 +22,11 @@ from rl_plugin.loss.policy import get_policy_loss, gspo_loss, ppo_clip_loss, reg
 from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
 from rl_plugin.loss.value import value_loss
+from rl_plugin.loss.worst_token import ACTOR_REF_KEYS
 from rl_plugin.loss_config import LossConfig
 
 __all__ = [
+    "ACTOR_REF_KEYS",
     "AGGREGATION_MODES",
     "BadBatchError",
     "ForwardFn",

@@ -21,7 +21,8 @@ CONFIGS = config_classes(RunConfig)  # every config of the run, from the tree (L
 RUNTIME_ONLY = {
     RunConfig: {"embedded"},
     SyncSettings: {"slots"},
-    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
+    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token", "report_actor_ref"},
+    next(c for c in CONFIGS if c.__name__ == "CiChecks"): {"actor_ref_tolerance"},
     next(c for c in CONFIGS if c.__name__ == "TrainConfig"): {"true_on_policy"},  # --true-on-policy-mode
     EngineConfig: {"true_on_policy"},
 }

@@ -10,7 +10,7 @@ import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
 from rl_plugin.errors import CiCheckFailed, LoopError, WeightSyncError, WeightVersionError
-from rl_plugin.loop.ci_checks import check_logprobs
+from rl_plugin.loop.ci_checks import check_actor_ref, check_logprobs
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.resume import Progress
 from rl_plugin.loop.rollout_pieces import RolloutPieces
@@ -113,3 +113,28 @@ def test_an_engine_still_on_the_previous_version_stops_the_run_naming_both_versi
         f"{check}: rollout 4: rollout engine 0 holds weight version 3, the trainer's is 4: the engine did not load "
         "the sync"
     )
+
+
+def _ref_report(sample, position, old, ref):
+    return {
+        "ci/actor_ref_worst_sample": float(sample),
+        "ci/actor_ref_worst_position": float(position),
+        "ci/actor_ref_worst_old_log_prob": old,
+        "ci/actor_ref_worst_ref_log_prob": ref,
+    }
+
+
+def test_actor_ref_at_the_first_rollout_fails_with_one_line_naming_the_worst_token():
+    reports = [_ref_report(2, 0, -0.75, -0.75), _ref_report(7, 3, -2.5, -2.5000019)]
+    with pytest.raises(CiCheckFailed) as err:
+        check_actor_ref(0, reports, 0.0)
+    assert str(err.value) == (
+        "ci-test: actor = reference (tolerance 0): rollout 0, sample 7 token 3: actor log-prob -2.500000 vs "
+        "reference log-prob -2.500002 (|diff| 1.9e-06)"
+    )
+    check_actor_ref(0, reports, 1e-5)  # within the threshold (the mode off)
+    check_actor_ref(1, reports, 0.0)  # after the first update the actor is no longer the reference
+    check_actor_ref(0, reports, None)  # no reference model, or --load: not checked
+    check_actor_ref(0, [_ref_report(0, 0, -1.0, -1.0)], 0.0)  # bitwise equal
+    with pytest.raises(CiCheckFailed, match="rollout 0: no step compared the actor's log-probs"):
+        check_actor_ref(0, [{"loss": 1.0}], 0.0)
