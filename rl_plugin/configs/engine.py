@@ -88,6 +88,8 @@ class EngineConfig(Declared):
     lora_alpha: float = same_as(LoraConfig, "lora_alpha")
     # --use-rollout-routing-replay (R3): the engine records each token's experts
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
+    # true on-policy mode (issue 45): the hf engine computes and samples through rl_plugin.invariant
+    true_on_policy: bool = runtime(False)  # no flag here: the run config sets it (--true-on-policy-mode)
     debug_routing_flip: float = flag(
         "--debug-engine-routing-flip",
         type=float,
@@ -100,8 +102,6 @@ class EngineConfig(Declared):
             "without --use-rollout-routing-replay then show what R3 removes. 0 (the default): off."
         ),
     )
-    # --true-on-policy-mode (rl_plugin.configs.true_on_policy): the hf engine computes and samples through the invariant ops
-    true_on_policy: bool = runtime(False)
 
     def check(self, run) -> None:
         positive("--rollout-max-response-len", self.max_response_len)

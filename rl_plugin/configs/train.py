@@ -37,8 +37,8 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
-    # --true-on-policy-mode (rl_plugin.configs.true_on_policy): the backends compute through the invariant ops
-    true_on_policy: bool = runtime(False)
+    # true on-policy mode (issue 45): the backend's model and log-probs through rl_plugin.invariant
+    true_on_policy: bool = runtime(False)  # no flag here: the run config sets it (--true-on-policy-mode)
 
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""

@@ -60,6 +60,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "rl_plugin.models",
             "rl_plugin.threads",
             "rl_plugin.phases",
+            "rl_plugin.invariant",
         ),
     ),
     ("loss core", ("rl_plugin.loss",)),

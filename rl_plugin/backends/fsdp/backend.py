@@ -52,8 +52,10 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
+from rl_plugin.backends.fsdp.true_on_policy import invariant_log_probs
 from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
+from rl_plugin.invariant.hf_patch import make_invariant
 from rl_plugin.lora.peft_dir import write_run_adapters
 from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.loss import ForwardOptions, StepRunner
@@ -170,14 +172,18 @@ class FSDPBackend(TrainBackend):
 
         if source is not None:
             model = load_hf_model(source, attn_implementation=self.attn_implementation)
-            if self._use_fused_head(model):
+            if self.config.true_on_policy:
+                make_invariant(model)
+            elif self._use_fused_head(model):
                 install_fused_head(model, fp32=self.config.model.fp32_lm_head)
             model.requires_grad_(False).eval().to(self.device)
             return shard_model(model, self.mesh, bf16=self.config.model.bf16)
         dtype = AutoConfig.from_pretrained(self.hf_dir).dtype or torch.float32
         self.hf_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # --save-hf writes this dtype
         model = load_hf_model(self.hf_dir, attn_implementation=self.attn_implementation)
-        if self._use_fused_head(model):
+        if self.config.true_on_policy:  # every op of the model on rl_plugin.invariant (true_on_policy.py)
+            make_invariant(model)
+        elif self._use_fused_head(model):
             install_fused_head(model, fp32=self.config.model.fp32_lm_head)
         elif self.config.model.fp32_lm_head:
             install_fp32_lm_head(model)
@@ -250,7 +256,8 @@ class FSDPBackend(TrainBackend):
         routing = self.routing_pass
         try:
             with routing.context(model, inputs) if routing is not None else contextlib.nullcontext():
-                logp, ent = micro_batch_log_probs(model, inputs, options, self.attn_implementation, self.device)
+                log_probs = invariant_log_probs if self.config.true_on_policy else micro_batch_log_probs
+                logp, ent = log_probs(model, inputs, options, self.attn_implementation, self.device)
         finally:
             if router is not None:
                 router.capture = False

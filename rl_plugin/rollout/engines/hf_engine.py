@@ -9,6 +9,12 @@ at the sampled token, the quantity the trainer recomputes at ``--rollout-tempera
 truncation is a sampling choice and is not folded into it, as in slime/SGLang's returned
 log-probs).
 
+True on-policy mode (``EngineConfig.true_on_policy``): the model is patched by
+``rl_plugin.invariant.make_invariant`` at load, prefill and decode run the invariant attention on
+the KV cache, and each token is drawn from ``exp(invariant.log_softmax(logits / T))``, its
+rollout log-prob that value: the trainer's recomputation (same ops) is bitwise equal. Top-p < 1
+and models the lean sampler cannot run are refused.
+
 LoRA (``--lora-rank``): syncs carry adapters only; this engine keeps the base of every targeted
 linear and rewrites it as W_base + (alpha / r) B A after each bucket (``lora_merge``), never from
 its previous merged weight. ``weights()`` then includes the adapters it holds (what
@@ -25,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import EngineConfig
+from rl_plugin.invariant.hf_patch import make_invariant
 from rl_plugin.lora.scaling import lora_scaling
 from rl_plugin.models.moe_names import checkpoint_slot, model_to_checkpoint
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids
@@ -47,6 +54,7 @@ class HFEngine(RolloutEngine):
         device: str = "cpu",
         record_routed_experts: bool = False,
         lora_scaling: Optional[float] = None,
+        true_on_policy: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -66,13 +74,25 @@ class HFEngine(RolloutEngine):
         self.lora = KeptBaseMerge(lora_scaling) if lora_scaling is not None else None
         if record_routed_experts:
             routing_shape(self.model)  # a dense model (or an unknown router) fails here, at start-up
+        # true on-policy mode: the model on the invariant ops, sampling from their log-softmax
+        self.true_on_policy = true_on_policy
+        if true_on_policy:
+            if self.lean_blocker:
+                raise ValueError(
+                    f"true on-policy mode needs the hf engine's lean sampler, which cannot run this model: {self.lean_blocker}"
+                )
+            make_invariant(self.model)
 
     @classmethod
     def create(cls, config: EngineConfig, checkpoint_dir: str, *, device: str) -> "HFEngine":
         """One device, no tensor parallelism (the flag layer refuses tp > 1); seeded per ``generate``."""
         scaling = lora_scaling(config.lora_alpha, config.lora_rank) if config.lora_rank > 0 else None
         return cls(
-            checkpoint_dir, device=device, record_routed_experts=config.record_routed_experts, lora_scaling=scaling
+            checkpoint_dir,
+            device=device,
+            record_routed_experts=config.record_routed_experts,
+            lora_scaling=scaling,
+            true_on_policy=config.true_on_policy,
         )
 
     @torch.no_grad()
@@ -94,7 +114,13 @@ class HFEngine(RolloutEngine):
         stop_ids = self.eos_token_ids + [t for t in params.stop_token_ids if t not in self.eos_token_ids]
         eos = torch.tensor(stop_ids, device=self.device)
         blocker = self.lean_blocker or values_blocker(params.temperature, params.top_p, params.max_new_tokens)
-        sampler = sample_with_generate if blocker else partial(sample, share_prompt_prefill=self.share_prompt_prefill)
+        if self.true_on_policy:
+            check_true_on_policy_sampling(params, blocker)
+        sampler = (
+            sample_with_generate
+            if blocker
+            else partial(sample, share_prompt_prefill=self.share_prompt_prefill, invariant=self.true_on_policy)
+        )
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
         for length in sorted(buckets):
@@ -196,6 +222,18 @@ class HFEngine(RolloutEngine):
         if self.lora is not None:  # the adapters it holds and merges from
             state.update(self.lora.adapters)
         return state
+
+
+def check_true_on_policy_sampling(params: SamplingParams, blocker: Optional[str]) -> None:
+    """The mode samples from the invariant log-softmax of the whole vocabulary (what the trainer
+    recomputes): no nucleus, and the lean sampler must run (generate's kernels are not ours)."""
+    if params.top_p < 1.0:
+        raise ValueError(
+            f"true on-policy mode samples from the full distribution the trainer recomputes: top_p={params.top_p} "
+            "would sample from a renormalised nucleus; use --rollout-top-p 1.0"
+        )
+    if blocker:
+        raise ValueError(f"true on-policy mode needs the hf engine's lean sampler: {blocker}")
 
 
 def bucket_generations(

@@ -37,6 +37,12 @@ prefill's up to the rounding of a GEMM run with another row count (bitwise on th
 allow fp32 rounding), and so do the tokens unless such a last bit moves a draw across a boundary.
 ``share_prompt_prefill=False`` is the full-batch prefill, the path tested bitwise against generate.
 
+``invariant=True`` (true on-policy mode, the model patched by ``rl_plugin.invariant.make_invariant``):
+each step's ``logp_t = rl_plugin.invariant.log_softmax(z_t, T)`` (fixed vocab blocks, the op the
+trainer recomputes with), ``y_t ~ Categorical(exp(logp_t))`` and the rollout log-prob is
+``logp_t[tok_t]``: the tokens are drawn from exactly the distribution whose log-probs the trainer
+recomputes bitwise (top-p must be 1; the engine refuses otherwise). Not generate's bits.
+
 ``model_blocker`` (checked once per loaded model) and ``values_blocker`` (per call) name what
 ``sample`` cannot reproduce; the engine then falls back to ``sample_with_generate``: a checkpoint
 whose generation config asks for anything beyond the sampling knobs the engine overrides
@@ -57,6 +63,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from rl_plugin import invariant as invariant_ops
 from rl_plugin.rollout import abort
 
 # Generation-config fields whose non-default values change nothing ``sample`` does: token ids
@@ -218,6 +225,7 @@ def sample(
     share_prompt_prefill: bool = True,
     gate=None,
     versions: Optional[list] = None,
+    invariant: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B, S], log_probs [B, S]) for prompts ``input_ids`` [B, L], drawing from the global
     RNG exactly as ``model.generate`` would (see the module docstring; check ``model_blocker``
@@ -227,7 +235,8 @@ def sample(
     ``gate`` (a ``pause.GenerationGate``, fully asynchronous training): offered at every token
     boundary; when the weight version changed there, the next tokens are drawn under the new
     weights (``gate.mode`` retract: prompt + tokens so far prefilled again, a fresh cache;
-    in_place: the old cache kept). ``versions`` then receives the version of each step's token."""
+    in_place: the old cache kept). ``versions`` then receives the version of each step's token.
+    ``invariant``: sample from the invariant log-softmax (module docstring; top_p must be 1)."""
     from transformers import DynamicCache
 
     batch, length = input_ids.shape
@@ -254,6 +263,7 @@ def sample(
             gate,
             version,
             versions,
+            invariant,
         )
     finally:
         if gate is not None:
@@ -261,7 +271,20 @@ def sample(
 
 
 def _decode(
-    model, raw, cache, input_ids, unfinished, eos, pad, temperature, top_p, max_new_tokens, gate, version, versions
+    model,
+    raw,
+    cache,
+    input_ids,
+    unfinished,
+    eos,
+    pad,
+    temperature,
+    top_p,
+    max_new_tokens,
+    gate,
+    version,
+    versions,
+    invariant,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``sample``'s decode loop from the prompt's last logits ``raw`` (see ``sample``)."""
     batch, length = input_ids.shape
@@ -271,12 +294,17 @@ def _decode(
     for step in range(max_new_tokens):
         if versions is not None:
             versions.append(version)
-        scaled = raw / temperature if temperature != 1.0 else raw  # x / 1.0 == x exactly
-        warped = _top_p_mask(scaled, top_p) if top_p < 1.0 else scaled
-        drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
+        if invariant:  # the trainer's op: draw from exp(logp) and report logp itself
+            logp = invariant_ops.log_softmax(raw, temperature)
+            drawn = torch.multinomial(logp.exp(), num_samples=1).squeeze(1)
+        else:
+            scaled = raw / temperature if temperature != 1.0 else raw  # x / 1.0 == x exactly
+            warped = _top_p_mask(scaled, top_p) if top_p < 1.0 else scaled
+            drawn = torch.multinomial(torch.nn.functional.softmax(warped, dim=-1), num_samples=1).squeeze(1)
+            logp = torch.log_softmax(warped, dim=-1)
         token = torch.where(unfinished, drawn, pad)  # finished rows drew too (same RNG use), keep pad
         tokens.append(token)
-        log_probs.append(torch.log_softmax(warped, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+        log_probs.append(logp.gather(-1, token[:, None]).squeeze(-1))
         unfinished &= ~torch.isin(token, eos)
         if not bool(unfinished.any()) or step == max_new_tokens - 1:
             break
