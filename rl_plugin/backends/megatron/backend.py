@@ -94,6 +94,8 @@ class MegatronBackend(TrainBackend):
         m, opt = config.model, config.optimizer
         setup.check_supported(m)
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        if config.true_on_policy:
+            setup.check_true_on_policy(config, hf_dir)
         if config.lora.enabled:
             from rl_plugin.models.experts import checkpoint_num_experts
 
@@ -105,6 +107,7 @@ class MegatronBackend(TrainBackend):
             use_distributed_optimizer=opt.use_distributed_optimizer,
             routing_replay=bool(config.routing_replay),
             lora=config.lora,
+            true_on_policy=config.true_on_policy,
         )
         if config.lora.enabled and config.lora.lora_adapter_path:  # before the optimizer copies its main params
             lora_model.load_adapters(model, read_peft_adapters(config.lora.lora_adapter_path))
@@ -362,6 +365,10 @@ class MegatronBackend(TrainBackend):
             for chunk in chunks:
                 chunk.cuda(torch.cuda.current_device())
         self.bridge.load_weights(chunks, hf_dir)
+        if self.config.true_on_policy:
+            from rl_plugin.backends.megatron import invariant_spec
+
+            invariant_spec.apply(chunks)
         model = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
         for p in model.parameters():
             p.requires_grad_(False)

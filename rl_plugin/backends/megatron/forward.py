@@ -17,6 +17,9 @@ the final norm), and the output projection is ``fp32_output_projection`` on the 
 only: fp32 accumulation and fp32 logits; its weight gradient reaches the original (bf16)
 ``output_layer.weight`` (its fp32 ``main_grad`` under DDP).
 
+In true on-policy mode (``invariant_spec``) ``response_log_probs`` takes the final hidden rows
+through the loss core's ``invariant_head`` instead (the op library's head and log-softmax).
+
 ``response_log_probs`` is what the step and the forward-only passes call: by default (the model
 allows it: no output bias, no multi-token prediction, and ``--disable-fused-lm-head`` unset) it
 takes the same final hidden rows and the output weight shard and runs the loss core's
@@ -42,6 +45,9 @@ from rl_plugin.loss import (
     fused_log_probs_and_entropy,
     log_probs_and_entropy,
 )
+
+# set on a GPTModel whose modules compute through rl_plugin.invariant (invariant_spec.apply)
+TRUE_ON_POLICY = "rl_true_on_policy"
 
 
 def unwrap(model):
@@ -307,6 +313,8 @@ def _response_log_probs(
     fp32_lm_head: bool,
     fused: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    if getattr(unwrap(model), TRUE_ON_POLICY, False):
+        return _invariant_log_probs(model, mb, options, ps, qkv_format)
     if fused:
         rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=True)
         weight = output_weight(gpt)
@@ -330,6 +338,24 @@ def _response_log_probs(
         tp_group=ps.tp_group,
         vocab_start=ps.tp_rank * rows.shape[-1],
         chunk_size=options.chunk_size,
+        with_entropy=options.with_entropy,
+    )
+
+
+def _invariant_log_probs(model, mb: MicroBatchInputs, options: ForwardOptions, ps, qkv_format: str):
+    """True on-policy mode (``invariant_spec``): the response rows through the loss core's
+    ``invariant_log_probs_and_entropy`` (the op library's head and log-softmax)."""
+    from rl_plugin.loss.invariant_head import invariant_log_probs_and_entropy
+
+    rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
+    weight = output_weight(gpt)
+    return invariant_log_probs_and_entropy(
+        rows.to(weight.dtype),  # under --bf16 the rows were upcast exactly: the head runs in bf16, as HF's
+        weight,
+        mb.targets.to(rows.device),
+        temperature=options.temperature,
+        tp_group=ps.tp_group,
+        vocab_start=ps.tp_rank * weight.shape[0],
         with_entropy=options.with_entropy,
     )
 

@@ -84,6 +84,42 @@ def check_supported(cfg: ModelConfig) -> None:
         )
 
 
+def check_true_on_policy(config, hf_dir: str) -> None:
+    """What true on-policy mode (``TrainConfig.true_on_policy``, ``invariant_spec``) does not cover on
+    this backend: it swaps the local layer spec's dense modules onto the op library, so MoE layers,
+    LoRA adapters, the transformer-engine-only layouts (sequence / context parallelism), a TP size
+    that does not divide the library's K chunks (row-parallel layers) and scaled RoPE would leave
+    ops outside it or give other bits."""
+    from transformers import AutoConfig
+
+    from rl_plugin.invariant import K_PARTS
+
+    m = config.model
+    tp = m.tensor_model_parallel_size
+    rope = dict(getattr(AutoConfig.from_pretrained(hf_dir), "rope_parameters", None) or {})
+    why = None
+    if checkpoint_num_experts(hf_dir):
+        why = f"the mixture-of-experts model {hf_dir} (its router and experts are not on the op library)"
+    elif K_PARTS % tp:
+        why = (
+            f"--tensor-model-parallel-size {tp} (a row-parallel layer splits K into rl_plugin.invariant.K_PARTS = "
+            f"{K_PARTS} chunks; TP must divide it)"
+        )
+    elif rope.get("rope_type", "default") != "default":
+        why = f"the RoPE type {rope['rope_type']!r} of {hf_dir} (megatron-core scales RoPE its own way; default only)"
+    elif config.lora.enabled:
+        why = "--lora-rank (the adapters' matmuls are not on the op library)"
+    elif m.sequence_parallel:
+        why = "--sequence-parallel (the local layer spec runs without it)"
+    elif m.context_parallel_size > 1:
+        why = f"--context-parallel-size {m.context_parallel_size} (the local layer spec runs without it)"
+    if why is not None:
+        raise MegatronSetupError(
+            f"--true-on-policy-mode with {why}: the Megatron backend computes a dense model's local layer spec "
+            "through rl_plugin.invariant only. Fix: drop that flag, or drop --true-on-policy-mode."
+        )
+
+
 def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:
     if world % (tp * cp * pp):
         raise MegatronSetupError(
@@ -196,13 +232,16 @@ def build_model(
     use_distributed_optimizer: bool = False,
     routing_replay: bool = False,
     lora=None,
+    true_on_policy: bool = False,
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
     (``moe_enable_routing_replay``; ``rl_plugin.backends.megatron.routing_replay``).
     ``lora`` (a ``LoraConfig``, enabled): the local layer spec (megatron-core's own linears), the
     base frozen and the adapters added after the HF weights load and before DDP wraps the model
-    (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters."""
+    (``lora_model.apply_lora``), so DDP and the optimizer see only the adapters.
+    ``true_on_policy``: the local layer spec, its modules swapped onto the op library after the
+    weights load (``invariant_spec.apply``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -222,7 +261,7 @@ def build_model(
         dtype=torch.bfloat16 if bf16 else torch.float32,
         extra_config=overrides,
         moe=cfg.moe,
-        use_te=False if use_lora else None,
+        use_te=False if use_lora or true_on_policy else None,
     )
     check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
     chunks = build_gpt_chunks(bridge)
@@ -230,6 +269,10 @@ def build_model(
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     bridge.load_weights(chunks, hf_dir)
+    if true_on_policy:
+        from rl_plugin.backends.megatron import invariant_spec
+
+        invariant_spec.apply(chunks)
     if use_lora:
         from rl_plugin.backends.megatron.lora_model import apply_lora
 

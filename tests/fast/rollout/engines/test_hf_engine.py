@@ -73,3 +73,32 @@ def test_hf_engine_stops_at_every_eos_id(tmp_path):
         assert b.log_probs == a.log_probs[:n]
         stopped_at_x += bool(stops) and b.response_ids[-1] == x
     assert stopped_at_x >= 1
+
+
+def test_true_on_policy_engine_log_probs_are_the_invariant_ops_bits(tmp_path):
+    """With ``true_on_policy`` the engine's log-probs are, bit for bit, the invariant log-softmax of
+    one full-sequence forward of the patched model (prefill + KV-cache decode = full sequence); the
+    weight sync still reaches the patched model; top-p < 1 is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_plugin import invariant
+    from rl_plugin.invariant.hf_patch import is_invariant, make_invariant
+    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
+
+    ck = make_tiny_hf_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True)
+    eng = make_engine(EngineConfig(engine="hf", true_on_policy=True), str(ck))
+    assert eng.true_on_policy and is_invariant(eng.model)
+    prompts = [[1, 5, 6, 3], [1, 7, 3], [1, 5, 6, 3], [9] * 20]
+    params = SamplingParams(temperature=0.6, max_new_tokens=40)
+    eng.update_weights({k: v * 1.01 for k, v in eng.weights().items()})  # the sync reaches the patched modules
+    model = make_invariant(AutoModelForCausalLM.from_pretrained(str(ck), dtype=torch.float32).eval())
+    model.load_state_dict(eng.model.state_dict())
+    for gen in eng.generate(prompts, params, seed=5):
+        ids = torch.tensor([gen.prompt_ids + gen.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]
+        p = len(gen.prompt_ids)
+        ref = invariant.log_softmax(logits[p - 1 : -1], 0.6).gather(-1, ids[0, p:, None]).squeeze(-1)
+        assert torch.equal(torch.tensor(gen.log_probs), ref)
+    with pytest.raises(ValueError, match="--rollout-top-p 1.0"):
+        eng.generate(prompts, SamplingParams(temperature=0.6, top_p=0.9), seed=5)
