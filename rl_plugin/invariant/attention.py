@@ -7,8 +7,9 @@ document's key at position 0) and ``q_pos`` (its position; it attends the docume
 
 - query tiles: the queries of one document are grouped by ``q_pos // ROW_TILE`` into tiles of
   ``ROW_TILE`` = 16 rows (row ``q_pos % 16``, the missing rows zeros); a decode query is its own
-  tile. Every score and value product is a batched GEMM of one shape: ``(16, d) x (d, 64)`` for
-  the scores, ``(16, 64) x (64, d)`` for ``P V``.
+  tile. A kv head's G = Hq / Hkv query heads stack their 16 rows into one ``G * 16``-row tile, so
+  every score and value product is a batched GEMM of one shape per model: ``(16 G, d) x (d, 64)``
+  for the scores, ``(16 G, 64) x (64, d)`` for ``P V``.
 - key blocks: ``KEY_BLOCK`` = 64 keys aligned to the document's position 0 (block j = positions
   ``[64 j, 64 j + 64)``); keys after ``q_pos`` are masked to -inf (their probability is exactly 0).
 - online softmax over the blocks in order j = 0, 1, ..., per (query, head):
@@ -25,7 +26,7 @@ document's key at position 0) and ``q_pos`` (its position; it attends the docume
 So a query's output depends only on its own q, its document's keys/values up to its position and
 its position modulo the tiles: the same bits in decode (a KV cache, one query) and in a packed
 full-sequence forward, for any number of queries or documents and 1 or 2 threads. GQA: query head
-h reads kv head ``h // (Hq / Hkv)``. Sliding windows are not supported.
+h reads kv head ``h // (Hq / Hkv)`` (HF's ``repeat_kv`` order). Sliding windows are not supported.
 """
 
 from __future__ import annotations
@@ -47,23 +48,28 @@ def attention(
     device = q.device
     tile_of = torch.stack([key_start, torch.div(q_pos, ROW_TILE, rounding_mode="floor")], 1)
     tiles, inverse = torch.unique(tile_of, dim=0, return_inverse=True)
-    n_tiles = tiles.shape[0]
+    n_tiles, rows = tiles.shape[0], groups * ROW_TILE
     row = q_pos % ROW_TILE
     packed = q.new_zeros(n_tiles, ROW_TILE, heads, dim).index_put((inverse, row), q)
-    packed = packed.permute(0, 2, 1, 3)  # [tiles, Hq, 16, d]
+    # [tiles, Hkv, G * 16, d]: a kv head's G query heads x 16 rows share one GEMM per key block
+    packed = (
+        packed.view(n_tiles, ROW_TILE, kv_heads, groups, dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(n_tiles, kv_heads, rows, dim)
+    )
     # the position each tile row stands for (padding rows: a valid position too, so no row is all -inf)
-    row_pos = tiles[:, 1:2] * ROW_TILE + torch.arange(ROW_TILE, device=device)  # [tiles, 16]
+    row_pos = (tiles[:, 1:2] * ROW_TILE + torch.arange(ROW_TILE, device=device)).repeat(1, groups)  # [tiles, G * 16]
     blocks = int(q_pos.max()) // KEY_BLOCK + 1 if n else 0
-    m = q.new_full((n_tiles, heads, ROW_TILE), -float("inf"))
-    denom = q.new_zeros(n_tiles, heads, ROW_TILE)
-    acc = q.new_zeros(n_tiles, heads, ROW_TILE, dim)
+    m = q.new_full((n_tiles, kv_heads, rows), -float("inf"))
+    denom = q.new_zeros(n_tiles, kv_heads, rows)
+    acc = q.new_zeros(n_tiles, kv_heads, rows, dim)
     for j in range(blocks):
         offsets = j * KEY_BLOCK + torch.arange(KEY_BLOCK, device=device)  # document positions
         index = (tiles[:, :1] + offsets).clamp(max=keys - 1)  # [tiles, 64]; past the end: masked
-        k_blk = k[index].permute(0, 2, 3, 1).repeat_interleave(groups, dim=1)  # [tiles, Hq, d, 64]
-        v_blk = v[index].permute(0, 2, 1, 3).repeat_interleave(groups, dim=1)  # [tiles, Hq, 64, d]
-        scores = torch.matmul(packed, k_blk) * scale  # [tiles, Hq, 16, 64]
-        allowed = (offsets[None, None, :] <= row_pos[:, :, None])[:, None]  # [tiles, 1, 16, 64]
+        k_blk = k[index].permute(0, 2, 3, 1)  # [tiles, Hkv, d, 64]
+        v_blk = v[index].transpose(1, 2)  # [tiles, Hkv, 64, d]
+        scores = torch.matmul(packed, k_blk) * scale  # [tiles, Hkv, G * 16, 64]
+        allowed = (offsets[None, None, :] <= row_pos[:, :, None])[:, None]  # [tiles, 1, G * 16, 64]
         scores = scores.masked_fill(~allowed, -float("inf"))
         m_new = torch.maximum(m, scores.amax(-1))
         correction = torch.exp(m - m_new)
@@ -71,8 +77,8 @@ def attention(
         denom = denom * correction + p.sum(-1)
         acc = acc * correction[..., None] + torch.matmul(p, v_blk)
         m = m_new
-    out = (acc / denom[..., None]).permute(0, 2, 1, 3)  # [tiles, 16, Hq, d]
-    return out[inverse, row]
+    out = (acc / denom[..., None]).view(n_tiles, kv_heads, groups, ROW_TILE, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(n_tiles, ROW_TILE, heads, dim)[inverse, row]
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int):

@@ -1,6 +1,7 @@
 """True on-policy mode, hf engine + FSDP backend (issue 45): the trainer's ``compute_log_probs`` of
 the engine's samples equals the engine's ``rollout_log_probs`` BITWISE (``torch.equal``), for a
-batch of different prompt and response lengths at temperature 0.7, on one rank (packed thd, and
+batch of different prompt and response lengths at temperature 0.7, the engine on 1 thread and
+the trainer on 2, on one rank (packed thd, and
 padded bshd rows with micro-batches of 2) and on DP2 (real gloo processes), for a tiny Qwen2,
 Llama with a tied head and Qwen3. Without the mode the same comparison is not bitwise (the
 default kernels, ``F.linear`` on a handful of rows and sdpa, differ in the last bits), which is
@@ -35,9 +36,13 @@ def engine_samples(ckpt: str, *, true_on_policy: bool = True):
             prompt = torch.randint(3, 120, (n,), generator=g).tolist()
         prompts.append(prompt)
     engine = HFEngine(ckpt, true_on_policy=true_on_policy)
-    gens = engine.generate(
-        prompts, SamplingParams(temperature=TEMPERATURE, max_new_tokens=12, stop_token_ids=STOP), seed=3
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine on 1 thread, the trainer ranks on 2 (``worker``)
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=12, stop_token_ids=STOP)
+    try:
+        gens = engine.generate(prompts, params, seed=3)
+    finally:
+        torch.set_num_threads(threads)
     tokens = torch.tensor([t for gen in gens for t in gen.prompt_ids + gen.response_ids])
     resp = torch.tensor([len(gen.response_ids) for gen in gens])
     rollout = torch.tensor([lp for gen in gens for lp in gen.log_probs], dtype=torch.float32)
@@ -76,6 +81,7 @@ def worker(rank, world, cases):
     """Each case ``(ckpt, batch, extra flags, mode)``: this rank's (log-probs, rollout log-probs)."""
     from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
 
+    torch.set_num_threads(2)
     out = []
     for ckpt, batch, extra, mode in cases:
         local = batch.select(split_samples_for_dp(batch.num_samples, world)[rank])
