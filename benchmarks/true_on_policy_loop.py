@@ -43,7 +43,7 @@ def smollm2_flags(out: Path, rollouts: int) -> List[str]:
         *("--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--input-key", "messages"),
         *("--apply-chat-template", "--rm-type", "math_exact", "--num-rollout", str(rollouts)),
         *("--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "16"),
-        *("--global-batch-size", "32", "--micro-batch-size", "8", "--lr", "1e-5", "--eval-interval", "1000"),
+        *("--global-batch-size", "32", "--micro-batch-size", "8", "--lr", "1e-5"),
     ]
 
 
