@@ -13,6 +13,7 @@ from rl_plugin.loss.batch import StepBatch
 from rl_plugin.loss.counts import StepCounts, compute_step_counts
 from rl_plugin.loss.errors import BadBatchError
 from rl_plugin.loss.fused_head import default_chunk_rows, fused_log_probs_and_entropy
+from rl_plugin.loss.invariant_head import invariant_log_probs_and_entropy
 from rl_plugin.loss.kl import kl_estimate
 from rl_plugin.loss.logprobs import TargetOutOfVocabError, fp32_output_projection, log_probs_and_entropy
 from rl_plugin.loss.micro_batch_plan import plan_micro_batches, plan_steps_by_docs, split_samples_for_dp
@@ -49,6 +50,7 @@ __all__ = [
     "fp32_output_projection",
     "fused_log_probs_and_entropy",
     "get_policy_loss",
+    "invariant_log_probs_and_entropy",
     "gspo_loss",
     "kl_estimate",
     "load_custom_reducer",

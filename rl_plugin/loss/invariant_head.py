@@ -14,8 +14,10 @@ rank's output-weight shard ``W [V_local, H]`` (vocab ids ``[vocab_start, vocab_s
 so a token's log-prob is bitwise what the HF model patched by ``rl_plugin.invariant.make_invariant``
 gives, whatever the TP size or the rows sharing the call. Unlike the default heads
 (``fused_head``, ``logprobs``) nothing is chunked: the ``[T, V_local]`` log-probs live through the
-backward, which is autograd's through the ops (the sums over TP pass the replicated gradient
-through, as megatron's ``reduce_from_tensor_model_parallel_region``). A target outside the
+backward, which is autograd's through the ops. Under TP each rank's loss share is its own
+shard's targets (and entropy terms), summed over TP with an identity backward (megatron's
+``reduce_from_tensor_model_parallel_region``); the gathers feeding the common log-sum-exp
+therefore sum their gradients over TP (``_GatherLast``). A target outside the
 vocabulary fails loud (``check_targets_in_vocab``).
 """
 
@@ -48,7 +50,11 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _GatherLast(torch.autograd.Function):
-    """All-gather along the last dim in rank order; backward: this rank's slice of the (replicated) gradient."""
+    """All-gather along the last dim in rank order; backward: this rank's slice of the gradient
+    SUMMED over the group (a reduce-scatter). Downstream of the gather each rank scores only the
+    targets of its own shard (summed over TP by ``_SumOverGroup``, identity backward), so every
+    rank's gradient of the gathered tensor is a share: another shard's targets also move this
+    shard's logits through the common log-sum-exp."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -59,6 +65,8 @@ class _GatherLast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
         r = dist.get_rank(ctx.group)
         return grad[..., r * ctx.n : (r + 1) * ctx.n].contiguous(), None
 

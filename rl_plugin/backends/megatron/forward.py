@@ -43,6 +43,7 @@ from rl_plugin.loss import (
     default_chunk_rows,
     fp32_output_projection,
     fused_log_probs_and_entropy,
+    invariant_log_probs_and_entropy,
     log_probs_and_entropy,
 )
 
@@ -345,8 +346,6 @@ def _response_log_probs(
 def _invariant_log_probs(model, mb: MicroBatchInputs, options: ForwardOptions, ps, qkv_format: str):
     """True on-policy mode (``invariant_spec``): the response rows through the loss core's
     ``invariant_log_probs_and_entropy`` (the op library's head and log-softmax)."""
-    from rl_plugin.loss.invariant_head import invariant_log_probs_and_entropy
-
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)
     weight = output_weight(gpt)
     return invariant_log_probs_and_entropy(
