@@ -70,3 +70,17 @@ def test_column_and_row_parallel_splits_give_the_tp1_bits():
 def test_a_k_that_does_not_split_is_refused():
     with pytest.raises(ValueError, match="K=5"):
         linear(torch.ones(2, 5), torch.ones(3, 5))
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (576, 49152)], ids=["mlp_up", "mlp_down", "lm_head"])
+def test_real_model_shapes_are_row_invariant_with_1_and_2_threads(k, n):
+    """SmolLM2-135M's projection and LM-head shapes, where F.linear's kernel changes with the row
+    count (1-3 rows, and 5-11 with 2 threads, differ from a larger batch on this CPU)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    counts = (1, 2, 3, 5, 7, 9, 11, 16, 17, 64, 300) if n < 10000 else (1, 3, 7, 17)
+    full = with_threads(2, linear, x[: max(counts)], w)
+    for threads in (1, 2):
+        for rows in counts:
+            got = with_threads(threads, linear, x[:rows], w)
+            assert torch.equal(got, full[:rows]), (threads, rows)
