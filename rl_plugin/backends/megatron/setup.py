@@ -89,7 +89,7 @@ def check_true_on_policy(config, hf_dir: str) -> None:
     this backend: it swaps the local layer spec's dense modules onto the op library, so MoE layers,
     LoRA adapters, the transformer-engine-only layouts (sequence / context parallelism), a TP size
     that does not divide the library's K chunks (row-parallel layers) and scaled RoPE would leave
-    ops outside it or give other bits."""
+    ops outside it or give other bits; pipeline parallelism is not verified under the mode."""
     from transformers import AutoConfig
 
     from rl_plugin.invariant import K_PARTS
@@ -97,27 +97,42 @@ def check_true_on_policy(config, hf_dir: str) -> None:
     m = config.model
     tp = m.tensor_model_parallel_size
     rope = dict(getattr(AutoConfig.from_pretrained(hf_dir), "rope_parameters", None) or {})
-    why = None
-    if checkpoint_num_experts(hf_dir):
-        why = f"the mixture-of-experts model {hf_dir} (its router and experts are not on the op library)"
-    elif K_PARTS % tp:
-        why = (
+    refusals = (
+        (
+            checkpoint_num_experts(hf_dir),
+            f"the mixture-of-experts model {hf_dir} (its router and experts are not on the op library)",
+            "a dense model (Llama, Qwen2, Qwen3, Mistral)",
+        ),
+        (
+            K_PARTS % tp,
             f"--tensor-model-parallel-size {tp} (a row-parallel layer splits K into rl_plugin.invariant.K_PARTS = "
-            f"{K_PARTS} chunks; TP must divide it)"
-        )
-    elif rope.get("rope_type", "default") != "default":
-        why = f"the RoPE type {rope['rope_type']!r} of {hf_dir} (megatron-core scales RoPE its own way; default only)"
-    elif config.lora.enabled:
-        why = "--lora-rank (the adapters' matmuls are not on the op library)"
-    elif m.sequence_parallel:
-        why = "--sequence-parallel (the local layer spec runs without it)"
-    elif m.context_parallel_size > 1:
-        why = f"--context-parallel-size {m.context_parallel_size} (the local layer spec runs without it)"
-    if why is not None:
-        raise MegatronSetupError(
-            f"--true-on-policy-mode with {why}: the Megatron backend computes a dense model's local layer spec "
-            "through rl_plugin.invariant only. Fix: drop that flag, or drop --true-on-policy-mode."
-        )
+            f"{K_PARTS} chunks; TP must divide it)",
+            f"--tensor-model-parallel-size {' or '.join(str(t) for t in range(1, K_PARTS + 1) if K_PARTS % t == 0)}",
+        ),
+        (
+            rope.get("rope_type", "default") != "default",
+            f"the RoPE type {rope.get('rope_type')!r} of {hf_dir} (megatron-core scales RoPE its own way)",
+            "a model with default RoPE",
+        ),
+        (
+            m.pipeline_model_parallel_size > 1,
+            f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size} (not verified bitwise under the mode)",
+            "--pipeline-model-parallel-size 1",
+        ),
+        (config.lora.enabled, "--lora-rank (the adapters' matmuls are not on the op library)", "drop --lora-rank"),
+        (m.sequence_parallel, "--sequence-parallel (the local layer spec runs without it)", "drop it"),
+        (
+            m.context_parallel_size > 1,
+            f"--context-parallel-size {m.context_parallel_size} (the local layer spec runs without it)",
+            "--context-parallel-size 1",
+        ),
+    )
+    for refused, why, fix in refusals:
+        if refused:
+            raise MegatronSetupError(
+                f"--true-on-policy-mode with {why}: the Megatron backend computes a dense model's local layer "
+                f"spec through rl_plugin.invariant only. Fix: {fix}, or drop --true-on-policy-mode."
+            )
 
 
 def check_world(world: int, tp: int, cp: int, pp: int = 1) -> None:

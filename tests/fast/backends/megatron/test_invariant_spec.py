@@ -193,9 +193,15 @@ def _train_config(*flags: str, ckpt: str, world: int = 1):
 @pytest.mark.parametrize(
     "flags, family, world, message",
     [
-        (("--lora-rank", "4"), "qwen2", 1, "--lora-rank"),
-        ((), "qwen3_moe", 1, "mixture-of-experts"),
-        (("--tensor-model-parallel-size", "4"), "qwen2", 4, "K_PARTS = 2"),
+        (("--lora-rank", "4"), "qwen2", 1, "Fix: drop --lora-rank"),
+        ((), "qwen3_moe", 1, "Fix: a dense model"),
+        (("--pipeline-model-parallel-size", "2"), "qwen2", 2, "Fix: --pipeline-model-parallel-size 1"),
+        (
+            ("--tensor-model-parallel-size", "4"),
+            "qwen2",
+            4,
+            "K_PARTS = 2 chunks; TP must divide it)",
+        ),
     ],
 )
 def test_start_up_refuses_what_the_mode_does_not_cover(tiny_checkpoint, flags, family, world, message):
@@ -204,5 +210,7 @@ def test_start_up_refuses_what_the_mode_does_not_cover(tiny_checkpoint, flags, f
     ckpt = tiny_checkpoint(family)
     with pytest.raises(MegatronSetupError, match="--true-on-policy-mode") as e:
         check_true_on_policy(_train_config(*flags, ckpt=ckpt, world=world), ckpt)
-    assert message in str(e.value)
+    assert message in str(e.value) and "or drop --true-on-policy-mode" in str(e.value)
+    if world == 4:
+        assert "Fix: --tensor-model-parallel-size 1 or 2," in str(e.value)
     check_true_on_policy(_train_config(ckpt=tiny_checkpoint("qwen2")), tiny_checkpoint("qwen2"))  # a dense model passes
