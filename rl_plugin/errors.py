@@ -6,7 +6,7 @@ importing each other.
   the message names the flags, the rule and the fix (``fail``). ``rl-plugin-train`` exits 2.
 - ``LoopError``: the run stopped after start-up; the message says why and how to resume (exit 1).
 - ``WeightSyncError``: the rollout engines' weights differ from the trainer's (``--check-weight-sync``,
-  ``--ci-test``).
+  ``--ci-test``); ``WeightVersionError``: an engine holds another sync version than the trainer's.
 - ``CiCheckFailed``: a ``--ci-test`` check failed at a rollout (``rl_plugin.loop.ci_checks``); the
   message is one line naming the check, the rollout and the values (exit 1).
 - ``Interrupted``: Ctrl-C ended the run at once under ``--no-exit-signal-handler``; the message
@@ -54,6 +54,10 @@ class LoopError(RuntimeError):
 
 class WeightSyncError(LoopError):
     """The weights an engine holds differ from the ones the trainer published."""
+
+
+class WeightVersionError(WeightSyncError):
+    """An engine holds another sync version than the one it was given to load (it did not load it)."""
 
 
 class CiCheckFailed(LoopError):

@@ -44,6 +44,8 @@ class ThreadShare:
     env: str
     busy: int = 1  # processes of the run computing on the node at once, this one included
     single: bool = True  # one thread whatever the cores (small model, GPU placement, no plan)
+    # --deterministic-mode (rl_plugin.configs.true_on_policy): deterministic algorithms, one thread
+    deterministic: bool = False
 
     def threads(self) -> int:
         given = os.environ.get(self.env)
@@ -54,9 +56,12 @@ class ThreadShare:
         return max(1, len(os.sched_getaffinity(0)) // max(1, self.busy))
 
     def apply(self) -> int:
-        """Set torch's intra-op threads to ``threads()``; returns the count."""
+        """Set torch's intra-op threads to ``threads()`` (and, deterministic, torch's deterministic
+        algorithms on); returns the count."""
         import torch
 
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True)
         n = self.threads()
         torch.set_num_threads(n)
         return n
@@ -82,12 +87,15 @@ class ThreadPlan:
         engine_nodes: Sequence[str],
         concurrent: bool,
         single: bool,
+        deterministic: bool = False,
     ) -> "ThreadPlan":
         """The shares of a placement: ``train_nodes`` (each rank's node), ``rollout_node`` (the
         manager's node when it generates: the ``hf`` engine in it; None otherwise, SFT included),
         ``engine_nodes`` (each engine actor's node); ``concurrent``: training and generation at
         once (overlapped, fully async). A role's ``busy`` is the largest count over its nodes (one
-        plan for every process of a role)."""
+        plan for every process of a role). ``deterministic`` (``--deterministic-mode``): one thread
+        in every role (the environment's counts still win) and deterministic algorithms."""
+        single = single or deterministic
         train = Counter(train_nodes)
         gen = Counter(list(engine_nodes) + ([rollout_node] if rollout_node is not None else []))
         both = train + gen
@@ -98,9 +106,9 @@ class ThreadPlan:
 
         rollout = [rollout_node] if rollout_node is not None else []
         return cls(
-            ThreadShare(TRAIN_THREADS_ENV, busy(train_nodes, train), single),
-            ThreadShare(ROLLOUT_THREADS_ENV, busy(rollout, gen), single or rollout_node is None),
-            ThreadShare(ENGINE_THREADS_ENV, busy(engine_nodes, gen), single or not engine_nodes),
+            ThreadShare(TRAIN_THREADS_ENV, busy(train_nodes, train), single, deterministic),
+            ThreadShare(ROLLOUT_THREADS_ENV, busy(rollout, gen), single or rollout_node is None, deterministic),
+            ThreadShare(ENGINE_THREADS_ENV, busy(engine_nodes, gen), single or not engine_nodes, deterministic),
         )
 
 

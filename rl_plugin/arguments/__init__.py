@@ -53,6 +53,10 @@ GROUPS = (
     ("sft and distillation", "Supervised fine-tuning (--loss-type sft_loss) and on-policy distillation (--use-opd)."),
     ("loss aggregation", "How per-token policy losses become the step objective J."),
     ("off-policy correction", "Importance sampling between the rollout engine and the trainer; DeepSpeed parity."),
+    (
+        "true on-policy",
+        "The engine's and the trainer's log-probs bitwise equal (one op library); bit-reproducible reruns.",
+    ),
     ("log-probs", "How training log-probs are computed from logits."),
     ("metrics", "What the policy-gradient step reports."),
     ("moe", "Mixture-of-experts models (Megatron-LM spellings)."),

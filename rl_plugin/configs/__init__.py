@@ -25,7 +25,8 @@ the namespace below the CLI); a value derived from several flags is computed her
 - the loop's flags, read by ``rl_plugin.loop.config.LoopConfig``: ``ClusterConfig`` (``cluster.py``),
   ``CheckpointConfig`` (``checkpointing.py``), ``FaultToleranceConfig`` (``fault_tolerance.py``),
   ``LoggingConfig`` (``logging.py``), ``AsyncConfig`` (``async_training.py``), ``CiChecks``
-  (``ci_checks.py``: slime's ``--ci-test`` checks); the weight sync's are
+  (``ci_checks.py``: slime's ``--ci-test`` checks); ``TrueOnPolicyConfig`` (``true_on_policy.py``:
+  ``--true-on-policy-mode``, ``--deterministic-mode``); the weight sync's are
   ``rl_plugin.weight_sync.SyncSettings``
 
 Each config declares its flags, their rules (``check(run)``, ``check_world(run, dp_size=...)``

@@ -9,6 +9,11 @@ property that must hold does not.
   log-prob of the sampling policy against the engine's) must be <= T; 0 means bitwise. The steps
   report the worst token (``rl_plugin.loss.worst_token``); the loop compares
   (``rl_plugin.loop.ci_checks``).
+- actor = reference (slime's check at the first step): with a reference model (``--use-kl-loss``),
+  the first rollout's old log-probs (the actor's, before any update) must equal the reference
+  model's: bitwise under ``--true-on-policy-mode``, else within the threshold
+  (``actor_ref_tolerance``; no threshold and no mode: not checked). The run config sets it once.
+- the weight version and fingerprints of every sync (``rl_plugin.loop.ci_checks.sync_failure``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rl_plugin.errors import fail
-from rl_plugin.flags import Declared, flag
+from rl_plugin.flags import Declared, flag, runtime
 
 GROUP = "logging"
 THRESHOLD = "--ci-train-rollout-logprob-abs-diff-threshold"
@@ -48,6 +53,9 @@ class CiChecks(Declared):
             "position) and both values. 0 means bitwise equal (true on-policy). slime's flag."
         ),
     )
+
+    # the largest |old - ref| allowed at the first rollout (None: not checked); ``actor_ref_tolerance``
+    actor_ref_tolerance: Optional[float] = runtime(None)
 
     def check(self, run) -> None:
         t = self.logprob_abs_diff_threshold
@@ -84,3 +92,13 @@ class CiChecks(Declared):
                 "the old log-probs are then the engine's own, so the check would compare them with themselves",
                 f"drop --use-rollout-logprobs (the trainer recomputes them), or drop {THRESHOLD}",
             )
+
+
+def actor_ref_tolerance(run) -> Optional[float]:
+    """The actor = reference check's tolerance of the run ``run`` (a ``RunConfig``): under
+    ``--ci-test`` with a reference model (``--use-kl-loss``, not SFT), 0 (bitwise) under
+    ``--true-on-policy-mode``, else the log-prob threshold; None (not checked) otherwise."""
+    ci = run.ci
+    if not ci.ci_test or not run.train.loss.use_kl_loss or run.mode.trains_nll:
+        return None
+    return 0.0 if run.true_on_policy.mode else ci.logprob_abs_diff_threshold

@@ -18,11 +18,13 @@ the run's ``mode`` derived once (``rl_plugin.configs.mode``).
       async_training     AsyncConfig
       ci                 CiChecks: slime's in-loop checks (--ci-test)
       critic             CriticConfig: PPO's value model (--advantage-estimator ppo); ``critic_train`` its TrainConfig
+      true_on_policy     TrueOnPolicyConfig: --true-on-policy-mode, --deterministic-mode
       embedded           the run takes the embedded task (the loop decides it on the flags as given)
 
 ``RunConfig.from_args(args)`` builds it; what the mode decides for a part below the configs is
-given to that part as a field once, here (``LossConfig.is_sft``, ``LossConfig.report_worst_token``:
-the loss core imports no config;
+given to that part as a field once, here (``LossConfig.is_sft``, ``LossConfig.report_worst_token``,
+``report_actor_ref`` and ``CiChecks.actor_ref_tolerance``:
+the loss core imports no config; ``TrainConfig.true_on_policy`` and ``EngineConfig.true_on_policy``;
 ``SyncSettings.slots``). ``check(run)`` runs every config's rules (``Declared``: instance methods
 ``check(run)`` reading their own fields and the others' through the tree, never each other's
 writes, so their order is free) after the declared ranges (``flags.check_bounds``);
@@ -45,7 +47,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from rl_plugin.configs.async_training import AsyncConfig
 from rl_plugin.configs.checkpointing import CheckpointConfig
-from rl_plugin.configs.ci_checks import CiChecks
+from rl_plugin.configs.ci_checks import CiChecks, actor_ref_tolerance
 from rl_plugin.configs.cluster import ClusterConfig
 from rl_plugin.configs.critic import CriticConfig
 from rl_plugin.configs.custom_generation import CustomGenerationConfig
@@ -56,6 +58,7 @@ from rl_plugin.configs.mode import Mode
 from rl_plugin.configs.rewards import RewardConfig
 from rl_plugin.configs.rollout import RolloutConfig
 from rl_plugin.configs.train import TrainConfig
+from rl_plugin.configs.true_on_policy import TrueOnPolicyConfig
 from rl_plugin.flags import SPEC, Declared, Nested, check_bounds, derived, from_args, nested, runtime
 from rl_plugin.weight_sync import SyncSettings
 
@@ -78,6 +81,7 @@ class RunConfig(Declared):
     async_training: AsyncConfig = nested(AsyncConfig)
     ci: CiChecks = nested(CiChecks)
     critic: CriticConfig = nested(CriticConfig)
+    true_on_policy: TrueOnPolicyConfig = nested(TrueOnPolicyConfig)
     # the embedded default (rl_plugin.loop.embedded_setup): decided on the flags as given, before the loop
     # fills in its model and data; it picks the output directory's default
     embedded: bool = runtime(False)
@@ -87,13 +91,18 @@ class RunConfig(Declared):
         """The tree of ``args`` (validated, or to be: ``load_user_code=False`` builds it for the
         rules without loading the user functions the flags name)."""
         run = from_args(cls, args, load_user_code=load_user_code, **given)
+        ci = replace(run.ci, actor_ref_tolerance=actor_ref_tolerance(run))
         loss = replace(
             run.train.loss,
             is_sft=run.mode.trains_nll,
             report_worst_token=run.ci.ci_test and run.ci.logprob_abs_diff_threshold is not None,
+            report_actor_ref=ci.actor_ref_tolerance is not None,
         )
-        train = replace(run.train, loss=loss)
-        return replace(run, train=train, sync=replace(run.sync, slots=2 if run.mode.generates_ahead else 1))
+        on_policy = run.true_on_policy.mode  # --true-on-policy-mode: the backends' and the hf engine's field
+        train = replace(run.train, loss=loss, true_on_policy=on_policy)
+        rollout = replace(run.rollout, engine=replace(run.rollout.engine, true_on_policy=on_policy))
+        sync = replace(run.sync, slots=2 if run.mode.generates_ahead else 1)
+        return replace(run, train=train, rollout=rollout, sync=sync, ci=ci)
 
     def with_user_functions(self) -> "RunConfig":
         """This tree with the loss's user functions loaded (a tree built with ``load_user_code=False``

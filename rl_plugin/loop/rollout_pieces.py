@@ -31,7 +31,7 @@ from rl_plugin.checkpoint.pending_rollout import PendingRollout
 from rl_plugin.configs.mode import Mode
 from rl_plugin.errors import LoopError, StopRequested, WeightSyncError
 from rl_plugin.loop.advantages import ppo_base_batch, rollout_batch
-from rl_plugin.loop.ci_checks import check_logprobs, sync_failure
+from rl_plugin.loop.ci_checks import check_actor_ref, check_logprobs, sync_failure
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.critic_pieces import CriticPieces, merge_reports, step_samples
 from rl_plugin.loop.fully_async_schedule import FullyAsyncSchedule
@@ -297,6 +297,7 @@ class RolloutPieces:
         self.rows.log_steps(self.progress, k, data, reports, timings, t0, staleness)
         self.last_trained = k
         check_logprobs(k, reports, self.cfg.ci.logprob_abs_diff_threshold)  # --ci-test: after the rows are written
+        check_actor_ref(k, reports, None if self.cfg.load else self.cfg.ci.actor_ref_tolerance)
 
     def finish_rollout(
         self,

@@ -121,7 +121,7 @@ class TrainingRun:
         if point is not None and is_finished(run, point.next_rollout):
             print(finished_message(run, point.step), flush=True)
             return
-        for warning in (staleness_warning(run), stale_drop_warning(run)):
+        for warning in (staleness_warning(run), stale_drop_warning(run), run.true_on_policy.note(run)):
             if warning:
                 print(warning, file=sys.stderr, flush=True)
         self._stop_if_asked(None)  # a signal during the checks: nothing started yet

@@ -24,9 +24,11 @@ from rl_plugin.loss.runner import StepRunner, old_log_probs_rule
 from rl_plugin.loss.step import StepContext, prepare_step
 from rl_plugin.loss.value import value_loss
 from rl_plugin.loss.value_step import DEFAULT_VALUE_CLIP, ValueStepContext, prepare_value_step
+from rl_plugin.loss.worst_token import ACTOR_REF_KEYS
 from rl_plugin.loss_config import LossConfig
 
 __all__ = [
+    "ACTOR_REF_KEYS",
     "AGGREGATION_MODES",
     "DEFAULT_VALUE_CLIP",
     "BadBatchError",

@@ -64,7 +64,7 @@ from rl_plugin.loss.step_metrics import (
     union_over_group,
     with_counts_and_aliases,
 )
-from rl_plugin.loss.worst_token import reduce_worst, worst_token
+from rl_plugin.loss.worst_token import ACTOR_REF_KEYS, reduce_worst, worst_token
 from rl_plugin.loss_config import LossConfig
 from rl_plugin.parallel import ParallelState
 
@@ -308,6 +308,11 @@ class StepContext:
         out = self.metrics.reduce(self.ps, names_sum, names_max, names_min)
         if cfg.report_worst_token and self.measure_mismatch:
             out.update(reduce_worst(self.worst, self.ps.dp_cp_group))
+        old = self.forward_old if self.old_from_forward else self.old_log_probs
+        if cfg.report_actor_ref and self.ref_log_probs is not None and old is not None:  # --ci-test: actor = ref
+            b = self.batch
+            worst = worst_token(old, self.ref_log_probs, self.loss_mask, b.response_lengths, b.sample_index)
+            out.update(reduce_worst(worst, self.ps.dp_cp_group, ACTOR_REF_KEYS))
         return with_counts_and_aliases(out, cfg, self.counts, self.measure_mismatch)
 
 

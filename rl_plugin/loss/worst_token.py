@@ -16,6 +16,11 @@ metrics' sums assume) and returns the step report's entries::
 
 Its |d| is ``mismatch/abs_diff_max``. A step with no trained token on any rank reports None for all
 four. Ties: the first token of the lowest rank with the largest |d|.
+
+The same pair of functions names the worst token of |old - ref| for ``--ci-test``'s actor =
+reference check (the first rollout's old log-probs are the reference model's: the same weights),
+under ``ACTOR_REF_KEYS`` (``ci/actor_ref_worst_sample``, ``..._position``, ``..._old_log_prob``,
+``..._ref_log_prob``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ KEYS = (
     "mismatch/worst_position",
     "mismatch/worst_old_log_prob",
     "mismatch/worst_rollout_log_prob",
+)
+ACTOR_REF_KEYS = (
+    "ci/actor_ref_worst_sample",
+    "ci/actor_ref_worst_position",
+    "ci/actor_ref_worst_old_log_prob",
+    "ci/actor_ref_worst_ref_log_prob",
 )
 
 
@@ -63,9 +74,10 @@ def worst_token(
     return torch.where(d[t] > -math.inf, found, none)
 
 
-def reduce_worst(local: torch.Tensor, group) -> Dict[str, Optional[float]]:
-    """The step report's entries (``KEYS``) of the largest of every rank's ``worst_token`` over
-    ``group`` (None: this rank's alone); collective: every rank of the group calls it."""
+def reduce_worst(local: torch.Tensor, group, keys=KEYS) -> Dict[str, Optional[float]]:
+    """The step report's entries (``keys``: sample, position, and the two log-probs) of the
+    largest of every rank's ``worst_token`` over ``group`` (None: this rank's alone); collective:
+    every rank of the group calls it."""
     v = local.detach().to("cpu", torch.float64).reshape(5)
     if group is not None:
         gathered = [torch.empty_like(v) for _ in range(dist.get_world_size(group))]
@@ -73,10 +85,5 @@ def reduce_worst(local: torch.Tensor, group) -> Dict[str, Optional[float]]:
         rows = torch.stack(gathered)
         v = rows[int(torch.argmax(rows[:, 0]))]
     if not math.isfinite(float(v[0])):
-        return dict.fromkeys(KEYS)
-    return {
-        "mismatch/worst_sample": float(v[1]),
-        "mismatch/worst_position": float(v[2]),
-        "mismatch/worst_old_log_prob": float(v[3]),
-        "mismatch/worst_rollout_log_prob": float(v[4]),
-    }
+        return dict.fromkeys(keys)
+    return {key: float(x) for key, x in zip(keys, v[1:])}

@@ -104,6 +104,9 @@ class OffPolicySettings:
     # --ci-test with --ci-train-rollout-logprob-abs-diff-threshold (rl_plugin.configs.ci_checks): each step
     # reports its worst token |old - rollout| (rl_plugin.loss.worst_token); given by the run config
     report_worst_token: bool = runtime(False)
+    # --ci-test's actor = reference check (rl_plugin.configs.ci_checks): each step also reports its worst token
+    # |old - ref| (ci/actor_ref_*, rl_plugin.loss.worst_token); given by the run config
+    report_actor_ref: bool = runtime(False)
 
     def check(self, run) -> None:
         _check_tis(self, run)

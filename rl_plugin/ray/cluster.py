@@ -414,4 +414,5 @@ def thread_plan(run: RunConfig, pg, train_bundles, rollout_bundle: int, engine_b
         engine_nodes=[node_of[b] for b in engine_bundles] if generates else [],
         concurrent=not run.cluster.colocate and run.mode.generates_ahead,  # SFT: nothing to share with
         single=gpus or is_small_model(parameter_count(checkpoint) if checkpoint else None),
+        deterministic=run.true_on_policy.deterministic,
     )

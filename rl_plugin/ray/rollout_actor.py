@@ -8,6 +8,7 @@ import signal
 import ray
 
 from rl_plugin.ray.engine_actor import CONTROL_GROUP, create_engines
+from rl_plugin.ray.testing_hooks import install_stale_engine
 from rl_plugin.rollout.manager import RolloutManager
 
 
@@ -38,6 +39,7 @@ def create_rollout_manager(run, placement, *, hook_args):
             )
         )
         ray.get(actor.state_dict.remote())  # surface construction errors (engine, dataset, reward) here
+        install_stale_engine(actor, engines)  # the tests' stale-engine double (ray/testing_hooks.py); else nothing
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
         for e in engines:
             ray.kill(e, no_restart=True)

@@ -14,6 +14,12 @@ Outside tests none is set and the actor's check before a step is two ``None`` te
   mid-train would.
 - ``RL_PLUGIN_COLOCATION_TRACE`` = a file: the colocation phases appended there
   (``rl_plugin.phases``, read where each phase is recorded).
+- ``RL_PLUGIN_FAULT_STALE_ENGINE_AT_SYNC`` = "V" or "V:weights": read by the driver when it starts
+  a rollout manager (``install_stale_engine``): the first engine (the ``hf`` engine in the
+  manager, else engine actor 0) gets a ``StaleReceiver``, which leaves it on its old weights at
+  weight sync V. "V": it loads nothing and keeps its version (the weight-version check names it);
+  "V:weights": it loads nothing but records version V, as a transport that lost the tensors would
+  (the fingerprint check names it). For the ``--ci-test`` / ``--check-weight-sync`` tests.
 - ``RL_PLUGIN_TRAIN_THREADS``: not a test hook, the train ranks' torch threads (``rl_plugin.threads``),
   forwarded with them for the same reason.
 """
@@ -24,7 +30,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from rl_plugin.phases import TRACE_ENV
 from rl_plugin.threads import TRAIN_THREADS_ENV
@@ -35,6 +41,7 @@ DRIVER_PID_ENV = "RL_PLUGIN_DRIVER_PID"
 # the driver's variables the train group hands to its actors (``forwarded_env``)
 FORWARDED_ENV = (FAULT_ENV, SIGNAL_ENV, TRAIN_THREADS_ENV, TRACE_ENV)
 STOP_WAIT_S = 60.0  # how long rank 0 waits for the stop request after signalling the driver
+STALE_ENGINE_ENV = "RL_PLUGIN_FAULT_STALE_ENGINE_AT_SYNC"
 
 
 def forwarded_env(env: Mapping[str, str] = os.environ, driver_pid: Optional[int] = None) -> Dict[str, str]:
@@ -74,3 +81,56 @@ class TrainActorHooks:
                 raise RuntimeError(f"{SIGNAL_ENV} is set but {DRIVER_PID_ENV} is not: start the run through TrainGroup")
             os.kill(self.driver_pid, signal.SIGTERM)
             stop.wait(timeout=STOP_WAIT_S)
+
+
+class StaleReceiver:
+    """Test double of an engine's ``WeightReceiver`` (``rl_plugin.weight_sync.receiver``): every
+    sync but ``at`` passes through; at sync ``at`` it yields no bucket, so the engine keeps its old
+    weights, and records the new version only when ``claim`` (a load that lost its tensors)."""
+
+    def __init__(self, inner: Any, at: int, claim: bool):
+        self.inner, self.at, self.claim = inner, at, claim
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def buckets(self, handle) -> Iterator[Dict[str, Any]]:
+        if handle.version != self.at:
+            yield from self.inner.buckets(handle)
+            return
+        if self.claim:
+            self.inner.version = handle.version
+
+
+def stale_engine_at(env: Mapping[str, str] = os.environ) -> Optional[Tuple[int, bool]]:
+    """``(sync, claim)`` of ``STALE_ENGINE_ENV`` ("V" or "V:weights"), None when unset."""
+    spec = env.get(STALE_ENGINE_ENV)
+    if not spec:
+        return None
+    at, _, kind = spec.partition(":")
+    if kind not in ("", "weights"):
+        raise ValueError(f"{STALE_ENGINE_ENV}={spec!r}: expected 'V' or 'V:weights'")
+    return int(at), kind == "weights"
+
+
+def _stale_manager_engine(manager, at: int, claim: bool) -> None:
+    manager.fleet.receiver = StaleReceiver(manager.fleet.receiver, at, claim)
+
+
+def _stale_engine_actor(actor, at: int, claim: bool) -> None:
+    actor.receiver = StaleReceiver(actor.receiver, at, claim)
+
+
+def install_stale_engine(manager, engines) -> None:
+    """Under ``STALE_ENGINE_ENV``: the first engine of a rollout manager just started (the Ray
+    actor ``manager``, its engine actors ``engines``) gets a ``StaleReceiver``; else nothing."""
+    hook = stale_engine_at()
+    if hook is None:
+        return
+    import ray
+
+    if engines:
+        ray.get(engines[0].__ray_call__.remote(_stale_engine_actor, *hook))
+    else:
+        ray.get(manager.__ray_call__.remote(_stale_manager_engine, *hook))

@@ -5,7 +5,7 @@ these methods: the single ``hf`` engine in the manager's process (``engine``), o
 actors (``actors``, ``rl_plugin.ray.engine_actor``). A weight sync (``rl_plugin.weight_sync``)
 loads into every engine in place: ``start_load`` sends it (the in-process engine loads at once;
 an actor runs its calls in order, so a later call to it runs after the load), ``finish_load``
-answers it (bytes, the slowest engine's seconds, the fingerprints under --check-weight-sync);
+answers it (bytes, the slowest engine's seconds, the versions and fingerprints under --check-weight-sync);
 ``load_paused`` is the fully-async form for engine actors (each pauses its own generation at a
 token boundary). Colocated (``--colocate``) the engines sleep between calls and wake for a load
 (weights only) or a generation (the KV cache too).
@@ -35,9 +35,10 @@ def for_receiver(handle: SyncHandle, rank: int) -> SyncHandle:
 
 def answer(handle: SyncHandle, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
     """A load's answer from every engine's stats: the bytes (one engine's), the slowest engine's
-    seconds and, under --check-weight-sync, every engine's fingerprint."""
+    seconds and, under --check-weight-sync, every engine's sync version and fingerprint."""
     out: Dict[str, Any] = {"bytes": stats[0]["bytes"], "seconds": max(s["seconds"] for s in stats)}
     if handle.fingerprint is not None:
+        out["versions"] = [s["version"] for s in stats]
         out["fingerprints"] = [s["fingerprint"] for s in stats]
     return out
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from rl_plugin.errors import LoopError, WeightSyncError
+from rl_plugin.errors import LoopError, WeightSyncError, WeightVersionError
 from rl_plugin.weight_sync.fingerprint import compare_fingerprints
 from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle, SyncRequest
 from rl_plugin.weight_sync.settings import SyncSettings
@@ -102,7 +102,9 @@ class WeightLedger:
 
     def loaded(self, load: Optional[Dict[str, Any]]) -> None:
         """The manager call that was given ``self.loading`` answered ``load`` (bytes, seconds and,
-        under --check-weight-sync, every engine's fingerprint, compared with the trainer's)."""
+        under --check-weight-sync, every engine's sync version and fingerprint, compared with the
+        trainer's: ``WeightVersionError`` for an engine that holds another version, checked first,
+        ``WeightSyncError`` for other bits)."""
         handle, self.loading = self.loading, None
         if handle is None:
             return
@@ -110,6 +112,12 @@ class WeightLedger:
             raise LoopError(f"internal: the rollout manager was given sync {handle.version} and answered no load")
         self.load_seconds += load["seconds"]
         if self.settings.fingerprint:
+            for i, held in enumerate(load["versions"]):
+                if held != handle.version:
+                    raise WeightVersionError(
+                        f"rollout engine {i} holds weight version {held}, the trainer's is {handle.version}: "
+                        "the engine did not load the sync"
+                    )
             for i, rollout in enumerate(load["fingerprints"]):
                 try:
                     compare_fingerprints(handle.fingerprint, rollout)

@@ -3,8 +3,9 @@
 ``WeightReceiver.buckets(handle)`` picks the transport that serves this engine (shared memory on
 train rank 0's node, else the object store, or the distributed group it was given a rank in) and yields the buckets that take the engine from the
 version it holds to ``handle.version``; the version is recorded once the last bucket was taken.
-``load_sync`` loads them in place (``engine.update_weights(bucket)``) and, under
-``--check-weight-sync``, fingerprints the engine's weights right after.
+``load_sync`` loads them in place (``engine.update_weights(bucket)``) and answers the version the
+engine then holds (the driver compares it with the handle's under ``--check-weight-sync`` /
+``--ci-test``) and, under ``--check-weight-sync``, fingerprints the engine's weights right after.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ class WeightReceiver:
 
 
 def load_sync(engine, receiver: WeightReceiver, handle: SyncHandle) -> Dict[str, Any]:
-    """Load ``handle`` into ``engine`` in place; bytes, seconds (and the fingerprint under
-    --check-weight-sync) for the driver."""
+    """Load ``handle`` into ``engine`` in place; bytes, seconds, the sync version the engine holds
+    after it (``version``) and, under --check-weight-sync, the fingerprint, for the driver."""
     t0, nbytes = time.perf_counter(), 0
     for bucket in receiver.buckets(handle):
         engine.update_weights(bucket)
         nbytes += sum(tensor_bytes(t) for t in bucket.values())
-    out: Dict[str, Any] = {"bytes": float(nbytes), "seconds": time.perf_counter() - t0}
+    out: Dict[str, Any] = {"bytes": float(nbytes), "seconds": time.perf_counter() - t0, "version": receiver.version}
     if handle.fingerprint is not None:
         out["fingerprint"] = weights_fingerprint(engine.weights())
     return out

@@ -24,7 +24,8 @@ RUNTIME_ONLY = {
     # value_head: the critic's TrainConfig sets it (RunConfig.critic_train); true_on_policy: the run
     # config sets it from --true-on-policy-mode (issue 45)
     TrainConfig: {"value_head", "true_on_policy"},
-    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token"},
+    next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token", "report_actor_ref"},
+    next(c for c in CONFIGS if c.__name__ == "CiChecks"): {"actor_ref_tolerance"},
     EngineConfig: {"true_on_policy"},
 }
 

@@ -69,3 +69,31 @@ def test_small_models_are_counted_from_the_checkpoint(tiny_qwen2, tmp_path):
     assert n is not None and 0 < n < SMALL_MODEL_PARAMS and is_small_model(n)
     assert not is_small_model(134_515_008) and not is_small_model(SMALL_MODEL_PARAMS)
     assert parameter_count(str(tmp_path)) is None and not is_small_model(None)
+
+
+def test_deterministic_mode_fixes_one_thread_per_role_and_turns_on_deterministic_algorithms(monkeypatch):
+    import torch
+
+    for env in (TRAIN_THREADS_ENV, ROLLOUT_THREADS_ENV, ENGINE_THREADS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    plan = ThreadPlan.for_placement(
+        train_nodes=["a"], rollout_node=None, engine_nodes=["a"], concurrent=False, single=False, deterministic=True
+    )
+    shares = (plan.train, plan.rollout, plan.engine)
+    assert all(s.single and s.deterministic for s in shares)
+    assert [s.threads() for s in shares] == [1, 1, 1]  # whatever the node's cores
+    monkeypatch.setenv(TRAIN_THREADS_ENV, "2")  # the environment still names another fixed count
+    assert plan.train.threads() == 2
+    was, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert plan.engine.apply() == 1 and torch.are_deterministic_algorithms_enabled()
+        ThreadShare(ENGINE_THREADS_ENV).apply()  # the default share leaves the setting as it is
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.set_num_threads(threads)
+    default = ThreadPlan.for_placement(
+        train_nodes=["a"], rollout_node="a", engine_nodes=[], concurrent=False, single=False
+    )
+    assert not default.train.deterministic and not default.train.single

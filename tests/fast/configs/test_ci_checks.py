@@ -43,3 +43,19 @@ def test_ci_test_turns_on_the_fingerprints_and_the_worst_token_report():
     assert alone.sync.fingerprint and not alone.train.loss.report_worst_token
     off = RunConfig.from_args(parse_args([]), load_user_code=False)
     assert off.ci == CiChecks() and not off.sync.fingerprint and not off.train.loss.report_worst_token
+
+
+@pytest.mark.parametrize(
+    "flags, tolerance",
+    [
+        (["--ci-test", "--use-kl-loss", "--true-on-policy-mode"], 0.0),  # the mode: bitwise
+        (["--ci-test", "--use-kl-loss", T, "1e-4"], 1e-4),  # else the threshold
+        (["--ci-test", "--use-kl-loss"], None),  # neither: not checked
+        (["--ci-test", T, "0", "--true-on-policy-mode"], None),  # no reference model
+        (["--use-kl-loss", "--true-on-policy-mode"], None),  # no --ci-test
+    ],
+)
+def test_the_actor_ref_check_is_bitwise_under_the_mode_else_within_the_threshold(flags, tolerance):
+    run = RunConfig.from_args(parse_args(flags), load_user_code=False)
+    assert run.ci.actor_ref_tolerance == tolerance
+    assert run.train.loss.report_actor_ref == (tolerance is not None)

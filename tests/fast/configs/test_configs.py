@@ -37,6 +37,7 @@ ONE_MODULE_EACH = {
     "rollout": "RolloutConfig",
     "run": "RunConfig",
     "train": "TrainConfig",
+    "true_on_policy": "TrueOnPolicyConfig",
 }
 
 

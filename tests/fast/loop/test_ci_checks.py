@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rl_plugin.arguments.embedded import parse_train_flags
-from rl_plugin.errors import CiCheckFailed, LoopError, WeightSyncError
-from rl_plugin.loop.ci_checks import check_logprobs
+from rl_plugin.errors import CiCheckFailed, LoopError, WeightSyncError, WeightVersionError
+from rl_plugin.loop.ci_checks import check_actor_ref, check_logprobs
 from rl_plugin.loop.config import LoopConfig
 from rl_plugin.loop.resume import Progress
 from rl_plugin.loop.rollout_pieces import RolloutPieces
@@ -55,10 +55,12 @@ def test_a_rollout_within_the_threshold_passes_and_no_threshold_checks_nothing()
 
 class _StaleEngines:
     """A rollout client whose engines answer every load with the fingerprint of the weights they
-    held before it: a weight sync that left them on the old weights."""
+    held before it: a weight sync that left them on the old weights (``version``: the sync version
+    they answer, the one given them when only the weights stayed behind)."""
 
-    def __init__(self, old_weights):
+    def __init__(self, old_weights, version=4):
         self.old = weights_fingerprint(old_weights)
+        self.version = version
 
     def retrying(self, method, k, submit, first=None):
         data = RolloutData(
@@ -70,7 +72,7 @@ class _StaleEngines:
             group_ids=torch.zeros(1, dtype=torch.long),
             num_groups=1,
         )
-        data.weight_load = {"seconds": 0.0, "fingerprints": [self.old]}
+        data.weight_load = {"seconds": 0.0, "versions": [self.version], "fingerprints": [self.old]}
         return data
 
     def answered(self, data):
@@ -93,3 +95,46 @@ def test_an_engine_left_on_the_old_weights_stops_the_run_at_that_rollout(flag, c
     assert str(err.value).startswith(
         f"{check}: rollout 4: rollout engine 0: --check-weight-sync: rollout weights differ"
     )
+
+
+@pytest.mark.parametrize(
+    "flag, check", [("--ci-test", "ci-test: weight version"), ("--check-weight-sync", "weight version")]
+)
+def test_an_engine_still_on_the_previous_version_stops_the_run_naming_both_versions(flag, check):
+    old, new = {"w": torch.zeros(4)}, {"w": torch.ones(4)}
+    cfg = LoopConfig.from_args(parse_train_flags([flag]))
+    ledger = WeightLedger(cfg.sync)
+    pieces = RolloutPieces(cfg, None, _StaleEngines(old, version=3), ledger, Progress(), lambda: "hint")
+    ledger.published(SyncHandle(version=4, node_id="n0", buffer_bytes=512, fingerprint=weights_fingerprint(new)))
+    ledger.give()
+    with pytest.raises(WeightVersionError) as err:
+        pieces.wait_generate(4, None)
+    assert str(err.value) == (
+        f"{check}: rollout 4: rollout engine 0 holds weight version 3, the trainer's is 4: the engine did not load "
+        "the sync"
+    )
+
+
+def _ref_report(sample, position, old, ref):
+    return {
+        "ci/actor_ref_worst_sample": float(sample),
+        "ci/actor_ref_worst_position": float(position),
+        "ci/actor_ref_worst_old_log_prob": old,
+        "ci/actor_ref_worst_ref_log_prob": ref,
+    }
+
+
+def test_actor_ref_at_the_first_rollout_fails_with_one_line_naming_the_worst_token():
+    reports = [_ref_report(2, 0, -0.75, -0.75), _ref_report(7, 3, -2.5, -2.5000019)]
+    with pytest.raises(CiCheckFailed) as err:
+        check_actor_ref(0, reports, 0.0)
+    assert str(err.value) == (
+        "ci-test: actor = reference (tolerance 0): rollout 0, sample 7 token 3: actor log-prob -2.500000 vs "
+        "reference log-prob -2.500002 (|diff| 1.9e-06)"
+    )
+    check_actor_ref(0, reports, 1e-5)  # within the threshold (the mode off)
+    check_actor_ref(1, reports, 0.0)  # after the first update the actor is no longer the reference
+    check_actor_ref(0, reports, None)  # no reference model, or --load: not checked
+    check_actor_ref(0, [_ref_report(0, 0, -1.0, -1.0)], 0.0)  # bitwise equal
+    with pytest.raises(CiCheckFailed, match="rollout 0: no step compared the actor's log-probs"):
+        check_actor_ref(0, [{"loss": 1.0}], 0.0)

@@ -13,7 +13,7 @@ import torch
 
 from rl_plugin.loss import LossConfig, StepBatch
 from rl_plugin.loss.step import prepare_step
-from rl_plugin.loss.worst_token import KEYS, reduce_worst, worst_token
+from rl_plugin.loss.worst_token import ACTOR_REF_KEYS, KEYS, reduce_worst, worst_token
 from rl_plugin.parallel import ParallelState
 
 
@@ -80,6 +80,21 @@ def test_the_step_reports_its_worst_token_only_when_asked():
     assert out["mismatch/abs_diff_max"] == 0.25
     default = prepare_step(_step(LossConfig()), LossConfig(), ParallelState.single()).finish()
     assert not set(KEYS) & set(default)
+
+
+def test_the_step_reports_its_worst_actor_ref_token_when_asked_and_given_a_reference():
+    batch = _step(LossConfig())
+    batch.ref_log_probs = torch.tensor([-1.0, -2.0, -3.0625, -0.5, -5.0])  # the masked token differs most
+    cfg = LossConfig(report_actor_ref=True)
+    out = prepare_step(batch, cfg, ParallelState.single()).finish()
+    assert {k: out[k] for k in ACTOR_REF_KEYS} == dict(zip(ACTOR_REF_KEYS, [6.0, 2.0, -3.0, -3.0625]))
+    assert not set(KEYS) & set(out)  # the |old - rollout| token only with report_worst_token
+    no_ref = prepare_step(_step(LossConfig()), cfg, ParallelState.single()).finish()
+    assert not set(ACTOR_REF_KEYS) & set(no_ref)  # no reference model: nothing to compare
+    batch = _step(LossConfig())
+    batch.ref_log_probs = batch.old_log_probs.clone()
+    same = prepare_step(batch, cfg, ParallelState.single()).finish()
+    assert [same[k] for k in ACTOR_REF_KEYS] == [6.0, 0.0, -1.0, -1.0]  # equal: the first trained token
 
 
 def _two_ranks(rank, world):

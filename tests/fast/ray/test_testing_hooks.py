@@ -11,14 +11,22 @@ import sys
 import threading
 import time
 
+import pytest
+import torch
+
 import rl_plugin
 from rl_plugin.ray.testing_hooks import (
     DRIVER_PID_ENV,
     FAULT_ENV,
     SIGNAL_ENV,
+    STALE_ENGINE_ENV,
+    StaleReceiver,
     TrainActorHooks,
     forwarded_env,
+    stale_engine_at,
 )
+from rl_plugin.weight_sync import WeightPublisher, WeightReceiver, load_sync
+from rl_plugin.weight_sync.handle import SyncRequest
 
 
 def test_forwarded_env_takes_the_hooks_and_adds_the_driver_pid_for_the_signal():
@@ -66,3 +74,38 @@ def test_the_signal_hook_sends_sigterm_to_the_driver_then_waits_for_the_stop():
     finally:
         driver.kill()
         driver.wait()
+
+
+class _Engine:
+    def __init__(self):
+        self.w = {"w": torch.zeros(4)}
+
+    def update_weights(self, bucket):
+        for name, t in bucket.items():
+            self.w[name].copy_(t)
+
+    def weights(self):
+        return self.w
+
+
+@pytest.mark.parametrize("claim, version", [(False, 1), (True, 2)])
+def test_the_stale_receiver_leaves_the_engine_on_its_old_weights_at_its_sync_only(claim, version):
+    engine, receiver = _Engine(), StaleReceiver(WeightReceiver(), at=2, claim=claim)
+    pub = WeightPublisher("shared_memory")
+    try:
+        request = SyncRequest(buffer_bytes=1024, transport="shared_memory", fingerprint=True)
+        first = load_sync(engine, receiver, pub.publish({"w": torch.ones(4)}, request))
+        assert first["version"] == 1 and torch.equal(engine.w["w"], torch.ones(4))  # sync 1 passes through
+        second = load_sync(engine, receiver, pub.publish({"w": torch.full((4,), 2.0)}, request))
+    finally:
+        pub.close()
+    assert torch.equal(engine.w["w"], torch.ones(4)) and second["bytes"] == 0.0  # sync 2: the old weights kept
+    assert second["version"] == version  # "V": the old version; "V:weights": the new one claimed
+
+
+def test_stale_engine_at_parses_the_sync_and_the_kind():
+    assert stale_engine_at({}) is None
+    assert stale_engine_at({STALE_ENGINE_ENV: "3"}) == (3, False)
+    assert stale_engine_at({STALE_ENGINE_ENV: "2:weights"}) == (2, True)
+    with pytest.raises(ValueError, match="expected 'V' or 'V:weights'"):
+        stale_engine_at({STALE_ENGINE_ENV: "2:other"})

@@ -49,11 +49,14 @@ def test_for_receiver_sets_the_group_rank_only_for_the_distributed_transport():
 
 
 def test_answer_takes_one_engines_bytes_and_the_slowest_seconds():
-    stats = [{"bytes": 10.0, "seconds": 0.5, "fingerprint": "a"}, {"bytes": 10.0, "seconds": 1.5, "fingerprint": "b"}]
+    stats = [
+        {"bytes": 10.0, "seconds": 0.5, "version": 1, "fingerprint": "a"},
+        {"bytes": 10.0, "seconds": 1.5, "version": 1, "fingerprint": "b"},
+    ]
     plain = SyncHandle(version=1, node_id="n", buffer_bytes=1)
     assert answer(plain, stats) == {"bytes": 10.0, "seconds": 1.5}
     checked = dataclasses.replace(plain, fingerprint={"x": "y"})
-    assert answer(checked, stats) == {"bytes": 10.0, "seconds": 1.5, "fingerprints": ["a", "b"]}
+    assert answer(checked, stats) == {"bytes": 10.0, "seconds": 1.5, "versions": [1, 1], "fingerprints": ["a", "b"]}
 
 
 def test_a_colocated_load_wakes_the_weights_loads_and_sleeps(engine, trace):
@@ -69,6 +72,7 @@ def test_a_colocated_load_wakes_the_weights_loads_and_sleeps(engine, trace):
     total = sum(v.numel() * v.element_size() for v in new.values())
     assert out["bytes"] == total and out["seconds"] >= 0
     assert out["fingerprints"] == [weights_fingerprint(new)] == [weights_fingerprint(engine.weights())]
+    assert out["versions"] == [handle.version]  # the sync version the engine holds now
     assert fleet.version == 4
     assert trace() == ["engine.wake_up weights", f"engine.load {handle.version}", "engine.sleep"]
 

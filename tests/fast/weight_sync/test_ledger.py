@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl_plugin.errors import LoopError, WeightSyncError
+from rl_plugin.errors import LoopError, WeightSyncError, WeightVersionError
 from rl_plugin.weight_sync.handle import GroupSpec, SyncHandle
 from rl_plugin.weight_sync.ledger import WeightLedger
 
@@ -40,17 +40,33 @@ def test_loaded_checks_every_engines_fingerprint_and_counts_its_time():
     ledger = _ledger(fingerprint=True)
     ledger.published(_handle(3, fingerprint={"w": "aa"}, export_seconds=1.0, publish_seconds=2.0))
     ledger.give()
-    ledger.loaded({"seconds": 0.5, "fingerprints": [{"w": "aa"}, {"w": "aa"}]})
+    ledger.loaded({"seconds": 0.5, "versions": [3, 3], "fingerprints": [{"w": "aa"}, {"w": "aa"}]})
     assert ledger.timings() == {"time/weight_sync": 3.5, "time/weight_publish": 3.0, "time/weight_load_engines": 0.5}
     assert ledger.timings() == dict.fromkeys(("time/weight_sync", "time/weight_publish", "time/weight_load_engines"), 0)
     ledger.published(_handle(4, fingerprint={"w": "aa"}))
     ledger.give()
     with pytest.raises(WeightSyncError, match=r"^rollout engine 1: --check-weight-sync: .* at 'w'"):
-        ledger.loaded({"seconds": 0.1, "fingerprints": [{"w": "aa"}, {"w": "bb" * 6}]})
+        ledger.loaded({"seconds": 0.1, "versions": [4, 4], "fingerprints": [{"w": "aa"}, {"w": "bb" * 6}]})
     ledger.published(_handle(5))
     ledger.give()
     with pytest.raises(LoopError, match="was given sync 5 and answered no load"):
         ledger.loaded(None)
+
+
+def test_an_engine_on_another_version_is_named_before_its_fingerprint_is_compared():
+    ledger = _ledger(fingerprint=True)
+    ledger.published(_handle(2, fingerprint={"w": "aa"}))
+    ledger.give()
+    with pytest.raises(WeightVersionError) as err:  # engine 1 kept sync 1 (and its weights)
+        ledger.loaded({"seconds": 0.1, "versions": [2, 1], "fingerprints": [{"w": "aa"}, {"w": "bb" * 6}]})
+    assert str(err.value) == (
+        "rollout engine 1 holds weight version 1, the trainer's is 2: the engine did not load the sync"
+    )
+    assert isinstance(err.value, WeightSyncError)
+    plain = _ledger()  # without --check-weight-sync / --ci-test nothing is compared
+    plain.published(_handle(2))
+    plain.give()
+    plain.loaded({"seconds": 0.1})
 
 
 def test_a_full_sync_of_its_own_is_not_a_rollouts_cost():
@@ -68,7 +84,7 @@ def test_distributed_announces_the_next_version_in_its_group():
     assert request.group == GroupSpec(host="10.0.0.1", port=2950, world=4, epoch=0)
     ledger.published(_handle(3))
     ledger.give()
-    ledger.loaded({"seconds": 0.0, "fingerprints": []})
+    ledger.loaded({"seconds": 0.0, "versions": [], "fingerprints": []})
     announced = ledger.announce(request)
     assert announced.version == 4 and announced.group == request.group and announced.fingerprint == {}
     ledger.failed(_handle(4, error="member died"))  # the version is used up; the next is 5
