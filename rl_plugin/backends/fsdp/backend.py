@@ -57,8 +57,8 @@ from rl_plugin.backends.fsdp.model import (
 from rl_plugin.backends.fsdp.optim import build_optimizer, clip_grad_norm, megatron_lr, set_lr
 from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_rows
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
-from rl_plugin.backends.fsdp.value_model import idle_values, micro_batch_values
 from rl_plugin.backends.fsdp.true_on_policy import invariant_log_probs
+from rl_plugin.backends.fsdp.value_model import idle_values, micro_batch_values
 from rl_plugin.backends.fsdp.vision import image_inputs, placeholders
 from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
