@@ -111,6 +111,12 @@ class MultimodalConfig(Declared):
             ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
             ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),
             ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
+            ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
+            (
+                "--true-on-policy-mode",
+                run.true_on_policy.mode,
+                "the default kernels (the invariant ops cover no vision tower; VL generation is generate's)",
+            ),
         )
         for name, on, fix in unbuilt:
             if on:

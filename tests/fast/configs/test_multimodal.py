@@ -18,6 +18,8 @@ UNBUILT = [
     ("--rollout-function-path m:f", "use the default generation"),
     ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
     ("--lora-rank 8", "LoRA on a VL model is untested"),
+    ("--advantage-estimator ppo", "no VL value model is built"),
+    ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
 ]
 
 RULES = [
