@@ -3,7 +3,8 @@
 Every record has the same text prompt (``PROMPT``, a chat turn with one ``<image>``) and one
 image: a solid square of one of ``len(colours)`` colours (``COLOURS``, 2 by default), jittered per
 record (each channel +-``JITTER``) and of a random size (so no two images are the same bytes, and
-the processor's resize varies the image tokens); the label is the colour's index ``k``. The
+the processor's resize varies the image tokens); the label is ``"k/K"``: the colour's index and
+the number of colours (so the reward reads nothing but the sample). The
 answer is the first response token's class,
 
     class(token) = token_id mod K,        r = [class(first response token) == k]   in {0, 1}
@@ -22,7 +23,6 @@ relative to the file; eval images from another seed) for ``--multimodal-keys '{"
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import sys
@@ -52,7 +52,7 @@ def colour_records(directory: Path, split: str, num: int, num_colours: int, seed
         side = rng.choice((48, 56, 64, 80))
         name = f"images/{split}_{i:05d}.png"
         Image.new("RGB", (side, side), rgb).save(directory / name)
-        out.append({"prompt": PROMPT, "images": [name], "label": k})
+        out.append({"prompt": PROMPT, "images": [name], "label": f"{k}/{num_colours}"})
     return out
 
 
@@ -65,13 +65,7 @@ def write_colour_task(directory, *, num_train: int = 256, num_eval: int = 32, nu
     for path, split, num, s in zip(paths, ("train", "eval"), (num_train, num_eval), (seed, seed + 1)):
         recs = colour_records(directory, split, num, num_colours, s)
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (directory / "num_colours").write_text(str(num_colours))
     return paths
-
-
-@functools.lru_cache(maxsize=8)
-def _num_colours(path: str) -> int:
-    return int(Path(path).read_text())
 
 
 def answer_class(token_id: int, num_colours: int) -> int:
@@ -81,15 +75,15 @@ def answer_class(token_id: int, num_colours: int) -> int:
 
 async def colour_reward(args, sample) -> float:
     """1.0 when the first response token names the label's colour (module docstring), else 0.0.
-    K is the number of colours the task was written with (``num_colours`` beside the data)."""
+    The label is ``"k/K"``: the colour's index k of K colours."""
     images = (sample.multimodal_inputs or {}).get("image")
     if not images:
         raise ValueError(f"colour_reward: sample {sample.index} reached the reward without its image")
     if sample.response_length == 0:
         return 0.0
     first = sample.tokens[len(sample.tokens) - sample.response_length]
-    k = _num_colours(str(Path(args.prompt_data).with_name("num_colours")))
-    return float(answer_class(first, k) == int(sample.label))
+    label, num_colours = (int(x) for x in str(sample.label).split("/"))
+    return float(answer_class(first, num_colours) == label)
 
 
 if __name__ == "__main__":
