@@ -242,6 +242,33 @@ def test_value_clip_reaches_the_critics_steps(ray_cluster, tmp_path):
     assert default == [0.0] * 4, default
 
 
+HOOKS = Path(__file__).resolve().parents[2] / "support" / "turn_hooks.py"
+
+
+def test_with_a_multi_turn_hook_lora_and_tis(ray_cluster, tmp_path):
+    """PPO beside what it must work with (FSDP): a two-turn hook whose tool tokens are masked (GAE
+    carries its running terms over them), LoRA on the actor (the critic trains full weights) and
+    TIS. Every row has the critic's metrics, the masked share of the tokens is strictly between 0
+    and 1, and the actor trains after the critic-only rollouts."""
+    run = _ppo_run(
+        "fsdp",
+        tmp_path / "mt",
+        "--num-rollout",
+        "4",
+        "--num-critic-only-steps",
+        "1",
+        *("--custom-generate-function-path", f"{HOOKS}:two_turn", "--custom-rm-path", f"{HOOKS}:first_digit_reward"),
+        *("--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "4"),
+        *("--lora-rank", "4", "--lora-alpha", "8", "--use-tis"),
+    )
+    rows = run["rows"]
+    assert [r["rollout_id"] for r in rows] == list(range(4))
+    assert all(0 < r["multi_turn/masked_token_frac"] < 1 for r in rows), rows
+    assert all(r["critic/explained_variance"] == r["critic/explained_variance"] for r in rows)  # not NaN
+    assert [("pg_loss" in r) for r in rows] == [False, True, True, True]
+    assert all("tis/" in " ".join(r) for r in rows[1:]), sorted(rows[1])
+
+
 def test_the_one_step_off_loop_trains_the_critic_too(ray_cluster, tmp_path):
     """--max-weight-staleness 1 (Megatron): rollout k+1 is generated while the actor and the critic
     train on rollout k; every row carries the critic's metrics and the staleness, the first actor
