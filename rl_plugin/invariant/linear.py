@@ -14,7 +14,10 @@ Tiling (the contract, identical in the engine and the trainer):
   ``linear_partials``, all-gathers them in rank order and calls ``combine_partials``: the same
   bits as TP1.
 - N: every output column is one dot product over a K chunk, so a column split (column-parallel
-  TP) gives the same bits as the whole ``N`` (checked by the tests).
+  TP) gives the same bits as the whole ``N`` (checked by the tests), provided every GEMM has at
+  least ``MIN_COLS`` = 16 columns: ``W`` with fewer output rows is zero-padded to 16 and the
+  result sliced back (MKL takes another kernel below 12 columns and differs by ~2e-7 here: the
+  embedded model's 16-token head split over TP2 is 8 columns per rank). ``N >= 16`` is untouched.
 
 The default path (``torch.nn.functional.linear``) is not touched; these ops are only called by
 modules patched by ``rl_plugin.invariant.hf_patch.make_invariant`` (and the Megatron true
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16  # rows per GEMM tile (padded with zeros)
+MIN_COLS = 16  # fewest output columns per GEMM (a narrower weight is padded with zero rows)
 K_PARTS = 2  # K chunks, combined in chunk order; row-parallel TP sizes dividing it reproduce TP1
 
 
@@ -50,10 +54,14 @@ def _chunk_products(x: torch.Tensor, weight: torch.Tensor, parts: int):
         )
     tiles = _tiles(x)
     chunk = k // parts
+    n = weight.shape[0]
+    if n < MIN_COLS:
+        weight = F.pad(weight, (0, 0, 0, MIN_COLS - n))
+    cols = weight.shape[0]
     for p in range(parts):
         a = tiles[:, :, p * chunk : (p + 1) * chunk].contiguous()
-        b = weight[:, p * chunk : (p + 1) * chunk].t().unsqueeze(0).expand(tiles.shape[0], chunk, weight.shape[0])
-        yield torch.bmm(a, b).reshape(-1, weight.shape[0])[:rows]
+        b = weight[:, p * chunk : (p + 1) * chunk].t().unsqueeze(0).expand(tiles.shape[0], chunk, cols)
+        yield torch.bmm(a, b).reshape(-1, cols)[:rows, :n]
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, parts: int = K_PARTS) -> torch.Tensor:

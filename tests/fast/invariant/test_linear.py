@@ -84,3 +84,17 @@ def test_real_model_shapes_are_row_invariant_with_1_and_2_threads(k, n):
         for rows in counts:
             got = with_threads(threads, linear, x[:rows], w)
             assert torch.equal(got, full[:rows]), (threads, rows)
+
+
+@pytest.mark.parametrize("n", [16, 8, 2, 1])
+def test_a_narrow_column_shard_gives_the_whole_weights_bits(threads, n):
+    """The embedded model's untied head (vocab 16, hidden 64) column-split over TP2 is 8 columns per
+    rank: below 12 columns MKL takes another kernel (2.4e-7 off before ``MIN_COLS``, the TP2 loop's
+    7.2e-7 log-prob gap of issue 45); every shard of ``n`` columns now has the 16-column bits."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(40, 64, generator=g), torch.randn(16, 64, generator=g) / 8, torch.randn(16, generator=g)
+    whole = linear(x, w, b)
+    shards = torch.cat([linear(x, w[i : i + n], b[i : i + n]) for i in range(0, 16, n)], dim=1)
+    assert torch.equal(shards, whole), float((shards - whole).abs().max())
+    parts = torch.cat([linear_partials(x, w[i : i + n]) for i in range(0, 16, n)], dim=-1)
+    assert torch.equal(combine_partials(parts, b), whole)

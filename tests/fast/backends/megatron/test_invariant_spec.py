@@ -30,8 +30,9 @@ FAMILIES = {
 }
 
 
-def engine_samples(ckpt: str):
-    """A StepBatch of the hf engine's samples in true on-policy mode (its log-probs as rollout log-probs)."""
+def engine_samples(ckpt: str, *, vocab: int = 120, stop=STOP, temperature: float = TEMPERATURE):
+    """A StepBatch of the hf engine's samples in true on-policy mode (its log-probs as rollout
+    log-probs); prompt ids in ``[3, vocab)``."""
     from rl_plugin.loss import StepBatch
     from rl_plugin.rollout.engines.base import SamplingParams
     from rl_plugin.rollout.engines.hf_engine import HFEngine
@@ -40,11 +41,11 @@ def engine_samples(ckpt: str):
     prompts = []
     for i, n in enumerate(PROMPT_LENGTHS):
         if i % 3 == 0:
-            prompt = torch.randint(3, 120, (n,), generator=g).tolist()
+            prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
         prompts.append(prompt)
     engine = HFEngine(ckpt, true_on_policy=True)
     gens = engine.generate(
-        prompts, SamplingParams(temperature=TEMPERATURE, max_new_tokens=12, stop_token_ids=STOP), seed=3
+        prompts, SamplingParams(temperature=temperature, max_new_tokens=12, stop_token_ids=stop), seed=3
     )
     tokens = torch.tensor([t for gen in gens for t in gen.prompt_ids + gen.response_ids])
     resp = torch.tensor([len(gen.response_ids) for gen in gens])
@@ -87,6 +88,7 @@ def backend(ckpt: str, world: int, *extra: str, true_on_policy: bool = True):
     from tests.support.megatron_common import make_args
 
     args = make_args("--hf-checkpoint", ckpt, "--rollout-temperature", str(TEMPERATURE), *extra, world_size=world)
+    # a later --rollout-temperature in ``extra`` wins (argparse keeps the last)
     train = dataclasses.replace(RunConfig.from_args(args).train, true_on_policy=true_on_policy)
     return MegatronBackend.from_config(train)
 
@@ -171,6 +173,24 @@ def test_tp2_and_dp2_log_probs_equal_the_engines_bitwise(samples, run_world):
                 assert logp.numel() > 0 and torch.equal(logp, rollout), (
                     f"TP{tp} rank {rank} {name}: {_report(logp, rollout)}"
                 )
+
+
+def test_tp2_on_the_embedded_models_shapes_equals_the_engines_bitwise(tiny_checkpoint, run_world):
+    """Issue 45's TP2 loop gap: the embedded default model (``embedded_setup.MODEL``: Qwen2, hidden
+    64, 2 heads = one per TP rank, untied 16-token head = 8 columns per rank) at the loop's
+    temperature 1 and micro-batch 128. Before ``inv.linear``'s ``MIN_COLS`` the 8-column head shard
+    took MKL's narrow kernel: 4.8e-7 off the engine's log-probs."""
+    from rl_plugin.loop.embedded_setup import MODEL
+
+    config = {k: v for k, v in MODEL.items() if k != "family"}
+    ckpt = tiny_checkpoint(MODEL["family"], **config)
+    batch = engine_samples(ckpt, vocab=MODEL["vocab_size"], stop=(2,), temperature=1.0)
+    assert len(set(batch.response_lengths.tolist())) > 1
+    extra = ("--rollout-temperature", "1.0", "--micro-batch-size", "128")
+    results = run_world(worker, 2, 2, [(ckpt, batch, extra, True)], None)
+    for rank in range(2):
+        logp, rollout = results[rank][0][0]
+        assert logp.numel() > 0 and torch.equal(logp, rollout), f"TP2 rank {rank}: {_report(logp, rollout)}"
 
 
 def test_a_step_applies_the_default_paths_gradient(samples, tp1, run_world):
