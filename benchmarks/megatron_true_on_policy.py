@@ -23,25 +23,7 @@ from pathlib import Path
 
 import torch
 
-SMOLLM2_SHAPE = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    num_heads=9,
-    num_kv_heads=3,
-    intermediate_size=1536,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
-
-
-def _checkpoint(name: str, root: Path, layers: int) -> str:
-    if name == "embedded":
-        from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
-
-        return str(ensure_tiny_model(cache_root()))
-    from rl_plugin.models.tiny import make_tiny_hf_checkpoint
-
-    return str(make_tiny_hf_checkpoint(root / f"smollm2_{layers}", "llama", num_layers=layers, **SMOLLM2_SHAPE))
+from benchmarks.true_on_policy import checkpoint  # the same model shapes as the op benchmark
 
 
 def _batch(vocab: int, samples: int = 32):
@@ -86,7 +68,7 @@ def main() -> None:
     modes = (False,) if args.off_only else (False, True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, vocab in (("embedded", 16), ("smollm2-shaped", 49152)):
-            ckpt = _checkpoint(name, Path(tmp), args.layers)
+            ckpt = checkpoint(name, Path(tmp), args.layers)
             res = run_world(_worker, 1, ckpt, vocab, args.rounds, modes)[0]
             off, logp_off, n, total = res[False]
             line = f"{name}: {total} tokens packed ({n} scored), mode off {off * 1e3:.1f} ms"

@@ -45,7 +45,8 @@ SMOLLM2_SHAPE = dict(
 )
 
 
-def _checkpoint(name: str, root: Path, layers: int) -> str:
+def checkpoint(name: str, root: Path, layers: int) -> str:
+    """The embedded model's checkpoint, or a random Llama of SmolLM2's widths with ``layers`` layers."""
     if name == "embedded":
         from rl_plugin.loop.embedded_setup import cache_root, ensure_tiny_model
 
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
     header = f"{'shape':<14} {'measure':<52} {'default':>10} {'mode':>10} {'time ratio':>13}"
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
-            ckpt = _checkpoint(shape, Path(tmp), args.layers)
+            ckpt = checkpoint(shape, Path(tmp), args.layers)
             from transformers import AutoConfig
 
             cfg = AutoConfig.from_pretrained(ckpt)
