@@ -6,6 +6,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+# the colour task's flags (``rl_plugin.rollout.data.vl_task``): its images, the chat template, its reward
+COLOUR_TASK_FLAGS = (
+    "--multimodal-keys",
+    '{"image": "images"}',
+    "--apply-chat-template",
+    "--custom-rm-path",
+    "rl_plugin.rollout.data.vl_task:colour_reward",
+)
+
 
 def tiny_vl_dir(base: Path) -> Path:
     from rl_plugin.models.tiny_vl import make_tiny_vl_checkpoint

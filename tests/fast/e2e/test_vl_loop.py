@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from rl_plugin.rollout.data.vl_task import write_colour_task  # noqa: E402
 from rl_plugin.train import main  # noqa: E402
 from tests.support.local_ray import local_ray_cluster  # noqa: E402
-from tests.support.tiny_vl import tiny_vl_dir  # noqa: E402
+from tests.support.tiny_vl import COLOUR_TASK_FLAGS, tiny_vl_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +39,7 @@ def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path):
         str(train),
         "--eval-prompt-data",
         str(held_out),
-        "--multimodal-keys",
-        '{"image": "images"}',
-        "--apply-chat-template",
-        "--custom-rm-path",
-        "rl_plugin.rollout.data.vl_task:colour_reward",
+        *COLOUR_TASK_FLAGS,
         "--rollout-batch-size",
         "8",
         "--n-samples-per-prompt",

@@ -9,7 +9,7 @@ import pytest
 
 from rl_plugin.arguments.__main__ import main as checker
 from rl_plugin.rollout.data.vl_task import write_colour_task
-from tests.support.tiny_vl import tiny_vl_dir
+from tests.support.tiny_vl import COLOUR_TASK_FLAGS, tiny_vl_dir
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,7 @@ def _flags(model, data, *extra):
         str(model),
         "--prompt-data",
         str(data),
-        "--multimodal-keys",
-        '{"image": "images"}',
-        "--apply-chat-template",
-        "--custom-rm-path",
-        "rl_plugin.rollout.data.vl_task:colour_reward",
+        *COLOUR_TASK_FLAGS,
         "--rollout-batch-size",
         "2",
         "--rollout-max-response-len",
