@@ -37,6 +37,12 @@ class TrainConfig(RoutingReplaySettings, Declared):
         help="Use the engine's log-probs as the old log-probs and skip the trainer's recompute pass (slime): saves a forward pass per rollout when the engine and the trainer agree (e.g. true on-policy kernels); the PPO ratio then absorbs any mismatch.",
         group="off-policy correction",
     )
+    freeze_vision_tower: bool = flag(
+        "--freeze-vision-tower",
+        action="store_true",
+        help="Vision-language models: keep the vision tower (and its patch merger / projector) fixed; only the language model trains (no gradients, no optimizer state for the tower). Needs --multimodal-keys. Off by default (the tower trains).",
+        group="training backend",
+    )
     # the critic's process (``RunConfig.critic_train``): the actor's architecture with a scalar value
     # head instead of the LM head; no flag (the run config sets it for the critic group only)
     value_head: bool = runtime(False)
@@ -46,6 +52,12 @@ class TrainConfig(RoutingReplaySettings, Declared):
     def check(self, run) -> None:
         """What each backend cannot train (the FSDP backend shards over data parallelism only)."""
         RoutingReplaySettings.check(self, run)
+        if self.freeze_vision_tower and not run.rollout.multimodal.image_key:
+            fail(
+                "--freeze-vision-tower without --multimodal-keys",
+                "it freezes a vision tower, and the run reads no images",
+                'add --multimodal-keys \'{"image": "images"}\' with a vision-language --hf-checkpoint, or drop the flag',
+            )
         if self.train_backend == "megatron" and self.model.fp16:
             fail(
                 "--train-backend megatron with --fp16",

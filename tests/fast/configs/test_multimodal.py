@@ -58,3 +58,13 @@ def test_the_run_config_carries_the_image_key_and_pixel_bounds():
     mm = run_config_of(args).rollout.multimodal
     assert (mm.image_key, mm.min_pixels, mm.max_pixels) == ("images", 3136, 12544)
     assert run_config_of(parse_args([])).rollout.multimodal.image_key is None
+
+
+def test_freeze_vision_tower_needs_images():
+    """``--freeze-vision-tower`` (TrainConfig) freezes a tower only a run with images has."""
+    assert_refused(
+        "--freeze-vision-tower",
+        ["--freeze-vision-tower without --multimodal-keys", "the run reads no images", "add --multimodal-keys"],
+    )
+    args = parse_args([*KEYS.split(), "--freeze-vision-tower"])
+    assert run_config_of(args).train.freeze_vision_tower is True
