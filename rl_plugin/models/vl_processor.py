@@ -31,6 +31,12 @@ def checkpoint_model_type(checkpoint_dir) -> Optional[str]:
     return json.loads(path.read_text()).get("model_type")
 
 
+def has_vision_config(checkpoint_dir) -> bool:
+    """Whether ``config.json`` declares a vision tower (a ``vision_config``), whatever the family."""
+    path = Path(checkpoint_dir) / "config.json"
+    return path.exists() and "vision_config" in json.loads(path.read_text())
+
+
 def is_vl_checkpoint(checkpoint_dir) -> bool:
     """Whether the checkpoint is a vision-language model this project runs (``VL_MODEL_TYPES``)."""
     return checkpoint_model_type(checkpoint_dir) in VL_MODEL_TYPES

@@ -2,7 +2,8 @@
 every sample's image tokens fit the context.
 
 ``check_vl_checkpoint(hf_checkpoint)``: a text-only checkpoint given ``--multimodal-keys`` is
-refused naming the flag (its model would never see the images). ``check_image_prompt_file``: each
+refused naming the flag (its model would never see the images), and so is a vision-language family
+other than Qwen2-VL / Qwen2.5-VL (``VL_MODEL_TYPES``). ``check_image_prompt_file``: each
 record of a prompt file is read (a bad record names its ``file:line``), each of its images opened
 (a missing or undecodable one names ``file:line`` and the image's index), and the prompt encoded by
 the processor (``vl_prompt.VLPrompts.image_prompt``): its ids count the image tokens at the run's
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rl_plugin.errors import RLArgumentError, fail
-from rl_plugin.models.vl_processor import checkpoint_model_type, is_vl_checkpoint
+from rl_plugin.models.vl_processor import VL_MODEL_TYPES, checkpoint_model_type, has_vision_config, is_vl_checkpoint
 from rl_plugin.rollout.data.dataset import read_prompts
 from rl_plugin.rollout.data.images import open_images
 from rl_plugin.rollout.data.prompt_check import check_labels
@@ -32,6 +33,13 @@ def check_vl_checkpoint(hf_checkpoint: Optional[str]) -> None:
             "--multimodal-keys without --hf-checkpoint",
             "the embedded default model is text-only",
             "pass a vision-language checkpoint, e.g. --hf-checkpoint DIR after `python -m rl_plugin.models.tiny_vl DIR`",
+        )
+    if not is_vl_checkpoint(hf_checkpoint) and has_vision_config(hf_checkpoint):
+        fail(
+            f"--multimodal-keys with --hf-checkpoint {hf_checkpoint}",
+            f"its vision-language family (model_type {checkpoint_model_type(hf_checkpoint)!r}) is not one rl_plugin "
+            f"trains ({', '.join(VL_MODEL_TYPES)}): its image placeholders, positions and vision tower would be guessed",
+            "convert the model to a Qwen2-VL / Qwen2.5-VL checkpoint, or drop --multimodal-keys",
         )
     if not is_vl_checkpoint(hf_checkpoint):
         fail(

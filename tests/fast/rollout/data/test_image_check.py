@@ -96,3 +96,18 @@ def test_a_text_only_checkpoint_with_multimodal_keys(capsys, tiny_qwen2, tmp_pat
     err = _refusal(capsys, _flags(tiny_qwen2, train))
     assert f"--multimodal-keys with --hf-checkpoint {tiny_qwen2}: that checkpoint is a text-only model" in err
     assert "model_type 'qwen2'" in err and "drop --multimodal-keys" in err
+
+
+def test_a_vision_language_family_not_trained_here(capsys, ckpt, tmp_path):
+    """A checkpoint with a vision tower of another family (here: the tiny VL's config relabelled as
+    LLaVA) is refused as such, not as text-only."""
+    import shutil
+
+    other = tmp_path / "llava"
+    shutil.copytree(ckpt, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
+    train, _ = _data(tmp_path)
+    err = _refusal(capsys, _flags(other, train))
+    assert f"--multimodal-keys with --hf-checkpoint {other}: its vision-language family (model_type 'llava')" in err
+    assert "qwen2_5_vl, qwen2_vl" in err and "convert the model to a Qwen2-VL / Qwen2.5-VL checkpoint" in err
