@@ -90,6 +90,15 @@ class MultimodalConfig(Declared):
                     "it sizes images, and no images are read",
                     'add --multimodal-keys \'{"image": "images"}\', or drop the flag',
                 )
+        cp = run.train.model.context_parallel_size
+        if keys and cp > 1:
+            fail(
+                f"--multimodal-keys with --context-parallel-size {cp}",
+                "context parallelism cuts each sample over CP ranks, and no backend here cuts a sample's image "
+                "tokens and pixels with its text (the FSDP backend has no CP; the Megatron backend's CP needs "
+                "transformer-engine and cuts token ids only)",
+                "use --context-parallel-size 1 (for samples too long for one rank, lower --max-pixels)",
+            )
         if keys:
             self._check_paths_built(run)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:

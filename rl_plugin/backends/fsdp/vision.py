@@ -90,7 +90,8 @@ def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:
         return None
     batch, layout = mb.batch, mb.layout
     check_images(layout)
-    if layout.num_samples == 0 or batch.image_counts is None or int(batch.image_counts.sum()) == 0:
+    blank = layout.num_samples == 0 or batch.image_counts is None or int(batch.image_counts.sum()) == 0
+    if blank:
         images = _blank(inner)
     else:
         images = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}
@@ -101,7 +102,7 @@ def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:
     shape = mb.input_ids.shape
     positions = stream["positions"][:, index].masked_fill(pad, 0).view(3, *shape)
     mask = stream["image_mask"][index].masked_fill(pad, False).view(shape)
-    return {**images, "positions": positions, "image_mask": mask}
+    return {**images, "positions": positions, "image_mask": None if blank else mask}  # blank: placed nowhere
 
 
 def _blank(inner) -> Dict[str, torch.Tensor]:

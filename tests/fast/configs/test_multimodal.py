@@ -68,3 +68,20 @@ def test_freeze_vision_tower_needs_images():
     )
     args = parse_args([*KEYS.split(), "--freeze-vision-tower"])
     assert run_config_of(args).train.freeze_vision_tower is True
+
+
+def test_context_parallelism_with_images_is_refused_naming_both_flags():
+    """No backend cuts a sample's image tokens over CP ranks (FSDP has no CP at all, refused by
+    ``TrainConfig`` first; Megatron's needs transformer-engine and cuts token ids only)."""
+    assert_refused(
+        '--multimodal-keys {"image":"images"} --train-backend megatron --context-parallel-size 2 --actor-num-gpus-per-node 2',
+        [
+            "--multimodal-keys with --context-parallel-size 2",
+            "no backend here cuts a sample's image tokens and pixels with its text",
+            "Fix: use --context-parallel-size 1",
+        ],
+    )
+    assert_refused(
+        '--multimodal-keys {"image":"images"} --train-backend fsdp --context-parallel-size 2',
+        ["--train-backend fsdp with --context-parallel-size 2", "or set it to 1"],
+    )
