@@ -107,8 +107,6 @@ class MultimodalConfig(Declared):
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
             ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
             ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
-            ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
-            ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
             ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),
             ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
@@ -122,7 +120,7 @@ class MultimodalConfig(Declared):
             if on:
                 fail(
                     f"--multimodal-keys with {name}",
-                    "images reach the model only through the hf engine, the default generation and FSDP "
+                    "images reach the model only through the hf engine, the default generation or a generate hook and FSDP "
                     "full-model RL; this path would drop them",
                     f"use {fix}, or drop --multimodal-keys",
                 )
