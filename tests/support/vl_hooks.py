@@ -81,3 +81,31 @@ async def pads_by_hand(args, sample: Sample, sampling_params) -> Sample:
     _append(sample, out["output_ids"], 1, out["output_log_probs"])
     _append(sample, [IMAGE_ID] * 4, 0)
     return sample
+
+
+async def colour_tool_turn(args, sample: Sample, sampling_params) -> Sample:
+    """The colour task with the colour shown by a tool (``tests/fast/e2e/test_vl_tool_turn_loop.py``):
+    the prompt's image is grey; turn 1 is one token, then the tool shows the label's colour
+    (``vl_task.COLOURS``, a 56 x 56 square), and turn 2's one token is the answer (``tool_colour_reward``)."""
+    from rl_plugin.rollout.data.vl_task import COLOURS
+
+    params = dict(sampling_params, max_new_tokens=1)
+    first = await generate_tokens(args, sample.tokens, params, sample=sample)
+    _append(sample, first["output_ids"], 1, first["output_log_probs"])
+    _append(sample, _ids("<|im_end|>\n<|im_start|>user\n"), 0)
+    k = int(str(sample.label).split("/")[0])
+    append_image(sample, Image.new("RGB", (56, 56), COLOURS[k][1]))
+    _append(sample, _ids("<|im_end|>\n<|im_start|>assistant\n"), 0)
+    second = await generate_tokens(args, sample.tokens, params, sample=sample)
+    _append(sample, second["output_ids"], 1, second["output_log_probs"])
+    sample.status = Sample.Status.COMPLETED
+    sample.metadata.update(turns=2, tool_calls=1)
+    return sample
+
+
+async def tool_colour_reward(args, sample: Sample) -> float:
+    """1.0 when the last token (turn 2's answer) names the label's colour (``vl_task.answer_class``)."""
+    from rl_plugin.rollout.data.vl_task import answer_class
+
+    k, num_colours = (int(x) for x in str(sample.label).split("/"))
+    return float(answer_class(sample.tokens[-1], num_colours) == k)

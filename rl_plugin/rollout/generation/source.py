@@ -304,7 +304,8 @@ class GenerationSource:
         if self._vocab_size is None:
             from transformers import AutoConfig
 
-            self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
+            config = AutoConfig.from_pretrained(str(self.checkpoint_dir))  # a VL model's is its text config's
+            self._vocab_size = int(config.get_text_config(decoder=True).vocab_size)
         return self._vocab_size
 
     @property
