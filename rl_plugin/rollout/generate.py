@@ -33,6 +33,11 @@ limit (a cut answer is "length"): the first k tokens of an autoregressive sample
 k tokens. Every flush is seeded ``seed_of(rollout seed, flush index)``: the same hooks on the same
 weights sample the same tokens, so a restarted rollout regenerates what the lost one would have.
 
+Images (``--multimodal-keys``): ``generate_tokens(args, sample.tokens, sampling_params,
+sample=sample)`` sends the hook's sample's images with the ids (``rollout.vl_turns``: the prompt's
+and those ``append_image`` added, each at its image tokens); image tokens without ``sample=`` are
+refused (the engine would see the pads and not the images).
+
 Limits (``EngineRouter.clamp``): ``max_new_tokens`` is clamped to ``--rollout-max-response-len``
 (the router's ``defaults``) and to the room the model's context leaves after ``input_ids``
 (``max_position_embeddings - len(input_ids)``), before any engine sees it, so every engine

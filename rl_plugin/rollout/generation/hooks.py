@@ -14,6 +14,9 @@ likes, calling tools between turns), appends the response ids to ``tokens`` and 
 (0.0 for those), ``status`` and, for the metrics, ``metadata["turns"]`` (model turns) and
 ``metadata["tool_calls"]``. All samples of a rollout run concurrently as asyncio tasks (a plain
 ``def`` works too); their requests reach the engines in batches (``generate.EngineRouter``).
+With images (``--multimodal-keys``) the sample also carries its prompt's images (``tokens``
+expanded, ``multimodal_inputs`` / ``multimodal_train_inputs``); ``append_image`` adds one in a
+later turn and ``generate_tokens(..., sample=sample)`` sends them all (``rollout.vl_turns``).
 
 ``--rollout-function-path`` (slime's ``rollout_function_path``) replaces the whole rollout:
 
