@@ -14,7 +14,6 @@ UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
     ("--train-backend megatron", "use --train-backend fsdp"),
     ("--loss-type sft_loss", "SFT on images is not built"),
-    ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
     ("--lora-rank 8", "LoRA on a VL model is untested"),
     ("--advantage-estimator ppo", "no VL value model is built"),
     ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
