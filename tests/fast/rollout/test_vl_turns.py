@@ -179,3 +179,13 @@ def test_a_rollout_function_gets_its_samples_images_too(setup):
         trained = torch.tensor(s.loss_mask).bool()
         got = torch.tensor(s.rollout_log_probs, dtype=torch.float64)
         torch.testing.assert_close(got[trained], forward_log_probs(engine.model, s)[trained], atol=2e-5, rtol=0)
+
+
+def test_text_and_image_requests_of_one_length_share_an_engine_call(setup):
+    """A text-only turn (an agent's) batched with an image turn of the same length: separate buckets
+    (before: 'a bucket mixes prompts with and without images')."""
+    engine, prompts, _ = setup
+    image = prompts.image_prompt("Colour <image>?", [Image.new("RGB", (56, 56), (0, 0, 255))])
+    text = list(range(65, 65 + len(image)))
+    gens = engine.generate([image, text], PARAMS, seed=0)
+    assert [g.prompt_ids for g in gens] == [list(image), text] and all(g.response_ids for g in gens)
