@@ -87,3 +87,43 @@ def test_an_image_url_in_turn_two_reaches_the_model_and_the_sample(setup):
         turn2 = trained.clone()
         turn2[: r - 3] = False
         assert (swapped[turn2] - want[turn2]).abs().max() > 1e-3
+
+
+def _chat_images(setup):
+    from rl_plugin.rollout.agent.images import ChatImages
+    from rl_plugin.rollout.agent.sessions import Session
+    from rl_plugin.rollout.agent.template import ChatTemplate
+    from rl_plugin.rollout.data.vl_prompt import rollout_prompts
+    from rl_plugin.rollout.sample import Sample
+    from tests.support.tiny_vl import vl_rollout_config
+
+    prompts = rollout_prompts(vl_rollout_config(apply_chat_template=True), setup[1])
+    return ChatImages(prompts), ChatTemplate(prompts.tok), Session("s", Sample(), 8)
+
+
+def test_image_parts_by_file_path_and_the_refusals_name_messages(setup):
+    from rl_plugin.rollout.agent.chat import RequestError
+
+    images, tpl, session = _chat_images(setup)
+    path = str(setup[0] / "blue.png")
+
+    def ask(*parts):
+        msgs = [{"role": "user", "content": list(parts)}]
+        return images.prompt(session, tpl.render(msgs), msgs)
+
+    text = {"type": "text", "text": "colour?"}
+    for url in (path, "file://" + path):
+        ids, appended, kept = ask({"type": "image_url", "image_url": {"url": url}}, text)
+        assert not appended and kept["image_grid_thw"].tolist() == [[1, 4, 4]] and sum(ids.mm_token_type_ids) == 4
+        assert images.collapse(tpl.decode(list(ids))).count(images.placeholder) == 1
+    cases = [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "is not a readable image"),
+        ({"type": "image_url", "image_url": {"url": str(setup[0] / "none.png")}}, "no such file"),
+        ({"type": "image_url"}, "an image part needs image_url.url"),
+        ({"type": "text", "text": images.placeholder}, "renders 1 image places for 0 image_url parts"),
+        ({"type": "text", "text": "<|image_pad|>"}, "1 image-pad tokens for 0 images of 0 tokens"),
+    ]
+    for part, message in cases:
+        with pytest.raises(RequestError, match=message) as err:
+            ask(part, text)
+        assert err.value.status == 400 and err.value.param == "messages"
