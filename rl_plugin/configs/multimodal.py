@@ -111,14 +111,10 @@ class MultimodalConfig(Declared):
     def _check_paths_built(self, run) -> None:
         """Images reach the model only on the paths built and tested (docs/design.md "Images"):
         any other would drop them silently, so it is refused."""
-        cg = run.custom_generation
         unbuilt = (
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
             ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
             ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
-            ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
-            ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
-            ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),
             ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
             (

@@ -1,9 +1,10 @@
 """The rollout side: prompt data, engines, rewards, filters, and the names user code imports
 (slime's), the list the README keeps:
 
-    from rl_plugin.rollout import Sample, generate_tokens, get_reward_value, remote_rm
+    from rl_plugin.rollout import Sample, append_image, generate_tokens, get_reward_value, remote_rm
 
 ``Sample`` (a rollout sample), ``generate_tokens`` (a generation from a custom hook),
+``append_image(sample, image)`` (an image in a hook's later turn, ``vl_turns``),
 ``get_reward_value(sample, args)`` (a reward's number) and ``remote_rm(args, sample)`` (the remote
 reward model's client, for a ``--custom-rm-path`` rm). They are resolved lazily
 (``__getattr__``), so importing a submodule (the manager, an engine) imports nothing more; a
@@ -16,6 +17,7 @@ import importlib
 
 _EXPORTS = {
     "Sample": "rl_plugin.rollout.sample",
+    "append_image": "rl_plugin.rollout.vl_turns",
     "generate_tokens": "rl_plugin.rollout.generate",
     "get_reward_value": "rl_plugin.rollout.rewards.functions",
     "remote_rm": "rl_plugin.rollout.rewards.remote_rm",

@@ -33,6 +33,11 @@ limit (a cut answer is "length"): the first k tokens of an autoregressive sample
 k tokens. Every flush is seeded ``seed_of(rollout seed, flush index)``: the same hooks on the same
 weights sample the same tokens, so a restarted rollout regenerates what the lost one would have.
 
+Images (``--multimodal-keys``): ``generate_tokens(args, sample.tokens, sampling_params,
+sample=sample)`` sends the hook's sample's images with the ids (``rollout.vl_turns``: the prompt's
+and those ``append_image`` added, each at its image tokens); image tokens without ``sample=`` are
+refused (the engine would see the pads and not the images).
+
 Limits (``EngineRouter.clamp``): ``max_new_tokens`` is clamped to ``--rollout-max-response-len``
 (the router's ``defaults``) and to the room the model's context leaves after ``input_ids``
 (``max_position_embeddings - len(input_ids)``), before any engine sees it, so every engine
@@ -54,6 +59,7 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
+from rl_plugin.rollout.vl_turns import RUN_PROMPTS, image_request
 
 # the router of the rollout being generated (set by ``EngineRouter.bind`` in the rollout's event loop)
 _ROUTER: contextvars.ContextVar[Optional["EngineRouter"]] = contextvars.ContextVar("rl_plugin_router", default=None)
@@ -134,19 +140,44 @@ def _check_ids(input_ids, vocab_size: Optional[int] = None) -> List[int]:
     return ids
 
 
-async def generate_tokens(
-    args, input_ids: Sequence[int], sampling_params: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
-    """One generation on the run's engines (module docstring): ``output_ids``,
-    ``output_log_probs``, ``finish_reason``. Only inside a rollout: a custom generate hook or a
-    ``--rollout-function-path`` function that the rollout manager runs."""
+def current_router(what: str = "generate_tokens") -> "EngineRouter":
+    """The running rollout's router (``RuntimeError`` naming ``what`` outside a rollout)."""
     router = _ROUTER.get()
     if router is None:
         raise RuntimeError(
-            "generate_tokens runs inside a rollout: call it from a --custom-generate-function-path hook or a "
+            f"{what} runs inside a rollout: call it from a --custom-generate-function-path hook or a "
             "--rollout-function-path function, which the rollout manager runs with its engines"
         )
-    ids = _check_ids(input_ids, router.vocab_size)
+    return router
+
+
+def _with_images(router: "EngineRouter", ids: List[int], sample) -> List[int]:
+    """``ids`` as the engine's request: with images (a run with ``--multimodal-keys``) the sample's
+    ``ImagePrompt`` (``rollout.vl_turns``: every image so far at its image tokens)."""
+    processor = getattr(router.prompts, "processor", None)
+    if processor is None:
+        return ids
+    image_id = processor.image_token_id
+    if sample is None:
+        if image_id in ids:
+            raise ValueError(
+                "generate_tokens: input_ids hold image tokens and no images reach the engine; pass the hook's sample "
+                "(generate_tokens(args, sample.tokens, sampling_params, sample=sample)) so the model sees its images"
+            )
+        return ids
+    return image_request(sample, ids, image_id)
+
+
+async def generate_tokens(
+    args, input_ids: Sequence[int], sampling_params: Optional[Dict[str, Any]] = None, *, sample=None
+) -> Dict[str, Any]:
+    """One generation on the run's engines (module docstring): ``output_ids``,
+    ``output_log_probs``, ``finish_reason``. Only inside a rollout: a custom generate hook or a
+    ``--rollout-function-path`` function that the rollout manager runs. ``sample``: the hook's
+    ``Sample`` in a run with images: the engine gets its images (``rollout.vl_turns``;
+    ``input_ids`` then start with ``sample.tokens``)."""
+    router = current_router()
+    ids = _with_images(router, _check_ids(input_ids, router.vocab_size), sample)
     params = router.clamp(ids, sampling_params_of(sampling_params, router.defaults))
     stop = [t for t in params.stop_token_ids if router.vocab_size is not None and t >= router.vocab_size]
     if stop:
@@ -185,8 +216,10 @@ class EngineRouter:
         defaults: SamplingParams = DEFAULTS,
         context_len: Optional[int] = None,
         vocab_size: Optional[int] = None,
+        prompts=None,
     ):
         self.dispatch, self.seed, self.defaults = dispatch, int(seed), defaults
+        self.prompts = prompts  # the run's prompt tokenizer (with images: ``VLPrompts``, its processor)
         self.context_len = context_len  # the model's max_position_embeddings (None: unknown, no clamp)
         self.vocab_size = vocab_size  # the model's vocabulary: the bound of every id asked (None: unchecked)
         self.queue: List[Tuple[List[int], SamplingParams, asyncio.Future]] = []
@@ -196,7 +229,8 @@ class EngineRouter:
 
     def bind(self) -> contextvars.Token:
         """Make this router the one ``generate_tokens`` uses in the current context (tasks
-        created afterwards inherit it)."""
+        created afterwards inherit it), and its ``prompts`` the ones ``append_image`` reads."""
+        RUN_PROMPTS.set(self.prompts)
         return _ROUTER.set(self)
 
     def clamp(self, ids: List[int], params: SamplingParams) -> SamplingParams:

@@ -222,3 +222,22 @@ async def scored(base_url, prompt, request_kwargs=None):
     await client(base_url).chat.completions.create(model="m", messages=chat(prompt), max_tokens=2)
     SEEN["scored"].append(prompt)
     return 0.25
+
+
+async def image_in_turn_two(base_url, prompt, request_kwargs=None):
+    """Images (``--multimodal-keys``): the prompt's chat as given (its image an ``image_url`` data URI),
+    then a user turn holding a red 56 x 84 image as an ``image_url`` part (a tool's picture)."""
+    from PIL import Image
+
+    from rl_plugin.rollout.agent.images import data_uri
+
+    c, msgs = client(base_url), chat(prompt)
+    kw = {**(request_kwargs or {}), "max_tokens": 3}
+    extra = {"return_prompt_token_ids": True}
+    r1 = await c.chat.completions.create(model="m", messages=msgs, logprobs=True, extra_body=extra, **kw)
+    red = data_uri(Image.new("RGB", (56, 84), (255, 0, 0)))
+    tool = [{"type": "image_url", "image_url": {"url": red}}, {"type": "text", "text": "colour?"}]
+    msgs = msgs + [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": tool}]
+    r2 = await c.chat.completions.create(model="m", messages=msgs, logprobs=True, extra_body=extra, **kw)
+    SEEN["image_in_turn_two"].append((prompt, r1, r2))
+    return 1.0

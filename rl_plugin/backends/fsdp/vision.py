@@ -1,5 +1,5 @@
 """A vision-language micro-batch's extra model inputs on the FSDP backend (Hugging Face Qwen2-VL /
-Qwen2.5-VL): the images, M-RoPE positions per sample, and image tokens in the prompt only.
+Qwen2.5-VL): the images, M-RoPE positions per sample, and the image tokens (prompt and tool turns).
 
 ``image_inputs(model, mb)`` (``mb.batch``: the micro-batch's ``StepBatch``, images in
 ``loss.batch``'s layout) returns, for a vision-language model, ``pixel_values`` /
@@ -8,16 +8,19 @@ Qwen2.5-VL): the images, M-RoPE positions per sample, and image tokens in the pr
 packed stream; bshd: ``[S, L]``), which ``packing.model_inputs`` then lays out as it lays out the
 1-D positions. None for a text model.
 
-Positions: each sample's prompt gets the model's own 3-D rope index (``get_rope_index``: text
-positions count 1 per token, an image's tokens its (t, h, w) grid from the position after the
-text before it, the text after an image resumes at ``max + 1``), and its response continues
-linearly from the prompt's largest position + 1, on all three axes: what ``generate`` does while
-decoding (its ``rope_deltas``), so an image token the engine happened to sample in a response
-is an ordinary text position, as it was for the engine. ``image_mask`` marks the prompt's image
-tokens only: the image embeddings are scattered there (``placeholders``, which replaces the
-model's ``get_placeholder_mask`` for the call: the model's own would count a sampled image token
-of a response as a place too). Samples are independent: one padded ``get_rope_index`` call per
-micro-batch, rows masked by their lengths.
+Positions: each sample (prompt and response) gets the model's own 3-D rope index
+(``get_rope_index``: text positions count 1 per token, an image's tokens its (t, h, w) grid from
+the position after the text before it, the text after an image resumes at ``max + 1``) over its
+image tokens: the prompt's ``<|image_pad|>`` ids and the response's with loss mask 0 (an image a
+hook appended in a tool turn, ``rollout.vl_turns``). That is what the engine used: ``generate``
+decodes from the prefill's largest position + 1, one per token (its ``rope_deltas``), which is
+the rope index of text after the last image, and each later turn re-prefills the whole history
+with its image tokens marked. An image token the engine sampled in a response (loss mask 1) is an
+ordinary text position, as it was for the engine. ``image_mask`` marks the same image tokens: the
+image embeddings are scattered there (``placeholders``, which replaces the model's
+``get_placeholder_mask`` for the call: the model's own would count a sampled image token too).
+The loss mask keeps the image tokens out of the loss. Samples are independent: one padded
+``get_rope_index`` call per micro-batch, rows masked by their lengths.
 
 Every forward of a vision-language model runs its vision tower once (FSDP2's all-gathers and
 reduce-scatters are collective: a DP rank whose micro-batch has no image, or an idle pass, must run
@@ -69,17 +72,15 @@ def _stream(inner, batch) -> Dict[str, torch.Tensor]:
     ids = torch.zeros(num, longest, dtype=torch.long)
     ids[valid] = batch.tokens.long()
     in_prompt = cols[None, :] < (tl - rl)[:, None]
-    image = (ids == inner.config.image_token_id) & in_prompt
+    # a response's image tokens are the ones a hook appended (loss mask 0); a sampled one is text
+    conditioned = torch.zeros(num, longest, dtype=torch.bool)
+    conditioned[valid & ~in_prompt] = batch.loss_mask == 0
+    image = (ids == inner.config.image_token_id) & (in_prompt | conditioned)
     grid = batch.image_grid_thw if batch.image_grid_thw is not None and batch.image_grid_thw.numel() else None
     if grid is None:
         pos = cols.expand(3, num, longest).clone()
     else:
-        prompt_ids = torch.where(in_prompt, ids, 0)
-        pos, _ = inner.get_rope_index(prompt_ids, image.int(), image_grid_thw=grid, attention_mask=in_prompt.long())
-    # the response continues from the prompt's largest position, 1 per token on every axis
-    last = torch.where(in_prompt[None], pos, -1).amax(dim=2, keepdim=True)  # [3, S, 1]
-    after = last + 1 + (cols - (tl - rl)[:, None])[None]
-    pos = torch.where(in_prompt[None], pos, after)
+        pos, _ = inner.get_rope_index(ids, image.int(), image_grid_thw=grid, attention_mask=valid.long())
     return {"positions": pos[:, valid], "image_mask": image[valid]}
 
 
@@ -143,7 +144,7 @@ def placeholders(model, image_mask: Optional[torch.Tensor]):
             mask = image_mask.to(inputs_embeds.device).view(mask.shape)
         if image_features is not None and image_mask is not None and int(mask.sum()) != image_features.shape[0]:
             raise ValueError(
-                f"{int(mask.sum())} image tokens in the prompts for {image_features.shape[0]} image features"
+                f"{int(mask.sum())} image tokens in the samples for {image_features.shape[0]} image features"
             )
         full = mask.unsqueeze(-1).expand_as(inputs_embeds)
         return full, torch.zeros_like(full)

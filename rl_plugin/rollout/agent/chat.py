@@ -9,6 +9,7 @@ Accepted (anything else is a 400 naming the field; the engines' sampling is all 
   ``n`` (1), ``logprobs`` / ``top_logprobs`` (0), ``tools`` (passed to the chat template),
   ``tool_choice`` ("auto" / "none"), ``parallel_tool_calls``, ``user``, ``stream`` (false only),
   ``return_prompt_token_ids`` (the prompt ids back as ``prompt_token_ids``, as SGLang does);
+  with ``--multimodal-keys``, ``image_url`` content parts in any message (``images``);
 - completions: ``prompt`` (a string or token ids), and the same sampling fields; ``logprobs``
   0 / 1 / None (each token's own log-prob), ``echo`` false.
 

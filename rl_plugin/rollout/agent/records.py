@@ -16,6 +16,7 @@ append-only runs; each run becomes ONE ``Sample``:
                 (what the agent or the template added between two completions: tool results,
                 the next user turn, ``<|im_end|>\\n<|im_start|>assistant\\n``)
     rollout_log_probs = the engine's log-prob on a 1 position, 0.0 on a 0 position
+    multimodal_inputs / multimodal_train_inputs = the last prompt's images (``images``)
 
 so an append-only session is one sample whose trained tokens are exactly the completions, and a
 session whose every turn rewrote the history (or a template that re-renders earlier turns, e.g.
@@ -47,6 +48,8 @@ class TurnRecord:
     version: Optional[int] = None
     raw_text: str = ""
     tool_call_ids: List[str] = field(default_factory=list)
+    # with images (``images.ChatImages``): the prompt's images, their tensors and image-token mask
+    images: Optional[Dict[str, Any]] = None
 
     @property
     def full_ids(self) -> List[int]:
@@ -93,6 +96,11 @@ def run_sample(run: Sequence[TurnRecord], base: Sample) -> Sample:
         weight_versions=None if any(v is None for v in versions) else versions,
         metadata={**base.metadata, "turns": len(run)},
         status=status,
+        # the run's images: its last prompt's (an appended turn keeps the earlier ones, in order)
+        multimodal_inputs=None if last.images is None else {"image": list(last.images["image"])},
+        multimodal_train_inputs=None
+        if last.images is None or last.images["pixel_values"] is None
+        else {"pixel_values": last.images["pixel_values"], "image_grid_thw": last.images["image_grid_thw"]},
     )
 
 

@@ -49,6 +49,7 @@ import torch
 
 from rl_plugin.configs.custom_generation import DEFAULT_AGENT_TIMEOUT_S
 from rl_plugin.rollout import abort as aborting
+from rl_plugin.rollout.agent.images import ChatImages, agent_prompt
 from rl_plugin.rollout.agent.records import episode_samples, episode_stats
 from rl_plugin.rollout.agent.server import AgentServer
 from rl_plugin.rollout.agent.serving import Serving
@@ -129,7 +130,9 @@ class AgentRollout:
                 "Face tokenizer's chat template (use a checkpoint that has one)"
             )
         self.template = ChatTemplate(tok, config.apply_chat_template_kwargs)
-        self.prompts = AgentPrompts(tokenizer)
+        # with images: the processor's prompts (``VLPrompts``) and the endpoint's image_url parts
+        self.images = ChatImages(tokenizer) if getattr(tokenizer, "processor", None) is not None else None
+        self.prompts = tokenizer if self.images is not None else AgentPrompts(tokenizer)
         self.server = AgentServer(host) if host else AgentServer()
         self.timeout = float(config.agent_timeout) if config.agent_timeout is not None else DEFAULT_AGENT_TIMEOUT_S
         self.engine_calls = 0
@@ -273,6 +276,12 @@ class AgentRollout:
             f"agents' event loop{f' at {spot}' if spot else ''}; {BLOCKING_FIX}"
         )
 
+    def _agent_prompt(self, rec, base):
+        """What the agent gets: the record's prompt; with images, chat messages holding them as
+        ``image_url`` data URIs (``images.agent_prompt``)."""
+        shown = (base.multimodal_inputs or {}).get("image")
+        return rec.prompt if not shown else agent_prompt(self.prompts, rec.prompt, shown)
+
     def run(
         self,
         recs,
@@ -287,10 +296,10 @@ class AgentRollout:
         """Every episode of ``recs`` x ``n`` (module docstring): ``(sessions, agent rewards,
         seconds, rejected requests)``."""
         bases = fresh_samples(self.prompts, recs, n)
-        prompts = [recs[i // n].prompt for i in range(len(bases))]
+        prompts = [self._agent_prompt(recs[i // n], bases[i]) for i in range(len(bases))]
         table, seconds = SessionTable(), [0.0] * len(bases)
         router = EngineRouter(dispatch, seed, defaults, context_len, vocab_size=vocab_size)
-        serving = Serving(table, router, self.template, version, vocab_size)
+        serving = Serving(table, router, self.template, version, vocab_size, images=self.images)
         sessions = [table.open(b, defaults.max_new_tokens) for b in bases]
         try:
             with self.server.serving(serving):
@@ -391,6 +400,9 @@ class AgentRollout:
                 for s, r in zip(samples[:2], per_sample)
             ],
             loss_mask=flat.loss_mask,
+            pixel_values=flat.pixel_values,  # images (--multimodal-keys, ``images``), None for text
+            image_grid_thw=flat.image_grid_thw,
+            image_counts=flat.image_counts,
         )
 
     def _score(self, sessions: Sequence[Session], agent_rewards: Sequence[Any], scorer, n: int) -> List[float]:

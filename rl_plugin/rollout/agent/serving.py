@@ -64,9 +64,11 @@ class Serving:
         version: Optional[int],
         vocab_size: Optional[int] = None,
         pool: Optional[Executor] = None,
+        images=None,
     ):
         self.table, self.router, self.template, self.version = table, router, template, version
         self.vocab_size, self.pool = vocab_size, pool
+        self.images = images  # ``images.ChatImages`` in a run with images, else None
         self.failure: Optional[Tuple[BaseException, Session]] = None  # the first 500 (module docstring)
 
     async def off_loop(self, fn, *args):
@@ -116,8 +118,11 @@ class Serving:
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise bad("tool_choice", f"only 'auto' and 'none' are served, got {body.get('tool_choice')!r}")
         text = tpl.render(messages, tools)
+        if self.images is not None:  # image_url parts: the processor's ids (``images``)
+            ids, appended, images = self.images.prompt(session, text, messages)
+            return ids, appended, sp, tools, images
         ids, appended = session.prompt_ids(text, lambda: tpl.template_ids(messages, tools), tpl.encode)
-        return list(ids), appended, sp, tools
+        return list(ids), appended, sp, tools, None
 
     def _chat_answer(self, session: Session, body, rec: TurnRecord, finish: str, tools) -> Dict[str, Any]:
         tpl = self.template
@@ -140,13 +145,16 @@ class Serving:
             model=MODEL_NAME,
         )
         if rec.output_ids:
-            session.add(rec, tpl.decode(rec.full_ids, keep_special=True), content, rec.tool_call_ids)
+            full = tpl.decode(rec.full_ids, keep_special=True)
+            full = self.images.collapse(full) if self.images is not None else full  # compared with the next render
+            session.add(rec, full, content, rec.tool_call_ids)
             session.last_messages = list(body["messages"]) + [answer["choices"][0]["message"]]
         return answer
 
     async def chat(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
-        ids, appended, sp, tools = await self.off_loop(self._chat_prompt, session, body)
+        ids, appended, sp, tools, images = await self.off_loop(self._chat_prompt, session, body)
         rec, finish = await self.generate(session, ids, sp, appended)
+        rec.images = images
         return await self.off_loop(self._chat_answer, session, body, rec, finish, tools)
 
     # -- /v1/completions ----------------------------------------------------------------------
@@ -166,6 +174,11 @@ class Serving:
             ids, appended = list(prompt), session.ids_extend(list(prompt))
         else:
             raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
+        if self.images is not None and self.images.image_id in ids:
+            raise bad(
+                "prompt",
+                "image tokens reach the model only with their images: use /v1/chat/completions with image_url parts",
+            )
         return list(ids), appended, sp
 
     def _completion_answer(self, session: Session, body, rec: TurnRecord, finish: str) -> Dict[str, Any]:

@@ -50,6 +50,7 @@ class Session:
         self._texts: List[str] = []  # per record: its prompt + output decoded, special tokens kept
         self._raw_by_call: Dict[str, str] = {}
         self._raw_by_content: Dict[str, str] = {}
+        self.image_cache: Dict[str, Any] = {}  # image_url -> its opened image (``images.ChatImages``)
 
     @property
     def left(self) -> int:

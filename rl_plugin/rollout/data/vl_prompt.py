@@ -34,10 +34,14 @@ class ImagePrompt(list):
     ``image_grid_thw`` and the opened ``images`` (what a reward receives in
     ``sample.multimodal_inputs``). Pickles with its attributes (Ray's transport to engine actors)."""
 
-    def __init__(self, ids, pixel_values, image_grid_thw, images, image_token_id: int):
+    def __init__(self, ids, pixel_values, image_grid_thw, images, image_token_id: int, mm_token_type_ids=None):
         super().__init__(ids)
         self.pixel_values, self.image_grid_thw, self.images = pixel_values, image_grid_thw, images
-        self.mm_token_type_ids = [int(i == image_token_id) for i in ids]  # 1 at an image token
+        # 1 at an image token: every <|image_pad|> of a prompt; a later turn's request marks its own
+        # (``rollout.vl_turns.image_token_mask``: one the model sampled is text)
+        self.mm_token_type_ids = (
+            [int(i == image_token_id) for i in ids] if mm_token_type_ids is None else list(mm_token_type_ids)
+        )
 
 
 class VLPrompts(HFTokenizerAdapter):

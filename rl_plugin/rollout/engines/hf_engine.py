@@ -2,8 +2,8 @@
 
 Sampling is ``rl_plugin.rollout.engines.hf_sampler.sample``, a lean loop equal bit for bit to
 ``model.generate`` (which it falls back to where it cannot be, see that module) that prefills a
-rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length, so
-no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
+rollout's n copies of a prompt once. Prompts are generated in buckets of equal prompt length (and
+with or without images: a later turn of a hook or an agent may be text only), so no padding enters the forward pass and the sampler's log-probs are computed on exactly the inputs
 the trainer later sees. The per-token log-prob is ``log_softmax(logits / T)`` of the raw logits
 at the sampled token, the quantity the trainer recomputes at ``--rollout-temperature`` (top-p
 truncation is a sampling choice and is not folded into it, as in slime/SGLang's returned
@@ -104,11 +104,13 @@ class HFEngine(RolloutEngine):
         # Seeded per call, not per sample: a rollout split over several hf engines samples
         # differently from one engine (``first_sample`` is unused). ``gate``: a pausable call
         # (``engines.pause``; fully asynchronous training), each token's version recorded.
-        buckets = defaultdict(list)  # prompt length -> indices, so no bucket needs padding
+        # (prompt length, with images) -> indices: no bucket needs padding or mixes text and image
+        # prompts (a hook's or an agent's text-only turn in a run with images)
+        buckets = defaultdict(list)
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
-            buckets[len(p)].append(i)
+            buckets[(len(p), getattr(p, "pixel_values", None) is not None)].append(i)
         if params.top_k > 0:
             raise ValueError(
                 f"top_k={params.top_k}: the hf engine samples without top-k; pass top_k -1 (or use --rollout-engine vllm)"
@@ -127,8 +129,8 @@ class HFEngine(RolloutEngine):
         )
         out: List[Generation] = [None] * len(prompts)  # type: ignore[list-item]
         gen = torch.Generator().manual_seed(int(seed))
-        for length in sorted(buckets):
-            idx = buckets[length]
+        for key in sorted(buckets):
+            idx = buckets[key]
             bucket = [prompts[i] for i in idx]
             # the sampler draws from the global RNG
             torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))

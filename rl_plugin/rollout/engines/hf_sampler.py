@@ -58,6 +58,7 @@ against ``sample_with_generate`` in ``tests/fast/rollout/engines/test_hf_sampler
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional, Sequence, Tuple
 
@@ -329,6 +330,33 @@ def _decode(
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
 
 
+@contextlib.contextmanager
+def image_places(model, kinds: Optional[torch.Tensor]):
+    """Within the block, the vision-language model's image places in the prefill are the 1s of
+    ``kinds`` (``mm_token_type_ids`` ``[B, L]``), so an ``<|image_pad|>`` the model sampled in an
+    earlier turn (text, ``rollout.vl_turns``) takes no image features. Nothing for a text model."""
+    inner = next((m for m in model.modules() if hasattr(type(m), "get_placeholder_mask")), None)
+    if kinds is None or inner is None:
+        yield
+        return
+    own = inner.get_placeholder_mask
+
+    def places(input_ids, inputs_embeds, image_features=None, video_features=None):
+        if image_features is None or inputs_embeds.shape[:-1] != kinds.shape:
+            return own(input_ids, inputs_embeds, image_features=image_features, video_features=video_features)
+        mask = kinds.to(device=inputs_embeds.device, dtype=torch.bool)
+        if int(mask.sum()) != image_features.shape[0]:
+            raise ValueError(f"{int(mask.sum())} image tokens for {image_features.shape[0]} image features")
+        full = mask.unsqueeze(-1).expand_as(inputs_embeds)
+        return full, torch.zeros_like(full)
+
+    inner.get_placeholder_mask = places  # an instance attribute: this call only (removed below)
+    try:
+        yield
+    finally:
+        del inner.get_placeholder_mask
+
+
 @torch.no_grad()
 def sample_with_generate(
     model,
@@ -344,21 +372,23 @@ def sample_with_generate(
     """The same (tokens, log_probs) through ``model.generate`` (the reference and the fallback).
     ``images``: a vision-language model's ``pixel_values`` / ``image_grid_thw`` of the rows'
     images (``hf_engine.image_inputs``): generate's own multimodal prefill (the vision tower,
-    the image embeddings placed at the image tokens, M-RoPE positions with their decode offset)."""
-    res = model.generate(
-        **images,
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=True,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos_token_ids),
-        pad_token_id=pad_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    the image embeddings placed at the image tokens, M-RoPE positions with their decode offset).
+    The image places are ``mm_token_type_ids``' (``image_places``), not every ``<|image_pad|>`` id."""
+    with image_places(model, images.get("mm_token_type_ids")):
+        res = model.generate(
+            **images,
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_token_ids),
+            pad_token_id=pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     tokens = res.sequences[:, input_ids.shape[1] :]
     logits = torch.stack(res.logits, dim=1).float()  # raw logits, [B, S, V]
     scaled = logits / temperature

@@ -14,6 +14,9 @@ likes, calling tools between turns), appends the response ids to ``tokens`` and 
 (0.0 for those), ``status`` and, for the metrics, ``metadata["turns"]`` (model turns) and
 ``metadata["tool_calls"]``. All samples of a rollout run concurrently as asyncio tasks (a plain
 ``def`` works too); their requests reach the engines in batches (``generate.EngineRouter``).
+With images (``--multimodal-keys``) the sample also carries its prompt's images (``tokens``
+expanded, ``multimodal_inputs`` / ``multimodal_train_inputs``); ``append_image`` adds one in a
+later turn and ``generate_tokens(..., sample=sample)`` sends them all (``rollout.vl_turns``).
 
 ``--rollout-function-path`` (slime's ``rollout_function_path``) replaces the whole rollout:
 
@@ -47,6 +50,7 @@ from rl_plugin.rollout import abort
 from rl_plugin.rollout.deadlines import SerialWorker, UserCallTimeout, call_with_deadline
 from rl_plugin.rollout.engines.base import Generation, SamplingParams
 from rl_plugin.rollout.generate import Dispatch, EngineRouter
+from rl_plugin.rollout.generation.default import attach_images, record_prompt
 from rl_plugin.rollout.sample import Sample
 from rl_plugin.rollout.sample_check import describe_sample
 from rl_plugin.user_code import describe_exception, load_function, where
@@ -115,10 +119,13 @@ def default_sampling_params(params: SamplingParams) -> Dict[str, Any]:
 
 
 def fresh_samples(tokenizer, recs: Sequence, n: int, first_group: int = 0) -> List[Sample]:
-    """``n`` samples per record (groups contiguous), filled in for a hook (module docstring)."""
+    """``n`` samples per record (groups contiguous), filled in for a hook (module docstring); a
+    record's images (``--multimodal-keys``) in ``tokens`` (expanded) and ``multimodal_inputs`` /
+    ``multimodal_train_inputs``, as the default generation gives them."""
     out = []
+    prompts = [record_prompt(tokenizer, r) for r in recs]
     for g, r in enumerate(recs):
-        text, ids = tokenizer.prompt_text(r.prompt), tokenizer.prompt_ids(r.prompt)
+        text, ids = tokenizer.prompt_text(r.prompt), prompts[g]
         for j in range(n):
             out.append(
                 Sample(
@@ -130,6 +137,7 @@ def fresh_samples(tokenizer, recs: Sequence, n: int, first_group: int = 0) -> Li
                     metadata=dict(r.metadata or {}),
                 )
             )
+    attach_images(out, prompts, n)
     return out
 
 
@@ -145,11 +153,13 @@ def run_generate_hook(
     timeout: Optional[float] = None,
     context_len: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    prompts=None,
 ) -> List[Any]:
     """Every sample through the hook, concurrently (one event loop), each within ``timeout``
     seconds (``--custom-generate-timeout``; None: ``DEFAULT_GENERATE_TIMEOUT_S``); the hooks'
     return values. ``context_len``: the model's context, ``generate_tokens``' bound (with
-    ``defaults.max_new_tokens``); ``vocab_size``: the bound of the ids it is asked for."""
+    ``defaults.max_new_tokens``); ``vocab_size``: the bound of the ids it is asked for;
+    ``prompts``: the run's prompt tokenizer (with images its processor: ``rollout.vl_turns``)."""
     source = hook.source()
     timeout = DEFAULT_GENERATE_TIMEOUT_S if timeout is None else timeout
 
@@ -177,7 +187,7 @@ def run_generate_hook(
             ) from exc
 
     async def main():
-        EngineRouter(dispatch, seed, defaults, context_len, vocab_size).bind()
+        EngineRouter(dispatch, seed, defaults, context_len, vocab_size, prompts).bind()
         return await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
 
     return abort.run(main(), f"the generate hook {hook.describe()}")
@@ -210,11 +220,12 @@ def run_rollout_function(
     timeout: Optional[float] = None,
     context_len: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    prompts=None,
 ) -> List[List[Sample]]:
     """The whole rollout from the user's function (module docstring), within ``timeout`` seconds
     (``--rollout-function-timeout``; None: ``DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S``): its groups."""
     timeout = DEFAULT_ROLLOUT_FUNCTION_TIMEOUT_S if timeout is None else timeout
-    token = EngineRouter(dispatch, seed, defaults, context_len, vocab_size).bind()
+    token = EngineRouter(dispatch, seed, defaults, context_len, vocab_size, prompts).bind()
     what = "--rollout-function-timeout"
     try:
         label = f"the rollout function {hook.describe()}"  # what an abort names

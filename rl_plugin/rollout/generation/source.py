@@ -74,6 +74,7 @@ from rl_plugin.rollout.sample_check import (
     hold_to_limits,
     say_once,
 )
+from rl_plugin.rollout.vl_turns import check_image_tokens, drop_cut_images
 from rl_plugin.weight_sync import SyncHandle
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -242,6 +243,7 @@ class GenerationSource:
             timeout=self.config.custom_generate_timeout,
             context_len=self.context_len,
             vocab_size=self.vocab_size,
+            prompts=self.tokenizer,
         )
         return self._checked(out, hook, n)
 
@@ -302,7 +304,8 @@ class GenerationSource:
         if self._vocab_size is None:
             from transformers import AutoConfig
 
-            self._vocab_size = int(AutoConfig.from_pretrained(str(self.checkpoint_dir)).vocab_size)
+            config = AutoConfig.from_pretrained(str(self.checkpoint_dir))  # a VL model's is its text config's
+            self._vocab_size = int(config.get_text_config(decoder=True).vocab_size)
         return self._vocab_size
 
     @property
@@ -340,6 +343,7 @@ class GenerationSource:
             timeout=cfg.rollout_function_timeout,
             context_len=self.context_len,
             vocab_size=self.vocab_size,
+            prompts=self.tokenizer,
         )
         samples = check_groups(groups, cfg.rollout_batch_size, cfg.n_samples_per_prompt, fn, rollout_id)
         checked = self._checked(samples, fn, cfg.n_samples_per_prompt)
@@ -352,6 +356,12 @@ class GenerationSource:
         samples = check_samples(out, hook.describe(), self.vocab_size)
         check_distinct(samples, hook.describe(), group_size)
         self._hook_stats = hold_to_limits(samples, self.params.max_new_tokens, self.context_len)
+        processor = getattr(self.tokenizer, "processor", None)
+        if processor is not None:  # images: whole images only after a cut, tokens matching pixels (``vl_turns``)
+            image_id, merge = processor.image_token_id, processor.image_processor.merge_size
+            for s in samples:
+                drop_cut_images(s, image_id, merge)
+            check_image_tokens(samples, image_id, merge, hook.describe())
         repeated = duplicate_groups(samples, group_size)
         self._hook_stats["rollout/duplicate_groups"] = float(repeated)
         if repeated:

@@ -169,3 +169,105 @@ def test_thd_as_one_row_with_the_block_mask_equals_the_padded_grid(ckpt, attn):
             rows[grid] = model(**kwargs).logits.reshape(-1, model.config.text_config.vocab_size)
     assert rows[True].shape[0] == int(mb.layout.num_local_tokens)
     torch.testing.assert_close(rows[False], rows[True], atol=2e-5, rtol=0)
+
+
+def tool_turn_step(ckpt, tmp_path):
+    """3 samples of the two-turn hook whose tool turn shows an image (``tests.support.vl_hooks``), made
+    by the hf engine: two plain, one with an ``<|image_pad|>`` in turn 1 as if sampled (loss mask 1)."""
+    from rl_plugin.rollout.data.dataset import PromptRecord
+    from rl_plugin.rollout.data.vl_prompt import rollout_prompts
+    from rl_plugin.rollout.engines.base import SamplingParams
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
+    from rl_plugin.rollout.flatten import flatten_samples
+    from rl_plugin.rollout.generation.hooks import (
+        Hook,
+        default_sampling_params,
+        engine_dispatch,
+        fresh_samples,
+        run_generate_hook,
+    )
+
+    prompts = rollout_prompts(vl_rollout_config(apply_chat_template=True), ckpt)
+    Image.new("RGB", (56, 56), (0, 0, 255)).save(tmp_path / "blue.png")
+    recs = [
+        PromptRecord("Colour <image>?", 0, 0, 1, {"tool_colour": (255, 0, 0)}, "d:1", [str(tmp_path / "blue.png")]),
+        PromptRecord("Colour <image>?", 0, 1, 2, {"sampled_pad": True}, "d:2", [str(tmp_path / "blue.png")]),
+    ]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=3)
+    samples = run_generate_hook(
+        Hook.load("tests.support.vl_hooks:image_tool_turn", "--custom-generate-function-path"),
+        None,
+        fresh_samples(prompts, recs, 2)[:3],
+        default_sampling_params(params),
+        engine_dispatch(HFEngine(ckpt), []),
+        5,
+        params,
+        prompts=prompts,
+    )
+    flat = flatten_samples(samples)
+    step = dict(
+        tokens=flat.tokens,
+        total_lengths=flat.total_lengths,
+        response_lengths=flat.response_lengths,
+        loss_mask=flat.loss_mask,
+        advantages=torch.zeros_like(flat.loss_mask),
+        group_ids=torch.tensor([0, 0, 1]),
+        pixel_values=flat.pixel_values,
+        image_grid_thw=flat.image_grid_thw,
+        image_counts=flat.image_counts,
+    )
+    return samples, step, flat.log_probs
+
+
+def tool_turn_worker(rank, world, ckpt, step, layouts):
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+
+    batch = StepBatch(**step).validate()
+    out = {}
+    for name, flags in layouts.items():
+        backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", *flags)))
+        out[name] = backend.compute_log_probs(batch).detach()
+    return out
+
+
+def test_an_image_in_a_tool_turn_is_trained_where_the_engine_saw_it(run_world, ckpt, tmp_path):
+    """Positions are the model's rope index over prompt + response with the real image tokens marked
+    (what the engine's re-prefill used), the tool image's embeddings at its tokens, its tokens
+    never trained; the sampled-looking <|image_pad|> of sample 2 stays text."""
+    from rl_plugin.backends.fsdp.model import load_hf_model
+    from rl_plugin.models.tiny_vl import IMAGE_ID
+    from rl_plugin.rollout.vl_turns import image_token_mask
+
+    samples, step, engine_lps = tool_turn_step(ckpt, tmp_path)
+    assert step["image_grid_thw"].tolist() == [[1, 4, 4], [1, 6, 4]] * 3
+    model = load_hf_model(ckpt, attn_implementation="eager").eval()
+    want = []
+    for s in samples[:2]:  # the model's own forward with both images (no sampled <|image_pad|> in these)
+        assert s.tokens[len(s.tokens) - s.response_length :].count(IMAGE_ID) == 6
+        kinds = torch.tensor([image_token_mask(s.tokens, s.response_length, s.loss_mask, IMAGE_ID)])
+        train = s.multimodal_train_inputs
+        with torch.no_grad():
+            logits = model(
+                input_ids=torch.tensor([s.tokens]),
+                pixel_values=train["pixel_values"],
+                image_grid_thw=train["image_grid_thw"],
+                mm_token_type_ids=kinds,
+            ).logits[0]
+        start = len(s.tokens) - s.response_length
+        rows = logits[start - 1 : -1].double().log_softmax(-1)
+        want.append(rows.gather(1, torch.tensor(s.tokens[start:]).view(-1, 1)).squeeze(1))
+    want = torch.cat(want)
+    mask = step["loss_mask"].bool()
+    first_two = int(step["response_lengths"][:2].sum())
+    # the image tokens have loss mask 0: 6 per tool turn, 3 + 3 model tokens (+ the injected id) trained
+    assert step["loss_mask"].sum().item() == 6 + 6 + 7
+    per_layout = run_world(tool_turn_worker, 1, ckpt, step, LAYOUTS)[0]
+    for name, got in per_layout.items():
+        got = got.double()
+        assert rel_err(got[:first_two], want) < 2e-5, (name, rel_err(got[:first_two], want))
+        # trainer vs engine on every model token (sample 2's injected id: not the engine's)
+        model_tokens = mask.clone()
+        model_tokens[first_two + 3] = False
+        gap = (got - engine_lps.double())[model_tokens].abs().max()
+        assert gap < 2e-5, (name, float(gap))

@@ -155,9 +155,10 @@ def test_user_facing_names_are_exported_and_listed_in_the_readme():
     from pathlib import Path
 
     import rl_plugin.rollout as rollout
-    from rl_plugin.rollout import Sample, generate_tokens, get_reward_value, remote_rm  # noqa: F401
+    from rl_plugin.rollout import Sample, append_image, generate_tokens, get_reward_value, remote_rm  # noqa: F401
 
-    assert rollout.__all__ == ["Sample", "generate_tokens", "get_reward_value", "remote_rm"]
+    assert rollout.__all__ == ["Sample", "append_image", "generate_tokens", "get_reward_value", "remote_rm"]
+    assert append_image.__module__ == "rl_plugin.rollout.vl_turns"
     assert remote_rm.__module__ == "rl_plugin.rollout.rewards.remote_rm"
     assert get_reward_value(Sample(reward={"acc": 0.5}), type("A", (), {"reward_key": "acc"})()) == 0.5
     readme = (Path(__file__).resolve().parents[4] / "README.md").read_text()
