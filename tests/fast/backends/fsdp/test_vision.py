@@ -169,3 +169,41 @@ def test_thd_as_one_row_with_the_block_mask_equals_the_padded_grid(ckpt, attn):
             rows[grid] = model(**kwargs).logits.reshape(-1, model.config.text_config.vocab_size)
     assert rows[True].shape[0] == int(mb.layout.num_local_tokens)
     torch.testing.assert_close(rows[False], rows[True], atol=2e-5, rtol=0)
+
+
+def frozen_tower_steps(rank, world, ckpt, step):
+    """``--freeze-vision-tower``: two optimizer steps on this rank's share of the VL batch; the
+    weights before and after, what requires grad, which parameters the optimizer holds state for,
+    and the steps' grad norms."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+
+    local = StepBatch(**step).validate().select(split_samples_for_dp(6, world)[rank])
+    flags = fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", "--lr", "0.05", "--freeze-vision-tower")
+    backend = FSDPBackend.from_args(parse([*flags, "--multimodal-keys", '{"image": "images"}']))
+    before = {k: v.clone() for k, v in backend.export_hf_state_dict().items()}
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    trains = {n: p.requires_grad for n, p in backend.model.named_parameters()}
+    norms = [backend.train_step(local, num_groups=3)["grad_norm"] for _ in range(2)]
+    with_state = sorted(names[id(p)] for p in backend.optimizer.state)
+    return before, backend.export_hf_state_dict(), trains, with_state, norms
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_freeze_vision_tower_keeps_the_tower_bitwise_and_trains_the_language_model(run_world, ckpt, world):
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)
+    before, after, trains, with_state, norms = run_world(frozen_tower_steps, world, ckpt, step)[0]
+    tower = [k for k in before if k.startswith("model.visual.")]
+    assert len(tower) > 20 and any("merger" in k for k in tower)
+    assert all(torch.equal(after[k], before[k]) for k in tower)
+    moved = [k for k in before if not k.startswith("model.visual.") and not torch.equal(after[k], before[k])]
+    assert any("language_model.layers" in k for k in moved) and "lm_head.weight" in moved
+    assert not any(v for k, v in trains.items() if k.startswith("model.visual."))
+    assert all(v for k, v in trains.items() if not k.startswith("model.visual."))
+    assert with_state and not any(k.startswith("model.visual.") for k in with_state)
+    assert len(with_state) == sum(not k.startswith("model.visual.") for k in trains)
+    assert all(n > 0 for n in norms)
