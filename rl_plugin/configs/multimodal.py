@@ -110,7 +110,6 @@ class MultimodalConfig(Declared):
             ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
             ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
             ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),
-            ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
             (
                 "--true-on-policy-mode",

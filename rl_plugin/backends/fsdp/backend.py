@@ -398,7 +398,8 @@ class FSDPBackend(TrainBackend):
             if out_dir:
                 adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
                 if dist.get_rank() == 0:
-                    write_run_adapters(out_dir, adapters, cfg, str(self.hf_dir))
+                    targets = self.peft_model.peft_config[lora.ADAPTER].target_modules  # a VL model's regex
+                    write_run_adapters(out_dir, adapters, cfg, str(self.hf_dir), targets)
                 dist.barrier()
             if not cfg.save_hf_merged:
                 return

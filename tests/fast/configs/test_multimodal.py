@@ -17,7 +17,6 @@ UNBUILT = [
     ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
     ("--rollout-function-path m:f", "use the default generation"),
     ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
-    ("--lora-rank 8", "LoRA on a VL model is untested"),
     ("--advantage-estimator ppo", "no VL value model is built"),
     ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
 ]
