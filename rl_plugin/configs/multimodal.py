@@ -106,7 +106,6 @@ class MultimodalConfig(Declared):
         unbuilt = (
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
             ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
-            ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
             ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
             ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),
             ("--custom-agent-function-path", bool(cg.custom_agent_function_path), "the default generation"),

@@ -13,7 +13,6 @@ KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
     ("--train-backend megatron", "use --train-backend fsdp"),
-    ("--loss-type sft_loss", "SFT on images is not built"),
     ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
     ("--rollout-function-path m:f", "use the default generation"),
     ("--custom-agent-function-path tests.support.agent_programs:two_turns", "use the default generation"),
