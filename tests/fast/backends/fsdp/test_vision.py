@@ -287,3 +287,31 @@ def test_lora_on_the_language_model_only_with_images(run_world, ckpt, world, tmp
     saved = hf_log_probs(ckpt, step, model=model)[rows]
     assert rel_err(r0["trained"].double()[known], saved[known]) < 2e-5
     assert rel_err(saved[known], want[rows][known]) > 1e-4  # the adapters moved the log-probs
+
+
+def frozen_tower_resume(rank, world, ckpt, step, root):
+    """--freeze-vision-tower: step 1, save, step 2; then a fresh backend loads the save and steps 2."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from tests.support import checkpointing
+
+    batch = StepBatch(**step).validate()
+    flags = parse([*fsdp_flags(ckpt, *VL, "--lr", "0.05", "--freeze-vision-tower")])
+    backend = FSDPBackend.from_args(flags)
+    backend.train_step(batch, num_groups=3)
+    checkpointing.save(backend, root, 1)
+    straight = backend.train_step(batch, num_groups=3), backend.export_hf_state_dict()
+    again = FSDPBackend.from_args(flags)
+    checkpointing.load(again, root)
+    return straight, (again.train_step(batch, num_groups=3), again.export_hf_state_dict())
+
+
+def test_freeze_vision_tower_resumes_bitwise(run_world, ckpt, tmp_path):
+    """A checkpoint of a frozen-tower run (optimizer state for the language model only) resumes
+    to the same next step, bit for bit."""
+    step = vl_step(ckpt)
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), step["response_lengths"])
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)
+    (report, weights), (report2, weights2) = run_world(frozen_tower_resume, 1, ckpt, step, str(tmp_path / "s"))[0]
+    assert report["grad_norm"] == report2["grad_norm"] and report["loss"] == report2["loss"]
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
