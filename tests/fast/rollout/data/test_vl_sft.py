@@ -99,3 +99,34 @@ def test_refused_naming_the_record(prompts, tmp_path, chat, images, message):
     with pytest.raises(ValueError) as err:
         example_of(prompts, _record(chat, None, refs, index=4))
     assert "train.jsonl:5" in str(err.value) and message in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_the_trainer_refuses_a_bad_record_before_ray(prompts, tmp_path, capsys):
+    """The preflight (``check_sft_file`` with the image key) templates every record with its images:
+    a conversation whose image comes after its first answer is refused naming its line."""
+    import json
+
+    from rl_plugin.train import main
+
+    _image(tmp_path / "a.png", (56, 56), (200, 10, 10))
+    late = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "<image>What colour?"},
+        {"role": "assistant", "content": "red"},
+    ]
+    rows = [
+        {"prompt": "<image>What colour?", "label": "red", "images": ["a.png"]},
+        {"prompt": late, "images": ["a.png"]},
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt = prompts.processor.tokenizer.name_or_path
+    argv = ["--train-backend", "fsdp", "--hf-checkpoint", ckpt, "--prompt-data", str(data), "--loss-type", "sft_loss"]
+    argv += ["--multimodal-keys", '{"image": "images"}', "--apply-chat-template", "--num-rollout", "1"]
+    argv += ["--rollout-batch-size", "2", "--global-batch-size", "2", "--output-dir", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--loss-type sft_loss --prompt-data: {data}:2: 4 image tokens come after the first assistant turn" in err, (
+        err
+    )
