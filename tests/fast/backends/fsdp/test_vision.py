@@ -225,7 +225,7 @@ def lora_steps(rank, world, ckpt, step, out):
     from rl_plugin.rollout.engines.hf_engine import HFEngine
 
     local = StepBatch(**step).validate().select(split_samples_for_dp(6, world)[rank])
-    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *VL_LORA)))
+    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *VL_LORA, "--save-hf-merged", out + "-merged")))
     init, base = backend.compute_log_probs(local), backend.compute_log_probs(local, role="ref")
 
     def full():
@@ -252,7 +252,8 @@ def test_lora_on_the_language_model_only_with_images(run_world, ckpt, world, tmp
     """--lora-rank with images: adapters on the LM's projections only (none in the tower, whose
     MLP names match), start as the base (bitwise the adapters-off pass; the HF forward within fp32),
     a step moves adapters only, the hf engine's merge equals the trainer's export bitwise, and
-    ``--save-hf``'s PEFT directory on the VL model scores as the trainer."""
+    ``--save-hf``'s PEFT directory on the VL model (and ``--save-hf-merged``'s VL checkpoint) scores
+    as the trainer."""
     from peft import PeftModel
 
     from rl_plugin.backends.fsdp.lora import is_adapter_key
@@ -287,6 +288,8 @@ def test_lora_on_the_language_model_only_with_images(run_world, ckpt, world, tmp
     saved = hf_log_probs(ckpt, step, model=model)[rows]
     assert rel_err(r0["trained"].double()[known], saved[known]) < 2e-5
     assert rel_err(saved[known], want[rows][known]) > 1e-4  # the adapters moved the log-probs
+    merged = hf_log_probs(out + "-merged", step)[rows]  # --save-hf-merged: a plain VL checkpoint
+    assert rel_err(r0["trained"].double()[known], merged[known]) < 2e-5
 
 
 def frozen_tower_resume(rank, world, ckpt, step, root):
