@@ -126,6 +126,7 @@ def check_sft_data(run) -> None:
             label_key=cfg.label_key,
             context_len=context,
             hf_checkpoint=hf_checkpoint,
+            image_key=cfg.multimodal.image_key,
         )
 
 

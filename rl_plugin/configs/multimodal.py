@@ -114,8 +114,6 @@ class MultimodalConfig(Declared):
         unbuilt = (
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
             ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
-            ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
-            ("--lora-rank", run.train.lora.lora_rank > 0, "full-model training (LoRA on a VL model is untested)"),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
             (
                 "--true-on-policy-mode",

@@ -40,7 +40,7 @@ class TrainConfig(RoutingReplaySettings, Declared):
     freeze_vision_tower: bool = flag(
         "--freeze-vision-tower",
         action="store_true",
-        help="Vision-language models: keep the vision tower (and its patch merger / projector) fixed; only the language model trains (no gradients, no optimizer state for the tower). Needs --multimodal-keys. Off by default (the tower trains).",
+        help="Vision-language models: keep the vision tower (and its patch merger / projector) fixed; only the language model trains (no gradients, no optimizer state for the tower; grad_norm and --clip-grad then cover the trainable parameters only). Needs --multimodal-keys. Off by default (the tower trains); with --lora-rank the tower is frozen anyway (adapters on the language model only).",
         group="training backend",
     )
     # the critic's process (``RunConfig.critic_train``): the actor's architecture with a scalar value

@@ -58,4 +58,7 @@ def sft_batch(data: RolloutData) -> StepBatch:
         loss_mask=loss_mask,
         advantages=torch.zeros_like(loss_mask),
         group_ids=data.group_ids.clone(),
+        pixel_values=data.pixel_values,  # images (rollout.data.vl_sft): model inputs only
+        image_grid_thw=data.image_grid_thw,
+        image_counts=data.image_counts,
     ).validate()

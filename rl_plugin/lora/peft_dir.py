@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple, Union
 
 from rl_plugin.lora.names import canonical_name, peft_file_name
 
@@ -25,15 +25,16 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def adapter_config(
-    rank: int, alpha: float, dropout: float, targets: Sequence[str], base_model: Optional[str] = None
+    rank: int, alpha: float, dropout: float, targets: Union[str, Sequence[str]], base_model: Optional[str] = None
 ) -> dict:
+    """PEFT's fields; ``targets``: leaf names, or one regex over module paths (a VL model's LM)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": int(rank),
         "lora_alpha": float(alpha),
         "lora_dropout": float(dropout),
-        "target_modules": sorted(targets),
+        "target_modules": targets if isinstance(targets, str) else sorted(targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -51,7 +52,7 @@ def write_peft_dir(
     rank: int,
     alpha: float,
     dropout: float,
-    targets: Sequence[str],
+    targets: Union[str, Sequence[str]],
     base_model: Optional[str] = None,
     dtype: Optional["torch.dtype"] = None,
 ) -> Path:
@@ -70,9 +71,16 @@ def write_peft_dir(
     return out
 
 
-def write_run_adapters(out_dir: str, adapters: Dict[str, "torch.Tensor"], lora, base_model: Optional[str]) -> Path:
+def write_run_adapters(
+    out_dir: str,
+    adapters: Dict[str, "torch.Tensor"],
+    lora,
+    base_model: Optional[str],
+    target_modules: Union[str, Sequence[str], None] = None,
+) -> Path:
     """``--save-hf`` of a LoRA run: ``adapters`` as the run's ``LoraConfig`` (``lora``) trained
-    them (targets resolved from ``--target-modules`` / ``--exclude-modules``)."""
+    them (targets resolved from ``--target-modules`` / ``--exclude-modules``, or
+    ``target_modules`` as the backend gave them to PEFT: a VL model's regex)."""
     from rl_plugin.lora.targets import resolve_targets
 
     return write_peft_dir(
@@ -81,7 +89,7 @@ def write_run_adapters(out_dir: str, adapters: Dict[str, "torch.Tensor"], lora, 
         rank=lora.lora_rank,
         alpha=lora.lora_alpha,
         dropout=lora.lora_dropout,
-        targets=resolve_targets(lora.target_modules, lora.exclude_modules),
+        targets=target_modules or resolve_targets(lora.target_modules, lora.exclude_modules),
         base_model=base_model,
     )
 

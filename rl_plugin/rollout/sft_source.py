@@ -4,8 +4,9 @@
 (``rl_plugin.rollout.data.dataset``: JSONL / Parquet, ``--input-key`` / ``--label-key``, the
 shuffled, resumable position) and turns each batch of ``--rollout-batch-size`` records into the
 loss core's flat layout with ``rl_plugin.rollout.data.sft`` (the chat template applied once, the
-assistant-span mask). A record is templated once per run (cached by its index): a later epoch
-reuses its ids.
+assistant-span mask; with ``--multimodal-keys`` each record's images through the processor,
+``rollout.data.vl_sft``). A record is templated once per run (cached by its index, its processed
+images too): a later epoch reuses its ids.
 
 It is a ``RolloutSource`` (``rollout/source.py``): the SFT schedule calls ``rollout(k)``, the
 driver its ``eval_data`` and the data position a checkpoint saves and a resume restores (the
@@ -23,14 +24,17 @@ import torch
 from rl_plugin.configs import RolloutConfig
 from rl_plugin.rollout.data.dataset import PromptDataset, PromptRecord, read_prompts
 from rl_plugin.rollout.data.prompt_queue import PromptQueue
-from rl_plugin.rollout.data.sft import SftExample, example_of, sft_tensors
-from rl_plugin.rollout.data.tokenizer import rollout_tokenizer
+from rl_plugin.rollout.data.sft import SftExample, sft_tensors
+from rl_plugin.rollout.data.vl_prompt import rollout_prompts
+from rl_plugin.rollout.data.vl_sft import sft_example
 from rl_plugin.rollout.sample import RolloutData
 
 
 def read_sft_records(path, cfg: RolloutConfig) -> List[PromptRecord]:
-    """The records of an SFT file: ``--input-key``, and ``--label-key`` where a record has it."""
-    return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True)
+    """The records of an SFT file: ``--input-key``, and ``--label-key`` where a record has it
+    (``--multimodal-keys``: each record's images too)."""
+    image_key = cfg.multimodal.image_key
+    return read_prompts(path, cfg.input_key, cfg.label_key, label_optional=True, image_key=image_key)
 
 
 class SftSource:
@@ -40,7 +44,7 @@ class SftSource:
     def __init__(self, config: RolloutConfig, checkpoint_dir: str):
         cfg = config
         self.batch_size = cfg.rollout_batch_size
-        self.tokenizer = rollout_tokenizer(cfg, checkpoint_dir)
+        self.tokenizer = rollout_prompts(cfg, checkpoint_dir)  # with images: the processor's (VLPrompts)
         train = PromptDataset(read_sft_records(cfg.prompt_data, cfg), shuffle=cfg.rollout_shuffle, seed=cfg.seed)
         self.prompts = PromptQueue(train)
         self.eval = PromptDataset(read_sft_records(cfg.eval_prompt_data, cfg)) if cfg.eval_prompt_data else None
@@ -48,7 +52,9 @@ class SftSource:
         # every record is templated now: a bad conversation fails the run before any step
         for rec in train.records:
             self._example(rec)
-        self._eval_data = self._batch([example_of(self.tokenizer, r) for r in self.eval.records]) if self.eval else None
+        self._eval_data = (
+            self._batch([sft_example(self.tokenizer, r) for r in self.eval.records]) if self.eval else None
+        )
 
     def rollout(self, rollout_id: int, handle: None = None) -> RolloutData:
         """Batch ``rollout_id``: the next ``--rollout-batch-size`` conversations (wrapping into a
@@ -72,7 +78,7 @@ class SftSource:
     def _example(self, rec: PromptRecord) -> SftExample:
         ex = self._cache.get(rec.index)
         if ex is None:
-            ex = self._cache[rec.index] = example_of(self.tokenizer, rec)
+            ex = self._cache[rec.index] = sft_example(self.tokenizer, rec)
         return ex
 
     @staticmethod
@@ -91,5 +97,8 @@ class SftSource:
             group_ids=torch.arange(n),
             num_groups=n,
             loss_mask=t["loss_mask"],
+            pixel_values=t.get("pixel_values"),  # images (vl_sft): model inputs only
+            image_grid_thw=t.get("image_grid_thw"),
+            image_counts=t.get("image_counts"),
             stats={"response_len_mean": trained / max(n, 1), "truncated_frac": 0.0},
         )

@@ -59,7 +59,7 @@ from rl_plugin.backends.fsdp.packing import micro_batch_log_probs, real_token_ro
 from rl_plugin.backends.fsdp.router_losses import RouterLosses
 from rl_plugin.backends.fsdp.true_on_policy import invariant_log_probs
 from rl_plugin.backends.fsdp.value_model import idle_values, micro_batch_values
-from rl_plugin.backends.fsdp.vision import image_inputs, placeholders
+from rl_plugin.backends.fsdp.vision import freeze_tower, image_inputs, placeholders
 from rl_plugin.checkpoint.lora_meta import lora_meta
 from rl_plugin.configs import TrainConfig
 from rl_plugin.invariant.hf_patch import make_invariant
@@ -207,6 +207,8 @@ class FSDPBackend(TrainBackend):
             self.peft_model = lora.apply_lora(model, cfg, self.config.model.seed)
             if cfg.lora_adapter_path:
                 lora.load_adapter_dir(model, cfg.lora_adapter_path)
+        if self.config.freeze_vision_tower and not frozen:  # vision.py: no grads, no optimizer state
+            logger.info("--freeze-vision-tower: %d vision tower weights frozen", freeze_tower(model))
         if frozen:
             model.requires_grad_(False).eval()
         model.to(self.device)
@@ -396,7 +398,8 @@ class FSDPBackend(TrainBackend):
             if out_dir:
                 adapters = dict(self.stream_lora_adapters())  # collective; rank 0 holds them
                 if dist.get_rank() == 0:
-                    write_run_adapters(out_dir, adapters, cfg, str(self.hf_dir))
+                    targets = self.peft_model.peft_config[lora.ADAPTER].target_modules  # a VL model's regex
+                    write_run_adapters(out_dir, adapters, cfg, str(self.hf_dir), targets)
                 dist.barrier()
             if not cfg.save_hf_merged:
                 return

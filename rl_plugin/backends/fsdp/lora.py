@@ -14,6 +14,13 @@ model (``PeftModel.base_model.model``) and keeps the ``PeftModel`` only for
 ``disable_adapter()``: the reference policy (``--use-kl-loss``) is the base model, i.e. the same
 sharded model with its adapters switched off (no second copy of the base).
 
+A vision-language model (``vision.vision_model``): the adapters go on the language model's
+projections only. Its vision tower has ``gate_proj`` / ``up_proj`` / ``down_proj`` too, so PEFT's
+``target_modules`` becomes a regex over the full module path that leaves the tower out
+(``peft_target_modules``), and the tower is frozen with everything else (verl's and TRL's choice:
+LoRA on the LM, the tower fixed). The same regex goes into ``--save-hf``'s ``adapter_config.json``,
+so PEFT, loading that directory onto the VL model, puts adapters exactly where they were trained.
+
 Names: PEFT's state-dict key of an adapter is ``<module>.lora_A.default.weight``; the canonical
 name (``rl_plugin.lora.names``) drops the adapter name (``<module>.lora_A.weight``); the base
 weight of a targeted linear is ``<module>.base_layer.weight`` (``hf_name`` maps it back).
@@ -61,6 +68,16 @@ def refuse_experts(model: nn.Module, targets) -> None:
         )
 
 
+def peft_target_modules(model: nn.Module, targets):
+    """PEFT's ``target_modules``: the projection leaf names, or for a vision-language model a regex
+    (PEFT full-matches a string against each module path) that leaves its vision tower out."""
+    from rl_plugin.backends.fsdp.vision import tower_prefix, vision_model
+
+    if vision_model(model) is None:
+        return list(targets)
+    return rf"^(?!{re.escape(tower_prefix(model))}\.).*\.(?:{'|'.join(targets)})$"
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int):
     """Wrap ``model`` (unsharded) in PEFT's LoRA and set our initial adapters; returns the
     ``PeftModel`` (its ``base_model.model`` is ``model``, modified in place)."""
@@ -70,7 +87,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int):
     targets = resolve_targets(cfg.target_modules, cfg.exclude_modules)
     refuse_experts(model, targets)
     peft_cfg = PeftLoraConfig(
-        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=list(targets)
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=peft_target_modules(model, targets),
     )
     peft_model = get_peft_model(model, peft_cfg)
     for param in model.parameters():

@@ -27,6 +27,12 @@ reduce-scatters are collective: a DP rank whose micro-batch has no image, or an 
 the same vision blocks): such a pass gets one blank 1 x 2 x 2-patch image with no place to go, and
 ``VisionTouch`` adds 0 x its output to the micro-batch's result, so its gradients (zero) reach the
 reduce-scatter like every rank's. Context parallelism is refused for images (``check_images``).
+
+``--freeze-vision-tower`` (``freeze_tower``, before ``fully_shard``): every parameter of the
+tower (``visual.*``: patch embedding, blocks, patch merger) gets ``requires_grad = False``, so no
+gradient is computed or reduced for it, the optimizer holds no state for it, the grad norm and
+clipping cover the trainable parameters only, and its weights stay bitwise as loaded. The tower
+still runs in every pass (forward all-gathers are collective); its output then needs no gradient.
 """
 
 from __future__ import annotations
@@ -51,6 +57,25 @@ def vision_model(model):
         )
         _FOUND[model] = next(found, None)
     return _FOUND[model]
+
+
+def tower_prefix(model) -> str:
+    """The module path of the vision tower (``model.visual`` in Qwen2.5-VL's HF layout)."""
+    inner = vision_model(model)
+    if inner is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (is --hf-checkpoint a vision-language model?)")
+    return next(name for name, module in model.named_modules() if module is inner.visual)
+
+
+def freeze_tower(model) -> int:
+    """``--freeze-vision-tower``: the tower's parameters stop training; returns how many elements."""
+    prefix = tower_prefix(model) + "."
+    frozen = 0
+    for name, param in model.named_parameters():
+        if name.startswith(prefix):
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
 
 
 def check_images(layout) -> None:

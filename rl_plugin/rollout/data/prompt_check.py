@@ -46,8 +46,8 @@ from typing import List, Optional, Tuple
 
 from rl_plugin.errors import RLArgumentError, fail
 from rl_plugin.rollout.data.dataset import PromptRecord, is_parquet, read_prompts
-from rl_plugin.rollout.data.sft import example_of
 from rl_plugin.rollout.data.tokenizer import PromptFormatError
+from rl_plugin.rollout.data.vl_sft import sft_example
 from rl_plugin.rollout.rewards.functions import LABEL_REWARDS, is_number
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -248,8 +248,9 @@ def check_sft_file(
     label_key: Optional[str],
     context_len: Optional[int],
     hf_checkpoint: str,
+    image_key: Optional[str] = None,
 ) -> int:
-    """``--loss-type sft_loss``: every record of ``path`` reads, templates (``sft.example_of``) and
+    """``--loss-type sft_loss``: every record of ``path`` reads, templates (``vl_sft.sft_example``) and
     fits the model's context::
 
         len(conversation_ids) <= max_position_embeddings
@@ -257,11 +258,13 @@ def check_sft_file(
     else ``RLArgumentError`` naming file:line (of the first too-long ones, with their count). A
     conversation is trained whole, never truncated: a cut one loses the end of its answer and the
     end-of-turn token, teaching the model not to stop (slime's SFT rollout, too, trains each
-    conversation as the template renders it). Returns the longest conversation in tokens."""
+    conversation as the template renders it). ``image_key`` (``--multimodal-keys``): each record's
+    images are opened and expanded by the processor (``vl_sft``), their tokens counted. Returns the
+    longest conversation in tokens."""
     where = f"--loss-type sft_loss {flag}"
     try:
-        records = read_prompts(path, input_key, label_key, label_optional=True)
-        lengths = [len(example_of(tokenizer, rec).ids) for rec in records]
+        records = read_prompts(path, input_key, label_key, label_optional=True, image_key=image_key)
+        lengths = [len(sft_example(tokenizer, rec).ids) for rec in records]
     except (ValueError, FileNotFoundError) as exc:
         fail(where, str(exc), "correct that record of the file")
     too_long = [(rec, n) for rec, n in zip(records, lengths) if context_len is not None and n > context_len]

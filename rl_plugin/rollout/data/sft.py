@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,11 +50,15 @@ _IDS, _MASK = attrgetter("ids"), attrgetter("mask")
 
 @dataclass
 class SftExample:
-    """One templated conversation: ``ids`` (``[T]``) and ``mask`` (1 on trained tokens, ``[T]``)."""
+    """One templated conversation: ``ids`` (``[T]``) and ``mask`` (1 on trained tokens, ``[T]``);
+    with images (``vl_sft``) their processed ``pixel_values`` ``[patches, C*T*P*P]`` and
+    ``image_grid_thw`` ``[images, 3]``."""
 
     ids: List[int]
     mask: List[int]
     where: str
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
 
     @property
     def prompt_length(self) -> int:
@@ -78,14 +82,16 @@ def conversation(record: PromptRecord) -> Messages:
     msgs = list(record.prompt)
     if isinstance(label, str) and label:
         msgs.append({"role": "assistant", "content": label})
-    msgs = check_messages(where, "messages", msgs)
+    msgs = check_messages(where, "messages", msgs, parts=record.images is not None)  # images: content parts
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError(
             f"{where}: the conversation has no assistant turn, so SFT has no token to train on. "
             "Fix: add the assistant's answer (a message with role 'assistant', or a --label-key completion)"
         )
     blank = (
-        j for j, m in enumerate(msgs) if m["role"] == "assistant" and not (m["content"].strip() or m.get("tool_calls"))
+        j
+        for j, m in enumerate(msgs)
+        if m["role"] == "assistant" and not (_has_content(m["content"]) or m.get("tool_calls"))
     )
     empty = next(blank, None)
     if empty is not None:
@@ -97,19 +103,30 @@ def conversation(record: PromptRecord) -> Messages:
     return msgs
 
 
+def _has_content(content) -> bool:
+    """A message's content is not blank (a string, or a list of content parts)."""
+    return bool(content.strip()) if isinstance(content, str) else bool(content)
+
+
 def _is_prefix(prefix: Sequence[int], ids: Sequence[int]) -> bool:
     return len(prefix) <= len(ids) and list(ids[: len(prefix)]) == list(prefix)
 
 
-def chat_example(adapter, messages: Messages, where: str) -> SftExample:
+Render = Callable[[Messages, bool], List[int]]  # (turns, add_generation_prompt) -> ids
+
+
+def chat_example(adapter, messages: Messages, where: str, render: Optional[Render] = None) -> SftExample:
     """The ids of ``messages`` rendered once by ``adapter``'s chat template (an
-    ``HFTokenizerAdapter``) and the assistant-span mask (module docstring)."""
+    ``HFTokenizerAdapter``) and the assistant-span mask (module docstring); ``render``: how turns
+    become ids (default: the tokenizer's template; a conversation with images: ``vl_sft``'s)."""
     tok, kw = adapter.tok, adapter.chat_template_kwargs
     msgs = adapter.messages(messages)  # --system-prompt added when the chat has no system turn
 
-    def render(turns, gen: bool) -> List[int]:
+    def text_render(turns, gen: bool) -> List[int]:
         out = tok.apply_chat_template(turns, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw)
         return as_ids(out, "the tokenizer's apply_chat_template")
+
+    render = render or text_render
 
     ids = render(msgs, False)
     mask = [0] * len(ids)
@@ -159,7 +176,8 @@ def char_example(tok: CharTokenizer, record: PromptRecord) -> SftExample:
 
 
 def example_of(tokenizer, record: PromptRecord) -> SftExample:
-    """One record as a templated, masked conversation (either tokenizer)."""
+    """One record as a templated, masked conversation (either tokenizer; a record with images:
+    ``vl_sft.sft_example``, which calls this for the text-only ones)."""
     if isinstance(tokenizer, CharTokenizer):
         return char_example(tokenizer, record)
     where = record.where or f"record {record.index}"
@@ -174,7 +192,8 @@ def example_of(tokenizer, record: PromptRecord) -> SftExample:
 def sft_tensors(examples: Sequence[SftExample]) -> Dict[str, torch.Tensor]:
     """The loss core's flat layout of ``examples`` (one sample each): ``tokens`` ``[sum T_i]``,
     ``total_lengths`` / ``response_lengths`` ``[S]``, ``loss_mask`` ``[sum R_i]`` fp32, where a
-    sample's response starts at its first trained token. C-level passes (``chain``,
+    sample's response starts at its first trained token; with images ``pixel_values``,
+    ``image_grid_thw`` and ``image_counts`` ``[S]``. C-level passes (``chain``,
     ``numpy.fromiter``), no Python loop over tokens."""
     n = len(examples)
     total = np.fromiter(map(len, map(_IDS, examples)), np.int64, n)
@@ -184,9 +203,16 @@ def sft_tensors(examples: Sequence[SftExample]) -> Dict[str, torch.Tensor]:
     offsets = np.cumsum(total) - total
     position = np.arange(mask.shape[0]) - np.repeat(offsets, total)  # each token's index in its sample
     keep = position >= np.repeat(starts, total)  # the response: from the first trained token on
-    return {
+    out = {
         "tokens": torch.from_numpy(tokens),
         "total_lengths": torch.from_numpy(total),
         "response_lengths": torch.from_numpy(total - starts),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(mask[keep])),
     }
+    with_images = [e for e in examples if e.image_grid_thw is not None]
+    if with_images:  # loss.batch's image layout: every image in sample order, a count per sample
+        out["pixel_values"] = torch.cat([e.pixel_values for e in with_images])
+        out["image_grid_thw"] = torch.cat([e.image_grid_thw for e in with_images])
+        counts = (0 if e.image_grid_thw is None else e.image_grid_thw.shape[0] for e in examples)
+        out["image_counts"] = torch.tensor(list(counts), dtype=torch.long)
+    return out

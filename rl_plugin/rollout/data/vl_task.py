@@ -68,6 +68,18 @@ def write_colour_task(directory, *, num_train: int = 256, num_eval: int = 32, nu
     return paths
 
 
+def write_colour_sft_task(directory, *, num_train: int = 256, num_eval: int = 32, num_colours: int = 2, seed: int = 0):
+    """The task for SFT (``--loss-type sft_loss``): the same records with the colour's name as the
+    label, i.e. the assistant's answer (``"red"``); returns the two paths."""
+    paths = write_colour_task(directory, num_train=num_train, num_eval=num_eval, num_colours=num_colours, seed=seed)
+    for path in paths:
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in recs:
+            r["label"] = COLOURS[int(r["label"].split("/")[0])][0]
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return paths
+
+
 def answer_class(token_id: int, num_colours: int) -> int:
     """The colour a response token names: ``token_id mod K``."""
     return int(token_id) % num_colours

@@ -13,8 +13,6 @@ KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
     ("--train-backend megatron", "use --train-backend fsdp"),
-    ("--loss-type sft_loss", "SFT on images is not built"),
-    ("--lora-rank 8", "LoRA on a VL model is untested"),
     ("--advantage-estimator ppo", "no VL value model is built"),
     ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
 ]

@@ -48,13 +48,14 @@ def vl_step(ckpt) -> dict:
     )
 
 
-def hf_log_probs(ckpt, step) -> torch.Tensor:
+def hf_log_probs(ckpt, step, model=None) -> torch.Tensor:
     """Each sample alone through the HF model (input ids, its image, ``mm_token_type_ids`` for the
-    rope index); sample 4 up to its sampled image token (the model would take it for an image place)."""
+    rope index); sample 4 up to its sampled image token (the model would take it for an image place).
+    ``model``: this one instead of ``ckpt``'s (a PEFT-wrapped one)."""
     from rl_plugin.backends.fsdp.model import load_hf_model
     from rl_plugin.models.tiny_vl import IMAGE_ID
 
-    model = load_hf_model(ckpt, attn_implementation="eager").eval()
+    model = (model or load_hf_model(ckpt, attn_implementation="eager")).eval()
     out, start, patch = [], 0, 0
     for i, (t, r) in enumerate(zip(step["total_lengths"].tolist(), step["response_lengths"].tolist())):
         ids = step["tokens"][start : start + t]
@@ -271,3 +272,151 @@ def test_an_image_in_a_tool_turn_is_trained_where_the_engine_saw_it(run_world, c
         model_tokens[first_two + 3] = False
         gap = (got - engine_lps.double())[model_tokens].abs().max()
         assert gap < 2e-5, (name, float(gap))
+
+
+def frozen_tower_steps(rank, world, ckpt, step):
+    """``--freeze-vision-tower``: two optimizer steps on this rank's share of the VL batch; the
+    weights before and after, what requires grad, which parameters the optimizer holds state for,
+    and the steps' grad norms."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+
+    local = StepBatch(**step).validate().select(split_samples_for_dp(6, world)[rank])
+    flags = fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", "--lr", "0.05", "--freeze-vision-tower")
+    backend = FSDPBackend.from_args(parse([*flags, "--multimodal-keys", '{"image": "images"}']))
+    before = {k: v.clone() for k, v in backend.export_hf_state_dict().items()}
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    trains = {n: p.requires_grad for n, p in backend.model.named_parameters()}
+    norms = [backend.train_step(local, num_groups=3)["grad_norm"] for _ in range(2)]
+    with_state = sorted(names[id(p)] for p in backend.optimizer.state)
+    return before, backend.export_hf_state_dict(), trains, with_state, norms
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_freeze_vision_tower_keeps_the_tower_bitwise_and_trains_the_language_model(run_world, ckpt, world):
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)
+    before, after, trains, with_state, norms = run_world(frozen_tower_steps, world, ckpt, step)[0]
+    tower = [k for k in before if k.startswith("model.visual.")]
+    assert len(tower) > 20 and any("merger" in k for k in tower)
+    assert all(torch.equal(after[k], before[k]) for k in tower)
+    moved = [k for k in before if not k.startswith("model.visual.") and not torch.equal(after[k], before[k])]
+    assert any("language_model.layers" in k for k in moved) and "lm_head.weight" in moved
+    assert not any(v for k, v in trains.items() if k.startswith("model.visual."))
+    assert all(v for k, v in trains.items() if not k.startswith("model.visual."))
+    assert with_state and not any(k.startswith("model.visual.") for k in with_state)
+    assert len(with_state) == sum(not k.startswith("model.visual.") for k in trains)
+    assert all(n > 0 for n in norms)
+
+
+VL = ["--multimodal-keys", '{"image": "images"}', "--fsdp-attn-implementation", "eager"]
+VL_LORA = [*VL, "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "all-linear", "--lr", "0.05"]
+
+
+def lora_steps(rank, world, ckpt, step, out):
+    """LoRA on the VL model: log-probs at init (adapters on and off), the full (PEFT) state before
+    and after a step, an hf engine given the adapters, and ``--save-hf`` (a PEFT directory)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
+
+    local = StepBatch(**step).validate().select(split_samples_for_dp(6, world)[rank])
+    backend = FSDPBackend.from_args(parse(fsdp_flags(ckpt, *VL_LORA, "--save-hf-merged", out + "-merged")))
+    init, base = backend.compute_log_probs(local), backend.compute_log_probs(local, role="ref")
+
+    def full():
+        sd = get_model_state_dict(backend.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().clone() for k, v in sd.items()}
+
+    before = full()
+    backend.train_step(local, num_groups=3)
+    after, trained = full(), backend.compute_log_probs(local).detach()
+    adapters = dict(backend.stream_lora_adapters())  # collective
+    merged = backend.export_hf_state_dict()
+    engine_same = None
+    if rank == 0:
+        engine = HFEngine(ckpt, lora_scaling=8 / 4)
+        engine.update_weights(adapters)
+        live = engine.model.state_dict()
+        engine_same = sorted(live) == sorted(merged) and all(torch.equal(live[k], merged[k]) for k in live)
+    backend.save_hf(out)
+    return dict(init=init, base=base, before=before, after=after, trained=trained, engine_same=engine_same)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_on_the_language_model_only_with_images(run_world, ckpt, world, tmp_path):
+    """--lora-rank with images: adapters on the LM's projections only (none in the tower, whose
+    MLP names match), start as the base (bitwise the adapters-off pass; the HF forward within fp32),
+    a step moves adapters only, the hf engine's merge equals the trainer's export bitwise, and
+    ``--save-hf``'s PEFT directory on the VL model (and ``--save-hf-merged``'s VL checkpoint) scores
+    as the trainer."""
+    from peft import PeftModel
+
+    from rl_plugin.backends.fsdp.lora import is_adapter_key
+    from rl_plugin.loss.micro_batch_plan import split_samples_for_dp
+    from rl_plugin.models.vl_processor import auto_model_class
+
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    want = hf_log_probs(ckpt, step)
+    step["old_log_probs"] = want.float().nan_to_num(-5.0)
+    out = str(tmp_path / "adapter")
+    r0 = run_world(lora_steps, world, ckpt, step, out)[0]
+    idx = split_samples_for_dp(6, world)[0]
+    starts = torch.cumsum(rl, 0) - rl
+    rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + rl[i])) for i in idx])
+    known = ~torch.isnan(want[rows])
+    assert torch.equal(r0["init"], r0["base"])
+    assert rel_err(r0["init"].double()[known], want[rows][known]) < 2e-5
+
+    before, after = r0["before"], r0["after"]
+    lora_keys = [k for k in before if is_adapter_key(k)]
+    assert len(lora_keys) == 2 * 7 * 2  # A and B of 7 projections x 2 LM layers
+    assert not any("visual" in k for k in lora_keys)
+    assert all(torch.equal(after[k], before[k]) for k in before if not is_adapter_key(k))
+    assert all(not torch.equal(after[k], before[k]) for k in lora_keys if ".lora_B." in k)
+    assert r0["engine_same"] is True
+
+    model = PeftModel.from_pretrained(auto_model_class(ckpt).from_pretrained(ckpt, dtype=torch.float32), out)
+    peft_keys = [k for k in model.state_dict() if "lora_" in k]
+    assert len(peft_keys) == len(lora_keys) and not any("visual" in k for k in peft_keys)
+    saved = hf_log_probs(ckpt, step, model=model)[rows]
+    assert rel_err(r0["trained"].double()[known], saved[known]) < 2e-5
+    assert rel_err(saved[known], want[rows][known]) > 1e-4  # the adapters moved the log-probs
+    merged = hf_log_probs(out + "-merged", step)[rows]  # --save-hf-merged: a plain VL checkpoint
+    assert rel_err(r0["trained"].double()[known], merged[known]) < 2e-5
+
+
+def frozen_tower_resume(rank, world, ckpt, step, root):
+    """--freeze-vision-tower: step 1, save, step 2; then a fresh backend loads the save and steps 2."""
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from tests.support import checkpointing
+
+    batch = StepBatch(**step).validate()
+    flags = parse([*fsdp_flags(ckpt, *VL, "--lr", "0.05", "--freeze-vision-tower")])
+    backend = FSDPBackend.from_args(flags)
+    backend.train_step(batch, num_groups=3)
+    checkpointing.save(backend, root, 1)
+    straight = backend.train_step(batch, num_groups=3), backend.export_hf_state_dict()
+    again = FSDPBackend.from_args(flags)
+    checkpointing.load(again, root)
+    return straight, (again.train_step(batch, num_groups=3), again.export_hf_state_dict())
+
+
+def test_freeze_vision_tower_resumes_bitwise(run_world, ckpt, tmp_path):
+    """A checkpoint of a frozen-tower run (optimizer state for the language model only) resumes
+    to the same next step, bit for bit."""
+    step = vl_step(ckpt)
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), step["response_lengths"])
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)
+    (report, weights), (report2, weights2) = run_world(frozen_tower_resume, 1, ckpt, step, str(tmp_path / "s"))[0]
+    assert report["grad_norm"] == report2["grad_norm"] and report["loss"] == report2["loss"]
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
