@@ -61,26 +61,10 @@ def check_images(layout) -> None:
 
 def _stream(inner, batch) -> Dict[str, torch.Tensor]:
     """``positions`` ``[3, sum T_i]`` and ``image_mask`` ``[sum T_i]`` of the micro-batch's packed
-    samples (module docstring)."""
-    tl, rl = batch.total_lengths.long(), batch.response_lengths.long()
-    num, longest = tl.numel(), int(tl.max())
-    cols = torch.arange(longest)
-    valid = cols[None, :] < tl[:, None]  # [S, L]
-    ids = torch.zeros(num, longest, dtype=torch.long)
-    ids[valid] = batch.tokens.long()
-    in_prompt = cols[None, :] < (tl - rl)[:, None]
-    image = (ids == inner.config.image_token_id) & in_prompt
-    grid = batch.image_grid_thw if batch.image_grid_thw is not None and batch.image_grid_thw.numel() else None
-    if grid is None:
-        pos = cols.expand(3, num, longest).clone()
-    else:
-        prompt_ids = torch.where(in_prompt, ids, 0)
-        pos, _ = inner.get_rope_index(prompt_ids, image.int(), image_grid_thw=grid, attention_mask=in_prompt.long())
-    # the response continues from the prompt's largest position, 1 per token on every axis
-    last = torch.where(in_prompt[None], pos, -1).amax(dim=2, keepdim=True)  # [3, S, 1]
-    after = last + 1 + (cols - (tl - rl)[:, None])[None]
-    pos = torch.where(in_prompt[None], pos, after)
-    return {"positions": pos[:, valid], "image_mask": image[valid]}
+    samples (``models.vl_positions``, shared with the Megatron backend)."""
+    from rl_plugin.models.vl_positions import packed_positions
+
+    return packed_positions(inner, batch)
 
 
 def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:
