@@ -105,7 +105,12 @@ class MultimodalConfig(Declared):
         cg = run.custom_generation
         unbuilt = (
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
-            ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
+            (
+                "--train-backend megatron at PP or CP > 1",
+                run.train.train_backend == "megatron"
+                and run.train.model.pipeline_model_parallel_size * run.train.model.context_parallel_size > 1,
+                "--pipeline-model-parallel-size 1 --context-parallel-size 1 (Megatron's vision tower runs whole on each rank)",
+            ),
             ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
             ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
             ("--rollout-function-path", bool(cg.rollout_function_path), "the default generation"),

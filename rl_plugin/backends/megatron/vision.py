@@ -35,12 +35,16 @@ from typing import Dict, Optional
 
 import torch
 from mbridge.models.qwen2_5_vl.model import Qwen2_5VLModel
+from megatron.core.transformer.enums import ModelType
 
 from rl_plugin.errors import fail
 
 
 class VLModel(Qwen2_5VLModel):
-    """mbridge's Qwen2.5-VL with the caller's M-RoPE positions and image places (module docstring)."""
+    """mbridge's Qwen2.5-VL with the caller's M-RoPE positions and image places (module docstring);
+    ``model_type`` as GPTModel's (megatron-core's schedules read it; mbridge's class has none)."""
+
+    model_type = ModelType.encoder_or_decoder
 
     def forward(
         self,

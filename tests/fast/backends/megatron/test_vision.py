@@ -65,3 +65,88 @@ def test_trainer_log_probs_equal_the_hf_forward(run_world, ckpt, world, tp):
         known = ~torch.isnan(want)
         assert int(known.sum()) == int(rl.sum()) - 3 and bool(torch.isfinite(got).all()), name
         assert rel_err(got[known], want[known]) < 2e-5, (name, rel_err(got[known], want[known]))
+
+
+def trained_step(ckpt, *, lr="0.5") -> dict:
+    """``vl_step`` with advantages +-1 and old log-probs from the HF forward (sample 4's tail:
+    any value), so a step moves the weights, vision tower included."""
+    step = vl_step(ckpt)
+    rl = step["response_lengths"]
+    step["advantages"] = torch.repeat_interleave(torch.tensor([1.0, -1.0] * 3), rl)
+    step["old_log_probs"] = hf_log_probs(ckpt, step).float().nan_to_num(-5.0)
+    return step
+
+
+def megatron_step_worker(rank, world, ckpt, step, flags, out):
+    """One exact-SGD step on Megatron: the report, the HF weights before and after, the log-probs
+    after; ``out``: ``--save-hf`` there after the step."""
+    from rl_plugin.loss import StepBatch
+
+    batch = StepBatch(**step).validate()
+    backend = megatron(ckpt, *EXACT_SGD_FLAGS, "--micro-batch-size", "4", *flags, world=world)
+    before = {k: v.clone() for k, v in backend.export_hf_state_dict().items()}
+    report = backend.train_step(batch, num_groups=3)
+    if out:
+        backend.save_hf(out)
+    return report, before, backend.export_hf_state_dict(), backend.compute_log_probs(batch).detach()
+
+
+def fsdp_step_worker(rank, world, ckpt, step):
+    from rl_plugin.backends.fsdp.backend import FSDPBackend
+    from rl_plugin.loss import StepBatch
+    from tests.support.fsdp_common import fsdp_flags, parse
+
+    batch = StepBatch(**step).validate()
+    flags = fsdp_flags(ckpt, "--fsdp-attn-implementation", "eager", *EXACT_SGD_FLAGS, "--micro-batch-size", "4")
+    backend = FSDPBackend.from_args(parse(flags))
+    report = backend.train_step(batch, num_groups=3)
+    return report, backend.export_hf_state_dict()
+
+
+EXACT_SGD_FLAGS = ("--optimizer", "sgd", "--sgd-momentum", "0", "--lr", "0.5", "--clip-grad", "0")
+
+
+def test_a_step_equals_fsdps_on_the_same_vl_batch(run_world, ckpt):
+    """Loss, grad norm and every updated weight (exact SGD: the update is the gradient), vision
+    tower included, under HF names."""
+    from tests.support.tolerance import FP32_MODEL
+
+    step = trained_step(ckpt)
+    mg_report, before, mg_after, _ = run_world(megatron_step_worker, 1, ckpt, step, (), None)[0]
+    fs_report, fs_after = run_world(fsdp_step_worker, 1, ckpt, step)[0]
+    for key in ("loss", "grad_norm"):
+        assert abs(mg_report[key] - fs_report[key]) <= FP32_MODEL * abs(fs_report[key]), (key, mg_report, fs_report)
+    assert mg_report["grad_norm"] > 0.1
+    fs_after = {
+        k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v for k, v in fs_after.items()
+    }
+    assert sorted(mg_after) == sorted(fs_after)
+    for name, got in mg_after.items():
+        delta_mg, delta_fs = got - before[name], fs_after[name] - before[name]
+        scale = float(delta_fs.abs().max()) + 1e-6
+        assert float((delta_mg - delta_fs).abs().max()) <= 1e-4 * scale + FP32_MODEL, name
+
+
+def test_freeze_vision_tower_keeps_the_tower_bitwise(run_world, ckpt):
+    step = trained_step(ckpt)
+    _, before, after, _ = run_world(
+        megatron_step_worker, 1, ckpt, step, ("--multimodal-keys", '{"image": "images"}', "--freeze-vision-tower"), None
+    )[0]
+    moved = sorted(k for k in after if not torch.equal(after[k], before[k]))
+    assert moved and all(not k.startswith("visual.") for k in moved), moved
+    assert any(k.startswith("model.layers.") for k in moved)
+    assert all(torch.equal(after[k], before[k]) for k in after if k.startswith("visual."))
+
+
+def test_save_hf_writes_a_vl_checkpoint_transformers_and_the_processor_load(run_world, ckpt, tmp_path):
+    from rl_plugin.models.vl_processor import load_vl_processor
+
+    step = trained_step(ckpt)
+    out = str(tmp_path / "hf")
+    _, before, after, trained = run_world(megatron_step_worker, 1, ckpt, step, (), out)[0]
+    moved = [k for k in after if not torch.equal(after[k], before[k])]
+    assert any(k.startswith("visual.") for k in moved) and any(k.startswith("model.layers.") for k in moved)
+    assert load_vl_processor(out).image_processor.size["longest_edge"] == 28 * 28 * 16
+    want = hf_log_probs(out, step)
+    known = ~torch.isnan(want)
+    assert rel_err(trained.double()[known], want[known]) < 2e-5
