@@ -27,12 +27,13 @@ def ray_cluster(tmp_path_factory):
         yield model
 
 
-def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path, backend):
     train, held_out = write_colour_task(tmp_path / "task", num_train=256, num_eval=32, num_colours=2)
     out = tmp_path / "o"
     argv = [
         "--train-backend",
-        "fsdp",
+        backend,
         "--hf-checkpoint",
         str(ray_cluster),
         "--prompt-data",

@@ -39,6 +39,11 @@ through mbridge's name maps and its q/k/v and gate/up conversions (``load_weight
 7. mbridge's ``_get_mcore_config_by_name`` returns the language config for every weight, so under
    TP > 1 the merger's ``vision_model.projection.encoder.linear_fc1`` (not gated) is split as a
    gated gate/up pair (wrong shards): the merger's names get the projection config.
+8. mbridge exports transformers 4's names (``model.layers.*``, ``visual.*``); transformers 5's
+   Qwen2.5-VL model (the hf engine's, FSDP's export, the weight sync's target) names them
+   ``model.language_model.*`` and ``model.visual.*`` (its loader converts the old names, so a
+   checkpoint in either form loads): ``_weight_to_hf_format`` gives the new names
+   (``transformers5_name``); loading still reads the checkpoint's old names.
 
 The probe test ``tests/fast/backends/megatron/compat/test_mbridge_vl.py`` fails when mbridge's own
 provider starts building without transformer-engine (then 1 can go).
@@ -175,6 +180,15 @@ def text_sizes_on_top(hf_config) -> None:
             setattr(hf_config, name, getattr(text, name))
 
 
+def transformers5_name(name: str) -> str:
+    """Fix 8: a transformers 4 Qwen2.5-VL weight name in transformers 5's form."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
 def vl_bridge_class(base, model_class):
     """``base`` (mbridge's ``Qwen2_5VLBridge``) building ``model_class`` on the local specs (module docstring)."""
     lm, vis, hf_lm = (
@@ -206,6 +220,10 @@ def vl_bridge_class(base, model_class):
             self._DIRECT_MAPPING["language_model.output_layer.weight"] = (
                 "model.embed_tokens.weight" if tied else "lm_head.weight"
             )
+
+        def _weight_to_hf_format(self, mcore_weights_name, mcore_weights):
+            names, tensors = super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
+            return [transformers5_name(n) for n in names], tensors  # fix 8
 
         def _get_mcore_config_by_name(self, mcore_weights_name: str):
             if mcore_weights_name.startswith("vision_model.projection."):  # fix 7
