@@ -127,7 +127,7 @@ class MultimodalConfig(Declared):
             if on:
                 fail(
                     f"--multimodal-keys with {name}",
-                    "images reach the model only through the hf engine, the default generation and FSDP "
+                    "images reach the model only through the hf engine, the default generation and FSDP / Megatron "
                     "full-model RL; this path would drop them",
                     f"use {fix}, or drop --multimodal-keys",
                 )

@@ -97,17 +97,17 @@ def check_vl_layout(config) -> None:
         (
             m.pipeline_model_parallel_size > 1,
             f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size}",
-            "--pipeline-model-parallel-size 1",
+            "use --pipeline-model-parallel-size 1",
         ),
         (
             m.context_parallel_size > 1,
             f"--context-parallel-size {m.context_parallel_size}",
-            "--context-parallel-size 1",
+            "use --context-parallel-size 1",
         ),
         (m.sequence_parallel, "--sequence-parallel", "drop --sequence-parallel"),
-        (config.lora.enabled, "--lora-rank", "full-model training (drop --lora-rank)"),
+        (config.lora.enabled, "--lora-rank", "drop --lora-rank (full-model training)"),
         (config.true_on_policy, "--true-on-policy-mode", "drop --true-on-policy-mode"),
-        (config.value_head, "a value model (--advantage-estimator ppo)", "a group estimator"),
+        (config.value_head, "a value model (--advantage-estimator ppo)", "use a group estimator (e.g. grpo)"),
     )
     for on, name, fix in refused:
         if on:
@@ -115,7 +115,7 @@ def check_vl_layout(config) -> None:
                 f"{name} with the vision-language checkpoint {m.hf_checkpoint}",
                 "the Megatron backend trains Qwen2.5-VL at PP = CP = 1 without sequence parallelism, LoRA, "
                 "the true on-policy mode or a critic (its vision tower runs whole on every rank)",
-                f"use {fix}, or --train-backend fsdp",
+                f"{fix}, or use --train-backend fsdp",
             )
 
 

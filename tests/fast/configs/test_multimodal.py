@@ -12,10 +12,8 @@ KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 
 UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
-    (
-        "--train-backend megatron --pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2",
-        "use --pipeline-model-parallel-size 1 --context-parallel-size 1",
-    ),
+    ("--train-backend megatron --pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", "whole on each rank"),
+    ("--train-backend megatron --context-parallel-size 2 --actor-num-gpus-per-node 2", "whole on each rank"),
     ("--loss-type sft_loss", "SFT on images is not built"),
     ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
     ("--rollout-function-path m:f", "use the default generation"),

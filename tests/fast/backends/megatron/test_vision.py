@@ -149,3 +149,18 @@ def test_save_hf_writes_a_vl_checkpoint_transformers_and_the_processor_load(run_
     want = hf_log_probs(out, step)
     known = ~torch.isnan(want)
     assert rel_err(trained.double()[known], want[known]) < 2e-5
+
+
+def test_sequence_parallelism_is_refused_with_a_vl_checkpoint(ckpt):
+    """Refused before any group or model is built (the flag checks cover PP / CP, LoRA, PPO and the
+    true on-policy mode with images: ``tests/fast/configs/test_multimodal.py``)."""
+    from rl_plugin.arguments import run_config_of
+    from rl_plugin.backends.megatron.vision import check_vl_layout
+    from rl_plugin.errors import RLArgumentError
+    from tests.support.megatron_common import make_args
+
+    args = make_args("--hf-checkpoint", ckpt, "--tensor-model-parallel-size", "2", "--sequence-parallel", world_size=2)
+    with pytest.raises(RLArgumentError) as e:
+        check_vl_layout(run_config_of(args).train)
+    assert str(e.value).startswith(f"--sequence-parallel with the vision-language checkpoint {ckpt}: ")
+    assert "Fix: drop --sequence-parallel, or use --train-backend fsdp" in str(e.value)
