@@ -113,11 +113,12 @@ def _vl_attention():
         module.Qwen2_5VLSelfAttention = saved
 
 
+_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
+
+
 def vision_config(language_config, vc):
     """The vision tower's ``TransformerConfig`` from the language model's and HF's ``vision_config``
     (fix 2; the other fields as mbridge's ``get_vision_model_config``)."""
-    from transformers.activations import ACT2FN
-
     c = deepcopy(language_config)
     c.num_layers = vc.depth
     c.hidden_size = vc.hidden_size
@@ -125,7 +126,11 @@ def vision_config(language_config, vc):
     c.num_query_groups = vc.num_heads
     c.kv_channels = vc.hidden_size // vc.num_heads
     c.ffn_hidden_size = vc.intermediate_size
-    c.activation_func = ACT2FN[vc.hidden_act]
+    if vc.hidden_act not in _ACTIVATIONS:  # a plain function: a module here would enter the state dict
+        raise ValueError(
+            f"vision_config.hidden_act {vc.hidden_act!r}: the Megatron backend builds {sorted(_ACTIVATIONS)}"
+        )
+    c.activation_func = _ACTIVATIONS[vc.hidden_act]
     c.gated_linear_unit = True
     c.add_bias_linear = True
     c.add_qkv_bias = True
@@ -227,8 +232,15 @@ def vl_bridge_class(base, model_class):
 
         def _get_mcore_config_by_name(self, mcore_weights_name: str):
             if mcore_weights_name.startswith("vision_model.projection."):  # fix 7
-                return projection_config(self.config, self.hf_config.vision_config)
+                return self.projection_config()
             return self.config
+
+        def projection_config(self):
+            """The merger's config, made once (before training hangs process groups on ``self.config``,
+            which then no longer deep-copies)."""
+            if getattr(self, "_projection_config", None) is None:
+                self._projection_config = projection_config(self.config, self.hf_config.vision_config)
+            return self._projection_config
 
         def _weight_name_mapping_other(self, name: str) -> list:
             parts = name.split(".")
@@ -275,7 +287,7 @@ def vl_bridge_class(base, model_class):
                         language_max_sequence_length=text.max_position_embeddings,
                         vision_transformer_config=vision_config(self.config, vc),
                         vision_transformer_layer_spec=vit,
-                        vision_projection_config=projection_config(self.config, vc),
+                        vision_projection_config=self.projection_config(),
                         vision_projection_layer_spec=MLPSubmodules(
                             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
                         ),

@@ -89,3 +89,15 @@ def test_fix7_mbridge_splits_the_merger_with_the_language_config():
     stand_in = SimpleNamespace(config="language")
     # fails here when mbridge picks the config by name
     assert Bridge._get_mcore_config_by_name(stand_in, "vision_model.projection.encoder.linear_fc1.weight") == "language"
+
+
+def test_fix8_mbridge_exports_transformers4_names():
+    from mbridge.models.qwen2_5_vl import Qwen2_5VLBridge
+
+    from rl_plugin.backends.megatron.compat.mbridge_vl import transformers5_name
+
+    # fails here when mbridge names the weights as transformers 5's Qwen2.5-VL does
+    assert Qwen2_5VLBridge._DIRECT_MAPPING["vision_model.patch_embed.proj.weight"] == "visual.patch_embed.proj.weight"
+    assert transformers5_name("visual.patch_embed.proj.weight") == "model.visual.patch_embed.proj.weight"
+    assert transformers5_name("model.layers.0.mlp.up_proj.weight") == "model.language_model.layers.0.mlp.up_proj.weight"
+    assert transformers5_name("lm_head.weight") == "lm_head.weight"
