@@ -8,7 +8,9 @@ second and a message, not a crash inside a train actor.
 - ``--train-backend megatron``: the ``model_type`` must be one mbridge 0.15.1 converts
   to a megatron-core GPT model (``MEGATRON_MODEL_TYPES``: Llama, Qwen2, Qwen3, Mistral
   through the Llama bridge, and the MoE Qwen2-MoE, Qwen3-MoE, Mixtral); its other
-  mixture-of-experts bridges (DeepSeek-V3, GLM-4-MoE, MiMo), vision-language bridges and unknown types
+  mixture-of-experts bridges (DeepSeek-V3, GLM-4-MoE, MiMo), its other vision-language bridges and unknown types
+  are refused; the vision-language Qwen2.5-VL (``MEGATRON_VL_MODEL_TYPES``) is built by
+  ``backends/megatron/vision.py`` through mbridge's own Qwen2.5-VL bridge. Unknown types
   are refused naming the model type, the architecture and the supported types. Mistral with a sliding window shorter than its
   context is refused (megatron's attention here is full attention).
 - ``--train-backend fsdp``: any ``model_type`` transformers' ``AutoModelForCausalLM`` maps (or
@@ -35,6 +37,8 @@ MEGATRON_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qw
 MBRIDGE_MOE_TYPES = ("deepseek_v3", "glm4_moe", "mimo")
 # model types converted by another type's mbridge bridge (same layers, same Hugging Face names)
 MODEL_TYPE_ALIASES = {"mistral": "llama"}
+# vision-language: mbridge's Qwen2.5-VL on the local specs (``backends/megatron/vision.py``)
+MEGATRON_VL_MODEL_TYPES = ("qwen2_5_vl",)
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
@@ -62,10 +66,13 @@ def megatron_unsupported_reason(hf_config: Dict) -> Optional[str]:
             f"{_describe(hf_config)} is a mixture-of-experts model mbridge converts, but the megatron backend "
             f"here does not build it (untested); it supports model types: {', '.join(MEGATRON_MODEL_TYPES)}"
         )
+    if model_type in MEGATRON_VL_MODEL_TYPES:
+        return None
     if model_type not in MEGATRON_MODEL_TYPES:
         return (
-            f"{_describe(hf_config)} has no mbridge conversion to a megatron-core GPT model (vision-language "
-            f"bridges are not used); the megatron backend supports model types: {', '.join(MEGATRON_MODEL_TYPES)}"
+            f"{_describe(hf_config)} has no mbridge conversion to a megatron-core GPT model (of the "
+            f"vision-language bridges only {', '.join(MEGATRON_VL_MODEL_TYPES)} is used); the megatron backend "
+            f"supports model types: {', '.join(MEGATRON_MODEL_TYPES + MEGATRON_VL_MODEL_TYPES)}"
         )
     window, context = hf_config.get("sliding_window"), hf_config.get("max_position_embeddings")
     if model_type in MODEL_TYPE_ALIASES and window is not None and (context is None or window < context):

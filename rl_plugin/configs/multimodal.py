@@ -113,7 +113,11 @@ class MultimodalConfig(Declared):
         any other would drop them silently, so it is refused."""
         unbuilt = (
             ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
-            ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
+            (
+                "--train-backend megatron at --pipeline-model-parallel-size > 1",
+                run.train.train_backend == "megatron" and run.train.model.pipeline_model_parallel_size > 1,
+                "--pipeline-model-parallel-size 1 (Megatron's vision tower runs whole on each rank)",
+            ),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
             (
                 "--true-on-policy-mode",
@@ -125,7 +129,7 @@ class MultimodalConfig(Declared):
             if on:
                 fail(
                     f"--multimodal-keys with {name}",
-                    "images reach the model only through the hf engine, the default generation and FSDP "
+                    "images reach the model only through the hf engine, the default generation and FSDP / Megatron "
                     "full-model RL; this path would drop them",
                     f"use {fix}, or drop --multimodal-keys",
                 )

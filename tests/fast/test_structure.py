@@ -25,6 +25,8 @@ MAX_LINES = 450
 # with where it comes from (the rule is about our own parts' private state, not about theirs).
 THIRD_PARTY_PRIVATES = {
     "_weight_name_mapping_mcore_local_to_global": "mbridge's Bridge method; compat/mbridge_fixes overrides it",
+    "_model_provider": "mbridge's Bridge method; compat/mbridge_vl overrides it",
+    "_weight_to_hf_format": "mbridge's Bridge method; compat/mbridge_vl overrides it",
 }
 
 

@@ -89,24 +89,10 @@ def check_images(layout) -> None:
 
 def _stream(inner, batch) -> Dict[str, torch.Tensor]:
     """``positions`` ``[3, sum T_i]`` and ``image_mask`` ``[sum T_i]`` of the micro-batch's packed
-    samples (module docstring)."""
-    tl, rl = batch.total_lengths.long(), batch.response_lengths.long()
-    num, longest = tl.numel(), int(tl.max())
-    cols = torch.arange(longest)
-    valid = cols[None, :] < tl[:, None]  # [S, L]
-    ids = torch.zeros(num, longest, dtype=torch.long)
-    ids[valid] = batch.tokens.long()
-    in_prompt = cols[None, :] < (tl - rl)[:, None]
-    # a response's image tokens are the ones a hook appended (loss mask 0); a sampled one is text
-    conditioned = torch.zeros(num, longest, dtype=torch.bool)
-    conditioned[valid & ~in_prompt] = batch.loss_mask == 0
-    image = (ids == inner.config.image_token_id) & (in_prompt | conditioned)
-    grid = batch.image_grid_thw if batch.image_grid_thw is not None and batch.image_grid_thw.numel() else None
-    if grid is None:
-        pos = cols.expand(3, num, longest).clone()
-    else:
-        pos, _ = inner.get_rope_index(ids, image.int(), image_grid_thw=grid, attention_mask=valid.long())
-    return {"positions": pos[:, valid], "image_mask": image[valid]}
+    samples (``models.vl_positions``, shared with the Megatron backend)."""
+    from rl_plugin.models.vl_positions import packed_positions
+
+    return packed_positions(inner, batch)
 
 
 def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:

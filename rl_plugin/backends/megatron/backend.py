@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rl_plugin.backends.base import TrainBackend
-from rl_plugin.backends.megatron import checkpoint, lora_export, lora_model, moe, pipeline_export, setup, step
+from rl_plugin.backends.megatron import checkpoint, lora_export, lora_model, moe, pipeline_export, setup, step, vision
 from rl_plugin.backends.megatron.bridge import export_hf, hf_specs, stream_hf
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.backends.megatron.compat.cpu_shim import apply_cpu_shim
@@ -106,6 +106,8 @@ class MegatronBackend(TrainBackend):
                 "parameter and has no adapters. Fix: the critic's TrainConfig (run.critic_train) with LoRA off"
             )
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
+        if vision.is_vl_checkpoint(hf_dir):
+            vision.check_vl_layout(config)
         if config.true_on_policy:
             setup.check_true_on_policy(config, hf_dir)
         if config.lora.enabled:
@@ -121,6 +123,7 @@ class MegatronBackend(TrainBackend):
             lora=config.lora,
             value_head=config.value_head,
             true_on_policy=config.true_on_policy,
+            freeze_vision_tower=config.freeze_vision_tower,
         )
         if config.lora.enabled and config.lora.lora_adapter_path:  # before the optimizer copies its main params
             lora_model.load_adapters(model, read_peft_adapters(config.lora.lora_adapter_path))

@@ -177,7 +177,7 @@ def output_weight(gpt) -> torch.Tensor:
 def fused_head_unsupported(model) -> Optional[str]:
     """Why the fused head cannot stand in for this model's output layer, or None (also on a
     pipeline stage without the output layer: only the last stage runs the head)."""
-    gpt = unwrap(model)
+    gpt = language_model(model)
     if not gpt.post_process:
         return None
     if getattr(gpt.output_layer, "bias", None) is not None:
@@ -222,19 +222,42 @@ def response_rows(
     return rows
 
 
+def language_model(model):
+    """The GPTModel of the model: ``unwrap(model)``, or a vision-language model's ``language_model``
+    (``vision.VLModel``: its head, final norm and config are the language model's)."""
+    core = unwrap(model)
+    return getattr(core, "language_model", None) or core
+
+
+def call_inputs(model, mb: MicroBatchInputs, qkv_format: str):
+    """``(input_ids, position_ids, packed_seq_params, kwargs)`` of the model call for ``mb``: the
+    ``model_inputs``, an MoE model's padding mask, and a vision-language model's images, image
+    places and 3-D positions (``vision.image_kwargs``, which replace the 1-D positions)."""
+    from rl_plugin.backends.megatron.vision import image_kwargs
+
+    gpt = language_model(model)
+    device = next(model.parameters()).device
+    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt), device=device)
+    kwargs = {k: v.to(device) for k, v in moe_padding_kwargs(gpt, mb, input_ids).items()}
+    images = image_kwargs(model, mb, device)
+    if images is not None:
+        position_ids = images.pop("position_ids")
+        kwargs.update(images)
+    return input_ids, position_ids, psp, kwargs
+
+
 def _response_hidden(model, mb: MicroBatchInputs, qkv_format: str, *, grad_summed_by_caller: bool):
     """``(rows [n, H], gpt)``: the final (normed) hidden states of the response rows
     (``response_rows``), fp32 under ``--bf16``. Without sequence parallelism the bf16 hidden
     states are indexed first and only the rows upcast (bitwise the same rows and gradients as
     the ``Float16Module``'s fp32 output, without its fp32 ``[s, b, H]`` copy); with it the fp32
     output is gathered as before (the gather's reduce-scatter stays in fp32)."""
-    gpt = unwrap(model)
-    device = next(model.parameters()).device
-    input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sequence_parallel_size(gpt), device=device)
+    gpt = language_model(model)
+    input_ids, position_ids, psp, kwargs = call_inputs(model, mb, qkv_format)
     sp = bool(gpt.config.sequence_parallel)
     early = not sp and half_precision_wrapped(model)
-    kwargs = {"fp32_output": False} if early else {}
-    kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(gpt, mb, input_ids).items()})
+    if early:
+        kwargs["fp32_output"] = False
     with hidden_states_only(gpt):
         hidden = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [s, b, h]
     rows = response_rows(
@@ -271,10 +294,9 @@ def response_logits(model, mb: MicroBatchInputs, *, qkv_format: str, fp32_lm_hea
     in the backward), ``benchmarks/megatron_bf16_logits.py``."""
     if not fp32_lm_head:
         device = next(model.parameters()).device
-        sp_size = sequence_parallel_size(unwrap(model))
-        input_ids, position_ids, psp = model_inputs(mb, qkv_format, sp_size=sp_size, device=device)
-        kwargs = {"fp32_output": False} if half_precision_wrapped(model) else {}
-        kwargs.update({k: v.to(device) for k, v in moe_padding_kwargs(unwrap(model), mb, input_ids).items()})
+        input_ids, position_ids, psp, kwargs = call_inputs(model, mb, qkv_format)
+        if half_precision_wrapped(model):
+            kwargs["fp32_output"] = False
         logits = model(input_ids, position_ids, None, packed_seq_params=psp, **kwargs)  # [b, s, V/tp]
         return logits.reshape(-1, logits.shape[-1])[padded_logit_index(mb, input_ids).to(device)]
     rows, gpt = _response_hidden(model, mb, qkv_format, grad_summed_by_caller=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl_plugin.backends.megatron import vision
 from rl_plugin.backends.megatron.bridge import build_gpt_chunks, make_bridge, transformer_engine_available
 from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.configs import ModelConfig
@@ -249,6 +250,7 @@ def build_model(
     lora=None,
     value_head: bool = False,
     true_on_policy: bool = False,
+    freeze_vision_tower: bool = False,
 ):
     """``(ddp_model, bridge)``: the GPTModel from ``hf_dir``, wrapped for training.
     ``routing_replay``: every MoE router gets megatron-core's ``RouterReplay``
@@ -260,7 +262,9 @@ def build_model(
     head before the weights load, the backbone loaded by mbridge, the head from ``hf_dir``'s
     ``score.weight`` if it has one (zeros otherwise), the bridge naming it ``score.weight``.
     ``true_on_policy``: the local layer spec, its modules swapped onto the op library after the
-    weights load (``invariant_spec.apply``)."""
+    weights load (``invariant_spec.apply``).
+    A vision-language checkpoint (``vision.is_vl_checkpoint``) is built by ``vision.py`` (mbridge's
+    Qwen2.5-VL on the local specs); ``freeze_vision_tower``: its vision tower out of training."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -275,15 +279,21 @@ def build_model(
     if routing_replay:
         overrides["moe_enable_routing_replay"] = True
     use_lora = lora is not None and lora.enabled
-    bridge = make_bridge(
-        hf_dir,
-        dtype=torch.bfloat16 if bf16 else torch.float32,
-        extra_config=overrides,
-        moe=cfg.moe,
-        use_te=False if use_lora or true_on_policy else None,
-    )
-    check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
-    chunks = build_gpt_chunks(bridge)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if vision.is_vl_checkpoint(hf_dir):
+        bridge = vision.make_vl_bridge(hf_dir, dtype=dtype, extra_config=overrides)
+        check_vocab(bridge.hf_config.text_config.vocab_size, cfg.tensor_model_parallel_size)
+        chunks = vision.build_vl_chunks(bridge)
+    else:
+        bridge = make_bridge(
+            hf_dir,
+            dtype=dtype,
+            extra_config=overrides,
+            moe=cfg.moe,
+            use_te=False if use_lora or true_on_policy else None,
+        )
+        check_vocab(bridge.hf_config.vocab_size, cfg.tensor_model_parallel_size)
+        chunks = build_gpt_chunks(bridge)
     if torch.cuda.is_available():
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
@@ -301,6 +311,8 @@ def build_model(
         from rl_plugin.backends.megatron import invariant_spec
 
         invariant_spec.apply(chunks)
+    if freeze_vision_tower:
+        vision.freeze_vision_tower(chunks)
     if use_lora:
         from rl_plugin.backends.megatron.lora_model import apply_lora
 

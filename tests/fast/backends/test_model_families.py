@@ -313,13 +313,20 @@ def test_megatron_refuses_a_family_mbridge_cannot_convert_before_ray(ckpts, tmp_
     assert "Fix: train it with --train-backend fsdp" in err
 
 
+def test_qwen2_5_vl_is_built_on_both_backends():
+    from rl_plugin.backends.model_families import unsupported_reason
+
+    config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]}
+    assert unsupported_reason(config, "megatron") is None and unsupported_reason(config, "fsdp") is None
+
+
 @pytest.mark.parametrize(
     "config, backend, fragment",
     [
         (
-            {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
+            {"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]},
             "megatron",
-            "no mbridge",
+            "of the vision-language bridges only qwen2_5_vl is used",
         ),
         ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "megatron", "no mbridge"),
         ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "megatron", "mixture-of-experts"),

@@ -12,7 +12,7 @@ KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 
 UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
-    ("--train-backend megatron", "use --train-backend fsdp"),
+    ("--train-backend megatron --pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", "whole on each rank"),
     ("--advantage-estimator ppo", "no VL value model is built"),
     ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
 ]
