@@ -118,6 +118,16 @@ class MultimodalConfig(Declared):
                 run.train.train_backend == "megatron" and run.train.model.pipeline_model_parallel_size > 1,
                 "--pipeline-model-parallel-size 1 (Megatron's vision tower runs whole on each rank)",
             ),
+            (
+                "--train-backend megatron with --lora-rank",
+                run.train.train_backend == "megatron" and run.train.lora.lora_rank > 0,
+                "--train-backend fsdp (LoRA with images is built there)",
+            ),
+            (
+                "--train-backend megatron with --sequence-parallel",
+                run.train.train_backend == "megatron" and run.train.model.sequence_parallel,
+                "no --sequence-parallel (Megatron's vision tower runs whole on each rank)",
+            ),
             ("--advantage-estimator ppo", run.critic.enabled, "a group estimator (no VL value model is built)"),
             (
                 "--true-on-policy-mode",
@@ -129,7 +139,7 @@ class MultimodalConfig(Declared):
             if on:
                 fail(
                     f"--multimodal-keys with {name}",
-                    "images reach the model only through the hf engine, the default generation and FSDP / Megatron "
-                    "full-model RL; this path would drop them",
+                    'images reach the model only on the paths built and tested (docs/design.md "Images"); '
+                    "this path would drop them",
                     f"use {fix}, or drop --multimodal-keys",
                 )

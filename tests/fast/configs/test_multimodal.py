@@ -13,6 +13,11 @@ KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 UNBUILT = [
     ("--rollout-engine vllm", "use --rollout-engine hf"),
     ("--train-backend megatron --pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", "whole on each rank"),
+    ("--train-backend megatron --lora-rank 8", "LoRA with images is built there"),
+    (
+        "--train-backend megatron --tensor-model-parallel-size 2 --sequence-parallel --actor-num-gpus-per-node 2",
+        "whole on each rank",
+    ),
     ("--advantage-estimator ppo", "no VL value model is built"),
     ("--true-on-policy-mode", "the invariant ops cover no vision tower"),
 ]
