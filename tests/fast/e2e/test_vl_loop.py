@@ -124,8 +124,10 @@ def _prompt_and_answer_nll(model, proc, record, base) -> tuple:
     return float(nll), stop - start, int(max(firsts, key=lambda t: float(logp[start - 1, t]))) == right
 
 
-def test_sft_on_image_conversations_learns_the_colour(ray_cluster, tmp_path):
-    """--loss-type sft_loss on the colour task with the answer in the data (DP2): the step-1 loss is
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_sft_on_image_conversations_learns_the_colour(ray_cluster, tmp_path, backend):
+    """--loss-type sft_loss on the colour task with the answer in the data (DP2), on both backends:
+    the step-1 loss is
     the token-mean NLL of the answers + <|im_end|> by transformers alone (the image tokens never
     trained), the loss falls, and the --save-hf model names held-out colours well above chance."""
     from rl_plugin.models.vl_processor import auto_model_class, load_vl_processor
@@ -134,7 +136,7 @@ def test_sft_on_image_conversations_learns_the_colour(ray_cluster, tmp_path):
     train, held_out = write_colour_sft_task(tmp_path / "task", num_train=64, num_eval=32, num_colours=2)
     out = tmp_path / "o"
     argv = [
-        *("--train-backend", "fsdp", "--hf-checkpoint", str(ray_cluster), "--loss-type", "sft_loss"),
+        *("--train-backend", backend, "--hf-checkpoint", str(ray_cluster), "--loss-type", "sft_loss"),
         *("--prompt-data", str(train), "--eval-prompt-data", str(held_out), *COLOUR_TASK_FLAGS[:3]),
         *("--rollout-batch-size", "16", "--global-batch-size", "16", "--micro-batch-size", "4"),
         *("--actor-num-gpus-per-node", "2", "--loss-aggregation", "token_mean", "--num-rollout", "12"),
