@@ -74,6 +74,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 
 from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.engines import vllm_images
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.rollout.engines.vllm_lora import VLLMAdapters, engine_kwargs
 from rl_plugin.routing.engines import refusal
@@ -114,6 +115,7 @@ class VLLMEngine(RolloutEngine):
             sleep_mode=config.colocation.colocate,
             lora_rank=config.lora_rank,
             lora_alpha=config.lora_alpha,
+            pixel_bounds=config.pixel_bounds,
         )
 
     def __init__(
@@ -129,17 +131,27 @@ class VLLMEngine(RolloutEngine):
         sleep_mode: bool = False,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
+        pixel_bounds: Optional[tuple] = None,
     ):
         engine_environment()
         from transformers import AutoConfig
+
+        from rl_plugin.models.vl_processor import is_vl_checkpoint
+
+        # a vision-language checkpoint: prompts may carry images (vllm_images)
+        self.vl = is_vl_checkpoint(checkpoint_dir)
+        if self.vl:
+            vllm_images.processors_without_torchvision()
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        cfg = AutoConfig.from_pretrained(str(checkpoint_dir))
+        full = AutoConfig.from_pretrained(str(checkpoint_dir))
+        cfg = full.get_text_config()  # a VL model: its language model's
+        self.image_token_id = getattr(full, "image_token_id", None)
         # prompt + response length the KV cache is sized for: the model's own limit unless capped
         max_len = max_model_len or getattr(cfg, "max_position_embeddings", None)
         self.vocab_size = int(cfg.vocab_size)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tied = bool(getattr(full, "tie_word_embeddings", False))
         self.eos = eos_token_ids(checkpoint_dir)
         # an in-process worker (one rank: VLLM_ENABLE_V1_MULTIPROCESSING=0) takes tensors where they
         # are; several ranks receive collective_rpc's arguments pickled, so those go through the host
@@ -149,9 +161,10 @@ class VLLMEngine(RolloutEngine):
         # build has none, and on a CPU the engine lives in host memory anyway: nothing to free)
         self.sleeps = bool(sleep_mode) and device != "cpu" and current_platform.is_sleep_mode_available()
         memory = {} if device == "cpu" else {"gpu_memory_utilization": float(gpu_memory_utilization)}
+        images = vllm_images.engine_kwargs(*(pixel_bounds or (None, None))) if self.vl else {}
         self.llm = LLM(
             model=str(checkpoint_dir),
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not self.vl,  # vLLM's multimodal processor needs the tokenizer
             dtype="float32" if device == "cpu" else "auto",
             tensor_parallel_size=int(tensor_parallel_size),
             seed=int(seed),
@@ -163,6 +176,7 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=self.sleeps,
             **memory,
             **(engine_kwargs(lora_rank) if lora_rank > 0 else {}),
+            **images,
         )
         # --lora-rank: vLLM's own LoRA, the adapter replaced by a new LoRARequest each sync (vllm_lora)
         self.lora = VLLMAdapters(lora_rank, lora_alpha) if lora_rank > 0 else None
@@ -181,7 +195,8 @@ class VLLMEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {first_sample + i} is empty: a prompt needs at least one token")
-        requests = [{"prompt_token_ids": list(p), "cache_salt": self.cache_salt} for p in prompts]
+        images = any(vllm_images.has_images(p) for p in prompts)
+        requests = [vllm_images.request(p, self.image_token_id, self.cache_salt) for p in prompts]
         sampling = [
             VSamplingParams(
                 temperature=params.temperature,
@@ -213,11 +228,18 @@ class VLLMEngine(RolloutEngine):
                 lora_of=(lambda: self.lora.current(self.llm)) if self.lora is not None else None,
                 salt_of=lambda: self.cache_salt,
                 on_done=(lambda idx, rs: done(idx, [generation(i, r) for i, r in zip(idx, rs)])) if done else None,
+                request_of=(
+                    (lambda i, so_far: vllm_images.request(prompts[i], self.image_token_id, self.cache_salt, so_far))
+                    if images
+                    else None
+                ),
             )
             return [generation(i, r) for i, r in enumerate(res)]
         outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
-        for p, out in zip(prompts, outs):
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            if images:  # the sample keeps our ids: vLLM's expansion must be them
+                vllm_images.check_expanded(first_sample + i, p, out.prompt_token_ids, self.image_token_id)
             c = out.outputs[0]
             ids = list(c.token_ids)
             logp = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
@@ -305,12 +327,31 @@ def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Ten
         head = getattr(model, "lm_head", None)
         if tied and head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
             out["lm_head.weight"] = _probe_linear(head, int(head.weight.shape[1])).to("cpu")
+    out = _checkpoint_names(model, out)
     for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
     if tied and "lm_head.weight" in out and not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
         out["model.embed_tokens.weight"] = out["lm_head.weight"]  # the head's copy is what the logits use
     if tied and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _checkpoint_names(model, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``weights`` under the names the trainer sends: vLLM's module prefixes mapped back through
+    the model's own ``hf_to_vllm_mapper`` (Qwen2.5-VL: ``language_model.model.`` ->
+    ``model.language_model.``, ``visual.`` -> ``model.visual.``, ``language_model.lm_head.`` ->
+    ``lm_head.``; where several checkpoint prefixes map to one, the first listed: transformers 5's)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    back: Dict[str, str] = {}
+    for orig, new in (getattr(mapper, "orig_to_new_prefix", None) or {}).items():
+        if new is not None:
+            back.setdefault(new, orig)
+    prefixes = sorted(back, key=len, reverse=True)  # the longest vLLM prefix wins
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in weights.items():
+        new = next((p for p in prefixes if name.startswith(p)), None)
+        out[name if new is None else back[new] + name[len(new) :]] = value
     return out
 
 
@@ -425,9 +466,10 @@ def _split_experts(module_name: str, pname: str, value: torch.Tensor, module) ->
 def _split_fused(
     module_name: str, pname: str, value: torch.Tensor, module, packed: Dict[str, Sequence[str]]
 ) -> Iterable:
-    """``(hf_name, tensor)`` pairs: a fused qkv/gate_up parameter split along its output dim."""
+    """``(hf_name, tensor)`` pairs: a fused qkv/gate_up parameter split along its output dim (not
+    one the checkpoint fuses too: Qwen2.5-VL's vision ``attn.qkv``)."""
     parent, _, leaf = module_name.rpartition(".")
-    if leaf in packed and hasattr(module, "output_partition_sizes"):
+    if leaf in packed and list(packed[leaf]) != [leaf] and hasattr(module, "output_partition_sizes"):
         sizes = list(module.output_partition_sizes)
         for sub, part in zip(packed[leaf], torch.split(value, sizes, dim=0)):
             yield f"{parent}.{sub}.{pname}", part
