@@ -104,7 +104,7 @@ class MultimodalConfig(Declared):
         any other would drop them silently, so it is refused."""
         cg = run.custom_generation
         unbuilt = (
-            ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
+            ("--rollout-engine sglang", run.rollout.engine.engine == "sglang", "--rollout-engine hf or vllm"),
             ("--train-backend megatron", run.train.train_backend == "megatron", "--train-backend fsdp"),
             ("--loss-type sft_loss", not run.mode.generates, "an RL loss (SFT on images is not built)"),
             ("--custom-generate-function-path", bool(cg.custom_generate_function_path), "the default generation"),
@@ -122,7 +122,7 @@ class MultimodalConfig(Declared):
             if on:
                 fail(
                     f"--multimodal-keys with {name}",
-                    "images reach the model only through the hf engine, the default generation and FSDP "
-                    "full-model RL; this path would drop them",
+                    "images reach the model only through the hf and vllm engines, the default generation and "
+                    "FSDP full-model RL; this path would drop them",
                     f"use {fix}, or drop --multimodal-keys",
                 )

@@ -11,7 +11,7 @@ from tests.support.flag_rules import assert_refused
 KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 
 UNBUILT = [
-    ("--rollout-engine vllm", "use --rollout-engine hf"),
+    ("--rollout-engine sglang", "use --rollout-engine hf or vllm"),
     ("--train-backend megatron", "use --train-backend fsdp"),
     ("--loss-type sft_loss", "SFT on images is not built"),
     ("--custom-generate-function-path tests.support.turn_hooks:two_turns", "use the default generation"),
@@ -68,3 +68,12 @@ def test_freeze_vision_tower_needs_images():
     )
     args = parse_args([*KEYS.split(), "--freeze-vision-tower"])
     assert run_config_of(args).train.freeze_vision_tower is True
+
+
+def test_vllm_takes_images_and_gets_the_runs_pixel_bounds():
+    """Issue 46: the vllm engine generates from images; vLLM's processor gets --min/--max-pixels."""
+    args = parse_args([*KEYS.split(), "--rollout-engine", "vllm", "--max-pixels", "12544"])
+    run = run_config_of(args)
+    run.rollout.multimodal.check(run)  # not refused
+    assert run.rollout.engine.pixel_bounds == (None, 12544)
+    assert run_config_of(parse_args(["--rollout-engine", "vllm"])).rollout.engine.pixel_bounds is None
