@@ -344,8 +344,8 @@ def _repack_experts(worker, prefixes: Sequence[str]) -> int:
     experts' own ``process_weights_after_loading``, where the CPU experts prepack ``w13`` / ``w2``
     into their grouped-GEMM layout, so the reloaded checkpoint-layout tensors would be read as
     packed ones (measured: the same weights reloaded changed the sampled log-probs). It is run
-    here. The checkpoint-layout tensors are kept (``_rl_raw``) with the packed result
-    (``_rl_packed``) for the read-back; returns the layers re-packed."""
+    here. The checkpoint-layout tensors are kept (``rl_plugin_raw``) with the packed result
+    (``rl_plugin_packed``) for the read-back; returns the layers re-packed."""
     done = 0
     for _, module in _expert_modules(worker.model_runner.model, set(prefixes)):
         kernel = getattr(module.quant_method, "moe_kernel", None)
@@ -358,8 +358,8 @@ def _repack_experts(worker, prefixes: Sequence[str]) -> int:
             raise NotImplementedError(
                 "weight sync into vLLM's CPU MoE kernel: it pads this layer's expert size, which the read-back cannot undo"
             )
-        module._rl_raw = raw
-        module._rl_packed = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
+        module.rl_plugin_raw = raw
+        module.rl_plugin_packed = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
         done += 1
     return done
 

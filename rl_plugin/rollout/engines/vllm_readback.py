@@ -33,7 +33,7 @@ def read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Tens
                 value = param.detach()
                 if pname == "weight" and value.numel() == 0 and hasattr(module, "cpu_linear"):
                     value = _probe_linear(module)
-                if pname in EXPERT_PARAMS and hasattr(module, "_rl_raw"):
+                if pname in EXPERT_PARAMS and hasattr(module, "rl_plugin_raw"):
                     value = _repacked_source(module, pname, value)
                 split = _split_experts if pname in EXPERT_PARAMS and hasattr(module, "ckpt_gate_proj_name") else None
                 parts = split(module_name, pname, value, module) if split else None
@@ -87,7 +87,7 @@ def _repacked_source(module, pname: str, live: torch.Tensor) -> torch.Tensor:
     from, if the live (packed) parameter is still exactly what that packing gave; else the live
     tensor, which then fails the comparison."""
     i = EXPERT_PARAMS.index(pname)
-    return module._rl_raw[i] if torch.equal(live, module._rl_packed[i]) else live
+    return module.rl_plugin_raw[i] if torch.equal(live, module.rl_plugin_packed[i]) else live
 
 
 def _split_experts(module_name: str, pname: str, value: torch.Tensor, module) -> List:
