@@ -8,6 +8,7 @@ One spawned vLLM engine (``test_engines._spawned``) returns what the tests check
 - log-probs: each response's are a transformers fp32 forward's with the prompt's own image and
   M-RoPE (``test_engines`` bounds), on VL samples and on text samples of the same lengths: the
   trainer/engine mismatch of both is of one order (measured: VL mean ~1e-6, text ~1e-6);
+- vLLM's prompt log-probs of a VL prompt (image tokens included) equal the forward's;
 - the image matters: a red and a grey image (same text, same seed) give other log-probs;
 - weight sync: every tensor, vision tower included, perturbed and sent in buckets under the
   trainer's names, reads back bitwise (``--check-weight-sync``'s fingerprints) and the engine then
@@ -58,6 +59,15 @@ def _worker(ckpt: str) -> dict:
     # text prompts of the same lengths (the image tokens replaced by ordinary ones)
     text = [[t if t != IMAGE else 97 for t in q] for q in (p["red"], p["red"], p["blue"])]
     out["text_gens"] = eng.generate(text, params, seed=1)
+    # vLLM's prompt log-probs (every prompt token, image tokens included) of a VL prompt
+    from vllm import SamplingParams as VSamplingParams
+
+    scored = eng.llm.generate(
+        [request(p["blue"], IMAGE, eng.cache_salt)],
+        VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+        use_tqdm=False,
+    )[0]
+    out["prompt_log_probs"] = [None] + [float(d[t].logprob) for d, t in zip(scored.prompt_logprobs[1:], p["blue"][1:])]
     try:  # our processor at other pixel bounds: 2 image tokens per image, vLLM's 6
         eng.generate([_prompts(ckpt, max_pixels=3136)["blue"]], params, seed=1)
         out["mismatch_error"] = None
@@ -129,6 +139,24 @@ def test_vl_log_probs_match_a_transformers_forward_as_text_ones_do(run, ckpt):
     assert float(text.max()) < MAX_BOUND
     # of one order: the image adds no mismatch of its own (measured mean ~1e-6 for both)
     assert float(vl.mean()) < 10 * float(text.mean()) + 1e-6, (float(vl.mean()), float(text.mean()))
+
+
+def test_vllms_prompt_log_probs_of_a_vl_prompt_match_a_transformers_forward(run, ckpt):
+    from rl_plugin.rollout.engines.hf_engine import HFEngine
+
+    blue = run["prompts"]["blue"]
+    model = HFEngine(ckpt).model
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([list(blue)]),
+            pixel_values=blue.pixel_values,
+            image_grid_thw=blue.image_grid_thw,
+            mm_token_type_ids=torch.tensor([blue.mm_token_type_ids]),
+        ).logits[0]
+    ids = torch.tensor(list(blue))
+    ref = logits[:-1].log_softmax(-1).gather(-1, ids[1:, None]).squeeze(-1)
+    got = torch.tensor(run["prompt_log_probs"][1:])
+    assert len(got) == len(blue) - 1 and float((got - ref).abs().max()) < MAX_BOUND, float((got - ref).abs().max())
 
 
 def test_the_image_changes_the_engines_log_probs(run, ckpt):
