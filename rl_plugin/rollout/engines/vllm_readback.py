@@ -10,7 +10,7 @@ Fused parameters are split back into the Hugging Face names by the layer's outpu
 MoE layer's ``w13_weight`` / ``w2_weight`` into one tensor per expert under the checkpoint's
 projection names), and the vocabulary padding of the embedding and LM head is cut off.
 Vision-language models: vLLM's module prefixes map back to the checkpoint's through the model's
-own ``hf_to_vllm_mapper`` (``_checkpoint_names``); the vision tower's ``attn.qkv`` is fused in the
+own ``hf_to_vllm_mapper`` (``checkpoint_names``); the vision tower's ``attn.qkv`` is fused in the
 checkpoint too and read as it is.
 """
 
@@ -42,7 +42,7 @@ def read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Tens
         head = getattr(model, "lm_head", None)
         if tied and head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
             out["lm_head.weight"] = _probe_linear(head, int(head.weight.shape[1])).to("cpu")
-    out = _checkpoint_names(model, out)
+    out = checkpoint_names(model, out)
     for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
     if tied and "lm_head.weight" in out and not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
@@ -52,7 +52,7 @@ def read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Tens
     return out
 
 
-def _checkpoint_names(model, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def checkpoint_names(model, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """``weights`` under the names the trainer sends: vLLM's module prefixes mapped back through
     the model's own ``hf_to_vllm_mapper`` (Qwen2.5-VL: ``language_model.model.`` ->
     ``model.language_model.``, ``visual.`` -> ``model.visual.``, ``language_model.lm_head.`` ->
