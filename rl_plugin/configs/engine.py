@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from rl_plugin.configs._checks import positive
 from rl_plugin.configs.colocation import ColocationConfig
@@ -90,6 +90,9 @@ class EngineConfig(Declared):
     record_routed_experts: bool = same_as(RoutingReplaySettings, "use_rollout_routing_replay")
     # true on-policy mode (issue 45): the hf engine computes and samples through rl_plugin.invariant
     true_on_policy: bool = runtime(False)  # no flag here: the run config sets it (--true-on-policy-mode)
+    # (--min-pixels, --max-pixels) of a run with images, None without: the run config sets it, and
+    # the vllm engine hands them to vLLM's image processor (rollout.engines.vllm_images)
+    pixel_bounds: Optional[Tuple[Optional[int], Optional[int]]] = runtime(None)
     debug_routing_flip: float = flag(
         "--debug-engine-routing-flip",
         type=float,

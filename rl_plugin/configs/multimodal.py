@@ -112,7 +112,7 @@ class MultimodalConfig(Declared):
         """Images reach the model only on the paths built and tested (docs/design.md "Images"):
         any other would drop them silently, so it is refused."""
         unbuilt = (
-            ("--rollout-engine " + run.rollout.engine.engine, run.rollout.engine.engine != "hf", "--rollout-engine hf"),
+            ("--rollout-engine sglang", run.rollout.engine.engine == "sglang", "--rollout-engine hf or vllm"),
             (
                 "--train-backend megatron at --pipeline-model-parallel-size > 1",
                 run.train.train_backend == "megatron" and run.train.model.pipeline_model_parallel_size > 1,

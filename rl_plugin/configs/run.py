@@ -100,7 +100,10 @@ class RunConfig(Declared):
         )
         on_policy = run.true_on_policy.mode  # --true-on-policy-mode: the backends' and the hf engine's field
         train = replace(run.train, loss=loss, true_on_policy=on_policy)
-        rollout = replace(run.rollout, engine=replace(run.rollout.engine, true_on_policy=on_policy))
+        mm = run.rollout.multimodal  # a run with images: its pixel bounds reach vLLM's processor
+        bounds = (mm.min_pixels, mm.max_pixels) if mm.image_key is not None else None
+        engine = replace(run.rollout.engine, true_on_policy=on_policy, pixel_bounds=bounds)
+        rollout = replace(run.rollout, engine=engine)
         sync = replace(run.sync, slots=2 if run.mode.generates_ahead else 1)
         return replace(run, train=train, rollout=rollout, sync=sync, ci=ci)
 

@@ -58,13 +58,18 @@ def load_vl_processor(checkpoint_dir, *, min_pixels: Optional[int] = None, max_p
     try:
         proc = AutoProcessor.from_pretrained(checkpoint_dir)
     except ImportError:  # no torchvision: the video processor cannot be built
-        proc = _processor_without_video(checkpoint_dir)
+        proc = processor_without_video(checkpoint_dir)
+    return with_pixel_bounds(proc, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def with_pixel_bounds(processor, *, min_pixels: Optional[int] = None, max_pixels: Optional[int] = None):
+    """``processor`` with its image processor's resize bounds set (None: the bound it has)."""
     if min_pixels is not None or max_pixels is not None:
-        low, high = pixel_bounds(proc)
+        low, high = pixel_bounds(processor)
         size = {"shortest_edge": low if min_pixels is None else min_pixels}
         size["longest_edge"] = high if max_pixels is None else max_pixels
-        proc.image_processor.size = type(proc.image_processor.size)(**size)
-    return proc
+        processor.image_processor.size = type(processor.image_processor.size)(**size)
+    return processor
 
 
 def pixel_bounds(processor) -> Tuple[int, int]:
@@ -73,7 +78,7 @@ def pixel_bounds(processor) -> Tuple[int, int]:
     return int(size["shortest_edge"]), int(size["longest_edge"])
 
 
-def _processor_without_video(checkpoint_dir):
+def processor_without_video(checkpoint_dir):
     """``Qwen2_5_VLProcessor`` (or Qwen2-VL's) built from its parts, no video processor.
 
     ``ProcessorMixin.__init__`` type-checks every attribute against classes that only exist with

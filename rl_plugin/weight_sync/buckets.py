@@ -2,7 +2,9 @@
 
 - A fused group (``FUSED_GROUPS``: q/k/v, gate/up of a layer; ``EXPERT``: all the experts of an
   MoE layer) always travels whole: vLLM repacks it into one parameter only once all its parts
-  arrived.
+  arrived. So does a layer's weight with its bias: vLLM's in-place reload processes a layer from
+  the parameters one call gave it, and a layer given its weight alone got an uninitialised bias
+  (measured: NaN in Qwen2.5-VL's vision ``attn.qkv`` after a sync that split the two).
 - ``plan_buckets`` cuts the tensors to send, in export order, into buckets of at most
   ``--update-weight-buffer-size`` bytes, a fused group whole (a group over the budget alone in its
   bucket). The peak an engine holds for one load is one bucket.
@@ -37,13 +39,16 @@ EXPERT = re.compile(r"^(.*\.experts)\.\d+\.\w+\.weight$")
 def fused_group(name: str) -> str:
     """The key of the group a tensor must travel with: ``model.layers.3.self_attn.qkv_proj`` for
     ``model.layers.3.self_attn.k_proj.bias``, ``model.layers.3.mlp.experts`` for any expert of
-    layer 3; the tensor's own name when it is not fused."""
+    layer 3, a layer's weight name for its bias (``visual.blocks.0.attn.proj.weight`` for
+    ``visual.blocks.0.attn.proj.bias``); the tensor's own name otherwise."""
     expert = EXPERT.match(name)
     if expert:
         return expert.group(1)
     parts = name.split(".")
     if len(parts) >= 3 and parts[-2] in FUSED_GROUPS:
         return ".".join(parts[:-2] + [FUSED_GROUPS[parts[-2]]])
+    if parts[-1] == "bias":  # a layer's bias travels with its weight
+        return ".".join(parts[:-1] + ["weight"])
     return name
 
 

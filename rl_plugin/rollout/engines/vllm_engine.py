@@ -46,15 +46,14 @@ LoRA (``--lora-rank``): vLLM's own adapters (``enable_lora``); a sync's adapter 
 new ``LoRARequest`` that every generate passes, the base weights stay the checkpoint's
 (``vllm_lora``).
 
-Read-back for ``--check-weight-sync``. Plain parameters are read as they are. vLLM's CPU build
-repacks linear weights into an opaque GEMM handle (the parameter becomes empty); those are read
-through the layer's own kernel as ``linear(I) = I W^T = W^T``, which is bitwise exact in fp32/bf16
-(each output is one product ``w * 1`` plus exact zeros; only a stored ``-0.0`` reads as ``+0.0``).
-A tied LM head is read through its kernel too: where its packed copy differs from the embedding,
-that copy is reported as the embedding (what the logits use), so the check fails on it.
-Fused parameters are split back into the Hugging Face names by the layer's output sizes (a fused
-MoE layer's ``w13_weight`` / ``w2_weight`` into one tensor per expert under the checkpoint's
-projection names), and the vocabulary padding of the embedding and LM head is cut off.
+Read-back for ``--check-weight-sync``: ``vllm_readback``.
+
+Images (a Qwen2-VL / Qwen2.5-VL checkpoint): the request, the processor and the check that vLLM's
+expansion of the image tokens is ours are ``vllm_images``. vLLM caches each image's vision-tower
+output by the image's hash, across requests: a load resets that cache (``reload_weights`` empties
+the worker's, ``reset_encoder_cache`` the scheduler's record of it), so no request after a sync
+uses an image embedding of the old vision weights (measured without it: vLLM's "Encoder cache
+miss" on the next request with an image it had seen).
 
 MoE on vLLM's CPU build. Its experts kernel prepacks ``w13`` / ``w2`` into a grouped-GEMM layout
 when the model loads, and vLLM's in-place reload skips that step (``_repack_experts``): a synced
@@ -69,13 +68,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from rl_plugin.configs import EngineConfig
+from rl_plugin.rollout.engines import vllm_images
 from rl_plugin.rollout.engines.base import Generation, RolloutEngine, SamplingParams, eos_token_ids, require_package
 from rl_plugin.rollout.engines.vllm_lora import VLLMAdapters, engine_kwargs
+from rl_plugin.rollout.engines.vllm_readback import read_hf_weights
 from rl_plugin.routing.engines import refusal
 from rl_plugin.weight_sync.buckets import EXPERT
 
@@ -114,6 +115,7 @@ class VLLMEngine(RolloutEngine):
             sleep_mode=config.colocation.colocate,
             lora_rank=config.lora_rank,
             lora_alpha=config.lora_alpha,
+            pixel_bounds=config.pixel_bounds,
         )
 
     def __init__(
@@ -129,17 +131,27 @@ class VLLMEngine(RolloutEngine):
         sleep_mode: bool = False,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
+        pixel_bounds: Optional[tuple] = None,
     ):
         engine_environment()
         from transformers import AutoConfig
+
+        from rl_plugin.models.vl_processor import is_vl_checkpoint
+
+        # a vision-language checkpoint: prompts may carry images (vllm_images)
+        self.vl = is_vl_checkpoint(checkpoint_dir)
+        if self.vl:
+            vllm_images.processors_without_torchvision()
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        cfg = AutoConfig.from_pretrained(str(checkpoint_dir))
+        full = AutoConfig.from_pretrained(str(checkpoint_dir))
+        cfg = full.get_text_config()  # a VL model: its language model's
+        self.image_token_id = getattr(full, "image_token_id", None)
         # prompt + response length the KV cache is sized for: the model's own limit unless capped
         max_len = max_model_len or getattr(cfg, "max_position_embeddings", None)
         self.vocab_size = int(cfg.vocab_size)
-        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tied = bool(getattr(full, "tie_word_embeddings", False))
         self.eos = eos_token_ids(checkpoint_dir)
         # an in-process worker (one rank: VLLM_ENABLE_V1_MULTIPROCESSING=0) takes tensors where they
         # are; several ranks receive collective_rpc's arguments pickled, so those go through the host
@@ -149,9 +161,10 @@ class VLLMEngine(RolloutEngine):
         # build has none, and on a CPU the engine lives in host memory anyway: nothing to free)
         self.sleeps = bool(sleep_mode) and device != "cpu" and current_platform.is_sleep_mode_available()
         memory = {} if device == "cpu" else {"gpu_memory_utilization": float(gpu_memory_utilization)}
+        images = vllm_images.engine_kwargs(*(pixel_bounds or (None, None))) if self.vl else {}
         self.llm = LLM(
             model=str(checkpoint_dir),
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not self.vl,  # vLLM's multimodal processor needs the tokenizer
             dtype="float32" if device == "cpu" else "auto",
             tensor_parallel_size=int(tensor_parallel_size),
             seed=int(seed),
@@ -163,6 +176,7 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=self.sleeps,
             **memory,
             **(engine_kwargs(lora_rank) if lora_rank > 0 else {}),
+            **images,
         )
         # --lora-rank: vLLM's own LoRA, the adapter replaced by a new LoRARequest each sync (vllm_lora)
         self.lora = VLLMAdapters(lora_rank, lora_alpha) if lora_rank > 0 else None
@@ -181,7 +195,8 @@ class VLLMEngine(RolloutEngine):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {first_sample + i} is empty: a prompt needs at least one token")
-        requests = [{"prompt_token_ids": list(p), "cache_salt": self.cache_salt} for p in prompts]
+        images = any(vllm_images.has_images(p) for p in prompts)
+        requests = [vllm_images.request(p, self.image_token_id, self.cache_salt) for p in prompts]
         sampling = [
             VSamplingParams(
                 temperature=params.temperature,
@@ -213,11 +228,18 @@ class VLLMEngine(RolloutEngine):
                 lora_of=(lambda: self.lora.current(self.llm)) if self.lora is not None else None,
                 salt_of=lambda: self.cache_salt,
                 on_done=(lambda idx, rs: done(idx, [generation(i, r) for i, r in zip(idx, rs)])) if done else None,
+                request_of=(
+                    (lambda i, so_far: vllm_images.request(prompts[i], self.image_token_id, self.cache_salt, so_far))
+                    if images
+                    else None
+                ),
             )
             return [generation(i, r) for i, r in enumerate(res)]
         outs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=lora_request)
         gens = []
-        for p, out in zip(prompts, outs):
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            if images:  # the sample keeps our ids: vLLM's expansion must be them
+                vllm_images.check_expanded(first_sample + i, p, out.prompt_token_ids, self.image_token_id)
             c = out.outputs[0]
             ids = list(c.token_ids)
             logp = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
@@ -245,6 +267,8 @@ class VLLMEngine(RolloutEngine):
         expert_layers = sorted({m.group(1) for m in (EXPERT.match(name) for name, _ in items) if m})
         if expert_layers:
             self.llm.collective_rpc(_repack_experts, args=(expert_layers,))
+        if self.vl:  # the reload dropped the worker's vision outputs; the scheduler must forget them too
+            self.llm.llm_engine.reset_encoder_cache()
         self._drop_prefix_cache()
 
     def _drop_prefix_cache(self) -> None:
@@ -275,43 +299,13 @@ class VLLMEngine(RolloutEngine):
         if self.lora is not None:  # what a LoRA sync carries: the adapters, read back from the LoRA layers
             self.lora.current(self.llm)
             return self.lora.read_back(self.llm)
-        shards = self.llm.collective_rpc(_read_hf_weights, args=(self.vocab_size, self.tied))
+        shards = self.llm.collective_rpc(read_hf_weights, args=(self.vocab_size, self.tied))
         if len(shards) != 1:
             raise NotImplementedError(
                 f"--check-weight-sync with a vLLM engine of {len(shards)} tensor-parallel ranks: the read-back joins "
                 "no TP shards yet; check with --rollout-num-gpus-per-engine 1"
             )
         return shards[0]
-
-
-def _read_hf_weights(worker, vocab_size: int, tied: bool) -> Dict[str, torch.Tensor]:
-    """Runs inside a vLLM worker: the model's weights under their Hugging Face names (see the
-    module docstring for packed CPU linears and fused parameters)."""
-    model = worker.model_runner.model
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    out: Dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for module_name, module in model.named_modules():
-            for pname, param in module.named_parameters(recurse=False):
-                value = param.detach()
-                if pname == "weight" and value.numel() == 0 and hasattr(module, "cpu_linear"):
-                    value = _probe_linear(module)
-                if pname in EXPERT_PARAMS and hasattr(module, "_rl_raw"):
-                    value = _repacked_source(module, pname, value)
-                split = _split_experts if pname in EXPERT_PARAMS and hasattr(module, "ckpt_gate_proj_name") else None
-                parts = split(module_name, pname, value, module) if split else None
-                for name, part in parts or _split_fused(module_name, pname, value, module, packed):
-                    out[name] = part.to("cpu").clone()
-        head = getattr(model, "lm_head", None)
-        if tied and head is not None and hasattr(head, "cpu_linear") and head.weight.numel() > 0:
-            out["lm_head.weight"] = _probe_linear(head, int(head.weight.shape[1])).to("cpu")
-    for name in [n for n in out if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
-        out[name] = out[name][:vocab_size]  # vLLM pads the vocabulary
-    if tied and "lm_head.weight" in out and not torch.equal(out["lm_head.weight"], out["model.embed_tokens.weight"]):
-        out["model.embed_tokens.weight"] = out["lm_head.weight"]  # the head's copy is what the logits use
-    if tied and "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
 
 
 def _expert_modules(model, prefixes: Optional[Sequence[str]] = None):
@@ -350,8 +344,8 @@ def _repack_experts(worker, prefixes: Sequence[str]) -> int:
     experts' own ``process_weights_after_loading``, where the CPU experts prepack ``w13`` / ``w2``
     into their grouped-GEMM layout, so the reloaded checkpoint-layout tensors would be read as
     packed ones (measured: the same weights reloaded changed the sampled log-probs). It is run
-    here. The checkpoint-layout tensors are kept (``_rl_raw``) with the packed result
-    (``_rl_packed``) for the read-back; returns the layers re-packed."""
+    here. The checkpoint-layout tensors are kept (``rl_plugin_raw``) with the packed result
+    (``rl_plugin_packed``) for the read-back; returns the layers re-packed."""
     done = 0
     for _, module in _expert_modules(worker.model_runner.model, set(prefixes)):
         kernel = getattr(module.quant_method, "moe_kernel", None)
@@ -364,8 +358,8 @@ def _repack_experts(worker, prefixes: Sequence[str]) -> int:
             raise NotImplementedError(
                 "weight sync into vLLM's CPU MoE kernel: it pads this layer's expert size, which the read-back cannot undo"
             )
-        module._rl_raw = raw
-        module._rl_packed = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
+        module.rl_plugin_raw = raw
+        module.rl_plugin_packed = (module.w13_weight.detach().clone(), module.w2_weight.detach().clone())
         done += 1
     return done
 
@@ -381,55 +375,3 @@ def _repack_shared(worker) -> int:
     for module in shared:
         module.quant_method.process_weights_after_loading(module)
     return len(shared)
-
-
-def _probe_linear(module, k: Optional[int] = None) -> torch.Tensor:
-    """W of a linear whose weight vLLM's CPU build repacked: ``cpu_linear(I) = I W^T`` (exact);
-    ``k``: the input size (default the layer's ``input_size_per_partition``)."""
-    if k is None:  # a replicated linear (an MoE router's GateLinear) has no per-partition size
-        k = int(getattr(module, "input_size_per_partition", None) or module.input_size)
-    eye = torch.eye(k, dtype=module.weight.dtype if module.weight.numel() else module.params_dtype)
-    return module.cpu_linear(eye, module.weight, None).t().contiguous()
-
-
-EXPERT_PARAMS = ("w13_weight", "w2_weight")  # vLLM's fused MoE experts: [E, 2I, H] (gate; up), [E, H, I]
-
-
-def _repacked_source(module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    """The checkpoint-layout tensor a re-packed expert parameter (``_repack_experts``) was packed
-    from, if the live (packed) parameter is still exactly what that packing gave; else the live
-    tensor, which then fails the comparison."""
-    i = EXPERT_PARAMS.index(pname)
-    return module._rl_raw[i] if torch.equal(live, module._rl_packed[i]) else live
-
-
-def _split_experts(module_name: str, pname: str, value: torch.Tensor, module) -> List:
-    """A fused MoE expert parameter as the checkpoint's one tensor per expert
-    (``<block>.experts.{e}.<proj>.weight``, the projection names the layer loaded them under)."""
-    if int(module.local_num_experts) != int(module.global_num_experts):
-        raise NotImplementedError(
-            "--check-weight-sync with an expert-parallel vLLM engine: the read-back gathers no expert shards"
-        )
-    prefix = module_name[: -len(".routed_experts")] if module_name.endswith(".routed_experts") else module_name
-    out = []
-    for e in range(value.shape[0]):
-        if pname == "w2_weight":
-            out.append((f"{prefix}.{e}.{module.ckpt_down_proj_name}.weight", value[e]))
-        else:
-            gate, up = value[e].chunk(2, dim=0)
-            out.append((f"{prefix}.{e}.{module.ckpt_gate_proj_name}.weight", gate))
-            out.append((f"{prefix}.{e}.{module.ckpt_up_proj_name}.weight", up))
-    return out
-
-
-def _split_fused(
-    module_name: str, pname: str, value: torch.Tensor, module, packed: Dict[str, Sequence[str]]
-) -> Iterable:
-    """``(hf_name, tensor)`` pairs: a fused qkv/gate_up parameter split along its output dim."""
-    parent, _, leaf = module_name.rpartition(".")
-    if leaf in packed and hasattr(module, "output_partition_sizes"):
-        sizes = list(module.output_partition_sizes)
-        for sub, part in zip(packed[leaf], torch.split(value, sizes, dim=0)):
-            yield f"{parent}.{sub}.{pname}", part
-    else:
-        yield f"{module_name}.{pname}", value

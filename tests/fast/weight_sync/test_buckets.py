@@ -22,6 +22,11 @@ def test_fused_group_keys():
     assert fused_group("model.layers.2.mlp.experts.7.down_proj.weight") == "model.layers.2.mlp.experts"
     assert fused_group("model.layers.3.self_attn.o_proj.weight") == "model.layers.3.self_attn.o_proj.weight"
     assert fused_group("lm_head.weight") == "lm_head.weight"
+    # a bias with its layer's weight (vLLM reloads a layer from one call's tensors: issue 46)
+    assert fused_group("model.visual.blocks.0.attn.qkv.bias") == "model.visual.blocks.0.attn.qkv.weight"
+    names = ["v.proj.weight", "v.norm.weight", "v.proj.bias"]
+    assert whole_groups(["v.proj.weight"], names) == ["v.proj.weight", "v.proj.bias"]
+    assert plan_buckets({n: 4 for n in names}, 4) == [["v.proj.weight", "v.proj.bias"], ["v.norm.weight"]]
 
 
 def test_whole_groups_widen_to_the_group_in_export_order():
