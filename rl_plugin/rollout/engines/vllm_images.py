@@ -48,6 +48,16 @@ def engine_kwargs(min_pixels: Optional[int], max_pixels: Optional[int]) -> Dict:
 def collapsed_ids(prompt, image_token_id: int) -> List[int]:
     """``prompt``'s ids with each image's run of ``image_token_id`` collapsed to one token (what
     vLLM's processor expands); the runs must be one per image."""
+    places = getattr(prompt, "mm_token_type_ids", None)
+    if places is not None:
+        stray = [j for j, (t, m) in enumerate(zip(prompt, places)) if t == image_token_id and not m]
+        if stray:
+            raise ValueError(
+                f"the prompt holds an image token the model sampled (position {stray[0]}, not an image's place; "
+                f"{len(stray)} in all), and vLLM expands every image token of a prompt as an image's placeholder, so "
+                "this history cannot be sent to vLLM. Fix: use --rollout-engine hf for multi-turn hooks whose turns "
+                "may sample the image token (it treats a sampled one as text), or end the sample at that turn"
+            )
     out: List[int] = []
     runs = 0
     for t in prompt:

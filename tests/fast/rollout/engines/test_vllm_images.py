@@ -205,3 +205,20 @@ def test_engine_kwargs_carry_the_runs_pixel_bounds():
     assert engine_kwargs(None, 3136)["mm_processor_kwargs"] == {"max_pixels": 3136}
     assert "mm_processor_kwargs" not in engine_kwargs(None, None)
     assert engine_kwargs(1, 2)["limit_mm_per_prompt"]["video"] == 0
+
+
+def test_a_sampled_image_token_in_the_history_is_refused_by_name(ckpt):
+    """A multi-turn history whose earlier turn sampled the image token (text for the hf engine and
+    the trainer, ``rollout.vl_turns``) cannot go to vLLM, which expands every image token as a
+    placeholder: refused naming the position and the fix, not a count mismatch."""
+    from rl_plugin.rollout.data.vl_prompt import ImagePrompt
+
+    blue = _prompts(ckpt)["blue"]
+    ids = list(blue) + [IMAGE]  # a response token the model sampled
+    places = list(blue.mm_token_type_ids) + [0]
+    turn2 = ImagePrompt(ids, blue.pixel_values, blue.image_grid_thw, blue.images, IMAGE, places)
+    with pytest.raises(
+        ValueError, match=f"image token the model sampled \\(position {len(blue)}, not an image's place"
+    ):
+        collapsed_ids(turn2, IMAGE)
+    assert collapsed_ids(ImagePrompt(ids[:-1], blue.pixel_values, blue.image_grid_thw, blue.images, IMAGE), IMAGE)
