@@ -26,7 +26,7 @@ RUNTIME_ONLY = {
     TrainConfig: {"value_head", "true_on_policy"},
     next(c for c in CONFIGS if c.__name__ == "LossConfig"): {"is_sft", "report_worst_token", "report_actor_ref"},
     next(c for c in CONFIGS if c.__name__ == "CiChecks"): {"actor_ref_tolerance"},
-    EngineConfig: {"true_on_policy"},
+    EngineConfig: {"true_on_policy", "pixel_bounds"},  # pixel_bounds: --min/--max-pixels for vLLM (issue 46)
 }
 
 
