@@ -4,7 +4,8 @@
 # learns to name the colour of a solid image (`rl_plugin.rollout.data.vl_task`): every prompt has
 # the same text, only the image tells the label, so a reward above chance (1 / NUM_COLOURS) proves
 # the pixels reach the engine and the trainer. FSDP + the hf engine; ~2.5 min for 40 rollouts
-# (docs/benchmarks.md "Vision-language RL"). `--rollout-engine vllm` runs it on vLLM (~1 min).
+# (docs/benchmarks.md "Vision-language RL"). `--rollout-engine vllm` runs it on vLLM (~1 min),
+# `--train-backend megatron` trains it on Megatron (mbridge's Qwen2.5-VL on local specs).
 #
 # NUM_COLOURS=2..4; extra arguments go to rl-plugin-train. PREPARE=0 skips building the model and
 # the data (tests/fast/cli/test_examples.py checks the flags this way).
