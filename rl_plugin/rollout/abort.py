@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Awaitable, Iterator, Optional, Set, Tuple
+from typing import Any, Awaitable, Dict, Iterator, Optional, Tuple
 
 _requested = threading.Event()
 _lock = threading.Lock()
-_running: Set[Tuple[asyncio.AbstractEventLoop, "asyncio.Task[Any]"]] = set()
+# each task ``run`` started, with its name: what ``request`` reports having cancelled
+_running: Dict[Tuple[asyncio.AbstractEventLoop, "asyncio.Task[Any]"], str] = {}
 _phase: Optional[str] = None
 
 
@@ -43,13 +44,15 @@ def check() -> None:
 
 
 def request() -> Optional[str]:
-    """Abort what runs now (module docstring); returns what was running (None: nothing)."""
+    """Abort what runs now (module docstring); returns what was running (None: nothing): the
+    innermost ``phase``, else the name of a task ``run`` started (``_phase`` is module-wide: another
+    thread leaving its own ``phase`` may have reset it while the task runs)."""
     _requested.set()
     with _lock:
-        running = list(_running)
-    for loop, task in running:
+        running = list(_running.items())
+    for (loop, task), _ in running:
         loop.call_soon_threadsafe(task.cancel)
-    return _phase
+    return _phase or (running[0][1] if running else None)
 
 
 @contextlib.contextmanager
@@ -71,7 +74,7 @@ def run(coro: Awaitable[Any], what: str) -> Any:
     async def main():
         key = (asyncio.get_running_loop(), asyncio.current_task())
         with _lock:
-            _running.add(key)
+            _running[key] = what
         try:
             check()  # requested before the loop started: cancel_threadsafe would have missed it
             return await coro
@@ -81,7 +84,7 @@ def run(coro: Awaitable[Any], what: str) -> Any:
             raise
         finally:
             with _lock:
-                _running.discard(key)
+                _running.pop(key, None)
 
     try:
         with phase(what):  # raises at once when an abort was requested before this call

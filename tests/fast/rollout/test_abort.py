@@ -19,7 +19,7 @@ from rl_plugin.rollout import abort
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(abort, "_requested", threading.Event())
-    monkeypatch.setattr(abort, "_running", set())
+    monkeypatch.setattr(abort, "_running", {})
     monkeypatch.setattr(abort, "_phase", None)
 
 
@@ -102,3 +102,27 @@ def test_a_cancellation_without_a_request_stays_a_cancellation():
     with pytest.raises(asyncio.CancelledError):
         abort.run(cancelled(), "the reward")
     assert not abort.requested()
+
+
+def test_a_running_task_is_named_even_when_another_thread_left_its_phase():
+    """``_phase`` is module-wide: a thread leaving its own ``phase`` restores its earlier name while
+    this task runs (seen in the full suite: ``request`` returned None). The running task's own
+    name is what ``request`` reports."""
+    started = threading.Event()
+    answer = {}
+
+    async def stuck():
+        started.set()
+        await asyncio.Event().wait()
+
+    def requester():
+        started.wait(10)
+        abort._phase = None  # what another thread's `with phase(...)` exit does to the global
+        answer["phase"] = abort.request()
+
+    t = threading.Thread(target=requester)
+    t.start()
+    with pytest.raises(abort.GenerationAborted):
+        abort.run(stuck(), "the generate hooks")
+    t.join(10)
+    assert answer["phase"] == "the generate hooks"
