@@ -16,11 +16,18 @@ import torch
 from rl_plugin.cp import segment_ids
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``[total, total]`` bool, True where attention IS allowed, on ``cu_seqlens``' device.
-    ``total`` (the packed row's length) must equal ``cu_seqlens[-1]``."""
+def block_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total, total]`` bool, True where both tokens lie in the same packed sample (no causality:
+    the vision tower's bidirectional windows), on ``cu_seqlens``' device. ``total`` (the packed
+    row's length) must equal ``cu_seqlens[-1]``."""
     seg = segment_ids(cu_seqlens[1:] - cu_seqlens[:-1])
     if seg.numel() != total:
-        raise ValueError(f"block_causal_mask: the packed row has {total} tokens but cu_seqlens covers {seg.numel()}")
-    pos = torch.arange(total, device=seg.device)
-    return (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+        raise ValueError(f"block mask: the packed row has {total} tokens but cu_seqlens covers {seg.numel()}")
+    return seg[:, None] == seg[None, :]
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total, total]`` bool, True where attention IS allowed, on ``cu_seqlens``' device:
+    ``block_mask`` and ``b <= a``."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    return block_mask(cu_seqlens, total) & (pos[None, :] <= pos[:, None])

@@ -58,6 +58,8 @@ from typing import Optional
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from rl_plugin.backends.attention_mask import block_mask
+
 
 class VarlenFullAttention(DotProductAttention):
     """The local core attention for the vision tower: a packed (``thd``) stream ``[t, heads, dim]``
@@ -73,8 +75,7 @@ class VarlenFullAttention(DotProductAttention):
             )
         cu = packed_seq_params.cu_seqlens_q.to(query.device).long()
         t = query.shape[0]
-        segment = torch.searchsorted(cu[1:], torch.arange(t, device=query.device), right=True)
-        mask = (segment[:, None] != segment[None, :]).view(1, 1, t, t)  # True = masked out
+        mask = (~block_mask(cu, t)).view(1, 1, t, t)  # True = masked out (megatron's convention)
         out = super().forward(
             query.unsqueeze(1),
             key.unsqueeze(1),
