@@ -43,6 +43,8 @@ from typing import Dict, Optional
 
 import torch
 
+from rl_plugin.models.vl_positions import packed_positions
+
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its vision module (or None)
 
 
@@ -87,14 +89,6 @@ def check_images(layout) -> None:
         )
 
 
-def _stream(inner, batch) -> Dict[str, torch.Tensor]:
-    """``positions`` ``[3, sum T_i]`` and ``image_mask`` ``[sum T_i]`` of the micro-batch's packed
-    samples (``models.vl_positions``, shared with the Megatron backend)."""
-    from rl_plugin.models.vl_positions import packed_positions
-
-    return packed_positions(inner, batch)
-
-
 def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:
     """The micro-batch's vision inputs (module docstring), or None for a text model."""
     inner = vision_model(model)
@@ -109,7 +103,7 @@ def image_inputs(model, mb) -> Optional[Dict[str, torch.Tensor]]:
         images = {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}
     if layout.num_samples == 0:
         return images
-    stream = _stream(inner, batch)
+    stream = packed_positions(inner, batch)  # [3, sum T_i], [sum T_i]: shared with the Megatron backend
     index, pad = layout.input_index.clamp(min=0), layout.input_index < 0
     shape = mb.input_ids.shape
     positions = stream["positions"][:, index].masked_fill(pad, 0).view(3, *shape)

@@ -42,6 +42,7 @@ from rl_plugin.backends.megatron.forward import fused_head_unsupported, unwrap
 from rl_plugin.configs import ModelConfig, TrainConfig
 from rl_plugin.loss import ForwardOptions, StepRunner
 from rl_plugin.models.tiny import default_tiny_checkpoint
+from rl_plugin.models.vl_processor import has_vision_config
 from rl_plugin.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class MegatronBackend(TrainBackend):
                 "parameter and has no adapters. Fix: the critic's TrainConfig (run.critic_train) with LoRA off"
             )
         hf_dir = m.hf_checkpoint or default_tiny_checkpoint()
-        if vision.is_vl_checkpoint(hf_dir):
+        if has_vision_config(hf_dir):
             vision.check_vl_layout(config)
         if config.true_on_policy:
             setup.check_true_on_policy(config, hf_dir)

@@ -28,6 +28,7 @@ from rl_plugin.backends.megatron.chunks import ModelChunks, chunks_of
 from rl_plugin.configs import ModelConfig
 from rl_plugin.configs import OptimizerConfig as RLOptimizerConfig
 from rl_plugin.models.experts import checkpoint_num_experts
+from rl_plugin.models.vl_processor import has_vision_config
 from rl_plugin.parallel import ParallelState, cpu_group, virtual_pipeline_size
 
 # TransformerConfig overrides on every device (the CPU-only ones, fusions off, are
@@ -263,7 +264,7 @@ def build_model(
     ``score.weight`` if it has one (zeros otherwise), the bridge naming it ``score.weight``.
     ``true_on_policy``: the local layer spec, its modules swapped onto the op library after the
     weights load (``invariant_spec.apply``).
-    A vision-language checkpoint (``vision.is_vl_checkpoint``) is built by ``vision.py`` (mbridge's
+    A vision-language checkpoint (``models.vl_processor.has_vision_config``) is built by ``vision.py`` (mbridge's
     Qwen2.5-VL on the local specs); ``freeze_vision_tower``: its vision tower out of training."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
@@ -280,7 +281,7 @@ def build_model(
         overrides["moe_enable_routing_replay"] = True
     use_lora = lora is not None and lora.enabled
     dtype = torch.bfloat16 if bf16 else torch.float32
-    if vision.is_vl_checkpoint(hf_dir):
+    if has_vision_config(hf_dir):
         bridge = vision.make_vl_bridge(hf_dir, dtype=dtype, extra_config=overrides)
         check_vocab(bridge.hf_config.text_config.vocab_size, cfg.tensor_model_parallel_size)
         chunks = vision.build_vl_chunks(bridge)

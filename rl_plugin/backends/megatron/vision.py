@@ -83,13 +83,6 @@ class VLModel(Qwen2_5VLModel):
         )
 
 
-def is_vl_checkpoint(hf_dir: str) -> bool:
-    """Whether ``hf_dir`` is a vision-language checkpoint (its config has a ``vision_config``)."""
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(hf_dir), "vision_config", None) is not None
-
-
 def check_vl_layout(config) -> None:
     """The layouts ``build_vl_model`` does not run (module docstring), refused with the fix."""
     m = config.model
