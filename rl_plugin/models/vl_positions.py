@@ -42,6 +42,13 @@ class RopeIndex:
         return self._model_class.get_vision_position_ids(self, *args, **kwargs)
 
 
+def image_places(ids: torch.Tensor, image_token_id: int, trained_response: torch.Tensor) -> torch.Tensor:
+    """Which ids are image tokens, the one rule the engines and both trainers share: an image pad
+    (``image_token_id``) except where the model sampled it (``trained_response``: a response token
+    with a nonzero loss mask). Any shape, elementwise; bool."""
+    return (ids == int(image_token_id)) & ~trained_response
+
+
 def packed_positions(rope, batch) -> Dict[str, torch.Tensor]:
     """``positions`` ``[3, sum T_i]`` and ``image_mask`` ``[sum T_i]`` (module docstring)."""
     tl, rl = batch.total_lengths.long(), batch.response_lengths.long()
@@ -51,10 +58,9 @@ def packed_positions(rope, batch) -> Dict[str, torch.Tensor]:
     ids = torch.zeros(num, longest, dtype=torch.long)
     ids[valid] = batch.tokens.long()
     in_prompt = cols[None, :] < (tl - rl)[:, None]
-    # a response's image tokens are the ones a hook appended (loss mask 0); a sampled one is text
-    conditioned = torch.zeros(num, longest, dtype=torch.bool)
-    conditioned[valid & ~in_prompt] = batch.loss_mask == 0
-    image = (ids == rope.config.image_token_id) & (in_prompt | conditioned)
+    trained = torch.zeros(num, longest, dtype=torch.bool)  # a response's image pad the model sampled is text
+    trained[valid & ~in_prompt] = batch.loss_mask != 0
+    image = image_places(ids, rope.config.image_token_id, trained)
     grid = batch.image_grid_thw if batch.image_grid_thw is not None and batch.image_grid_thw.numel() else None
     if grid is None:
         pos = cols.expand(3, num, longest).clone()

@@ -33,6 +33,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from rl_plugin.models.vl_positions import image_places
 from rl_plugin.rollout.sample import Sample
 
 # the running rollout's prompt tokenizer (``generate.EngineRouter.bind`` sets it beside the router)
@@ -42,15 +43,14 @@ RUN_PROMPTS: contextvars.ContextVar = contextvars.ContextVar("rl_plugin_run_prom
 def image_token_mask(
     tokens: Sequence[int], response_length: int, loss_mask: Optional[Sequence[int]], image_token_id: int
 ) -> List[int]:
-    """1 at each image token of ``tokens`` (module docstring), 0 elsewhere."""
+    """1 at each image token of ``tokens`` (module docstring; ``models.vl_positions.image_places``,
+    the trainers' rule), 0 elsewhere."""
     ids = torch.as_tensor(list(tokens), dtype=torch.long)
-    image = ids == int(image_token_id)
-    if response_length and loss_mask is not None:
-        trained = torch.as_tensor(list(loss_mask), dtype=torch.long) != 0
-        image[len(ids) - response_length :] &= ~trained
-    elif response_length:  # no loss mask: every response token is the model's
-        image[len(ids) - response_length :] = False
-    return image.long().tolist()
+    trained = torch.zeros(len(ids), dtype=torch.bool)
+    if response_length:  # no loss mask: every response token is the model's
+        mask = loss_mask if loss_mask is not None else [1] * response_length
+        trained[len(ids) - response_length :] = torch.as_tensor(list(mask), dtype=torch.long) != 0
+    return image_places(ids, image_token_id, trained).long().tolist()
 
 
 def _prompts():
